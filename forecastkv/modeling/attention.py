@@ -1,0 +1,202 @@
+"""`SparseAttention`: dense, InfLLM-v2 and NOSA attention with query or forecast selectors.
+
+Prefill (and any multi-token call) runs in query chunks against the layer's stored keys with a
+[chunk, S] key mask built from each row's block selection, so memory is O(chunk x S).  A one-token
+decode step reads only its selected blocks through `cache_layer.blocks()`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import selection as sel
+from .rope import apply_rope
+
+
+def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Masked softmax attention with an optional additive per-key bias (NOSA's CIS, after 1/sqrt(d)).
+
+    query [B, H, R, d] (R rows: a query chunk, or a GQA group at decode), keys/values [B, H, L, d],
+    allowed bool [B, H, R, L], bias [B, H, L] or None -> [B, H, R, d].  Rows with no allowed key
+    (padding) return garbage-free zeros.
+    """
+    empty = ~allowed.any(dim=-1, keepdim=True)
+    allowed = allowed | empty
+    if bias is None:
+        mask = allowed
+    else:
+        mask = torch.where(allowed, bias.unsqueeze(2).to(query.dtype), float("-inf"))
+    out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask)
+    return out.masked_fill(empty, 0.0)
+
+
+def block_key_mask(ids: torch.Tensor, key_count: int, block_size: int) -> torch.Tensor:
+    """Selection ids [B, H, R, K] -> bool [B, H, R, key_count] over key positions."""
+    n_blocks = sel.num_blocks(key_count, block_size)
+    blocks = sel.selection_mask(ids, n_blocks)
+    return blocks.repeat_interleave(block_size, dim=-1)[..., :key_count]
+
+
+class SparseAttention(nn.Module):
+    """Llama attention plus block selection, Forecast heads and NOSA's CIS bias.
+
+    Parameters beyond Llama's: `forecast_proj` (hidden -> H*n*d, n = heads_per_group) when the model
+    carries Forecast heads, `current_proj` on layer 0, and `A` [H] / `delta` (H*d -> H) for NOSA.
+    """
+
+    def __init__(self, config, layer_idx: int) -> None:
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.group = self.num_heads // self.num_kv_heads
+        hidden, d, bias = config.hidden_size, config.head_dim, config.attention_bias
+        self.q_proj = nn.Linear(hidden, self.num_heads * d, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * d, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * d, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * d, hidden, bias=bias)
+        forecast = config.forecast_config
+        if forecast.enabled:
+            width = self.num_kv_heads * forecast.heads_per_group * d
+            self.forecast_proj = nn.Linear(hidden, width, bias=False)
+            if layer_idx == 0:
+                self.current_proj = nn.Linear(hidden, width, bias=False)
+        sparse = config.sparse
+        if sparse is not None and sparse.policy == "nosa":
+            self.A = nn.Parameter(torch.zeros(self.num_kv_heads))
+            self.delta = nn.Linear(self.num_kv_heads * d, self.num_kv_heads, bias=bias)
+
+    @property
+    def sparse(self):
+        return self.config.sparse
+
+    # ------------------------------------------------------------------------------------------
+    def project_forecast(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, which: str = "forecast_proj") -> torch.Tensor:
+        """Forecast vectors [B, T, H*n, d], RoPE at the current positions."""
+        out = getattr(self, which)(hidden)
+        return apply_rope(out.view(*hidden.shape[:2], -1, self.head_dim), cos, sin)
+
+    def compute_cis(self, values: torch.Tensor) -> torch.Tensor:
+        """NOSA's static per-token bias A * softplus(delta(v)).  values [B, T, H, d] -> [B, T, H]."""
+        return self.A * F.softplus(self.delta(values.flatten(-2)))
+
+    def select(self, vectors: torch.Tensor, positions: torch.Tensor, cache_layer, kind: str) -> torch.Tensor:
+        """This layer's selection [B, H, R, budget] from `vectors` against `cache_layer`'s keys.
+
+        kind "query": real queries, fresh keys (lag 0).  kind "forecast": forecast vectors scored as
+        the prefetching runtime does, before this layer appended the row's own token (lag 1).
+        """
+        sparse = self.sparse
+        lag = 1 if kind == "forecast" else 0
+        n_blocks = sel.num_blocks(int(positions.max()) + 1, sparse.block_size)
+        scores = sel.score_blocks(
+            vectors, cache_layer.compressed_keys(), positions, sparse, n_blocks, kind=kind, lag=lag,
+            lse_keys=cache_layer.coarse_compressed_keys() if kind == "query" else None,
+        )
+        agnostic = None
+        if sparse.policy == "nosa":
+            agnostic = sel.agnostic_block_scores(cache_layer.full()[2], positions, sparse, n_blocks, lag=lag)
+        return sel.select_blocks(scores, positions, sparse, agnostic)
+
+    # ------------------------------------------------------------------------------------------
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache_layer,
+        forecast_in: torch.Tensor | None = None,
+        selection: torch.Tensor | None = None,
+        selections_out: dict | None = None,
+    ) -> torch.Tensor:
+        """hidden [B, T, hidden] (post-norm), positions [B, T] (-1 = padding), cos/sin [B, T, d].
+
+        forecast_in: the previous layer's forecast vectors [B, T, H*n, d] (forecast selector).
+        selection: a decode selection [B, H, 1, K] already planned by the previous layer.
+        selections_out: if a dict, receives {"query": ids, "forecast": ids} for recall measurements.
+        Returns the attention output [B, T, hidden].
+        """
+        batch, length, _ = hidden.shape
+        d = self.head_dim
+        q = apply_rope(self.q_proj(hidden).view(batch, length, self.num_heads, d), cos, sin)
+        k = apply_rope(self.k_proj(hidden).view(batch, length, self.num_kv_heads, d), cos, sin)
+        v = self.v_proj(hidden).view(batch, length, self.num_kv_heads, d)
+        cis = self.compute_cis(v) if hasattr(self, "A") else None
+        cache_layer.append(k, v, cis, positions)
+
+        sparse = self.sparse
+        if sparse is not None and sparse.selector == "forecast" and forecast_in is None and selection is None:
+            if self.layer_idx != 0:
+                raise ValueError(f"layer {self.layer_idx} got no forecast vectors from layer {self.layer_idx - 1}")
+            forecast_in = self.project_forecast(hidden, cos, sin, "current_proj")
+
+        if length == 1 and sparse is not None and not self._any_dense(positions):
+            if selection is None:
+                vectors, kind = (q, "query") if sparse.selector == "query" else (forecast_in, "forecast")
+                selection = self.select(vectors, positions, cache_layer, kind)
+                cache_layer.plan(selection[:, :, 0])
+            self._record(selections_out, q, forecast_in, positions, cache_layer, selection)
+            out = self._decode_blocks(q, positions, cache_layer, selection[:, :, 0])
+        else:
+            out = self._attend_chunks(q, forecast_in, positions, cache_layer, selections_out)
+        return self.o_proj(out.reshape(batch, length, self.num_heads * d))
+
+    def _any_dense(self, positions: torch.Tensor) -> bool:
+        valid = positions[positions >= 0]
+        return valid.numel() > 0 and self.sparse.is_dense_at(int(valid.min()) + 1)
+
+    def _record(self, out: dict | None, q, forecast_in, positions, cache_layer, selection) -> None:
+        if out is None or self.sparse is None:
+            return
+        out["query"] = selection if self.sparse.selector == "query" else self.select(q, positions, cache_layer, "query")
+        if forecast_in is not None:
+            out["forecast"] = selection if self.sparse.selector == "forecast" else self.select(forecast_in, positions, cache_layer, "forecast")
+
+    def _decode_blocks(self, q: torch.Tensor, positions: torch.Tensor, cache_layer, selection: torch.Tensor) -> torch.Tensor:
+        """One token per sequence over its selected blocks.  q [B, 1, Hq, d], selection [B, H, K] -> [B, 1, Hq, d]."""
+        batch = q.shape[0]
+        keys, values, key_pos, bias = cache_layer.blocks(selection, self.sparse.block_size)
+        query = q.view(batch, self.num_kv_heads, self.group, self.head_dim)
+        allowed = ((key_pos >= 0) & (key_pos <= positions.view(-1, 1, 1))).unsqueeze(2).expand(-1, -1, self.group, -1)
+        out = attend(query, keys, values, allowed, bias)
+        return out.reshape(batch, 1, self.num_heads, self.head_dim)
+
+    def _attend_chunks(self, q, forecast_in, positions, cache_layer, selections_out) -> torch.Tensor:
+        """All rows, in query chunks, against the full stored keys with per-row block masks."""
+        keys, values, cis, count = cache_layer.full()
+        keys = keys.transpose(1, 2).repeat_interleave(self.group, dim=1)      # [B, Hq, S, d]
+        values = values.transpose(1, 2).repeat_interleave(self.group, dim=1)
+        bias = None if cis is None else cis.transpose(1, 2).repeat_interleave(self.group, dim=1)
+        key_pos = torch.arange(count, device=q.device)
+        sparse = self.sparse
+        outputs, records = [], {}
+        for start in range(0, q.shape[1], self.config.prefill_chunk_size):
+            rows = slice(start, start + self.config.prefill_chunk_size)
+            pos = positions[:, rows]
+            query = q[:, rows].transpose(1, 2)                                 # [B, Hq, R, d]
+            allowed = (key_pos.view(1, 1, -1) <= pos.unsqueeze(-1)).unsqueeze(1)  # [B, 1, R, S]
+            if sparse is not None:
+                f_rows = None if forecast_in is None else forecast_in[:, rows]
+                chunk_records: dict = {}
+                if sparse.selector == "query":
+                    ids = self.select(q[:, rows], pos, cache_layer, "query")
+                else:
+                    ids = self.select(f_rows, pos, cache_layer, "forecast")
+                if selections_out is not None:
+                    self._record(chunk_records, q[:, rows], f_rows, pos, cache_layer, ids)
+                    for key, value in chunk_records.items():
+                        records.setdefault(key, []).append(value)
+                sparse_rows = block_key_mask(ids, count, sparse.block_size).repeat_interleave(self.group, dim=1)
+                dense_rows = (pos + 1 < sparse.dense_len).view(pos.shape[0], 1, -1, 1) if sparse.dense_len > 0 else False
+                allowed = allowed & (sparse_rows | dense_rows)
+            outputs.append(attend(query, keys, values, allowed, bias))
+        if selections_out is not None:
+            selections_out.update({key: torch.cat(parts, dim=2) for key, parts in records.items()})
+        return torch.cat(outputs, dim=2).transpose(1, 2)

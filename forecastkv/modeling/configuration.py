@@ -1,0 +1,286 @@
+"""`ForecastKVConfig` and its three parts: `sparse_config`, `forecast` and `mup`.
+
+The parts are stored on the config as plain dicts (so `config.json` stays plain JSON) and read
+through the validated dataclasses `SparseConfig`, `ForecastConfig` and `MupConfig`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from transformers import PreTrainedConfig
+
+PRESET_DIR = Path(__file__).resolve().parents[2] / "configs" / "models"
+
+
+def _check_keys(kind: str, given: dict, allowed: set[str]) -> None:
+    unknown = sorted(set(given) - allowed)
+    if unknown:
+        raise ValueError(f"unknown {kind} key(s) {unknown}; allowed keys are {sorted(allowed)}")
+
+
+@dataclass(frozen=True)
+class SparseConfig:
+    """Block-sparse attention geometry and policy (MiniCPM4.1 `sparse_config` semantics).
+
+    `topk` counts the blocks selected *besides* the local window, so one query attends to at most
+    `topk + window_size // block_size` blocks; init and local (`local_blocks + 1`) blocks are forced.
+    """
+
+    kernel_size: int = 32
+    kernel_stride: int = 16
+    block_size: int = 64
+    init_blocks: int = 1
+    window_size: int = 2048
+    topk: int = 64
+    dense_len: int = 8192
+    use_nope: bool = False
+    lse: str = "exact"            # "exact" | "coarse" (MiniCPM4.1's k2 estimate)
+    policy: str = "infllmv2"      # "infllmv2" | "nosa"
+    query_blocks: int = 16        # NOSA: query-aware blocks besides init + local
+    selector: str = "query"       # "query" | "forecast"
+
+    def __post_init__(self) -> None:
+        for name in ("kernel_size", "kernel_stride", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"sparse_config.{name} must be a positive integer, got {value!r}")
+        for name in ("init_blocks", "window_size", "topk", "query_blocks"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"sparse_config.{name} must be a non-negative integer, got {value!r}")
+        if self.kernel_size < self.kernel_stride:
+            raise ValueError(
+                f"sparse_config.kernel_size={self.kernel_size} must be >= kernel_stride={self.kernel_stride}"
+            )
+        if self.block_size % self.kernel_stride:
+            raise ValueError(
+                f"sparse_config.block_size={self.block_size} must be a multiple of "
+                f"kernel_stride={self.kernel_stride}"
+            )
+        if self.window_size % self.block_size:
+            raise ValueError(
+                f"sparse_config.window_size={self.window_size} must be a multiple of "
+                f"block_size={self.block_size}"
+            )
+        if not isinstance(self.dense_len, int) or self.dense_len < -1:
+            raise ValueError(f"sparse_config.dense_len must be an integer >= -1, got {self.dense_len!r}")
+        choices = {"lse": ("exact", "coarse"), "policy": ("infllmv2", "nosa"), "selector": ("query", "forecast")}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"sparse_config.{name}={getattr(self, name)!r} is not one of {allowed}")
+        if self.use_nope:
+            raise ValueError("sparse_config.use_nope=True is not supported: selection uses post-RoPE keys")
+
+    @property
+    def local_blocks(self) -> int:
+        return self.window_size // self.block_size
+
+    @property
+    def budget_blocks(self) -> int:
+        """Most blocks one query attends to (`topk` + the local window)."""
+        return self.topk + self.local_blocks
+
+    @property
+    def forced_blocks(self) -> int:
+        """Blocks forced in for a query deep in the sequence: init + (local_blocks + 1)."""
+        return self.init_blocks + self.local_blocks + 1
+
+    @property
+    def coarse_kernel(self) -> tuple[int, int]:
+        """MiniCPM4.1's second compression level (4x kernel, 4x stride), used only for the LSE."""
+        return 4 * self.kernel_size, 4 * self.kernel_stride
+
+    def is_dense_at(self, kv_len: int) -> bool:
+        return self.dense_len > 0 and kv_len < self.dense_len
+
+    @classmethod
+    def from_dict(cls, values: dict | None) -> "SparseConfig | None":
+        if values is None:
+            return None
+        if isinstance(values, SparseConfig):
+            return values
+        _check_keys("sparse_config", values, {f.name for f in fields(cls)})
+        return cls(**values)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class ForecastConfig:
+    """Forecast heads: `heads_per_group` vectors per KV head on every layer, `current_proj` on layer 0."""
+
+    enabled: bool = False
+    heads_per_group: int = 1
+    init: str = "kaiming"          # "kaiming" | "next_query"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.heads_per_group, int) or self.heads_per_group < 1:
+            raise ValueError(f"forecast.heads_per_group must be a positive integer, got {self.heads_per_group!r}")
+        if self.init not in ("kaiming", "next_query"):
+            raise ValueError(f"forecast.init={self.init!r} is not one of ('kaiming', 'next_query')")
+
+    @classmethod
+    def from_dict(cls, values: dict | None) -> "ForecastConfig":
+        if values is None:
+            return cls()
+        if isinstance(values, ForecastConfig):
+            return values
+        _check_keys("forecast", values, {f.name for f in fields(cls)})
+        return cls(**values)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class MupConfig:
+    """MiniCPM's muP scalars: embeddings x scale_emb, residual branches x scale_depth/sqrt(L),
+    logits / (hidden_size / dim_model_base)."""
+
+    scale_emb: float = 1.0
+    scale_depth: float = 1.0
+    dim_model_base: int = 1
+
+    @classmethod
+    def from_dict(cls, values: dict | None) -> "MupConfig | None":
+        if values is None:
+            return None
+        if isinstance(values, MupConfig):
+            return values
+        _check_keys("mup", values, {f.name for f in fields(cls)})
+        return cls(**values)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def list_presets() -> list[str]:
+    return sorted(p.stem for p in PRESET_DIR.glob("*.json"))
+
+
+def load_preset(name: str) -> dict:
+    """The JSON preset `configs/models/<name>.json` as a dict (keys: `sparse_config`, optional
+    `forecast`, and optional architecture fields)."""
+    path = PRESET_DIR / f"{name}.json"
+    if not path.is_file():
+        raise ValueError(f"unknown sparse_config preset {name!r}; known presets: {list_presets()}")
+    with open(path) as f:
+        return json.load(f)
+
+
+def resolve_sparse_config(value: str | dict | SparseConfig | None) -> dict | None:
+    """A preset name, a dict of `sparse_config` keys, a `SparseConfig` or None -> validated dict."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = load_preset(value)["sparse_config"]
+    if isinstance(value, SparseConfig):
+        return value.to_dict()
+    return SparseConfig.from_dict(dict(value)).to_dict()
+
+
+class ForecastKVConfig(PreTrainedConfig):
+    """A Llama-family decoder with block-sparse attention and optional Forecast heads."""
+
+    model_type = "forecastkv"
+    keys_to_ignore_at_inference = ["past_key_values", "cache"]
+
+    def __init__(
+        self,
+        vocab_size: int = 32000,
+        hidden_size: int = 4096,
+        intermediate_size: int = 11008,
+        num_hidden_layers: int = 32,
+        num_attention_heads: int = 32,
+        num_key_value_heads: int | None = None,
+        head_dim: int | None = None,
+        hidden_act: str = "silu",
+        max_position_embeddings: int = 2048,
+        initializer_range: float = 0.02,
+        rms_norm_eps: float = 1e-6,
+        use_cache: bool = True,
+        pad_token_id: int | None = None,
+        bos_token_id: int | None = 1,
+        eos_token_id: int | list[int] | None = 2,
+        tie_word_embeddings: bool = False,
+        rope_parameters: dict | None = None,
+        attention_bias: bool = False,
+        mlp_bias: bool = False,
+        mup: dict | None = None,
+        sparse_config: str | dict | None = None,
+        forecast: dict | None = None,
+        prefill_chunk_size: int = 256,
+        **kwargs: Any,
+    ) -> None:
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.num_hidden_layers = num_hidden_layers
+        self.num_attention_heads = num_attention_heads
+        self.num_key_value_heads = num_key_value_heads or num_attention_heads
+        self.head_dim = head_dim or hidden_size // num_attention_heads
+        self.hidden_act = hidden_act
+        self.max_position_embeddings = max_position_embeddings
+        self.initializer_range = initializer_range
+        self.rms_norm_eps = rms_norm_eps
+        self.use_cache = use_cache
+        self.attention_bias = attention_bias
+        self.mlp_bias = mlp_bias
+        legacy_theta = kwargs.pop("rope_theta", None)
+        legacy_scaling = kwargs.pop("rope_scaling", None)
+        if rope_parameters is None:
+            rope_parameters = dict(legacy_scaling or {})
+            rope_parameters.setdefault("rope_type", rope_parameters.pop("type", "default"))
+            rope_parameters.setdefault("rope_theta", legacy_theta if legacy_theta is not None else 10000.0)
+        self.rope_parameters = rope_parameters
+        self.mup = MupConfig.from_dict(mup).to_dict() if mup is not None else None
+        self.sparse_config = resolve_sparse_config(sparse_config)
+        self.forecast = ForecastConfig.from_dict(forecast).to_dict()
+        if not isinstance(prefill_chunk_size, int) or prefill_chunk_size < 1:
+            raise ValueError(f"prefill_chunk_size must be a positive integer, got {prefill_chunk_size!r}")
+        self.prefill_chunk_size = prefill_chunk_size
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} must be a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
+        super().__init__(
+            pad_token_id=pad_token_id,
+            bos_token_id=bos_token_id,
+            eos_token_id=eos_token_id,
+            tie_word_embeddings=tie_word_embeddings,
+            **kwargs,
+        )
+        self._check_forecast_fits()
+
+    def _check_forecast_fits(self) -> None:
+        group = self.num_attention_heads // self.num_key_value_heads
+        per_group = self.forecast_config.heads_per_group
+        if per_group > group:
+            raise ValueError(f"forecast.heads_per_group={per_group} exceeds the GQA group size {group}")
+        sparse = self.sparse
+        if sparse is not None and sparse.selector == "forecast" and not self.forecast_config.enabled:
+            raise ValueError(
+                "sparse_config.selector='forecast' needs forecast heads: pass forecast={'enabled': True, ...}"
+            )
+
+    @property
+    def sparse(self) -> SparseConfig | None:
+        return SparseConfig.from_dict(self.sparse_config)
+
+    @property
+    def forecast_config(self) -> ForecastConfig:
+        return ForecastConfig.from_dict(self.forecast)
+
+    @property
+    def mup_config(self) -> MupConfig | None:
+        return MupConfig.from_dict(self.mup)
+
+    @property
+    def num_key_value_groups(self) -> int:
+        return self.num_attention_heads // self.num_key_value_heads

@@ -1,0 +1,265 @@
+"""The model classes: a Llama-family decoder whose attention is `SparseAttention`.
+
+`ForecastKVForCausalLM` works with `generate()` on transformers 5.17 (`past_key_values=`) and
+5.24 (`cache=`); both keyword names are accepted by `forward`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.activations import ACT2FN
+from transformers.utils import ModelOutput
+
+from .attention import SparseAttention
+from .cache import SparseCache
+from .configuration import ForecastKVConfig
+from .rope import RotaryEmbedding
+
+# The cache keyword of this transformers version's generate loop: "cache" (5.24) or "past_key_values" (5.17).
+CACHE_KWARG = "cache" if "cache" in inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters else "past_key_values"
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class MLP(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = nn.Linear(h, i, bias=bias)
+        self.up_proj = nn.Linear(h, i, bias=bias)
+        self.down_proj = nn.Linear(i, h, bias=bias)
+        self.act = ACT2FN[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = SparseAttention(config, layer_idx)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+@dataclass
+class ForecastKVOutput(ModelOutput):
+    """Causal-LM output.  The cache is set under this transformers version's name (`CACHE_KWARG`);
+    `selections` (when asked for) is a per-layer list of {"query": ids, "forecast": ids}."""
+
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    cache: SparseCache | None = None
+    past_key_values: SparseCache | None = None
+    hidden_states: torch.Tensor | None = None
+    selections: list | None = None
+
+
+class ForecastKVPreTrainedModel(PreTrainedModel):
+    config_class = ForecastKVConfig
+    base_model_prefix = "model"
+    _no_split_modules = ["DecoderLayer"]
+    _supports_sdpa = True
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        std = self.config.initializer_range
+        if isinstance(module, SparseAttention):
+            for name in ("forecast_proj", "current_proj"):
+                if hasattr(module, name):
+                    # SparDA's indexer init: U(-1/sqrt(fan_in), 1/sqrt(fan_in))
+                    bound = 1.0 / math.sqrt(getattr(module, name).in_features)
+                    getattr(module, name).weight.uniform_(-bound, bound)
+            if hasattr(module, "A"):
+                module.A.zero_()
+        elif isinstance(module, nn.Linear):
+            if getattr(module, "_is_forecast_head", False):
+                return
+            module.weight.normal_(0.0, std)
+            if module.bias is not None:
+                module.bias.zero_()
+        elif isinstance(module, nn.Embedding):
+            module.weight.normal_(0.0, std)
+        elif isinstance(module, RMSNorm):
+            module.weight.fill_(1.0)
+
+
+class ForecastKVModel(ForecastKVPreTrainedModel):
+    def __init__(self, config: ForecastKVConfig) -> None:
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config)
+        for layer in self.layers:
+            for name in ("forecast_proj", "current_proj"):
+                if hasattr(layer.self_attn, name):
+                    getattr(layer.self_attn, name)._is_forecast_head = True
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.embed_tokens = value
+
+    def positions_for(self, batch: int, length: int, cache: SparseCache, attention_mask, position_ids, device) -> torch.Tensor:
+        """Positions [B, T] of the new tokens, -1 for padding.  Derived from the cache's stored
+        lengths and the 2-D attention mask, so left padding never shifts a sequence."""
+        stored = cache.sequence_lengths()
+        if stored is None:
+            stored = torch.zeros(batch, dtype=torch.long, device=device)
+        if attention_mask is not None:
+            if attention_mask.dim() != 2:
+                raise ValueError(f"attention_mask must be 2-D [batch, columns], got shape {tuple(attention_mask.shape)}")
+            new = attention_mask[:, -length:].to(device).bool()
+            positions = stored.view(-1, 1) + new.long().cumsum(dim=1) - 1
+            positions = positions.masked_fill(~new, -1)
+        elif position_ids is not None:
+            positions = position_ids.to(device).long().expand(batch, -1)
+        else:
+            positions = stored.view(-1, 1) + torch.arange(length, device=device)
+        limit = self.config.max_position_embeddings
+        if int(positions.max()) >= limit:
+            raise ValueError(
+                f"sequence length {int(positions.max()) + 1} exceeds max_position_embeddings={limit}"
+            )
+        return positions
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: SparseCache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        collect_selections: bool = False,
+    ) -> tuple[torch.Tensor, SparseCache, list | None]:
+        """Returns (last hidden states [B, T, hidden], the cache, per-layer selections or None)."""
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        batch, length = hidden.shape[:2]
+        if cache is None:
+            cache = SparseCache(self.config)
+        elif not isinstance(cache, SparseCache):
+            raise TypeError(f"forecastkv models need a SparseCache (or a subclass), got {type(cache).__name__}")
+        positions = self.positions_for(batch, length, cache, attention_mask, position_ids, hidden.device)
+        cos, sin = self.rotary_emb(positions, hidden.dtype)
+
+        mup = self.config.mup_config
+        residual_scale = 1.0
+        if mup is not None:
+            hidden = hidden * mup.scale_emb
+            residual_scale = mup.scale_depth / math.sqrt(self.config.num_hidden_layers)
+
+        sparse = self.config.sparse
+        forecast_selector = sparse is not None and sparse.selector == "forecast"
+        want_forecast = self.config.forecast_config.enabled and (forecast_selector or collect_selections)
+        decode = length == 1
+        selections = [] if collect_selections else None
+        forecast, planned = None, None
+        last = len(self.layers) - 1
+        for idx, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            normed = layer.input_layernorm(hidden)
+            if want_forecast and idx == 0:
+                forecast = attn.project_forecast(normed, cos, sin, "current_proj")
+            next_forecast = attn.project_forecast(normed, cos, sin) if want_forecast and idx < last else None
+            record = {} if collect_selections else None
+            out = attn(normed, positions, cos, sin, cache.layers[idx], forecast_in=forecast, selection=planned, selections_out=record)
+            planned = None
+            if forecast_selector and decode and next_forecast is not None:
+                # plan layer idx+1 from this layer's forecast (the runtime prefetches it meanwhile)
+                nxt = self.layers[idx + 1].self_attn
+                if not nxt._any_dense(positions):
+                    planned = nxt.select(next_forecast, positions, cache.layers[idx + 1], "forecast")
+                    cache.layers[idx + 1].plan(planned[:, :, 0])
+            if selections is not None:
+                selections.append(record)
+            hidden = hidden + out * residual_scale
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden)) * residual_scale
+            forecast = next_forecast
+        return self.norm(hidden), cache, selections
+
+
+def _pick_cache(cache, past_key_values):
+    if cache is not None and past_key_values is not None and cache is not past_key_values:
+        raise ValueError("pass the cache as either cache= or past_key_values=, not both")
+    return cache if cache is not None else past_key_values
+
+
+class ForecastKVForCausalLM(ForecastKVPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: ForecastKVConfig) -> None:
+        super().__init__(config)
+        self.model = ForecastKVModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: SparseCache | None = None,
+        past_key_values: SparseCache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int = 0,
+        collect_selections: bool = False,
+        **kwargs,
+    ) -> ForecastKVOutput:
+        """input_ids [B, T]; attention_mask [B, past + T] (1 = token, 0 = left padding)."""
+        cache = _pick_cache(cache, past_key_values)
+        hidden, cache, selections = self.model(input_ids, attention_mask, position_ids, cache, inputs_embeds, collect_selections)
+        if logits_to_keep:
+            hidden = hidden[:, -logits_to_keep:]
+        mup = self.config.mup_config
+        if mup is not None:
+            hidden = hidden / (self.config.hidden_size / mup.dim_model_base)
+        logits = self.lm_head(hidden)
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        kept = {CACHE_KWARG: cache if use_cache else None}
+        return ForecastKVOutput(loss=loss, logits=logits, selections=selections, **kept)
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+        """generate() gets a SparseCache unless the caller passed a cache of their own."""
+        user_cache = model_kwargs.get("cache") or model_kwargs.get("past_key_values")
+        if user_cache is not None:
+            user_cache._is_user_defined = True
+            return None
+        if generation_config.use_cache is False:
+            return None
+        model_kwargs[CACHE_KWARG] = SparseCache(self.config)
+        return None

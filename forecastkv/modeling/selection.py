@@ -1,0 +1,297 @@
+"""Block selection semantics: the single source of truth (kernels and training test against this).
+
+Notation (all tensors batch-first):
+  B batch, T / S key positions, Tq query rows, Hq query heads, H KV heads (H_kv), G = Hq / H group,
+  d head dim, C compressed keys, NB key blocks, K selection width.
+  p = kernel_size, s = kernel_stride, bs = block_size.
+
+Conventions (InfLLM-v2 / MiniCPM4.1 as documented in research/nosa-infllmv2.md §1.3, §7):
+  * compressed key c is the mean of post-RoPE keys [c*s, c*s + p); only complete windows exist;
+  * a query at position t sees compressed key c when its window ended: c*s + p - 1 + lag <= t
+    (`lag = 1` for the forecast selector, which scores the next layer's keys *before* that layer
+    appends token t — exactly what the prefetching runtime sees);
+  * block j pools (max) the compressed keys overlapping [j*bs, (j+1)*bs); for p = 2s and bs = 4s
+    that is MiniCPM's max-pool (kernel 5, stride 4, padding 1);
+  * init blocks (j < init_blocks) and the local window qb - local_blocks <= j <= qb (qb = t // bs,
+    `local_blocks + 1` blocks) are forced to +inf;
+  * top-k over blocks (ties: the lower block id wins), then ids in the future (j > qb) or with a
+    -inf score become -1. Output rows are canonical: valid ids ascending, then -1 padding.
+Scores of invisible compressed keys are -inf (MiniCPM's kernel writes 0, which ranks the same
+because every visible probability is positive). Positions < 0 mark padding rows: nothing visible.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+NEG_INF = float("-inf")
+POS_INF = float("inf")
+
+
+# ----------------------------------------------------------------------------------------------
+# key compression
+# ----------------------------------------------------------------------------------------------
+
+
+def num_compressed(length: int, kernel_size: int, kernel_stride: int) -> int:
+    """Number of complete compression windows over `length` keys."""
+    return 0 if length < kernel_size else (length - kernel_size) // kernel_stride + 1
+
+
+def compress_keys(keys: torch.Tensor, kernel_size: int, kernel_stride: int) -> torch.Tensor:
+    """Mean of complete windows.  keys [B, T, H, ...] -> [B, C, H, ...], C = num_compressed(T)."""
+    count = num_compressed(keys.shape[1], kernel_size, kernel_stride)
+    if count == 0:
+        return keys.new_zeros((keys.shape[0], 0, *keys.shape[2:]))
+    windows = keys.unfold(1, kernel_size, kernel_stride)  # [B, C, H, ..., p]
+    return windows.float().mean(dim=-1).to(keys.dtype)
+
+
+def compress_keys_incremental(
+    tail: torch.Tensor, new_keys: torch.Tensor, kernel_size: int, kernel_stride: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode-time compression with a tail buffer of not-yet-compressed keys.
+
+    tail [B, n_tail, H, d] holds the keys from the first incomplete window on; new_keys [B, n, H, d].
+    Returns (the newly completed compressed keys [B, c_new, H, d], the new tail).
+    """
+    keys = torch.cat([tail, new_keys], dim=1)
+    compressed = compress_keys(keys, kernel_size, kernel_stride)
+    return compressed, keys[:, compressed.shape[1] * kernel_stride :]
+
+
+def compressed_visibility(
+    positions: torch.Tensor, num_keys: int, kernel_size: int, kernel_stride: int, lag: int = 0
+) -> torch.Tensor:
+    """positions [B, Tq] (int, -1 = padding) -> bool [B, Tq, C]: compressed key c is visible."""
+    ends = torch.arange(num_keys, device=positions.device) * kernel_stride + kernel_size - 1 + lag
+    return ends.view(1, 1, -1) <= positions.unsqueeze(-1)
+
+
+# ----------------------------------------------------------------------------------------------
+# stage-1 scores
+# ----------------------------------------------------------------------------------------------
+
+
+def _head_logits(vectors: torch.Tensor, ckeys: torch.Tensor, scale: float) -> torch.Tensor:
+    """vectors [B, Tq, H*n, d], ckeys [B, C, H, d] -> fp32 logits [B, H, n, Tq, C]."""
+    batch, rows, heads_total, dim = vectors.shape
+    heads = ckeys.shape[2]
+    v = vectors.float().view(batch, rows, heads, heads_total // heads, dim)
+    return torch.einsum("bthnd,bchd->bhntc", v, ckeys.float()) * scale
+
+
+def group_softmax_scores(
+    vectors: torch.Tensor,
+    ckeys: torch.Tensor,
+    visible: torch.Tensor,
+    lse_keys: torch.Tensor | None = None,
+    lse_visible: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """InfLLM-v2 stage 1: per-head softmax of v.Kc/sqrt(d) over visible keys, summed per GQA group.
+
+    vectors [B, Tq, H*n, d] (n heads per group, consecutive), ckeys [B, C, H, d], visible [B, Tq, C].
+    With `lse_keys` [B, C2, H, d] (+ `lse_visible` [B, Tq, C2]) each head is normalised with the
+    log-sum-exp over those coarse keys (MiniCPM4.1's estimate); rows that see no coarse key fall
+    back to the exact LSE.  Returns fp32 [B, H, Tq, C]; invisible entries are -inf.
+    """
+    scale = 1.0 / math.sqrt(vectors.shape[-1])
+    mask = visible[:, None, None]  # [B, 1, 1, Tq, C]
+    logits = _head_logits(vectors, ckeys, scale).masked_fill(~mask, NEG_INF)
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+    if lse_keys is not None:
+        coarse = _head_logits(vectors, lse_keys, scale).masked_fill(~lse_visible[:, None, None], NEG_INF)
+        coarse_lse = torch.logsumexp(coarse, dim=-1, keepdim=True)
+        lse = torch.where(torch.isfinite(coarse_lse), coarse_lse, lse)
+    probs = torch.exp(logits - lse.nan_to_num(neginf=0.0))  # exp(-inf) = 0 where invisible
+    return probs.sum(dim=2).masked_fill(~visible[:, None], NEG_INF)
+
+
+def dot_scores(vectors: torch.Tensor, ckeys: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """SparDA forecast scoring with one vector per KV head: the raw dot product (no scale, no softmax).
+
+    vectors [B, Tq, H, d], ckeys [B, C, H, d], visible [B, Tq, C] -> fp32 [B, H, Tq, C], -inf invisible.
+    """
+    logits = _head_logits(vectors, ckeys, 1.0)[:, :, 0]
+    return logits.masked_fill(~visible[:, None], NEG_INF)
+
+
+# ----------------------------------------------------------------------------------------------
+# pooling, forcing, top-k
+# ----------------------------------------------------------------------------------------------
+
+
+def num_blocks(length: int, block_size: int) -> int:
+    return -(-length // block_size)
+
+
+def block_pool_geometry(kernel_size: int, kernel_stride: int, block_size: int) -> tuple[int, int, int]:
+    """(window, stride, left padding) of the max-pool from compressed keys to blocks.
+
+    Block j pools compressed keys c with c*s < (j+1)*bs and c*s + p > j*bs.
+    """
+    ratio = block_size // kernel_stride
+    first = (-kernel_size) // kernel_stride + 1  # lowest c overlapping block 0 (may be < 0)
+    return ratio - first, ratio, -first
+
+
+def pool_to_blocks(scores: torch.Tensor, n_blocks: int, kernel_size: int, kernel_stride: int, block_size: int) -> torch.Tensor:
+    """Max over the compressed keys overlapping each block.  [..., C] -> [..., n_blocks] (-inf if none)."""
+    window, stride, pad_left = block_pool_geometry(kernel_size, kernel_stride, block_size)
+    needed = (n_blocks - 1) * stride + window
+    pad_right = max(0, needed - pad_left - scores.shape[-1])
+    padded = F.pad(scores, (pad_left, pad_right), value=NEG_INF)[..., :needed]
+    return padded.unfold(-1, window, stride).amax(dim=-1)
+
+
+def forced_blocks(positions: torch.Tensor, n_blocks: int, block_size: int, init_blocks: int, local_blocks: int) -> torch.Tensor:
+    """bool [B, Tq, NB]: init blocks and the local window qb-local..qb (padding rows: none)."""
+    blocks = torch.arange(n_blocks, device=positions.device).view(1, 1, -1)
+    current = torch.div(positions, block_size, rounding_mode="floor").unsqueeze(-1)
+    valid = positions.unsqueeze(-1) >= 0
+    forced = (blocks < init_blocks) | ((blocks >= current - local_blocks) & (blocks <= current))
+    return forced & valid
+
+
+def force_blocks(block_scores: torch.Tensor, positions: torch.Tensor, block_size: int, init_blocks: int, local_blocks: int) -> torch.Tensor:
+    """Set init and local blocks of [B, H, Tq, NB] scores to +inf."""
+    forced = forced_blocks(positions, block_scores.shape[-1], block_size, init_blocks, local_blocks)
+    return block_scores.masked_fill(forced[:, None], POS_INF)
+
+
+def topk_blocks(block_scores: torch.Tensor, positions: torch.Tensor, k: int, block_size: int) -> torch.Tensor:
+    """Top-k block ids, [B, H, Tq, NB] -> int64 [B, H, Tq, k], canonical (ascending, -1 padded).
+
+    Ties go to the lower block id; ids in the future of the row (j > t // bs) or with a -inf score
+    become -1 after the top-k, as InfLLM-v2 does.
+    """
+    n_blocks = block_scores.shape[-1]
+    take = min(k, n_blocks)
+    order = torch.sort(block_scores, dim=-1, descending=True, stable=True).indices[..., :take]
+    chosen = torch.gather(block_scores, -1, order)
+    current = torch.div(positions, block_size, rounding_mode="floor")[:, None, :, None]
+    invalid = (order > current) | (chosen == NEG_INF)
+    ids = order.masked_fill(invalid, n_blocks).sort(dim=-1).values  # invalid sort last
+    ids = ids.masked_fill(ids == n_blocks, -1)
+    if take < k:
+        ids = F.pad(ids, (0, k - take), value=-1)
+    return ids
+
+
+def selection_mask(ids: torch.Tensor, n_blocks: int) -> torch.Tensor:
+    """ids [..., K] (-1 = none) -> bool [..., NB]."""
+    mask = torch.zeros((*ids.shape[:-1], n_blocks + 1), dtype=torch.bool, device=ids.device)
+    mask.scatter_(-1, ids.masked_fill(ids < 0, n_blocks), True)
+    return mask[..., :n_blocks]
+
+
+# ----------------------------------------------------------------------------------------------
+# whole selections
+# ----------------------------------------------------------------------------------------------
+
+
+def score_blocks(
+    vectors: torch.Tensor,
+    ckeys: torch.Tensor,
+    positions: torch.Tensor,
+    sparse,
+    n_blocks: int,
+    kind: str = "query",
+    lag: int = 0,
+    lse_keys: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Block scores ready for top-k: stage-1 scores, pooled to blocks, init/local forced to +inf.
+
+    vectors [B, Tq, H*n, d]: queries (kind "query") or forecast vectors (kind "forecast"; n = 1 uses
+    the raw dot product, n > 1 the group-summed softmax); ckeys [B, C, H, d]; positions [B, Tq];
+    `sparse` a SparseConfig; lse_keys [B, C2, H, d] selects the coarse LSE (query kind only).
+    Returns fp32 [B, H, Tq, n_blocks].
+    """
+    p, s = sparse.kernel_size, sparse.kernel_stride
+    visible = compressed_visibility(positions, ckeys.shape[1], p, s, lag)
+    if kind == "forecast" and vectors.shape[2] == ckeys.shape[2]:
+        scores = dot_scores(vectors, ckeys, visible)
+    elif kind in ("query", "forecast"):
+        lse_visible = None
+        if lse_keys is not None:
+            p2, s2 = sparse.coarse_kernel
+            lse_visible = compressed_visibility(positions, lse_keys.shape[1], p2, s2, lag)
+        scores = group_softmax_scores(vectors, ckeys, visible, lse_keys, lse_visible)
+    else:
+        raise ValueError(f"score kind {kind!r} is not one of ('query', 'forecast')")
+    blocks = pool_to_blocks(scores, n_blocks, p, s, sparse.block_size)
+    return force_blocks(blocks, positions, sparse.block_size, sparse.init_blocks, sparse.local_blocks)
+
+
+def agnostic_block_scores(cis: torch.Tensor, positions: torch.Tensor, sparse, n_blocks: int, lag: int = 0) -> torch.Tensor:
+    """NOSA's query-agnostic score: CIS mean-pooled like the keys, max-pooled to blocks, forced,
+    and -inf for blocks in the future of each row.  cis [B, S, H] -> fp32 [B, H, Tq, NB]."""
+    p, s, bs = sparse.kernel_size, sparse.kernel_stride, sparse.block_size
+    pooled = compress_keys(cis.float(), p, s)  # [B, C, H]
+    visible = compressed_visibility(positions, pooled.shape[1], p, s, lag)
+    scores = pooled.permute(0, 2, 1)[:, :, None, :].expand(-1, -1, positions.shape[1], -1)
+    scores = scores.masked_fill(~visible[:, None], NEG_INF)
+    blocks = force_blocks(pool_to_blocks(scores, n_blocks, p, s, bs), positions, bs, sparse.init_blocks, sparse.local_blocks)
+    future = torch.arange(n_blocks, device=cis.device).view(1, 1, 1, -1) > torch.div(positions, bs, rounding_mode="floor")[:, None, :, None]
+    return blocks.masked_fill(future, NEG_INF)
+
+
+def nosa_fill(query_ids: torch.Tensor, agnostic_scores: torch.Tensor, positions: torch.Tensor, k: int, block_size: int) -> torch.Tensor:
+    """Keep the query-aware shortlist and fill the budget from the static agnostic score.
+
+    query_ids [B, H, Tq, Kq] (-1 = none), agnostic_scores [B, H, Tq, NB] -> int64 [B, H, Tq, k].
+    """
+    shortlist = selection_mask(query_ids, agnostic_scores.shape[-1])
+    return topk_blocks(agnostic_scores.masked_fill(shortlist, POS_INF), positions, k, block_size)
+
+
+def select_blocks(
+    block_scores: torch.Tensor,
+    positions: torch.Tensor,
+    sparse,
+    agnostic_scores: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The final selection [B, H, Tq, budget_blocks] for `sparse.policy` from forced block scores.
+
+    infllmv2: top-(topk + local_blocks).  nosa: a shortlist of init + local + query_blocks from the
+    block scores, filled to the budget from `agnostic_scores` (see `agnostic_block_scores`).
+    """
+    budget = sparse.budget_blocks
+    if sparse.policy == "infllmv2":
+        return topk_blocks(block_scores, positions, budget, sparse.block_size)
+    if agnostic_scores is None:
+        raise ValueError("the nosa policy needs agnostic (CIS) block scores")
+    shortlist_k = min(sparse.init_blocks + sparse.local_blocks + sparse.query_blocks, budget)
+    shortlist = topk_blocks(block_scores, positions, shortlist_k, sparse.block_size)
+    return nosa_fill(shortlist, agnostic_scores, positions, budget, sparse.block_size)
+
+
+# ----------------------------------------------------------------------------------------------
+# forecast recall
+# ----------------------------------------------------------------------------------------------
+
+
+def forecast_recall_counts(
+    query_ids: torch.Tensor, forecast_ids: torch.Tensor, positions: torch.Tensor, sparse
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Recall of the query selector's non-forced blocks by the forecast selection, and its chance level.
+
+    query_ids, forecast_ids [B, H, Tq, K]; positions [B, Tq].  Returns (hits, wanted, chance), each
+    fp32 [B, H, Tq]: hits = |Q ∩ F| and wanted = |Q| over non-forced valid blocks; chance = the
+    expected hits if F's non-forced picks were drawn uniformly from the visible non-forced blocks.
+    """
+    n_blocks = int(max(query_ids.max(), forecast_ids.max(), 0)) + 1
+    n_blocks = max(n_blocks, num_blocks(int(positions.max()) + 1, sparse.block_size))
+    forced = forced_blocks(positions, n_blocks, sparse.block_size, sparse.init_blocks, sparse.local_blocks)[:, None]
+    query = selection_mask(query_ids, n_blocks) & ~forced
+    forecast = selection_mask(forecast_ids, n_blocks) & ~forced
+    blocks = torch.arange(n_blocks, device=positions.device)
+    visible_blocks = blocks.view(1, 1, -1) <= torch.div(positions, sparse.block_size, rounding_mode="floor").unsqueeze(-1)
+    free = (visible_blocks[:, None] & ~forced).sum(-1).float()
+    wanted = query.sum(-1).float()
+    hits = (query & forecast).sum(-1).float()
+    chance = wanted * forecast.sum(-1).float() / free.clamp(min=1)
+    return hits, wanted, chance
