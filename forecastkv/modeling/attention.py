@@ -115,12 +115,14 @@ class SparseAttention(nn.Module):
         forecast_in: torch.Tensor | None = None,
         selection: torch.Tensor | None = None,
         selections_out: dict | None = None,
+        selector: str | None = None,
     ) -> torch.Tensor:
         """hidden [B, T, hidden] (post-norm), positions [B, T] (-1 = padding), cos/sin [B, T, d].
 
         forecast_in: the previous layer's forecast vectors [B, T, H*n, d] (forecast selector).
         selection: a decode selection [B, H, 1, K] already planned by the previous layer.
         selections_out: if a dict, receives {"query": ids, "forecast": ids} for recall measurements.
+        selector: overrides `sparse_config.selector` (training routes the frozen backbone with "query").
         Returns the attention output [B, T, hidden].
         """
         batch, length, _ = hidden.shape
@@ -132,32 +134,34 @@ class SparseAttention(nn.Module):
         cache_layer.append(k, v, cis, positions)
 
         sparse = self.sparse
-        if sparse is not None and sparse.selector == "forecast" and forecast_in is None and selection is None:
+        selector = selector or (sparse.selector if sparse is not None else None)
+        if selector == "forecast" and forecast_in is None and selection is None:
             if self.layer_idx != 0:
                 raise ValueError(f"layer {self.layer_idx} got no forecast vectors from layer {self.layer_idx - 1}")
             forecast_in = self.project_forecast(hidden, cos, sin, "current_proj")
 
         if length == 1 and sparse is not None and not self._any_dense(positions):
             if selection is None:
-                vectors, kind = (q, "query") if sparse.selector == "query" else (forecast_in, "forecast")
-                selection = self.select(vectors, positions, cache_layer, kind)
+                vectors = q if selector == "query" else forecast_in
+                selection = self.select(vectors, positions, cache_layer, selector)
                 cache_layer.plan(selection[:, :, 0])
-            self._record(selections_out, q, forecast_in, positions, cache_layer, selection)
+            self._record(selections_out, q, forecast_in, positions, cache_layer, selection, selector)
             out = self._decode_blocks(q, positions, cache_layer, selection[:, :, 0])
         else:
-            out = self._attend_chunks(q, forecast_in, positions, cache_layer, selections_out)
+            out = self._attend_chunks(q, forecast_in, positions, cache_layer, selections_out, selector)
         return self.o_proj(out.reshape(batch, length, self.num_heads * d))
 
     def _any_dense(self, positions: torch.Tensor) -> bool:
         valid = positions[positions >= 0]
         return valid.numel() > 0 and self.sparse.is_dense_at(int(valid.min()) + 1)
 
-    def _record(self, out: dict | None, q, forecast_in, positions, cache_layer, selection) -> None:
+    def _record(self, out: dict | None, q, forecast_in, positions, cache_layer, selection, selector) -> None:
+        """Store both selectors' choices (the one in use is `selection`) for recall measurements."""
         if out is None or self.sparse is None:
             return
-        out["query"] = selection if self.sparse.selector == "query" else self.select(q, positions, cache_layer, "query")
+        out["query"] = selection if selector == "query" else self.select(q, positions, cache_layer, "query")
         if forecast_in is not None:
-            out["forecast"] = selection if self.sparse.selector == "forecast" else self.select(forecast_in, positions, cache_layer, "forecast")
+            out["forecast"] = selection if selector == "forecast" else self.select(forecast_in, positions, cache_layer, "forecast")
 
     def _decode_blocks(self, q: torch.Tensor, positions: torch.Tensor, cache_layer, selection: torch.Tensor) -> torch.Tensor:
         """One token per sequence over its selected blocks.  q [B, 1, Hq, d], selection [B, H, K] -> [B, 1, Hq, d]."""
@@ -168,7 +172,7 @@ class SparseAttention(nn.Module):
         out = attend(query, keys, values, allowed, bias)
         return out.reshape(batch, 1, self.num_heads, self.head_dim)
 
-    def _attend_chunks(self, q, forecast_in, positions, cache_layer, selections_out) -> torch.Tensor:
+    def _attend_chunks(self, q, forecast_in, positions, cache_layer, selections_out, selector) -> torch.Tensor:
         """All rows, in query chunks, against the full stored keys with per-row block masks."""
         keys, values, cis, count = cache_layer.full()
         keys = keys.transpose(1, 2).repeat_interleave(self.group, dim=1)      # [B, Hq, S, d]
@@ -177,20 +181,17 @@ class SparseAttention(nn.Module):
         key_pos = torch.arange(count, device=q.device)
         sparse = self.sparse
         outputs, records = [], {}
-        for start in range(0, q.shape[1], self.config.prefill_chunk_size):
-            rows = slice(start, start + self.config.prefill_chunk_size)
+        for start in range(0, q.shape[1], self.config.query_chunk_size):
+            rows = slice(start, start + self.config.query_chunk_size)
             pos = positions[:, rows]
             query = q[:, rows].transpose(1, 2)                                 # [B, Hq, R, d]
             allowed = (key_pos.view(1, 1, -1) <= pos.unsqueeze(-1)).unsqueeze(1)  # [B, 1, R, S]
             if sparse is not None:
                 f_rows = None if forecast_in is None else forecast_in[:, rows]
                 chunk_records: dict = {}
-                if sparse.selector == "query":
-                    ids = self.select(q[:, rows], pos, cache_layer, "query")
-                else:
-                    ids = self.select(f_rows, pos, cache_layer, "forecast")
+                ids = self.select(q[:, rows] if selector == "query" else f_rows, pos, cache_layer, selector)
                 if selections_out is not None:
-                    self._record(chunk_records, q[:, rows], f_rows, pos, cache_layer, ids)
+                    self._record(chunk_records, q[:, rows], f_rows, pos, cache_layer, ids, selector)
                     for key, value in chunk_records.items():
                         records.setdefault(key, []).append(value)
                 sparse_rows = block_key_mask(ids, count, sparse.block_size).repeat_interleave(self.group, dim=1)

@@ -214,7 +214,7 @@ class ForecastKVConfig(PreTrainedConfig):
         mup: dict | None = None,
         sparse_config: str | dict | None = None,
         forecast: dict | None = None,
-        prefill_chunk_size: int = 256,
+        query_chunk_size: int = 256,
         **kwargs: Any,
     ) -> None:
         self.vocab_size = vocab_size
@@ -241,9 +241,9 @@ class ForecastKVConfig(PreTrainedConfig):
         self.mup = MupConfig.from_dict(mup).to_dict() if mup is not None else None
         self.sparse_config = resolve_sparse_config(sparse_config)
         self.forecast = ForecastConfig.from_dict(forecast).to_dict()
-        if not isinstance(prefill_chunk_size, int) or prefill_chunk_size < 1:
-            raise ValueError(f"prefill_chunk_size must be a positive integer, got {prefill_chunk_size!r}")
-        self.prefill_chunk_size = prefill_chunk_size
+        if not isinstance(query_chunk_size, int) or query_chunk_size < 1:
+            raise ValueError(f"query_chunk_size must be a positive integer, got {query_chunk_size!r}")
+        self.query_chunk_size = query_chunk_size
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads={self.num_attention_heads} must be a multiple of "

@@ -191,7 +191,7 @@ class ForecastKVModel(ForecastKVPreTrainedModel):
             if forecast_selector and decode and next_forecast is not None:
                 # plan layer idx+1 from this layer's forecast (the runtime prefetches it meanwhile)
                 nxt = self.layers[idx + 1].self_attn
-                if not nxt._any_dense(positions):
+                if cache.layers[idx + 1].is_initialized and not nxt._any_dense(positions):
                     planned = nxt.select(next_forecast, positions, cache.layers[idx + 1], "forecast")
                     cache.layers[idx + 1].plan(planned[:, :, 0])
             if selections is not None:
@@ -216,6 +216,28 @@ class ForecastKVForCausalLM(ForecastKVPreTrainedModel, GenerationMixin):
         self.model = ForecastKVModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, sparse_config=None, forecast=None, forecast_weights=None, **kwargs):
+        """Load our format, MiniCPM4/4.1, NOSA, plain Llama-family or SparDA checkpoints.
+
+        sparse_config: a preset name (`configs/models/<name>.json`) or a dict of sparse_config keys;
+            None keeps the checkpoint's own (a checkpoint without one loads dense).
+        forecast: a dict of forecast keys; creates (and initialises) heads the checkpoint lacks.
+        forecast_weights: a directory written by `save_forecast_weights`, loaded onto the base.
+        dtype / device: where the loaded model lives.
+        """
+        from .checkpoints import load_model
+
+        if args:
+            raise TypeError(f"unexpected positional arguments {args}")
+        return load_model(cls, pretrained_model_name_or_path, sparse_config=sparse_config, forecast=forecast, forecast_weights=forecast_weights, **kwargs)
+
+    def save_forecast_weights(self, directory, base_model: str | None = None):
+        """Save only the Forecast heads (a few MB) beside an untouched base checkpoint."""
+        from .checkpoints import save_forecast_weights
+
+        return save_forecast_weights(self, directory, base_model)
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.model.embed_tokens

@@ -1,0 +1,201 @@
+"""The model family: dense parity with transformers' Llama, sparse modes, cache, padding, generate."""
+
+import itertools
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from forecastkv import ForecastKVForCausalLM, SparseCache
+from tests.conftest import TINY_SPARSE, tiny_config
+
+MODES = [
+    dict(policy=policy, selector=selector, lse=lse)
+    for policy, selector, lse in itertools.product(("infllmv2", "nosa"), ("query", "forecast"), ("exact", "coarse"))
+]
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def tiny_model(mode=None, seed=0, heads_per_group=1, **overrides):
+    sparse = None if mode is None else {**TINY_SPARSE, **mode}
+    forecast = {"enabled": True, "heads_per_group": heads_per_group}
+    config = tiny_config(sparse_config=sparse, forecast=forecast, **overrides)
+    torch.manual_seed(seed)
+    model = ForecastKVForCausalLM(config).eval()
+    if mode is not None and mode.get("policy") == "nosa":
+        with torch.no_grad():
+            for layer in model.model.layers:  # A = 0 at init would make CIS a no-op
+                layer.self_attn.A.normal_()
+    return model
+
+
+def llama_twin(model):
+    cfg = model.config
+    twin = LlamaForCausalLM(LlamaConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads, max_position_embeddings=cfg.max_position_embeddings,
+        rms_norm_eps=cfg.rms_norm_eps, rope_parameters=cfg.rope_parameters,
+    )).eval()
+    missing, unexpected = twin.load_state_dict(model.state_dict(), strict=False)
+    assert not missing
+    return twin
+
+
+# -- 1. dense parity --------------------------------------------------------------------------
+
+
+def test_dense_matches_llama_tiny():
+    model = tiny_model()
+    twin = llama_twin(model)
+    ids = torch.randint(0, 128, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert rel(model(ids).logits, twin(ids).logits) < 1e-5
+    assert torch.equal(model.generate(ids, max_new_tokens=8, do_sample=False), twin.generate(ids, max_new_tokens=8, do_sample=False))
+
+
+@pytest.mark.bundled
+def test_dense_matches_llama_on_bundled_smollm2(bundled_path):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(bundled_path)
+    model = ForecastKVForCausalLM.from_pretrained(bundled_path)
+    twin = LlamaForCausalLM.from_pretrained(bundled_path).eval()
+    ids = tokenizer(["The first thing to know about startups is that"], return_tensors="pt").input_ids
+    with torch.no_grad():
+        assert rel(model(ids).logits, twin(ids).logits) < 1e-4
+    ours = model.generate(ids, max_new_tokens=12, do_sample=False)
+    theirs = twin.generate(ids, max_new_tokens=12, do_sample=False)
+    assert torch.equal(ours, theirs)
+
+
+# -- 2. a budget covering every block equals dense -----------------------------------------
+
+
+@pytest.mark.parametrize("mode", MODES[:2] + MODES[4:6], ids=lambda m: f"{m['policy']}-{m['lse']}")
+def test_full_budget_equals_dense(mode):
+    dense = tiny_model()
+    full = tiny_model({**mode, "topk": 64, "query_blocks": 64})
+    full.load_state_dict(dense.state_dict(), strict=False)
+    if mode["policy"] == "nosa":  # CIS bias off: it is a different model otherwise
+        for layer in full.model.layers:
+            layer.self_attn.A.data.zero_()
+    ids = torch.randint(0, 128, (2, 70), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert rel(full(ids).logits, dense(ids).logits) < 1e-5
+    assert torch.equal(full.generate(ids, max_new_tokens=6, do_sample=False), dense.generate(ids, max_new_tokens=6, do_sample=False))
+
+
+def test_tight_budget_changes_logits():
+    dense = tiny_model()
+    sparse = tiny_model({"policy": "infllmv2"})
+    sparse.load_state_dict(dense.state_dict(), strict=False)
+    ids = torch.randint(0, 128, (1, 70), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert rel(sparse(ids).logits, dense(ids).logits) > 1e-2
+
+
+# -- 4. incremental decode equals recomputing --------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: "-".join(m.values()))
+def test_incremental_decode_equals_recompute(mode):
+    model = tiny_model(mode, seed=3)
+    ids = torch.randint(0, 128, (2, 29), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=14, do_sample=False, output_logits=True, return_dict_in_generate=True)
+        full = model(out.sequences).logits
+    steps = torch.stack(out.logits, dim=1)
+    assert rel(steps, full[:, ids.shape[1] - 1 : -1]) < 1e-4
+    assert torch.equal(full[:, ids.shape[1] - 1 : -1].argmax(-1), out.sequences[:, ids.shape[1] :])
+
+
+def test_forecast_decode_uses_plan_from_previous_layer():
+    model = tiny_model({"policy": "infllmv2", "selector": "forecast"}, seed=5)
+    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(5))
+    cache = SparseCache(model.config)
+    with torch.no_grad():
+        model(ids, past_key_values=cache)
+        model(torch.randint(0, 128, (1, 1)), past_key_values=cache)
+    planned = [layer.planned for layer in cache.layers]
+    assert all(p is not None and p.shape == (1, 2, model.config.sparse.budget_blocks) for p in planned)
+
+
+def test_multiple_forecast_vectors_per_group_run():
+    model = tiny_model({"policy": "infllmv2", "selector": "forecast"}, heads_per_group=3)
+    ids = torch.randint(0, 128, (1, 33), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=5, do_sample=False, output_logits=True, return_dict_in_generate=True)
+        full = model(out.sequences).logits
+    assert rel(torch.stack(out.logits, 1), full[:, 32:-1]) < 1e-4
+
+
+def test_dense_len_switches_per_token():
+    dense = tiny_model()
+    mixed = tiny_model({"policy": "infllmv2", "dense_len": 40})
+    mixed.load_state_dict(dense.state_dict(), strict=False)
+    ids = torch.randint(0, 128, (1, 60), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        a, b = mixed(ids).logits, dense(ids).logits
+    assert rel(a[:, :39], b[:, :39]) < 1e-5  # rows with t + 1 < dense_len are dense
+    assert rel(a[:, 45:], b[:, 45:]) > 1e-3
+    with torch.no_grad():
+        out = mixed.generate(ids[:, :30], max_new_tokens=20, do_sample=False, output_logits=True, return_dict_in_generate=True)
+        full = mixed(out.sequences).logits
+    assert rel(torch.stack(out.logits, 1), full[:, 29:-1]) < 1e-4
+
+
+# -- 5. left padding ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", [None] + MODES[::2], ids=lambda m: "dense" if m is None else "-".join(m.values()))
+def test_left_padded_batch_matches_each_sequence_alone(mode):
+    model = tiny_model(mode, seed=8)
+    gen = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(3, 128, (n,), generator=gen) for n in (37, 22, 30)]
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :] = prompt
+        mask[row, width - len(prompt) :] = 1
+    with torch.no_grad():
+        batched = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
+        for row, prompt in enumerate(prompts):
+            alone = model.generate(prompt[None], max_new_tokens=10, do_sample=False, pad_token_id=0)
+            assert batched[row, width:].tolist() == alone[0, len(prompt) :].tolist(), row
+
+
+def test_sampled_generation_is_seeded():
+    model = tiny_model({"policy": "infllmv2"})
+    ids = torch.randint(0, 128, (2, 20), generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(0)
+    a = model.generate(ids, max_new_tokens=8, do_sample=True, top_k=20)
+    torch.manual_seed(0)
+    b = model.generate(ids, max_new_tokens=8, do_sample=True, top_k=20)
+    assert torch.equal(a, b) and a.shape == (2, 28)
+
+
+# -- 8. errors ---------------------------------------------------------------------------------
+
+
+def test_sequence_beyond_max_positions_is_rejected():
+    model = tiny_model(max_position_embeddings=32)
+    with pytest.raises(ValueError, match="sequence length 33 exceeds max_position_embeddings=32"):
+        model(torch.zeros(1, 33, dtype=torch.long))
+
+
+def test_bad_sparse_configs_are_rejected():
+    with pytest.raises(ValueError, match="block_size=10 must be a multiple of kernel_stride=4"):
+        tiny_config(sparse_config={**TINY_SPARSE, "kernel_stride": 4, "kernel_size": 8, "block_size": 10})
+    with pytest.raises(ValueError, match="unknown sparse_config preset 'nope'"):
+        tiny_config(sparse_config="nope")
+    with pytest.raises(ValueError, match="unknown sparse_config key"):
+        tiny_config(sparse_config={**TINY_SPARSE, "top_k": 3})
+    with pytest.raises(ValueError, match="forecast.heads_per_group=4 exceeds the GQA group size 3"):
+        tiny_config(forecast={"enabled": True, "heads_per_group": 4})
+    with pytest.raises(ValueError, match="selector='forecast' needs forecast heads"):
+        tiny_config(sparse_config={**TINY_SPARSE, "selector": "forecast"})

@@ -1,0 +1,264 @@
+"""selection.py against brute-force per-token references written with plain loops."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from forecastkv.modeling import selection as sel
+from forecastkv.modeling.configuration import SparseConfig, load_preset
+
+INF = float("inf")
+
+
+# ---------------------------------------------------------------------------------------------
+# brute-force references (plain Python loops over one sequence, one KV head, one query position)
+# ---------------------------------------------------------------------------------------------
+
+
+def ref_compress(keys, p, s):
+    """keys [T, d] -> list of window means."""
+    out, c = [], 0
+    while c * s + p <= keys.shape[0]:
+        out.append(keys[c * s : c * s + p].double().mean(0))
+        c += 1
+    return out
+
+
+def ref_block_scores(c_scores, t, cfg, n_blocks):
+    """c_scores: dict c -> score for visible c.  Returns a list of block scores with forcing."""
+    p, s, bs = cfg.kernel_size, cfg.kernel_stride, cfg.block_size
+    qb = t // bs
+    blocks = []
+    for j in range(n_blocks):
+        overlapping = [c_scores[c] for c in c_scores if c * s < (j + 1) * bs and c * s + p > j * bs]
+        score = max(overlapping) if overlapping else -INF
+        if j < cfg.init_blocks or qb - cfg.local_blocks <= j <= qb:
+            score = INF
+        blocks.append(score)
+    return blocks
+
+
+def ref_topk(block_scores, t, k, bs):
+    order = sorted(range(len(block_scores)), key=lambda j: (-block_scores[j], j))[:k]
+    valid = sorted(j for j in order if j <= t // bs and block_scores[j] != -INF)
+    return valid + [-1] * (k - len(valid))
+
+
+def ref_stage1(queries, ckeys, t, cfg, lag=0, coarse=None):
+    """queries [G, d] of one group, ckeys list of [d] -> dict c -> group-summed softmax prob."""
+    p, s = cfg.kernel_size, cfg.kernel_stride
+    visible = [c for c in range(len(ckeys)) if c * s + p - 1 + lag <= t]
+    scores = {c: 0.0 for c in visible}
+    d = queries.shape[-1]
+    for q in queries.double():
+        logits = {c: float(q @ ckeys[c]) / math.sqrt(d) for c in visible}
+        if not logits:
+            continue
+        lse = math.log(sum(math.exp(v) for v in logits.values()))
+        if coarse is not None:
+            p2, s2 = cfg.coarse_kernel
+            seen = [float(q @ coarse[c]) / math.sqrt(d) for c in range(len(coarse)) if c * s2 + p2 - 1 + lag <= t]
+            if seen:
+                lse = math.log(sum(math.exp(v) for v in seen))
+        for c in visible:
+            scores[c] += math.exp(logits[c] - lse)
+    return scores
+
+
+def ref_select(q, k, t, cfg, kind="query", lag=0, coarse=False):
+    """q [Hq or H*n, d] one row; k [T, H, d] -> per KV head selection lists."""
+    heads = k.shape[1]
+    per = q.shape[0] // heads
+    n_blocks = sel.num_blocks(t + 1, cfg.block_size)
+    out = []
+    for h in range(heads):
+        ckeys = ref_compress(k[:, h], cfg.kernel_size, cfg.kernel_stride)
+        coarse_keys = ref_compress(k[:, h], *cfg.coarse_kernel) if coarse else None
+        vectors = q[h * per : (h + 1) * per]
+        if kind == "forecast" and per == 1:
+            c_scores = {c: float(vectors[0].double() @ ckeys[c]) for c in range(len(ckeys)) if c * cfg.kernel_stride + cfg.kernel_size - 1 + lag <= t}
+        else:
+            c_scores = ref_stage1(vectors, ckeys, t, cfg, lag, coarse_keys)
+        blocks = ref_block_scores(c_scores, t, cfg, n_blocks)
+        out.append(ref_topk(blocks, t, cfg.budget_blocks, cfg.block_size))
+    return out
+
+
+def run_select(q, k, positions, cfg, kind="query", lag=0, coarse=False):
+    """Package path: q [B, Tq, Hq, d], k [B, T, H, d], positions [B, Tq]."""
+    ckeys = sel.compress_keys(k, cfg.kernel_size, cfg.kernel_stride)
+    lse_keys = sel.compress_keys(k, *cfg.coarse_kernel) if coarse else None
+    n_blocks = sel.num_blocks(int(positions.max()) + 1, cfg.block_size)
+    scores = sel.score_blocks(q, ckeys, positions, cfg, n_blocks, kind=kind, lag=lag, lse_keys=lse_keys)
+    return sel.select_blocks(scores, positions, cfg)
+
+
+GEOMETRIES = [
+    SparseConfig(kernel_size=4, kernel_stride=2, block_size=8, init_blocks=1, window_size=8, topk=3, dense_len=0),
+    SparseConfig(kernel_size=6, kernel_stride=2, block_size=4, init_blocks=2, window_size=4, topk=2, dense_len=0),
+    SparseConfig(kernel_size=3, kernel_stride=3, block_size=6, init_blocks=0, window_size=0, topk=4, dense_len=0),
+]
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("length", [16, 21, 5])
+def test_compress_batch_and_incremental_match_loops(length):
+    torch.manual_seed(length)
+    keys = torch.randn(2, length, 3, 8)
+    batch = sel.compress_keys(keys, 4, 2)
+    expected = [ref_compress(keys[b, :, h], 4, 2) for b in range(2) for h in range(3)]
+    assert batch.shape[1] == len(expected[0]) == sel.num_compressed(length, 4, 2)
+    for b in range(2):
+        for h in range(3):
+            for c, ref in enumerate(expected[b * 3 + h]):
+                torch.testing.assert_close(batch[b, c, h].double(), ref, rtol=1e-6, atol=1e-6)
+    # incremental, token by token and in uneven pieces
+    tail, parts = keys[:, :0], []
+    for start, stop in [(0, 1), (1, 4), (4, 5), (5, length)]:
+        new, tail = sel.compress_keys_incremental(tail, keys[:, start:stop], 4, 2)
+        parts.append(new)
+    torch.testing.assert_close(torch.cat(parts, 1), batch)
+    assert tail.shape[1] < 4
+
+
+@pytest.mark.parametrize("group", [1, 3, 16])
+@pytest.mark.parametrize("length", [32, 37])
+@pytest.mark.parametrize("geometry", range(len(GEOMETRIES)))
+def test_query_selection_matches_brute_force_prefill(group, length, geometry):
+    cfg = GEOMETRIES[geometry]
+    torch.manual_seed(100 * group + length + geometry)
+    heads, d = 2, 8
+    q = torch.randn(2, length, heads * group, d)
+    k = torch.randn(2, length, heads, d)
+    positions = torch.arange(length).expand(2, -1)
+    ids = run_select(q, k, positions, cfg)
+    assert ids.shape == (2, heads, length, cfg.budget_blocks)
+    for b in range(2):
+        for t in range(length):
+            expected = ref_select(q[b, t], k[b, : t + 1], t, cfg)
+            for h in range(heads):
+                assert ids[b, h, t].tolist() == expected[h], (b, h, t)
+
+
+@pytest.mark.parametrize("group", [1, 3, 16])
+def test_decode_rows_match_prefill_rows_and_brute_force(group):
+    cfg = GEOMETRIES[0]
+    torch.manual_seed(group)
+    length, heads, d = 45, 2, 8
+    q = torch.randn(2, length, heads * group, d)
+    k = torch.randn(2, length, heads, d)
+    prefill = run_select(q, k, torch.arange(length).expand(2, -1), cfg)
+    for t in (20, 31, 44):
+        decode = run_select(q[:, t : t + 1], k[:, : t + 1], torch.full((2, 1), t), cfg)
+        assert torch.equal(decode[:, :, 0], prefill[:, :, t])
+        for b in range(2):
+            assert decode[b, :, 0].tolist() == ref_select(q[b, t], k[b, : t + 1], t, cfg)
+
+
+@pytest.mark.parametrize("per_group", [1, 2])
+def test_forecast_selection_matches_brute_force(per_group):
+    cfg = GEOMETRIES[0]
+    torch.manual_seed(7 + per_group)
+    length, heads, d = 30, 2, 8
+    f = torch.randn(1, length, heads * per_group, d)
+    k = torch.randn(1, length, heads, d)
+    ids = run_select(f, k, torch.arange(length).view(1, -1), cfg, kind="forecast", lag=1)
+    for t in range(length):
+        assert ids[0, :, t].tolist() == ref_select(f[0, t], k[0, : t + 1], t, cfg, kind="forecast", lag=1)
+
+
+def test_coarse_lse_matches_brute_force():
+    cfg = SparseConfig(kernel_size=2, kernel_stride=1, block_size=4, init_blocks=1, window_size=4, topk=3, dense_len=0, lse="coarse")
+    torch.manual_seed(3)
+    length, heads, group, d = 30, 2, 3, 8
+    q = torch.randn(1, length, heads * group, d) * 2
+    k = torch.randn(1, length, heads, d)
+    ids = run_select(q, k, torch.arange(length).view(1, -1), cfg, coarse=True)
+    exact = run_select(q, k, torch.arange(length).view(1, -1), cfg, coarse=False)
+    for t in range(length):
+        assert ids[0, :, t].tolist() == ref_select(q[0, t], k[0, : t + 1], t, cfg, coarse=True)
+    assert not torch.equal(ids, exact)  # the estimate does change choices on these inputs
+
+
+def test_group_scores_equal_brute_force_values():
+    cfg = GEOMETRIES[0]
+    torch.manual_seed(11)
+    q = torch.randn(1, 1, 6, 8)
+    k = torch.randn(1, 20, 2, 8)
+    ck = sel.compress_keys(k, cfg.kernel_size, cfg.kernel_stride)
+    visible = sel.compressed_visibility(torch.tensor([[19]]), ck.shape[1], cfg.kernel_size, cfg.kernel_stride)
+    scores = sel.group_softmax_scores(q, ck, visible)
+    for h in range(2):
+        expected = ref_stage1(q[0, 0, 3 * h : 3 * h + 3], ref_compress(k[0, :, h], 4, 2), 19, cfg)
+        for c, value in expected.items():
+            assert abs(scores[0, h, 0, c].item() - value) < 1e-5
+        assert torch.isclose(scores[0, h, 0].sum(), torch.tensor(3.0))  # three heads, each sums to 1
+
+
+def test_nosa_fill_matches_brute_force():
+    cfg = SparseConfig(kernel_size=4, kernel_stride=2, block_size=8, init_blocks=1, window_size=8, topk=4, dense_len=0, policy="nosa", query_blocks=1)
+    torch.manual_seed(5)
+    length, heads, d = 60, 2, 8
+    q = torch.randn(1, length, heads * 3, d)
+    k = torch.randn(1, length, heads, d)
+    cis = torch.randn(1, length, heads)
+    positions = torch.arange(length).view(1, -1)
+    ck = sel.compress_keys(k, 4, 2)
+    n_blocks = sel.num_blocks(length, 8)
+    scores = sel.score_blocks(q, ck, positions, cfg, n_blocks)
+    agnostic = sel.agnostic_block_scores(cis, positions, cfg, n_blocks)
+    ids = sel.select_blocks(scores, positions, cfg, agnostic)
+    shortlist_k = cfg.init_blocks + cfg.local_blocks + cfg.query_blocks
+    for t in range(length):
+        for h in range(heads):
+            c_scores = ref_stage1(q[0, t, 3 * h : 3 * h + 3], ref_compress(k[0, : t + 1, h], 4, 2), t, cfg)
+            nb = sel.num_blocks(t + 1, 8)
+            shortlist = [j for j in ref_topk(ref_block_scores(c_scores, t, cfg, nb), t, shortlist_k, 8) if j >= 0]
+            cis_c = {c: v.item() for c, v in enumerate(ref_compress(cis[0, : t + 1, h : h + 1], 4, 2)) if c * 2 + 3 <= t}
+            agn = ref_block_scores(cis_c, t, cfg, nb)
+            agn = [INF if j in shortlist else (-INF if j > t // 8 else v) for j, v in enumerate(agn)]
+            assert ids[0, h, t].tolist() == ref_topk(agn, t, cfg.budget_blocks, 8), (t, h)
+
+
+def test_minicpm_preset_orderings():
+    cfg = SparseConfig(**load_preset("minicpm4.1-8b")["sparse_config"])
+    assert cfg.budget_blocks == 96 and cfg.local_blocks == 32
+    # pooling geometry is MiniCPM's max_pool1d(kernel 5, stride 4, padding 1)
+    assert sel.block_pool_geometry(32, 16, 64) == (5, 4, 1)
+    torch.manual_seed(0)
+    scores = torch.randn(2, 3, 61)
+    n_blocks = 16
+    expected = F.max_pool1d(scores, 5, 4, padding=1)[..., :n_blocks]
+    torch.testing.assert_close(sel.pool_to_blocks(scores, n_blocks, 32, 16, 64)[..., : expected.shape[-1]], expected)
+    # forced window is local_blocks + 1 blocks (plus the init block)
+    t = 100 * 64 + 5
+    forced = sel.forced_blocks(torch.tensor([[t]]), 120, 64, cfg.init_blocks, cfg.local_blocks)[0, 0]
+    assert forced.nonzero().flatten().tolist() == [0] + list(range(100 - 32, 101))
+    # future ids become -1 *after* the top-k: a future block that wins the top-k costs a slot
+    block_scores = torch.full((1, 1, 1, 8), 0.5)
+    block_scores[..., 6] = 9.0  # a future block with the best score
+    ids = sel.topk_blocks(block_scores, torch.tensor([[4 * 64]]), 3, 64)
+    assert ids.tolist() == [[[[0, 1, -1]]]]
+
+
+def test_selection_handles_padding_rows_and_short_sequences():
+    cfg = GEOMETRIES[0]
+    q = torch.randn(1, 3, 6, 8)
+    k = torch.randn(1, 3, 2, 8)
+    ids = run_select(q, k, torch.tensor([[-1, 0, 2]]), cfg)
+    assert (ids[0, :, 0] == -1).all()  # padding selects nothing
+    assert ids[0, :, 1].tolist() == [[0, -1, -1, -1], [0, -1, -1, -1]]
+
+
+def test_forecast_recall_counts_exclude_forced_blocks():
+    cfg = SparseConfig(kernel_size=4, kernel_stride=2, block_size=8, init_blocks=1, window_size=8, topk=3, dense_len=0)
+    positions = torch.tensor([[79]])  # qb = 9, forced = {0, 8, 9}
+    query = torch.tensor([[[[0, 2, 4, 8, 9, -1]]]])
+    forecast = torch.tensor([[[[0, 2, 5, 8, 9, -1]]]])
+    hits, wanted, chance = sel.forecast_recall_counts(query, forecast, positions, cfg)
+    assert wanted.item() == 2 and hits.item() == 1
+    assert abs(chance.item() - 2 * 2 / 7) < 1e-6  # 7 free visible blocks (1..7), forecast picked 2
