@@ -144,7 +144,7 @@ class SparseAttention(nn.Module):
             if selection is None:
                 vectors = q if selector == "query" else forecast_in
                 selection = self.select(vectors, positions, cache_layer, selector)
-                cache_layer.plan(selection[:, :, 0])
+                cache_layer.plan(selection[:, :, 0], sparse.block_size)
             self._record(selections_out, q, forecast_in, positions, cache_layer, selection, selector)
             out = self._decode_blocks(q, positions, cache_layer, selection[:, :, 0])
         else:

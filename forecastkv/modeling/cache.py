@@ -50,6 +50,7 @@ class SparseCacheLayer(CacheLayerMixin):
         self.coarse_keys: torch.Tensor | None = None
         self.lengths: torch.Tensor | None = None
         self.planned: torch.Tensor | None = None
+        self.block_shares: list[float] = []  # per planned decode step: blocks read / blocks stored
         self.columns = 0  # input columns seen, padding included (what generate() slices by)
 
     # -- transformers' CacheLayerMixin -------------------------------------------------------------
@@ -128,9 +129,13 @@ class SparseCacheLayer(CacheLayerMixin):
         count = max(num_compressed(int(n), *self.coarse) for n in self.lengths.tolist())
         return self.coarse_keys[:, :count]
 
-    def plan(self, selection: torch.Tensor) -> None:
-        """Resident cache: nothing to move; remember the plan so `blocks()` can check it."""
+    def plan(self, selection: torch.Tensor, block_size: int | None = None) -> None:
+        """Resident cache: nothing to move.  Remembers the plan and, given `block_size`, the share
+        of this step's stored blocks it reads.  selection [B, H, K] (-1 = none)."""
         self.planned = selection
+        if block_size is not None and self.lengths is not None:
+            stored = (-(-self.lengths.clamp(min=1) // block_size)).sum() * selection.shape[1]
+            self.block_shares.append(float((selection >= 0).sum()) / float(stored))
 
     def blocks(self, selection: torch.Tensor, block_size: int):
         """Gather selected blocks.  selection [B, H, K] (-1 = none) ->
@@ -171,3 +176,13 @@ class SparseCache(Cache):
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.layers[layer_idx].get_seq_length()
+
+    def stats(self) -> dict:
+        """Sparse decode steps seen and the mean share of stored KV blocks they read, per layer and overall."""
+        per_layer = [sum(layer.block_shares) / len(layer.block_shares) if layer.block_shares else None for layer in self.layers]
+        seen = [share for share in per_layer if share is not None]
+        return {
+            "decode_steps": max((len(layer.block_shares) for layer in self.layers), default=0),
+            "block_share_per_layer": per_layer,
+            "block_share": sum(seen) / len(seen) if seen else None,
+        }

@@ -168,9 +168,10 @@ def load_model(
     sparse = settings.get("sparse_config")
     wants_forecast = isinstance(sparse, dict) and sparse.get("selector") == "forecast"
     if wants_forecast and not (settings.get("forecast") or {}).get("enabled"):
+        layers = list(range(max(int(settings.get("num_hidden_layers", 1)) - 1, 0)))
         raise CheckpointError(
-            f"sparse_config selects blocks with the forecast selector but {directory} has no forecast heads "
-            f"(missing forecast_proj on layers 0..{raw.get('num_hidden_layers', '?')} - 2 and current_proj on layer 0); "
+            f"sparse_config selects blocks with the forecast selector but {directory} has no forecast weights: "
+            f"missing forecast_proj on layers {layers} and current_proj on layer 0; "
             "pass forecast={...} to create them or forecast_weights=<dir> to load trained ones"
         )
     for key in ("architectures", "model_type", "transformers_version", "auto_map", "torch_dtype", "dtype"):

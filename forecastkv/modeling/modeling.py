@@ -193,7 +193,7 @@ class ForecastKVModel(ForecastKVPreTrainedModel):
                 nxt = self.layers[idx + 1].self_attn
                 if cache.layers[idx + 1].is_initialized and not nxt._any_dense(positions):
                     planned = nxt.select(next_forecast, positions, cache.layers[idx + 1], "forecast")
-                    cache.layers[idx + 1].plan(planned[:, :, 0])
+                    cache.layers[idx + 1].plan(planned[:, :, 0], sparse.block_size)
             if selections is not None:
                 selections.append(record)
             hidden = hidden + out * residual_scale

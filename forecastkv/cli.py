@@ -1,0 +1,90 @@
+"""The `forecastkv` console script."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _demo(args) -> int:
+    from .demo import run_demo
+
+    run_demo(prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, preset=args.preset)
+    return 0
+
+
+def _generate(args) -> int:
+    import torch
+    from transformers import AutoTokenizer
+
+    from . import ForecastKVForCausalLM, bundled_model_path
+    from .demo import generate_with_cache
+
+    path = bundled_model_path(args.model) if args.model == "smollm2-135m" else args.model
+    model = ForecastKVForCausalLM.from_pretrained(path, sparse_config=args.sparse_config, forecast_weights=args.forecast_weights)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    new_ids, cache, seconds = generate_with_cache(model, ids, args.max_new_tokens)
+    print(tokenizer.decode(new_ids))
+    if args.stats:
+        stats = cache.stats()
+        share = "n/a (dense)" if stats["block_share"] is None else f"{100 * stats['block_share']:.1f}%"
+        print(f"[{ids.shape[1]} prompt tokens, {len(new_ids)} new, {seconds:.1f}s, blocks read per step: {share}]", file=sys.stderr)
+    return 0
+
+
+def _convert(args) -> int:
+    from . import ForecastKVForCausalLM
+
+    model = ForecastKVForCausalLM.from_pretrained(args.source, sparse_config=args.sparse_config, forecast_weights=args.forecast_weights)
+    model.save_pretrained(args.output)
+    print(f"wrote {args.output} (model_type forecastkv)")
+    return 0
+
+
+def _train_forecast(args) -> int:
+    from .training import main as train_main
+
+    return train_main(args.rest) or 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="forecastkv", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    demo = commands.add_parser("demo", help="dense vs InfLLM-v2 continuation of an essay on the bundled SmolLM2")
+    demo.add_argument("--prompt-tokens", type=int, default=1536)
+    demo.add_argument("--new-tokens", type=int, default=32)
+    demo.add_argument("--preset", default="smollm2-135m")
+    demo.set_defaults(run=_demo)
+
+    gen = commands.add_parser("generate", help="greedy generation from a prompt (argument or stdin)")
+    gen.add_argument("--model", default="smollm2-135m", help="a checkpoint directory, hub id, or smollm2-135m")
+    gen.add_argument("--sparse-config", default=None, help="a preset name from configs/models (default: the checkpoint's)")
+    gen.add_argument("--forecast-weights", default=None, help="a directory written by train-forecast")
+    gen.add_argument("--prompt", default=None)
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--stats", action="store_true", help="print the share of KV blocks read per decode step")
+    gen.set_defaults(run=_generate)
+
+    convert = commands.add_parser("convert", help="convert a MiniCPM / NOSA / Llama / SparDA checkpoint to our format")
+    convert.add_argument("source")
+    convert.add_argument("output")
+    convert.add_argument("--sparse-config", default=None)
+    convert.add_argument("--forecast-weights", default=None)
+    convert.set_defaults(run=_convert)
+
+    train = commands.add_parser("train-forecast", help="fit the Forecast heads on a frozen base (see --config)", add_help=False)
+    train.add_argument("rest", nargs=argparse.REMAINDER)
+    train.set_defaults(run=_train_forecast)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
