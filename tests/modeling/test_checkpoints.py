@@ -1,0 +1,223 @@
+"""Checkpoint formats: ours, MiniCPM4.1 (muP + LongRoPE), NOSA, SparDA heads, forecast weights alone."""
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+import forecastkv  # noqa: F401  (registers the Auto classes)
+from forecastkv import ForecastKVForCausalLM
+from forecastkv.modeling.checkpoints import CheckpointError
+from forecastkv.modeling.rope import RotaryEmbedding
+from tests.conftest import TINY_SPARSE, tiny_config
+
+HEAD_DIM = 16
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def random_llama(seed=0, **overrides):
+    settings = dict(vocab_size=128, hidden_size=96, intermediate_size=128, num_hidden_layers=3, num_attention_heads=6,
+                    num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.3, bos_token_id=None, eos_token_id=None)
+    settings.update(overrides)
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(**settings)).eval()
+
+
+def write_dir(path, config: dict, state: dict):
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    save_file({k: v.contiguous() for k, v in state.items()}, str(path / "model.safetensors"))
+    return path
+
+
+LONGROPE = {
+    "rope_type": "longrope",
+    "long_factor": [1.0 + 0.5 * i for i in range(HEAD_DIM // 2)],
+    "short_factor": [1.0 + 0.05 * i for i in range(HEAD_DIM // 2)],
+    "original_max_position_embeddings": 32,
+}
+MUP = {"scale_emb": 12.0, "scale_depth": 1.4, "dim_model_base": 24}
+
+
+def minicpm_dir(tmp_path, sparse_config, extra_state=None):
+    """A tiny MiniCPM4.1-format directory (real config.json keys) and the Llama twin with muP folded in."""
+    llama = random_llama(max_position_embeddings=128)
+    config = {
+        "architectures": ["MiniCPMForCausalLM"], "model_type": "minicpm", "vocab_size": 128, "hidden_size": 96,
+        "intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 6, "num_key_value_heads": 2,
+        "hidden_act": "silu", "max_position_embeddings": 128, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+        "rope_scaling": LONGROPE, "tie_word_embeddings": False, "bos_token_id": None, "eos_token_id": None,
+        **MUP, "sparse_config": sparse_config,
+        "auto_map": {"AutoModelForCausalLM": "modeling_minicpm.MiniCPMForCausalLM"},
+    }
+    state = dict(llama.state_dict())
+    state.update(extra_state or {})
+    directory = write_dir(tmp_path / "minicpm", config, state)
+    # the same function as a plain Llama: fold the muP scalars into the weights
+    twin = random_llama(max_position_embeddings=128, rope_parameters={**LONGROPE, "rope_theta": 10000.0})
+    folded = dict(llama.state_dict())
+    residual = MUP["scale_depth"] / math.sqrt(3)
+    folded["model.embed_tokens.weight"] = folded["model.embed_tokens.weight"] * MUP["scale_emb"]
+    for i in range(3):
+        for name in (f"model.layers.{i}.self_attn.o_proj.weight", f"model.layers.{i}.mlp.down_proj.weight"):
+            folded[name] = folded[name] * residual
+    folded["lm_head.weight"] = folded["lm_head.weight"] / (96 / MUP["dim_model_base"])
+    twin.load_state_dict(folded)
+    return directory, twin
+
+
+DENSE_MINICPM = {"kernel_size": 4, "kernel_stride": 2, "init_blocks": 1, "block_size": 8, "window_size": 8, "topk": 3, "use_nope": False, "dense_len": 100000}
+
+
+@pytest.mark.parametrize("length", [20, 60])  # below and above original_max_position_embeddings (LongRoPE switch)
+def test_minicpm_format_matches_folded_llama(tmp_path, length):
+    directory, twin = minicpm_dir(tmp_path, DENSE_MINICPM)
+    model = ForecastKVForCausalLM.from_pretrained(directory)
+    assert model.config.mup_config.scale_emb == 12.0 and model.config.sparse.lse == "coarse"
+    ids = torch.randint(0, 128, (2, length), generator=torch.Generator().manual_seed(length))
+    with torch.no_grad():
+        assert rel(model(ids).logits, twin(ids).logits) < 1e-4
+
+
+def test_longrope_matches_direct_formula():
+    config = tiny_config(max_position_embeddings=128, rope_parameters={**LONGROPE, "rope_theta": 10000.0})
+    rope = RotaryEmbedding(config)
+    inv = 1.0 / (10000.0 ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float64) / HEAD_DIM))
+    scale = math.sqrt(1 + math.log(128 / 32) / math.log(32))
+    for length, factors in ((20, LONGROPE["short_factor"]), (60, LONGROPE["long_factor"])):
+        positions = torch.arange(length).view(1, -1)
+        cos, sin = rope(positions, torch.float32)
+        freqs = positions.double().view(-1, 1) * (inv / torch.tensor(factors, dtype=torch.float64))
+        emb = torch.cat([freqs, freqs], dim=-1)
+        torch.testing.assert_close(cos[0].double(), emb.cos() * scale, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(sin[0].double(), emb.sin() * scale, rtol=1e-5, atol=1e-5)
+
+
+def test_minicpm_sparse_generates_and_sparda_heads_load(tmp_path):
+    heads = {f"model.layers.{i}.self_attn.q_future_proj.weight": torch.randn(2 * HEAD_DIM, 96) for i in range(3)}
+    heads["model.layers.0.self_attn.q_curr_proj.weight"] = torch.randn(2 * HEAD_DIM, 96)
+    sparse = {**DENSE_MINICPM, "dense_len": 0}
+    directory, _ = minicpm_dir(tmp_path, sparse, heads)
+    model = ForecastKVForCausalLM.from_pretrained(directory, sparse_config={**TINY_SPARSE, "selector": "forecast"})
+    assert model.config.forecast_config.enabled
+    torch.testing.assert_close(model.model.layers[1].self_attn.forecast_proj.weight, heads["model.layers.1.self_attn.q_future_proj.weight"])
+    torch.testing.assert_close(model.model.layers[0].self_attn.current_proj.weight, heads["model.layers.0.self_attn.q_curr_proj.weight"])
+    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(0))
+    out = model.generate(ids, max_new_tokens=6, do_sample=False)
+    assert out.shape == (1, 46)
+
+
+def test_nosa_format_loads_and_generates(tmp_path):
+    llama = random_llama()
+    state = dict(llama.state_dict())
+    for i in range(3):
+        state[f"model.layers.{i}.self_attn.A"] = torch.randn(2)
+        state[f"model.layers.{i}.self_attn.delta.weight"] = torch.randn(2, 2 * HEAD_DIM) * 0.1
+    config = {**llama.config.to_dict(), "architectures": ["SparseLlamaForCausalLM"], "model_type": "llama"}
+    directory = write_dir(tmp_path / "nosa", config, state)
+    default = ForecastKVForCausalLM.from_pretrained(directory)
+    assert default.config.sparse.policy == "nosa" and default.config.sparse.budget_blocks == 64
+    model = ForecastKVForCausalLM.from_pretrained(directory, sparse_config={**TINY_SPARSE, "policy": "nosa"})
+    torch.testing.assert_close(model.model.layers[2].self_attn.A.data, state["model.layers.2.self_attn.A"])
+    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True)
+        full = model(out.sequences).logits
+    assert rel(torch.stack(out.logits, 1), full[:, 39:-1]) < 1e-4
+
+
+def test_plain_llama_loads_dense_or_training_free_sparse(tmp_path):
+    llama = random_llama()
+    directory = tmp_path / "llama"
+    llama.save_pretrained(directory)
+    dense = ForecastKVForCausalLM.from_pretrained(directory)
+    assert dense.config.sparse is None
+    ids = torch.randint(0, 128, (1, 50), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert rel(dense(ids).logits, llama(ids).logits) < 1e-5
+    sparse = ForecastKVForCausalLM.from_pretrained(directory, sparse_config=TINY_SPARSE)
+    assert sparse.config.sparse.topk == 3
+
+
+def test_save_and_load_round_trip_and_auto_class(tmp_path):
+    config = tiny_config(sparse_config={**TINY_SPARSE, "policy": "nosa", "selector": "forecast"}, forecast={"enabled": True, "heads_per_group": 2})
+    torch.manual_seed(0)
+    model = ForecastKVForCausalLM(config).eval()
+    model.save_pretrained(tmp_path / "ours")
+    loaded = ForecastKVForCausalLM.from_pretrained(tmp_path / "ours")
+    auto = AutoModelForCausalLM.from_pretrained(tmp_path / "ours")
+    assert isinstance(auto, ForecastKVForCausalLM)
+    for other in (loaded, auto):
+        assert other.config.sparse == model.config.sparse and other.config.forecast == model.config.forecast
+        for key, value in model.state_dict().items():
+            assert torch.equal(value, other.state_dict()[key]), key
+    ids = torch.randint(0, 128, (1, 30), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, loaded(ids).logits)
+
+
+def test_forecast_weights_alone_reload_onto_base(tmp_path):
+    llama = random_llama()
+    llama.save_pretrained(tmp_path / "base")
+    trained = ForecastKVForCausalLM.from_pretrained(tmp_path / "base", sparse_config={**TINY_SPARSE, "selector": "forecast"}, forecast={"heads_per_group": 1})
+    with torch.no_grad():
+        for layer in trained.model.layers:
+            layer.self_attn.forecast_proj.weight.normal_()
+    trained.save_forecast_weights(tmp_path / "heads", base_model=str(tmp_path / "base"))
+    files = sorted(p.name for p in (tmp_path / "heads").iterdir())
+    assert files == ["forecast.safetensors", "forecast_config.json"]
+    reloaded = ForecastKVForCausalLM.from_pretrained(tmp_path / "base", forecast_weights=tmp_path / "heads")
+    assert reloaded.config.sparse.selector == "forecast"
+    for key, value in trained.state_dict().items():
+        assert torch.equal(value, reloaded.state_dict()[key]), key
+
+
+# -- bad input ---------------------------------------------------------------------------------
+
+
+def test_forecast_selector_without_heads_names_missing_layers(tmp_path):
+    random_llama().save_pretrained(tmp_path / "base")
+    with pytest.raises(CheckpointError, match=r"missing forecast_proj on layers \[0, 1\] and current_proj on layer 0"):
+        ForecastKVForCausalLM.from_pretrained(tmp_path / "base", sparse_config={**TINY_SPARSE, "selector": "forecast"})
+
+
+def test_partially_missing_heads_are_named(tmp_path):
+    config = tiny_config(forecast={"enabled": True})
+    model = ForecastKVForCausalLM(config)
+    state = {k: v for k, v in model.state_dict().items() if "layers.1.self_attn.forecast_proj" not in k}
+    write_dir(tmp_path / "partial", {**config.to_dict(), "model_type": "forecastkv"}, state)
+    with pytest.raises(CheckpointError, match=r"lacks forecast weights for layers \[1\]"):
+        ForecastKVForCausalLM.from_pretrained(tmp_path / "partial")
+
+
+def test_unknown_preset_is_rejected(tmp_path):
+    random_llama().save_pretrained(tmp_path / "base")
+    with pytest.raises(ValueError, match="unknown sparse_config preset 'nope'; known presets: .*smollm2-135m"):
+        ForecastKVForCausalLM.from_pretrained(tmp_path / "base", sparse_config="nope")
+
+
+def test_corrupt_and_partial_directories_are_rejected(tmp_path):
+    llama = random_llama()
+    llama.save_pretrained(tmp_path / "good")
+    corrupt = tmp_path / "corrupt"
+    llama.save_pretrained(corrupt)
+    weights = corrupt / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match="corrupt checkpoint file .*model.safetensors"):
+        ForecastKVForCausalLM.from_pretrained(corrupt)
+    partial = tmp_path / "partial"
+    state = {k: v for k, v in llama.state_dict().items() if "layers.2.mlp" not in k}
+    write_dir(partial, llama.config.to_dict(), state)
+    with pytest.raises(CheckpointError, match="partial checkpoint .*3 tensors missing"):
+        ForecastKVForCausalLM.from_pretrained(partial)
+    (tmp_path / "noconfig").mkdir()
+    with pytest.raises(CheckpointError, match="no config.json"):
+        ForecastKVForCausalLM.from_pretrained(tmp_path / "noconfig")
+    with pytest.raises(CheckpointError, match="neither a local directory nor a reachable hub id"):
+        ForecastKVForCausalLM.from_pretrained(tmp_path / "does-not-exist")
