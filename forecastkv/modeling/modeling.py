@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from dataclasses import dataclass
+from dataclasses import field, make_dataclass
 
 import torch
 import torch.nn.functional as F
@@ -61,17 +61,21 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
-@dataclass
-class ForecastKVOutput(ModelOutput):
-    """Causal-LM output.  The cache is set under this transformers version's name (`CACHE_KWARG`);
-    `selections` (when asked for) is a per-layer list of {"query": ids, "forecast": ids}."""
-
-    loss: torch.Tensor | None = None
-    logits: torch.Tensor | None = None
-    cache: SparseCache | None = None
-    past_key_values: SparseCache | None = None
-    hidden_states: torch.Tensor | None = None
-    selections: list | None = None
+# Causal-LM output: loss, logits, the cache under this transformers version's name (`CACHE_KWARG`;
+# only that one field exists, because 5.24 warns about any `past_key_values` field), hidden_states
+# and, when asked for, `selections`: a per-layer list of {"query": ids, "forecast": ids}.
+ForecastKVOutput = make_dataclass(
+    "ForecastKVOutput",
+    [
+        ("loss", "torch.Tensor | None", field(default=None)),
+        ("logits", "torch.Tensor | None", field(default=None)),
+        (CACHE_KWARG, "SparseCache | None", field(default=None)),
+        ("hidden_states", "torch.Tensor | None", field(default=None)),
+        ("selections", "list | None", field(default=None)),
+    ],
+    bases=(ModelOutput,),
+    namespace={"__module__": __name__},
+)
 
 
 class ForecastKVPreTrainedModel(PreTrainedModel):
