@@ -1,0 +1,135 @@
+"""Triton kernels, each beside its plain-PyTorch reference, and the dispatch between them.
+
+    block_gather(...)            host KV blocks -> device slots (persistent UVA gather)
+    sparse_decode_slots(...)     decode attention over device slot buffers
+    sparse_decode_blocks(...)    decode attention over selected blocks of a resident cache
+    block_scores(...)            decode-time block selection scores, ready for top-k
+
+Backend choice, per call: the Triton kernel when the tensors are on CUDA, or anywhere when
+`TRITON_INTERPRET=1` (Triton's CPU interpreter, used by the tests); the reference otherwise.
+`FORECASTKV_KERNELS=triton|reference|auto` (environment) or `set_backend(...)` /
+`with use_backend(...)` force one side.  Triton is imported guarded: without it every call runs
+the reference (and forcing "triton" is an error).
+
+The `*_reference`, `*_triton` and `block_gather_copy_engine` variants are exported too, with the
+same signatures, for tests and benchmarks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+from ._common import interpreting, triton_available
+from .block_gather import block_gather_copy_engine, block_gather_reference, block_gather_triton
+from .block_scores import block_scores_reference, block_scores_triton
+from .sparse_decode import (
+    sparse_decode_blocks_reference,
+    sparse_decode_blocks_triton,
+    sparse_decode_slots_reference,
+    sparse_decode_slots_triton,
+)
+
+BACKENDS = ("auto", "triton", "reference")
+ENV_VAR = "FORECASTKV_KERNELS"
+_override: str | None = None
+
+
+def _checked(name: str, source: str) -> str:
+    name = (name or "auto").strip().lower()
+    if name not in BACKENDS:
+        raise ValueError(f"unknown kernel backend {name!r} ({source}); choose one of {BACKENDS}")
+    return name
+
+
+def get_backend() -> str:
+    """The forced backend: `set_backend`'s value if any, else $FORECASTKV_KERNELS, else "auto"."""
+    if _override is not None:
+        return _override
+    return _checked(os.environ.get(ENV_VAR, "auto"), f"${ENV_VAR}")
+
+
+def set_backend(name: str | None) -> None:
+    """Force "triton" or "reference", or "auto"; None goes back to $FORECASTKV_KERNELS."""
+    global _override
+    _override = None if name is None else _checked(name, "set_backend")
+
+
+@contextlib.contextmanager
+def use_backend(name: str):
+    """Context manager: `with use_backend("reference"): ...` (restores the previous choice)."""
+    global _override
+    previous = _override
+    set_backend(name)
+    try:
+        yield
+    finally:
+        _override = previous
+
+
+def use_triton(device: torch.device | str) -> bool:
+    """Whether a kernel whose outputs live on `device` runs in Triton under the current backend."""
+    device = torch.device(device)
+    backend = get_backend()
+    if backend == "reference":
+        return False
+    runnable = device.type == "cuda" or interpreting()
+    if backend == "triton":
+        if not triton_available():
+            raise RuntimeError("kernel backend 'triton' was forced but triton is not installed")
+        if not runnable:
+            raise RuntimeError(
+                f"kernel backend 'triton' was forced for {device} tensors; Triton needs CUDA tensors "
+                f"or TRITON_INTERPRET=1 (set before the first kernel launch)"
+            )
+        return True
+    return runnable and triton_available()
+
+
+def block_gather(k_host, v_host, load_ids, k_slots, v_slots, block_size, bias_host=None, bias_slots=None, num_programs=16, check_ids=True):
+    fn = block_gather_triton if use_triton(k_slots.device) else block_gather_reference
+    return fn(k_host, v_host, load_ids, k_slots, v_slots, block_size, bias_host, bias_slots, num_programs, check_ids)
+
+
+def sparse_decode_slots(q, k_slots, v_slots, slot_lens, block_size, scale=None, bias_slots=None, out=None, lse=None, check_ids=True):
+    fn = sparse_decode_slots_triton if use_triton(q.device) else sparse_decode_slots_reference
+    return fn(q, k_slots, v_slots, slot_lens, block_size, scale, bias_slots, out, lse, check_ids)
+
+
+def sparse_decode_blocks(q, k_cache, v_cache, block_ids, lengths, block_size, scale=None, bias=None, out=None, lse=None, check_ids=True):
+    fn = sparse_decode_blocks_triton if use_triton(q.device) else sparse_decode_blocks_reference
+    return fn(q, k_cache, v_cache, block_ids, lengths, block_size, scale, bias, out, lse, check_ids)
+
+
+def block_scores(vectors, ckeys, positions, sparse, n_blocks, kind="query", lag=None, out=None):
+    fn = block_scores_triton if use_triton(vectors.device) else block_scores_reference
+    return fn(vectors, ckeys, positions, sparse, n_blocks, kind, lag, out)
+
+
+block_gather.__doc__ = block_gather_reference.__doc__
+sparse_decode_slots.__doc__ = sparse_decode_slots_reference.__doc__
+sparse_decode_blocks.__doc__ = sparse_decode_blocks_reference.__doc__
+block_scores.__doc__ = block_scores_reference.__doc__
+
+__all__ = [
+    "BACKENDS",
+    "block_gather",
+    "block_gather_copy_engine",
+    "block_gather_reference",
+    "block_gather_triton",
+    "block_scores",
+    "block_scores_reference",
+    "block_scores_triton",
+    "get_backend",
+    "set_backend",
+    "sparse_decode_blocks",
+    "sparse_decode_blocks_reference",
+    "sparse_decode_blocks_triton",
+    "sparse_decode_slots",
+    "sparse_decode_slots_reference",
+    "sparse_decode_slots_triton",
+    "use_backend",
+    "use_triton",
+]

@@ -1,0 +1,278 @@
+"""block_gather: Triton UVA gather and copy-engine path against the reference; validation; dispatch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import forecastkv.kernels as K
+
+from .conftest import CUDA, DEVICE, aot_sm90, compile_sm90, host, needs_triton
+
+GATHERS = {
+    "triton": pytest.param(K.block_gather_triton, marks=needs_triton, id="triton"),
+    "copy_engine": pytest.param(K.block_gather_copy_engine, id="copy_engine"),
+}
+
+
+def make_case(batch=2, seq=29, heads=2, dim=16, block=8, slots=3, dtype=torch.float32, bias=True, skip_frac=0.3):
+    """Host K/V(/bias) with a partial last block, random ids incl. -1 and the last (partial) block."""
+    n_blocks = -(-seq // block)
+    k_host = host(torch.randn(batch, seq, heads, dim).to(dtype))
+    v_host = host(torch.randn(batch, seq, heads, dim).to(dtype))
+    b_host = host(torch.randn(batch, seq, heads).to(dtype)) if bias else None
+    ids = torch.randint(0, n_blocks, (heads, batch, slots))
+    ids[torch.rand(ids.shape) < skip_frac] = -1
+    ids[0, 0, 0] = n_blocks - 1  # always exercise the partial last block
+    ids[-1, -1, -1] = -1  # and a skipped task
+    return k_host, v_host, b_host, ids.to(DEVICE)
+
+
+def poisoned_slots(batch, rows, heads, dim, dtype, bias):
+    nan = float("nan")
+    k = torch.full((batch, rows, heads, dim), nan, dtype=dtype, device=DEVICE)
+    b = torch.full((batch, rows, heads), nan, dtype=dtype, device=DEVICE) if bias else None
+    return k, k.clone(), b
+
+
+def run(fn, k_host, v_host, b_host, ids, block, num_programs=4):
+    batch, _, heads, dim = k_host.shape
+    rows = ids.shape[2] * block
+    k_slots, v_slots, b_slots = poisoned_slots(batch, rows, heads, dim, k_host.dtype, b_host is not None)
+    fn(k_host, v_host, ids, k_slots, v_slots, block, b_host, b_slots, num_programs=num_programs)
+    return k_slots, v_slots, b_slots
+
+
+def expected_written(ids, seq, block):
+    """bool [B, M*block, H]: the slot rows a correct gather writes."""
+    heads, batch, slots = ids.shape
+    written = torch.zeros(batch, slots * block, heads, dtype=torch.bool)
+    for h in range(heads):
+        for b in range(batch):
+            for m in range(slots):
+                i = int(ids[h, b, m])
+                if i >= 0:
+                    n = max(0, min(block, seq - i * block))
+                    written[b, m * block : m * block + n, h] = True
+    return written
+
+
+def assert_same(outs, refs):
+    for out, ref in zip(outs, refs):
+        if ref is None:
+            assert out is None
+        else:
+            assert torch.equal(out.isnan(), ref.isnan())
+            assert torch.equal(out.nan_to_num(), ref.nan_to_num())  # a copy: exact
+
+
+@pytest.mark.parametrize("fn", GATHERS.values())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [True, False])
+def test_matches_reference(fn, dtype, bias):
+    k_host, v_host, b_host, ids = make_case(dtype=dtype, bias=bias)
+    refs = run(K.block_gather_reference, k_host, v_host, b_host, ids, 8)
+    outs = run(fn, k_host, v_host, b_host, ids, 8)
+    assert_same(outs, refs)
+    # written exactly where a task lands, untouched (still NaN) everywhere else
+    written = expected_written(ids.cpu(), k_host.shape[1], 8)
+    assert torch.equal(~outs[0].isnan().all(-1).cpu(), written)
+    assert torch.equal(~outs[0].isnan().any(-1).cpu(), written)
+    if bias:
+        assert torch.equal(~outs[2].isnan().cpu(), written)
+
+
+def test_reference_values():
+    """The reference itself, on a hand-checked case: block 3 of a 29-token store is rows 24..28."""
+    k_host, v_host, b_host, _ = make_case(batch=1, heads=1, slots=2, seq=29, block=8)
+    ids = torch.tensor([[[3, 1]]], device=DEVICE)
+    k_slots, v_slots, b_slots = run(K.block_gather_reference, k_host, v_host, b_host, ids, 8)
+    assert torch.equal(k_slots[0, :5, 0].cpu(), k_host[0, 24:29, 0])
+    assert k_slots[0, 5:8].isnan().all()
+    assert torch.equal(v_slots[0, 8:16, 0].cpu(), v_host[0, 8:16, 0])
+    assert torch.equal(b_slots[0, 8:16, 0].cpu(), b_host[0, 8:16, 0])
+
+
+@needs_triton
+@pytest.mark.parametrize("num_programs", [1, 5, 40])  # 12 tasks: fewer, a non-divisor, more
+def test_program_counts(num_programs):
+    k_host, v_host, b_host, ids = make_case(batch=2, heads=2, slots=3)
+    refs = run(K.block_gather_reference, k_host, v_host, b_host, ids, 8)
+    outs = run(K.block_gather_triton, k_host, v_host, b_host, ids, 8, num_programs=num_programs)
+    assert_same(outs, refs)
+
+
+@needs_triton
+def test_odd_block_and_head_dim():
+    """Block and head dim that are not powers of two (padded tiles, masked)."""
+    k_host, v_host, b_host, ids = make_case(seq=23, dim=12, block=6, slots=2)
+    assert_same(run(K.block_gather_triton, k_host, v_host, b_host, ids, 6), run(K.block_gather_reference, k_host, v_host, b_host, ids, 6))
+
+
+@pytest.mark.parametrize("fn", GATHERS.values())
+def test_non_contiguous(fn):
+    """Strided host store (a view of a wider buffer), strided slots and transposed ids."""
+    batch, seq, heads, dim, block, slots = 2, 21, 2, 8, 4, 3
+    wide = host(torch.randn(batch, seq, heads, 2 * dim))
+    k_host, v_host = wide[..., :dim], wide[..., dim:]
+    b_host = host(torch.randn(batch, heads, seq)).transpose(1, 2)
+    ids = torch.randint(-1, -(-seq // block), (batch, heads, slots), device=DEVICE).transpose(0, 1)
+    outs, refs = [], []
+    for impl, sink in ((fn, outs), (K.block_gather_reference, refs)):
+        k_big = torch.full((batch, slots * block, heads, 2 * dim), float("nan"), device=DEVICE)
+        b_big = torch.full((batch, heads, slots * block), float("nan"), device=DEVICE)
+        k_slots, v_slots, b_slots = k_big[..., :dim], k_big[..., dim:], b_big.transpose(1, 2)
+        impl(k_host, v_host, ids, k_slots, v_slots, block, b_host, b_slots, num_programs=3)
+        sink.extend([k_slots, v_slots, b_slots])
+    assert_same(outs, refs)
+
+
+@needs_triton
+def test_unchecked_bad_ids_are_skipped():
+    """With check_ids=False an out-of-range id is skipped by the kernel, never read."""
+    k_host, v_host, b_host, ids = make_case(bias=True)
+    ids[0, 0, 1] = 10_000
+    ids[1, 0, 0] = -7
+    k_slots, v_slots, b_slots = poisoned_slots(2, 24, 2, 16, torch.float32, True)
+    K.block_gather_triton(k_host, v_host, ids, k_slots, v_slots, 8, b_host, b_slots, num_programs=4, check_ids=False)
+    assert k_slots[0, 8:16, 0].isnan().all() and b_slots[0, 0:8, 1].isnan().all()
+    good = ids.masked_fill((ids < -1) | (ids >= 4), -1)  # 29 tokens = 4 blocks of 8
+    refs = run(K.block_gather_reference, k_host, v_host, b_host, good, 8)
+    assert_same((k_slots, v_slots, b_slots), refs)
+
+
+def test_empty_store_all_skipped():
+    k_host, v_host, _, _ = make_case(seq=16, bias=False)
+    ids = torch.full((2, 2, 3), -1, device=DEVICE)
+    for fn in (K.block_gather_reference, K.block_gather_copy_engine, K.block_gather):
+        k_slots, v_slots, _ = run(fn, k_host, v_host, None, ids, 8)
+        assert k_slots.isnan().all() and v_slots.isnan().all()
+
+
+def aot_launches():
+    """The NOSI geometry (block 64, d 128), fp32 and bf16, with and without bias."""
+    for dtype in (torch.float32, torch.bfloat16):
+        k_host, v_host, b_host, ids = make_case(batch=2, seq=300, heads=2, dim=128, block=64, slots=4, dtype=dtype)
+        k_slots, v_slots, b_slots = poisoned_slots(2, 256, 2, 128, dtype, True)
+        K.block_gather_triton(k_host, v_host, ids, k_slots, v_slots, 64, b_host, b_slots, num_programs=16)
+        K.block_gather_triton(k_host, v_host, ids, k_slots, v_slots, 64, num_programs=32)
+
+
+@aot_sm90
+def test_compiles_for_sm90():
+    """Compiled-mode errors the interpreter lets through would show here, without a GPU."""
+    assert compile_sm90(__name__, "aot_launches") == 4
+
+
+# ----------------------------------------------------------------------------------------------
+# validation: rejected before launch, with the value and the limit in the message
+# ----------------------------------------------------------------------------------------------
+
+IMPLS = [K.block_gather_reference, K.block_gather_triton, K.block_gather_copy_engine, K.block_gather]
+
+
+def _args(**changes):
+    k_host, v_host, b_host, ids = make_case(seq=29, block=8, slots=3)
+    k_slots, v_slots, b_slots = poisoned_slots(2, 24, 2, 16, torch.float32, True)
+    args = dict(k_host=k_host, v_host=v_host, load_ids=ids, k_slots=k_slots, v_slots=v_slots, block_size=8,
+                bias_host=b_host, bias_slots=b_slots, num_programs=4)
+    args.update(changes)
+    return args
+
+
+@pytest.mark.parametrize("fn", IMPLS, ids=lambda f: f.__name__)
+@pytest.mark.parametrize(
+    "changes, error, match",
+    [
+        (lambda a: {"load_ids": a["load_ids"].fill_(4)}, ValueError, r"load_ids has value 4 >= 4, the limit .*S=29, block_size=8"),
+        (lambda a: {"load_ids": a["load_ids"].fill_(-2)}, ValueError, r"load_ids has value -2 < -1"),
+        (lambda a: {"load_ids": a["load_ids"].float()}, TypeError, r"load_ids has dtype torch.float32"),
+        (lambda a: {"load_ids": a["load_ids"][:, :1]}, ValueError, r"load_ids has shape \(2, 1, 3\), expected \(2, 2, 3\)"),
+        (lambda a: {"k_slots": a["k_slots"].half()}, TypeError, r"dtypes must be equal: .*k_slots=torch.float16"),
+        (lambda a: {"k_slots": a["k_slots"][:, :20]}, ValueError, r"k_slots has shape \(2, 20, 2, 16\), expected \(2, 24, 2, 16\)"),
+        (lambda a: {"v_host": a["v_host"][:, :-1]}, ValueError, r"v_host has shape .*must match k_host"),
+        (lambda a: {"bias_slots": None}, ValueError, r"bias_host and bias_slots must be given together"),
+        (lambda a: {"bias_slots": a["bias_slots"].double()}, TypeError, r"bias_slots has dtype torch.float64"),
+        (lambda a: {"block_size": 0}, ValueError, r"block_size must be a positive integer, got 0"),
+        (lambda a: {"num_programs": 0}, ValueError, r"num_programs must be a positive integer, got 0"),
+    ],
+)
+def test_rejects_bad_inputs(fn, changes, error, match):
+    args = _args()
+    args.update(changes(args))
+    with pytest.raises(error, match=match):
+        fn(**args)
+    assert args["k_slots"].isnan().all(), "nothing may be written before the error"
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_rejects_pageable_host_memory():
+    args = _args()
+    args["k_host"] = torch.randn(args["k_host"].shape)  # pageable
+    assert not args["k_host"].is_pinned()
+    for fn in (K.block_gather_triton, K.block_gather):
+        with pytest.raises(ValueError, match=r"k_host is pageable host memory.*pinned"):
+            fn(**args)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("num_programs", [16, 32, 64])
+def test_realistic_sizes_cuda(num_programs):
+    """NOSI geometry from pinned host memory (block 64, d 128, 64 slots, bf16), compiled: exact."""
+    k_host, v_host, b_host, ids = make_case(batch=4, seq=4000, heads=8, dim=128, block=64, slots=64, dtype=torch.bfloat16, skip_frac=0.5)
+    refs = run(K.block_gather_reference, k_host, v_host, b_host, ids, 64)
+    outs = run(K.block_gather_triton, k_host, v_host, b_host, ids, 64, num_programs=num_programs)
+    assert_same(outs, refs)
+
+
+# ----------------------------------------------------------------------------------------------
+# dispatch
+# ----------------------------------------------------------------------------------------------
+
+
+def test_backend_switches(monkeypatch):
+    monkeypatch.delenv("FORECASTKV_KERNELS", raising=False)
+    assert K.get_backend() == "auto"
+    with K.use_backend("reference"):
+        assert K.get_backend() == "reference" and not K.use_triton(DEVICE)
+        with K.use_backend("triton"):
+            assert K.get_backend() == "triton"
+        assert K.get_backend() == "reference"
+    assert K.get_backend() == "auto"
+    monkeypatch.setenv("FORECASTKV_KERNELS", "reference")
+    assert K.get_backend() == "reference"
+    K.set_backend("auto")
+    try:
+        assert K.get_backend() == "auto"
+    finally:
+        K.set_backend(None)
+    assert K.get_backend() == "reference"
+    monkeypatch.setenv("FORECASTKV_KERNELS", "cuda")
+    with pytest.raises(ValueError, match=r"unknown kernel backend 'cuda'"):
+        K.get_backend()
+    with pytest.raises(ValueError, match=r"unknown kernel backend 'fast'"):
+        K.set_backend("fast")
+
+
+def test_auto_backend_choice(monkeypatch):
+    monkeypatch.delenv("FORECASTKV_KERNELS", raising=False)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert not K.use_triton("cpu")
+    with K.use_backend("triton"):
+        with pytest.raises(RuntimeError, match="needs CUDA tensors or TRITON_INTERPRET=1"):
+            K.use_triton("cpu")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert K.use_triton("cpu") == K._common.triton_available()
+
+
+@needs_triton
+def test_dispatch_runs_the_kernel(monkeypatch):
+    """Forced triton and forced reference give the same slots through the public entry point."""
+    k_host, v_host, b_host, ids = make_case()
+    with K.use_backend("triton"):
+        outs = run(K.block_gather, k_host, v_host, b_host, ids, 8)
+    with K.use_backend("reference"):
+        refs = run(K.block_gather, k_host, v_host, b_host, ids, 8)
+    assert_same(outs, refs)
