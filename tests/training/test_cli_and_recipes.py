@@ -1,0 +1,53 @@
+"""The shipped recipes parse against the presets; the CLI entry runs, stops and resumes."""
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from forecastkv.modeling.configuration import SparseConfig, list_presets, load_preset
+from forecastkv.training import main
+from forecastkv.training.checkpointing import list_checkpoints
+from forecastkv.training.objective import ObjectiveConfig
+from forecastkv.training.trainer import load_recipe
+
+from .common import tiny_recipe
+
+RECIPES = sorted((Path(__file__).resolve().parents[2] / "configs" / "train").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=[p.stem for p in RECIPES])
+def test_recipes_are_valid(path):
+    recipe = load_recipe(path)
+    sparse = recipe["model"]["sparse_config"]
+    if isinstance(sparse, str) and sparse in list_presets():
+        sparse = load_preset(sparse)["sparse_config"]
+    elif isinstance(sparse, str):
+        sparse = recipe["model"]["sparse_config_fallback"]
+    ObjectiveConfig.from_dict(recipe["objective"]).check_against(SparseConfig.from_dict(sparse))
+    assert recipe["train"]["global_batch"] % recipe["train"]["micro_batch"] == 0
+
+
+def test_sparda_recipes_match_the_release():
+    for name, length in (("sparda-minicpm4.1-8b", 65536), ("sparda-nosa-8b", 32768)):
+        recipe = load_recipe(Path(RECIPES[0]).parent / f"{name}.yaml")
+        train = recipe["train"]
+        assert (train["steps"], train["global_batch"], recipe["data"]["seq_len"]) == (2000, 32, length)
+        assert (train["lr"], train["betas"], train["eps"], train["weight_decay"], train["grad_clip"]) == (5e-4, [0.9, 0.95], 1e-6, 0.01, 0.5)
+        assert recipe["model"]["sparse_config"] == name
+
+
+def test_cli_stop_and_resume(tmp_path):
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump(tiny_recipe(tmp_path / "data", tmp_path / "unused", steps=3)))
+    out = tmp_path / "run"
+    assert main(["--config", str(config), "--output", str(out), "--max-steps", "1", "--no-progress"]) == 0
+    assert [p.name for p in list_checkpoints(out)] == ["step-000001.pt"]
+    assert main(["--resume", str(out), "--no-progress"]) == 0           # the recipe comes from the checkpoint
+    assert [p.name for p in list_checkpoints(out)][-1] == "step-000003.pt"
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3]
+    assert (out / "forecast.safetensors").is_file() and (out / "forecast_config.json").is_file()
+    with pytest.raises(SystemExit):
+        main([])

