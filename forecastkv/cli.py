@@ -82,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["train-forecast"]:  # the trainer owns its own options (argparse would eat --help)
+        return _train_forecast(argparse.Namespace(rest=argv[1:]))
     args = build_parser().parse_args(argv)
     return args.run(args)
 
