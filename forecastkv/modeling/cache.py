@@ -145,11 +145,11 @@ class SparseCacheLayer(CacheLayerMixin):
         pos = (selection.clamp(min=0).unsqueeze(-1) * block_size + offsets).view(batch, heads, width * block_size)
         exists = (selection >= 0).repeat_interleave(block_size, dim=-1) & (pos < self.lengths.view(-1, 1, 1))
         index = pos.clamp(max=self.keys.shape[1] - 1)
-        head_major = lambda t: t.transpose(1, 2)  # [B, S, H, ...] -> [B, H, S, ...]
-        gather_idx = index.unsqueeze(-1).expand(-1, -1, -1, self.keys.shape[-1])
-        keys = torch.gather(head_major(self.keys), 2, gather_idx)
-        values = torch.gather(head_major(self.values), 2, gather_idx)
-        bias = None if self.cis is None else torch.gather(head_major(self.cis), 2, index)
+        rows = torch.arange(batch, device=index.device).view(-1, 1, 1)
+        heads_idx = torch.arange(heads, device=index.device).view(1, -1, 1)
+        # advanced indexing copies whole d-rows (a gather over a transposed view is several x slower)
+        keys, values = self.keys[rows, index, heads_idx], self.values[rows, index, heads_idx]
+        bias = None if self.cis is None else self.cis[rows, index, heads_idx]
         return keys, values, pos.masked_fill(~exists, -1), bias
 
     # -- full views (prefill and dense paths) ----------------------------------------------------

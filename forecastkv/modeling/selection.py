@@ -80,8 +80,10 @@ def _head_logits(vectors: torch.Tensor, ckeys: torch.Tensor, scale: float) -> to
     """vectors [B, Tq, H*n, d], ckeys [B, C, H, d] -> fp32 logits [B, H, n, Tq, C]."""
     batch, rows, heads_total, dim = vectors.shape
     heads = ckeys.shape[2]
-    v = vectors.float().view(batch, rows, heads, heads_total // heads, dim)
-    return torch.einsum("bthnd,bchd->bhntc", v, ckeys.float()) * scale
+    per = heads_total // heads
+    v = vectors.float().view(batch, rows, heads, per, dim).permute(0, 2, 3, 1, 4)  # [B, H, n, Tq, d]
+    k = ckeys.float().permute(0, 2, 3, 1).unsqueeze(2)                               # [B, H, 1, d, C]
+    return torch.matmul(v, k) * scale
 
 
 def group_softmax_scores(
