@@ -11,7 +11,6 @@ from .objective import ObjectiveConfig, layer_loss
 from .trainer import TrainResult, evaluate, forward_backward, load_recipe, train_forecast
 
 
-
 def main(argv: list[str] | None = None) -> int:
     """`forecastkv train-forecast [--config X] [--resume DIR] [--output DIR] [--max-steps N]`."""
     from .cli import main as cli_main

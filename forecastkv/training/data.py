@@ -10,7 +10,8 @@ Sources (`load_texts`):
     e.g. ProLong's `input_ids`) skip the tokenizer.
 
 `PackedSequences` concatenates the documents (each followed by EOS), cuts the stream into
-sequences of `seq_len` tokens (the tail is dropped), and visits them in a shuffled order that
+sequences of `seq_len` tokens (the tail is dropped) -- or, with `pack=False`, uses each row of a
+pre-tokenised `datasets` corpus as one sequence, read lazily -- and visits them in a shuffled order that
 depends only on (seed, epoch).  It records its position (`state_dict` / `load_state_dict`) so a
 resumed run continues with exactly the sequences the interrupted one would have seen next.
 """
@@ -73,6 +74,28 @@ def _read_local(paths: Iterable, text_field: str) -> list[str]:
     return texts
 
 
+def open_dataset(source, split: str, field: str):
+    """A `datasets` dataset (hub name, `load_dataset` path, or a `save_to_disk` directory) with
+    column `field`.  `datasets` is imported here, and only here."""
+    try:
+        import datasets
+    except ImportError as error:
+        raise ImportError(
+            f"data source {source!r} is not a local .txt/.jsonl path, so it needs the `datasets` package: "
+            "pip install 'forecastkv[data]'"
+        ) from error
+    path = Path(str(source))
+    if path.is_dir() and ((path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file()):
+        dataset = datasets.load_from_disk(str(path))
+        if isinstance(dataset, datasets.DatasetDict):
+            dataset = dataset[split]
+    else:
+        dataset = datasets.load_dataset(str(source), split=split)
+    if field not in dataset.column_names:
+        raise ValueError(f"dataset {source!r} has no column {field!r} (columns: {dataset.column_names})")
+    return dataset
+
+
 def load_documents(
     source="bundled", split: str = "train", text_field: str = "text", token_field: str | None = None, max_documents: int | None = None
 ) -> list:
@@ -84,20 +107,34 @@ def load_documents(
     elif _is_local_source(source):
         docs = _read_local(source if isinstance(source, (list, tuple)) else [source], text_field)
     else:
-        try:
-            import datasets
-        except ImportError as error:
-            raise ImportError(
-                f"data source {source!r} is not a local .txt/.jsonl path, so it needs the `datasets` package: "
-                "pip install 'forecastkv[data]'"
-            ) from error
-        dataset = datasets.load_dataset(str(source), split=split)
         field = token_field or text_field
-        if field not in dataset.column_names:
-            raise ValueError(f"dataset {source!r} has no column {field!r} (columns: {dataset.column_names})")
+        dataset = open_dataset(source, split, field)
         count = len(dataset) if max_documents is None else min(max_documents, len(dataset))
         docs = [dataset[i][field] for i in range(count)]
     return docs[:max_documents] if max_documents is not None else docs
+
+
+class DatasetRows:
+    """Pre-packed rows of a `datasets` dataset used as they are (ProLong-64K style, `data.pack:
+    false`): row i -> its first `seq_len` token ids, read on access, so nothing is materialised."""
+
+    def __init__(self, dataset, field: str, seq_len: int, source: str = "dataset") -> None:
+        self.dataset, self.field, self.seq_len, self.source = dataset, field, seq_len, source
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, rows) -> torch.Tensor:
+        out = []
+        for i in rows:
+            ids = self.dataset[int(i)][self.field]
+            if len(ids) < self.seq_len:
+                raise ValueError(
+                    f"row {int(i)} of {self.source!r} has {len(ids)} tokens, fewer than seq_len={self.seq_len}; "
+                    "set data.pack: true to concatenate rows instead"
+                )
+            out.append(torch.as_tensor(ids[: self.seq_len], dtype=torch.long))
+        return torch.stack(out)
 
 
 def tokenize_documents(documents: Sequence, tokenizer, eos_token_id: int | None = None) -> torch.Tensor:
@@ -118,25 +155,29 @@ def tokenize_documents(documents: Sequence, tokenizer, eos_token_id: int | None 
 class PackedSequences:
     """`[N, seq_len]` token sequences visited in a seeded, per-epoch shuffled order.
 
-    take(count) returns the next `count` sequences [count, seq_len] (crossing epochs as needed).
-    The position (epoch, cursor) is what `state_dict` records.
+    tokens: one int stream [n] (cut into n // seq_len sequences, kept in memory as int32 when the
+    vocabulary allows), or a `DatasetRows` (read on access).  take(count) returns the next `count`
+    sequences [count, seq_len] int64 (crossing epochs as needed); first(count) the first `count` in
+    storage order.  The position (epoch, cursor) is what `state_dict` records.
     """
 
-    def __init__(self, tokens: torch.Tensor, seq_len: int, seed: int = 0, shuffle: bool = True, name: str = "dataset") -> None:
+    def __init__(self, tokens, seq_len: int, seed: int = 0, shuffle: bool = True, name: str = "dataset") -> None:
         if seq_len < 1:
             raise ValueError(f"seq_len must be positive, got {seq_len}")
-        count = tokens.numel() // seq_len
-        if count == 0:
-            raise ValueError(
-                f"{name} has {tokens.numel()} tokens, fewer than one sequence of seq_len={seq_len}"
-            )
-        self.sequences = tokens[: count * seq_len].view(count, seq_len)
+        if isinstance(tokens, DatasetRows):
+            self.sequences = tokens
+        else:
+            count = tokens.numel() // seq_len
+            if count == 0:
+                raise ValueError(f"{name} has {tokens.numel()} tokens, fewer than one sequence of seq_len={seq_len}")
+            small = tokens.numel() == 0 or int(tokens.max()) < 2**31
+            self.sequences = tokens[: count * seq_len].to(torch.int32 if small else torch.long).view(count, seq_len)
         self.seq_len, self.seed, self.shuffle, self.name = seq_len, seed, shuffle, name
         self.epoch, self.cursor = 0, 0
         self._order_epoch, self._order = None, None
 
     def __len__(self) -> int:
-        return self.sequences.shape[0]
+        return len(self.sequences)
 
     def order(self, epoch: int) -> torch.Tensor:
         if self._order_epoch != epoch:
@@ -152,7 +193,10 @@ class PackedSequences:
             self.cursor += 1
             if self.cursor == len(self):
                 self.epoch, self.cursor = self.epoch + 1, 0
-        return self.sequences[rows]
+        return self.sequences[rows].long()
+
+    def first(self, count: int) -> torch.Tensor:
+        return self.sequences[list(range(min(count, len(self))))].long()
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "cursor": self.cursor, "seed": self.seed, "num_sequences": len(self), "seq_len": self.seq_len}
@@ -170,16 +214,30 @@ class PackedSequences:
 def build_sequences(
     source, tokenizer, seq_len: int, *, split: str = "train", text_field: str = "text", token_field: str | None = None,
     max_documents: int | None = None, seed: int = 0, shuffle: bool = True, min_sequences: int = 1, name: str = "training data",
+    pack: bool = True,
 ) -> PackedSequences:
-    """Load, tokenise and pack `source`; error if it yields fewer than `min_sequences` sequences."""
-    docs = load_documents(source, split, text_field, token_field, max_documents)
-    if not docs:
-        raise ValueError(f"{name} {source!r} (split {split!r}) is empty")
-    tokens = tokenize_documents(docs, tokenizer)
-    packed = PackedSequences(tokens, seq_len, seed=seed, shuffle=shuffle, name=f"{name} {source!r}")
+    """Load, tokenise and pack `source`; error if it yields fewer than `min_sequences` sequences.
+
+    pack=False (a `datasets` source with a `token_field` only): use each row as one sequence,
+    truncated to `seq_len`, read lazily (for corpora too large to hold as one stream).
+    """
+    if not pack:
+        if token_field is None or _is_local_source(source) or (isinstance(source, str) and source.startswith("bundled")):
+            raise ValueError("data.pack: false needs a `datasets` source with pre-tokenised rows (data.token_field)")
+        dataset = open_dataset(source, split, token_field)
+        if max_documents is not None:
+            dataset = dataset.select(range(min(max_documents, len(dataset))))
+        if len(dataset) == 0:
+            raise ValueError(f"{name} {source!r} (split {split!r}) is empty")
+        packed = PackedSequences(DatasetRows(dataset, token_field, seq_len, str(source)), seq_len, seed=seed, shuffle=shuffle, name=f"{name} {source!r}")
+        total = f"{len(dataset)} rows"
+    else:
+        docs = load_documents(source, split, text_field, token_field, max_documents)
+        if not docs:
+            raise ValueError(f"{name} {source!r} (split {split!r}) is empty")
+        tokens = tokenize_documents(docs, tokenizer)
+        packed = PackedSequences(tokens, seq_len, seed=seed, shuffle=shuffle, name=f"{name} {source!r}")
+        total = f"{tokens.numel()} tokens"
     if len(packed) < min_sequences:
-        raise ValueError(
-            f"{name} {source!r} yields {len(packed)} sequences of seq_len={seq_len} ({tokens.numel()} tokens); "
-            f"need at least {min_sequences}"
-        )
+        raise ValueError(f"{name} {source!r} yields {len(packed)} sequences of seq_len={seq_len} ({total}); need at least {min_sequences}")
     return packed

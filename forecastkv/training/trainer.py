@@ -57,6 +57,7 @@ DEFAULTS: dict = {
         "text_field": "text",
         "token_field": None,
         "max_documents": None,
+        "pack": True,                 # False: each pre-tokenised dataset row is one sequence (lazy)
         "tokenizer": None,            # None: the model's; "bytes": ByteTokenizer (tests)
         "seq_len": 1024,
         "shuffle_seed": 0,
@@ -163,7 +164,7 @@ def build_model(model_cfg: dict, device: torch.device):
             path = bundled_model_path(path.split(":", 1)[1])
         kwargs = {"forecast_weights": model_cfg["forecast_weights"]} if model_cfg["forecast_weights"] else {"forecast": forecast}
         model = ForecastKVForCausalLM.from_pretrained(path, sparse_config=sparse, **kwargs)
-        base = str(model_cfg["path"])
+        base = path  # what from_pretrained read (bundled names resolved to their directory)
     elif model_cfg["config"] is not None:
         settings = {**model_cfg["config"], "forecast": forecast}
         if sparse is not None:
@@ -450,7 +451,7 @@ def train_forecast(config_path_or_dict, **overrides) -> TrainResult:
     data = build_sequences(
         data_cfg["source"], tokenizer, seq_len, split=data_cfg["split"], text_field=data_cfg["text_field"],
         token_field=data_cfg["token_field"], max_documents=data_cfg["max_documents"], seed=data_cfg["shuffle_seed"],
-        min_sequences=train["global_batch"], name="training data",
+        min_sequences=train["global_batch"], name="training data", pack=data_cfg["pack"],
     )
     eval_seqs = None
     if data_cfg["eval_source"] and data_cfg["eval_sequences"] > 0:
@@ -458,7 +459,7 @@ def train_forecast(config_path_or_dict, **overrides) -> TrainResult:
             data_cfg["eval_source"], tokenizer, data_cfg["eval_seq_len"] or seq_len, split=data_cfg["eval_split"], text_field=data_cfg["text_field"],
             token_field=data_cfg["token_field"], shuffle=False, name="eval data",
         )
-        eval_seqs = held.sequences[: data_cfg["eval_sequences"]]
+        eval_seqs = held.first(data_cfg["eval_sequences"])
 
     # -- optimizer -----------------------------------------------------------------------------
     optimizer = torch.optim.AdamW(params, lr=train["lr"], betas=tuple(train["betas"]), eps=train["eps"], weight_decay=train["weight_decay"])

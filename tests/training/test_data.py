@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from forecastkv.training.data import ByteTokenizer, PackedSequences, build_sequences, load_documents, tokenize_documents
+from forecastkv.training.data import ByteTokenizer, DatasetRows, PackedSequences, build_sequences, load_documents, tokenize_documents
 
 
 def test_txt_jsonl_and_directories(tmp_path):
@@ -41,6 +41,20 @@ def test_packing_order_and_resume():
     assert epoch0.tolist() == list(range(0, 100, 10))                            # each sequence once per epoch
     with pytest.raises(ValueError, match=r"checkpoint's num_sequences=10 but this dataset has num_sequences=9"):
         PackedSequences(torch.arange(95), seq_len=10, seed=3).load_state_dict(state)
+
+
+def test_unpacked_rows_are_read_lazily():
+    """pack: false -- each pre-tokenised row is one sequence (truncated), read on access."""
+    rows = [{"input_ids": list(range(100 * i, 100 * i + 12))} for i in range(5)] + [{"input_ids": [1, 2]}]
+    data = PackedSequences(DatasetRows(rows, "input_ids", 10, "rows"), seq_len=10, seed=0, shuffle=False)
+    assert len(data) == 6
+    assert data.take(2).tolist() == [list(range(10)), list(range(100, 110))]
+    assert data.first(1).tolist() == [list(range(10))]
+    data.take(3)
+    with pytest.raises(ValueError, match=r"row 5 of 'rows' has 2 tokens, fewer than seq_len=10; set data.pack: true"):
+        data.take(1)
+    with pytest.raises(ValueError, match=r"data.pack: false needs a `datasets` source"):
+        build_sequences("bundled", ByteTokenizer(), 8, pack=False)
 
 
 def test_too_short_and_empty(tmp_path):
