@@ -46,7 +46,6 @@ DEFAULTS: dict = {
         "config": None,               # ForecastKVConfig kwargs for a random model (tests)
         "seed": 0,                    # weights of a random `config` model
         "sparse_config": None,        # preset name or dict; None keeps the checkpoint's own
-        "sparse_config_fallback": None,  # used when `sparse_config` names a preset that is missing
         "forecast": {"heads_per_group": 1, "init": "kaiming"},
         "forecast_weights": None,     # start from trained heads (a forecast.safetensors directory)
         "dtype": "auto",              # auto: bfloat16 on CUDA, float32 on CPU
@@ -101,7 +100,7 @@ def _merge(base: dict, override: dict, where: str = "") -> dict:
     for key, value in override.items():
         if key not in base:
             raise ValueError(f"unknown recipe key {where + key!r}; allowed: {sorted(base)}")
-        if isinstance(base[key], dict) and isinstance(value, dict) and key not in ("config", "sparse_config", "sparse_config_fallback"):
+        if isinstance(base[key], dict) and isinstance(value, dict) and key not in ("config", "sparse_config"):
             out[key] = _merge(base[key], value, f"{where}{key}.")
         else:
             out[key] = copy.deepcopy(value)
@@ -138,22 +137,13 @@ def load_recipe(config_path_or_dict, **overrides) -> dict:
 # ----------------------------------------------------------------------------------------------
 
 
-def _resolve_sparse(model_cfg: dict):
-    from forecastkv.modeling.configuration import list_presets
-
-    sparse = model_cfg["sparse_config"]
-    if isinstance(sparse, str) and sparse not in list_presets() and model_cfg.get("sparse_config_fallback"):
-        return model_cfg["sparse_config_fallback"]
-    return sparse
-
-
 def build_model(model_cfg: dict, device: torch.device):
     """(model, base name).  The base is frozen; Forecast heads exist (created when the checkpoint
     lacks them) and are float32."""
     from forecastkv import ForecastKVConfig, ForecastKVForCausalLM
 
     forecast = {**model_cfg["forecast"], "enabled": True}
-    sparse = _resolve_sparse(model_cfg)
+    sparse = model_cfg["sparse_config"]
     cuda = device.type == "cuda"
     dtype = {"auto": torch.bfloat16 if cuda else torch.float32, "bfloat16": torch.bfloat16, "float32": torch.float32}[model_cfg["dtype"]]
     if model_cfg["path"] is not None:

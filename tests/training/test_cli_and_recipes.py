@@ -21,10 +21,9 @@ RECIPES = sorted((Path(__file__).resolve().parents[2] / "configs" / "train").glo
 def test_recipes_are_valid(path):
     recipe = load_recipe(path)
     sparse = recipe["model"]["sparse_config"]
-    if isinstance(sparse, str) and sparse in list_presets():
+    if isinstance(sparse, str):
+        assert sparse in list_presets(), sparse
         sparse = load_preset(sparse)["sparse_config"]
-    elif isinstance(sparse, str):
-        sparse = recipe["model"]["sparse_config_fallback"]
     ObjectiveConfig.from_dict(recipe["objective"]).check_against(SparseConfig.from_dict(sparse))
     assert recipe["train"]["global_batch"] % recipe["train"]["micro_batch"] == 0
 
