@@ -238,7 +238,10 @@ def save_forecast_weights(model, directory: str | os.PathLike, base_model: str |
     tensors = forecast_state_dict(model)
     if not tensors:
         raise ValueError("the model has no forecast heads to save")
-    meta = {"forecast": model.config.forecast, "sparse_config": model.config.sparse_config, "base_model": base_model}
+    sparse = model.config.sparse_config
+    # the heads exist to select blocks: reloading them onto a base turns the forecast selector on
+    sparse = None if sparse is None else {**sparse, "selector": "forecast"}
+    meta = {"forecast": model.config.forecast, "sparse_config": sparse, "base_model": base_model}
     for name, write in ((FORECAST_WEIGHTS, lambda p: save_file(tensors, p)), (FORECAST_CONFIG, lambda p: Path(p).write_text(json.dumps(meta, indent=2)))):
         fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.")
         os.close(fd)
