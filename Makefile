@@ -22,7 +22,9 @@ demo: install
 	$(OFFLINE) $(VENV)/bin/forecastkv demo
 
 test: install
-	$(OFFLINE) TRITON_INTERPRET=1 $(PY) -m pytest -q -x --timeout=900
+	@# pytest exits 5 when it collected nothing: say so, and fail
+	$(OFFLINE) TRITON_INTERPRET=1 $(PY) -m pytest -q -x --timeout=900; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 clean:
 	rm -rf $(VENV) .pytest_cache
