@@ -189,15 +189,16 @@ class ForecastKVModel(ForecastKVPreTrainedModel):
             if want_forecast and idx == 0:
                 forecast = attn.project_forecast(normed, cos, sin, "current_proj")
             next_forecast = attn.project_forecast(normed, cos, sin) if want_forecast and idx < last else None
-            record = {} if collect_selections else None
-            out = attn(normed, positions, cos, sin, cache.layers[idx], forecast_in=forecast, selection=planned, selections_out=record)
-            planned = None
+            planned_next = None
             if forecast_selector and decode and next_forecast is not None:
-                # plan layer idx+1 from this layer's forecast (the runtime prefetches it meanwhile)
+                # plan layer idx+1 before this layer attends, so a runtime can fetch its blocks meanwhile
                 nxt = self.layers[idx + 1].self_attn
                 if cache.layers[idx + 1].is_initialized and not nxt._any_dense(positions):
-                    planned = nxt.select(next_forecast, positions, cache.layers[idx + 1], "forecast")
-                    cache.layers[idx + 1].plan(planned[:, :, 0], sparse.block_size)
+                    planned_next = nxt.select(next_forecast, positions, cache.layers[idx + 1], "forecast")
+                    cache.layers[idx + 1].plan(planned_next[:, :, 0], sparse.block_size)
+            record = {} if collect_selections else None
+            out = attn(normed, positions, cos, sin, cache.layers[idx], forecast_in=forecast, selection=planned, selections_out=record)
+            planned = planned_next
             if selections is not None:
                 selections.append(record)
             hidden = hidden + out * residual_scale
