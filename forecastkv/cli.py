@@ -14,7 +14,6 @@ def _demo(args) -> int:
 
 
 def _generate(args) -> int:
-    import torch
     from transformers import AutoTokenizer
 
     from . import ForecastKVForCausalLM, bundled_model_path

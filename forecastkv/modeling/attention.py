@@ -7,7 +7,6 @@ decode step reads only its selected blocks through `cache_layer.blocks()`.
 
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.nn.functional as F
