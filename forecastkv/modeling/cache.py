@@ -110,8 +110,9 @@ class SparseCacheLayer(CacheLayerMixin):
         """Compute the windows completed by the last append (per sequence counts differ; windows
         past a sequence's own count hold partial data and are never visible to its queries)."""
         size, stride = kernel
-        first = min(num_compressed(int(n), size, stride) for n in old_lengths.tolist())
-        last = max(num_compressed(int(n), size, stride) for n in self.lengths.tolist())
+        # num_compressed is monotonic in the length: the extremes bound every sequence's window range
+        first = num_compressed(int(old_lengths.min()), size, stride)
+        last = num_compressed(int(self.lengths.max()), size, stride)
         ckeys = _grow(ckeys, max(last, 1), self.keys[:, :1])
         if last > first:
             span = self.keys[:, first * stride : (last - 1) * stride + size]
@@ -120,14 +121,12 @@ class SparseCacheLayer(CacheLayerMixin):
 
     def compressed_keys(self) -> torch.Tensor:
         """[B, C, H, d]: compressed keys up to the longest sequence (visibility masks the rest)."""
-        count = max(num_compressed(int(n), *self.kernel) for n in self.lengths.tolist())
-        return self.ckeys[:, :count]
+        return self.ckeys[:, : num_compressed(int(self.lengths.max()), *self.kernel)]
 
     def coarse_compressed_keys(self) -> torch.Tensor | None:
         if self.coarse is None:
             return None
-        count = max(num_compressed(int(n), *self.coarse) for n in self.lengths.tolist())
-        return self.coarse_keys[:, :count]
+        return self.coarse_keys[:, : num_compressed(int(self.lengths.max()), *self.coarse)]
 
     def plan(self, selection: torch.Tensor, block_size: int | None = None) -> None:
         """Resident cache: nothing to move.  Remembers the plan and, given `block_size`, the share
