@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = commands.add_parser("generate", help="greedy generation from a prompt (argument or stdin)")
     gen.add_argument("--model", default="smollm2-135m", help="a checkpoint directory, hub id, or smollm2-135m")
-    gen.add_argument("--sparse-config", default=None, help="a preset name from configs/models (default: the checkpoint's)")
+    gen.add_argument("--sparse-config", default=None, help="a preset name from forecastkv/presets (default: the checkpoint's)")
     gen.add_argument("--forecast-weights", default=None, help="a directory written by train-forecast")
     gen.add_argument("--prompt", default=None)
     gen.add_argument("--max-new-tokens", type=int, default=64)

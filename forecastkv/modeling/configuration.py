@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, fields
-from pathlib import Path
+from importlib import resources
 from typing import Any
 
 from transformers import PreTrainedConfig
 
-PRESET_DIR = Path(__file__).resolve().parents[2] / "configs" / "models"
+# Presets are package data (forecastkv/presets/*.json), so any install -- wheel, sdist or editable --
+# finds them; `configs/` at the repository root holds only run recipes.
+PRESET_DIR = resources.files("forecastkv") / "presets"
 
 
 def _check_keys(kind: str, given: dict, allowed: set[str]) -> None:
@@ -160,17 +162,17 @@ class MupConfig:
 
 
 def list_presets() -> list[str]:
-    return sorted(p.stem for p in PRESET_DIR.glob("*.json"))
+    """Names of the shipped presets (`forecastkv/presets/<name>.json`)."""
+    return sorted(entry.name[: -len(".json")] for entry in PRESET_DIR.iterdir() if entry.name.endswith(".json"))
 
 
 def load_preset(name: str) -> dict:
-    """The JSON preset `configs/models/<name>.json` as a dict (keys: `sparse_config`, optional
-    `forecast`, and optional architecture fields)."""
-    path = PRESET_DIR / f"{name}.json"
-    if not path.is_file():
+    """The shipped preset `forecastkv/presets/<name>.json` as a dict (keys: `sparse_config`,
+    optional `forecast`, and optional architecture fields)."""
+    entry = PRESET_DIR / f"{name}.json"
+    if not isinstance(name, str) or "/" in name or not entry.is_file():
         raise ValueError(f"unknown sparse_config preset {name!r}; known presets: {list_presets()}")
-    with open(path) as f:
-        return json.load(f)
+    return json.loads(entry.read_text())
 
 
 def resolve_sparse_config(value: str | dict | SparseConfig | None) -> dict | None:
@@ -238,9 +240,9 @@ class ForecastKVConfig(PreTrainedConfig):
             rope_parameters.setdefault("rope_type", rope_parameters.pop("type", "default"))
             rope_parameters.setdefault("rope_theta", legacy_theta if legacy_theta is not None else 10000.0)
         self.rope_parameters = rope_parameters
-        self.mup = MupConfig.from_dict(mup).to_dict() if mup is not None else None
-        self.sparse_config = resolve_sparse_config(sparse_config)
-        self.forecast = ForecastConfig.from_dict(forecast).to_dict()
+        self.mup = mup                      # validated and parsed in __setattr__
+        self.sparse_config = sparse_config  # a preset name, a dict, a SparseConfig or None
+        self.forecast = forecast
         if not isinstance(query_chunk_size, int) or query_chunk_size < 1:
             raise ValueError(f"query_chunk_size must be a positive integer, got {query_chunk_size!r}")
         self.query_chunk_size = query_chunk_size
@@ -269,17 +271,41 @@ class ForecastKVConfig(PreTrainedConfig):
                 "sparse_config.selector='forecast' needs forecast heads: pass forecast={'enabled': True, ...}"
             )
 
+    # The three parts are validated and parsed once, when assigned; reading `config.sparse` on the
+    # hot path (every layer, every step) returns the stored dataclass instead of rebuilding it.
+    _PARSED = {"sparse_config": "_parsed_sparse", "forecast": "_parsed_forecast", "mup": "_parsed_mup"}
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        if key == "sparse_config":
+            value = resolve_sparse_config(value)
+            super().__setattr__("_parsed_sparse", SparseConfig.from_dict(value))
+        elif key == "forecast":
+            parsed = ForecastConfig.from_dict(value)
+            value = parsed.to_dict()
+            super().__setattr__("_parsed_forecast", parsed)
+        elif key == "mup":
+            parsed = MupConfig.from_dict(value)
+            value = None if parsed is None else parsed.to_dict()
+            super().__setattr__("_parsed_mup", parsed)
+        super().__setattr__(key, value)
+
+    def to_dict(self) -> dict[str, Any]:
+        output = super().to_dict()
+        for private in self._PARSED.values():
+            output.pop(private, None)
+        return output
+
     @property
     def sparse(self) -> SparseConfig | None:
-        return SparseConfig.from_dict(self.sparse_config)
+        return self.__dict__["_parsed_sparse"]
 
     @property
     def forecast_config(self) -> ForecastConfig:
-        return ForecastConfig.from_dict(self.forecast)
+        return self.__dict__["_parsed_forecast"]
 
     @property
     def mup_config(self) -> MupConfig | None:
-        return MupConfig.from_dict(self.mup)
+        return self.__dict__["_parsed_mup"]
 
     @property
     def num_key_value_groups(self) -> int:
