@@ -13,6 +13,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import selection as sel
+from .prefill import (
+    can_use_flex,
+    chunked_sparse_attention,
+    dense_attention,
+    dense_sequences,
+    flex_sparse_attention,
+    pack_block_bits,
+    row_block_masks,
+    use_flex,
+)
 from .rope import apply_rope
 
 
@@ -31,13 +41,6 @@ def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowe
         mask = torch.where(allowed, bias.unsqueeze(2).to(query.dtype), float("-inf"))
     out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask)
     return out.masked_fill(empty, 0.0)
-
-
-def block_key_mask(ids: torch.Tensor, key_count: int, block_size: int) -> torch.Tensor:
-    """Selection ids [B, H, R, K] -> bool [B, H, R, key_count] over key positions."""
-    n_blocks = sel.num_blocks(key_count, block_size)
-    blocks = sel.selection_mask(ids, n_blocks)
-    return blocks.repeat_interleave(block_size, dim=-1)[..., :key_count]
 
 
 class SparseAttention(nn.Module):
@@ -151,8 +154,9 @@ class SparseAttention(nn.Module):
         return self.o_proj(out.reshape(batch, length, self.num_heads * d))
 
     def _any_dense(self, positions: torch.Tensor) -> bool:
-        valid = positions[positions >= 0]
-        return valid.numel() > 0 and self.sparse.is_dense_at(int(valid.min()) + 1)
+        """Whether a sequence of this call attends densely (MiniCPM's rule: `prefill.dense_sequences`)."""
+        stored = (positions >= 0).any(dim=1)
+        return bool((dense_sequences(positions, self.sparse) & stored).any())
 
     def _record(self, out: dict | None, q, forecast_in, positions, cache_layer, selection, selector) -> None:
         """Store both selectors' choices (the one in use is `selection`) for recall measurements."""
@@ -172,31 +176,43 @@ class SparseAttention(nn.Module):
         return out.reshape(batch, 1, self.num_heads, self.head_dim)
 
     def _attend_chunks(self, q, forecast_in, positions, cache_layer, selections_out, selector) -> torch.Tensor:
-        """All rows, in query chunks, against the full stored keys with per-row block masks."""
+        """All rows of a multi-token call (and decode steps of a batch holding a dense sequence).
+
+        q [B, T, Hq, d] -> [B, T, Hq, d].  Each sequence is dense or sparse for the whole call
+        (`prefill.dense_sequences`).  Sparse rows are selected in query chunks and attend only
+        their blocks (`prefill.chunked_sparse_attention`, or FlexAttention on CUDA), so memory is
+        O(chunk x selected keys); K/V are never repeated per query head.
+        """
         keys, values, cis, count = cache_layer.full()
-        keys = keys.transpose(1, 2).repeat_interleave(self.group, dim=1)      # [B, Hq, S, d]
-        values = values.transpose(1, 2).repeat_interleave(self.group, dim=1)
-        bias = None if cis is None else cis.transpose(1, 2).repeat_interleave(self.group, dim=1)
-        key_pos = torch.arange(count, device=q.device)
         sparse = self.sparse
-        outputs, records = [], {}
+        dense = dense_sequences(positions, sparse)
+        all_dense = bool(dense.all())
+        if sparse is None or (all_dense and selections_out is None):
+            return dense_attention(q, keys, values, cis, positions, self.config.query_chunk_size)
+        n_blocks = sel.num_blocks(count, sparse.block_size)
+        flex = not all_dense and not bool(dense.any()) and use_flex(q) and can_use_flex(q, positions, count)
+        outputs, bits, records = [], [], {}
         for start in range(0, q.shape[1], self.config.query_chunk_size):
             rows = slice(start, start + self.config.query_chunk_size)
             pos = positions[:, rows]
-            query = q[:, rows].transpose(1, 2)                                 # [B, Hq, R, d]
-            allowed = (key_pos.view(1, 1, -1) <= pos.unsqueeze(-1)).unsqueeze(1)  # [B, 1, R, S]
-            if sparse is not None:
-                f_rows = None if forecast_in is None else forecast_in[:, rows]
+            f_rows = None if forecast_in is None else forecast_in[:, rows]
+            ids = self.select(q[:, rows] if selector == "query" else f_rows, pos, cache_layer, selector)
+            if selections_out is not None:
                 chunk_records: dict = {}
-                ids = self.select(q[:, rows] if selector == "query" else f_rows, pos, cache_layer, selector)
-                if selections_out is not None:
-                    self._record(chunk_records, q[:, rows], f_rows, pos, cache_layer, ids, selector)
-                    for key, value in chunk_records.items():
-                        records.setdefault(key, []).append(value)
-                sparse_rows = block_key_mask(ids, count, sparse.block_size).repeat_interleave(self.group, dim=1)
-                dense_rows = (pos + 1 < sparse.dense_len).view(pos.shape[0], 1, -1, 1) if sparse.dense_len > 0 else False
-                allowed = allowed & (sparse_rows | dense_rows)
-            outputs.append(attend(query, keys, values, allowed, bias))
+                self._record(chunk_records, q[:, rows], f_rows, pos, cache_layer, ids, selector)
+                for key, value in chunk_records.items():
+                    records.setdefault(key, []).append(value)
+            if all_dense:
+                continue
+            masks = row_block_masks(ids, pos, n_blocks, sparse.block_size, dense if bool(dense.any()) else None)
+            if flex:
+                bits.append(pack_block_bits(masks))
+            else:
+                outputs.append(chunked_sparse_attention(q[:, rows], keys, values, cis, pos, masks, sparse.block_size))
         if selections_out is not None:
             selections_out.update({key: torch.cat(parts, dim=2) for key, parts in records.items()})
-        return torch.cat(outputs, dim=2).transpose(1, 2)
+        if all_dense:
+            return dense_attention(q, keys, values, cis, positions, self.config.query_chunk_size)
+        if flex:
+            return flex_sparse_attention(q, keys, values, cis, count - q.shape[1], torch.cat(bits, dim=2), sparse.block_size)
+        return torch.cat(outputs, dim=1)

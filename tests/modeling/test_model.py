@@ -4,9 +4,11 @@ import itertools
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AttentionInterface, AttentionMaskInterface, LlamaConfig, LlamaForCausalLM
+from transformers.masking_utils import sdpa_mask
 
 from forecastkv import ForecastKVForCausalLM, SparseCache
+from forecastkv.modeling import selection as sel
 from tests.conftest import TINY_SPARSE, tiny_config
 
 MODES = [
@@ -133,19 +135,127 @@ def test_multiple_forecast_vectors_per_group_run():
     assert rel(torch.stack(out.logits, 1), full[:, 32:-1]) < 1e-4
 
 
-def test_dense_len_switches_per_token():
+def test_dense_len_is_decided_per_sequence_per_call():
+    """MiniCPM's rule: one decision per forward call from the key length (dense below dense_len),
+    checked against a reference that runs the dense or the always-sparse model by that rule."""
     dense = tiny_model()
     mixed = tiny_model({"policy": "infllmv2", "dense_len": 40})
-    mixed.load_state_dict(dense.state_dict(), strict=False)
+    always = tiny_model({"policy": "infllmv2", "dense_len": 0})
+    for model in (mixed, always):
+        model.load_state_dict(dense.state_dict(), strict=False)
     ids = torch.randint(0, 128, (1, 60), generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
-        a, b = mixed(ids).logits, dense(ids).logits
-    assert rel(a[:, :39], b[:, :39]) < 1e-5  # rows with t + 1 < dense_len are dense
-    assert rel(a[:, 45:], b[:, 45:]) > 1e-3
+        long_call, long_sparse, long_dense = mixed(ids).logits, always(ids).logits, dense(ids).logits
+        short_call, short_dense = mixed(ids[:, :30]).logits, dense(ids[:, :30]).logits
+    assert rel(long_call, long_sparse) < 1e-6   # 60 keys: every row sparse, rows below dense_len too
+    assert rel(long_call[:, 32:40], long_dense[:, 32:40]) > 1e-3  # rows 32..39 see 5 blocks > budget 4
+    assert rel(short_call, short_dense) < 1e-6  # 30 keys: the whole call is dense
+    # decode across the switch: a 30-token prompt (one dense call), then one call per token, dense
+    # while its key length is below 40.  The reference recomputes everything at once with each
+    # row attending as the call that produced it did.
     with torch.no_grad():
         out = mixed.generate(ids[:, :30], max_new_tokens=20, do_sample=False, output_logits=True, return_dict_in_generate=True)
-        full = mixed(out.sequences).logits
-    assert rel(torch.stack(out.logits, 1), full[:, 29:-1]) < 1e-4
+        twin = llama_twin(mixed)
+        AttentionInterface.register("sparse_reference", reference_sparse_attention(mixed.config.sparse, dense_row=lambda p: p + 1 < 40))
+        AttentionMaskInterface.register("sparse_reference", sdpa_mask)
+        twin.set_attn_implementation("sparse_reference")
+        reference = twin(out.sequences).logits[:, 29:-1]
+    steps = torch.stack(out.logits, dim=1)
+    assert rel(steps, reference) < 1e-4
+    assert rel(steps[:, :10], dense(out.sequences).logits[:, 29:39]) < 1e-5  # below the switch: dense
+
+
+def test_dense_len_batch_decides_per_sequence():
+    """A left-padded batch with one sequence below dense_len and one above: each row as alone."""
+    mixed = tiny_model({"policy": "infllmv2", "dense_len": 40}, seed=11)
+    gen = torch.Generator().manual_seed(12)
+    prompts = [torch.randint(3, 128, (n,), generator=gen) for n in (30, 60)]
+    ids = torch.zeros(2, 60, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):
+        ids[row, 60 - len(prompt) :], mask[row, 60 - len(prompt) :] = prompt, 1
+    with torch.no_grad():
+        batched = mixed(ids, attention_mask=mask).logits
+        for row, prompt in enumerate(prompts):
+            alone = mixed(prompt[None]).logits[0]
+            assert rel(batched[row, 60 - len(prompt) :], alone) < 1e-5, row
+
+
+def reference_sparse_attention(sparse, dense_row=lambda positions: torch.zeros_like(positions, dtype=torch.bool)):
+    """transformers' attention interface function for InfLLM-v2 attention, written from the
+    definition on a full recompute (one sequence, no padding): per row the selection of
+    `selection.py` from the layer's keys, a [T, S] mask of its blocks (rows where `dense_row(t)`:
+    every earlier key), eager softmax with repeated KV heads."""
+
+    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        batch, heads, length, _ = query.shape
+        group = heads // key.shape[1]
+        positions = torch.arange(length).expand(batch, -1)
+        keys = key.transpose(1, 2)  # [B, S, H, d]
+        ckeys = sel.compress_keys(keys, sparse.kernel_size, sparse.kernel_stride)
+        coarse = sel.compress_keys(keys, *sparse.coarse_kernel) if sparse.lse == "coarse" else None
+        n_blocks = sel.num_blocks(length, sparse.block_size)
+        scores = sel.score_blocks(query.transpose(1, 2), ckeys, positions, sparse, n_blocks, kind="query", lse_keys=coarse)
+        ids = sel.select_blocks(scores, positions, sparse)
+        blocks = sel.selection_mask(ids, n_blocks).repeat_interleave(sparse.block_size, dim=-1)[..., :length]  # [B, H, T, S]
+        causal = torch.ones(length, length, dtype=torch.bool).tril()
+        allowed = causal & (blocks | dense_row(torch.arange(length)).view(1, 1, -1, 1))
+        allowed = allowed.repeat_interleave(group, dim=1)
+        logits = (query @ key.repeat_interleave(group, dim=1).transpose(-1, -2) * scaling).masked_fill(~allowed, float("-inf"))
+        return (torch.softmax(logits, dim=-1) @ value.repeat_interleave(group, dim=1)).transpose(1, 2), None
+
+    return attention
+
+
+@pytest.mark.parametrize("lse", ["exact", "coarse"])
+def test_sparse_prefill_matches_masked_reference(lse):
+    """A tight budget (4 of up to 13 blocks): block-sparse prefill (tiles gathering the union of
+    their rows' blocks) equals full-mask attention over each row's own selection."""
+    model = tiny_model({"policy": "infllmv2", "lse": lse}, seed=15)
+    twin = llama_twin(model)
+    AttentionInterface.register("sparse_reference", reference_sparse_attention(model.config.sparse))
+    AttentionMaskInterface.register("sparse_reference", sdpa_mask)
+    twin.set_attn_implementation("sparse_reference")
+    ids = torch.randint(0, 128, (1, 100), generator=torch.Generator().manual_seed(16))
+    with torch.no_grad():
+        assert rel(model(ids).logits, twin(ids).logits) < 1e-5
+
+
+def nosa_reference_attention(model):
+    """transformers' attention interface function adding NOSA's CIS bias A * softplus(delta(v))
+    to the scaled logits, written from the definition (eager softmax, GQA by repeating heads)."""
+
+    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        ours = model.model.layers[module.layer_idx].self_attn
+        heads, kv_heads = query.shape[1], key.shape[1]
+        cis = ours.A * torch.nn.functional.softplus(ours.delta(value.transpose(1, 2).flatten(-2)))  # [B, S, H]
+        bias = cis.transpose(1, 2).repeat_interleave(heads // kv_heads, dim=1)[:, :, None, :]
+        key = key.repeat_interleave(heads // kv_heads, dim=1)
+        value = value.repeat_interleave(heads // kv_heads, dim=1)
+        rows, count = query.shape[2], key.shape[2]
+        allowed = torch.arange(count).view(1, -1) <= torch.arange(count - rows, count).view(-1, 1)  # causal, right-aligned
+        logits = (query @ key.transpose(-1, -2) * scaling + bias).masked_fill(~allowed, float("-inf"))
+        return (torch.softmax(logits.float(), dim=-1).to(value.dtype) @ value).transpose(1, 2), None
+
+    return attention
+
+
+def test_nosa_cis_bias_matches_reference():
+    """NOSA with A != 0 and a budget covering every block equals Llama attention plus the CIS bias."""
+    model = tiny_model({"policy": "nosa", "topk": 64, "query_blocks": 64}, seed=13)
+    assert all(layer.self_attn.A.abs().min() > 0 for layer in model.model.layers)
+    twin = llama_twin(model)
+    AttentionInterface.register("nosa_reference", nosa_reference_attention(model))
+    AttentionMaskInterface.register("nosa_reference", sdpa_mask)
+    ids = torch.randint(0, 128, (2, 50), generator=torch.Generator().manual_seed(14))
+    with torch.no_grad():
+        plain = twin(ids).logits
+        twin.set_attn_implementation("nosa_reference")
+        reference = twin(ids).logits
+        ours = model(ids).logits
+        assert rel(reference, plain) > 1e-2  # the bias is on
+        assert rel(ours, reference) < 1e-5
+        assert torch.equal(model.generate(ids, max_new_tokens=6, do_sample=False), twin.generate(ids, max_new_tokens=6, do_sample=False))
 
 
 # -- 5. left padding ---------------------------------------------------------------------------

@@ -1,0 +1,359 @@
+"""Multi-token attention (prefill, chunked continuation): MiniCPM's dense/sparse rule, dense
+attention, and block-sparse attention whose cost follows the selected blocks, not T x S.
+
+Shapes: B batch, T new rows, S stored keys, Hq query heads, H KV heads, G = Hq / H, d head dim,
+NB key blocks of `block_size`, K selection width.  Keys, values and NOSA's CIS bias stay in the
+cache's [B, S, H, ...] layout: GQA is handled by folding each group's G query heads into rows,
+never by repeating K/V per query head.
+
+Three attention back ends, one semantics (a row at position t attends keys <= t, inside its
+selected blocks when sparse, with the CIS bias added after the 1/sqrt(d) scaling):
+  * `dense_attention`: flash-attn when installed on CUDA, else SDPA (one causal call for a fresh
+    prefill, query chunks with a [R, S] mask otherwise);
+  * `chunked_sparse_attention`: the reference and CPU path.  Rows are cut into tiles of
+    `block_size` rows; a tile gathers the union of its rows' selected blocks (rows of one query
+    block share the forced init and local blocks) and each row is masked to its own set;
+  * `flex_sparse_attention`: CUDA, PyTorch's FlexAttention with a BlockMask built from the same
+    selections (a query tile's KV blocks = the union of its rows' selections, `mask_mod` checks
+    each row's own set from a bit mask, `score_mod` adds the CIS bias).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import math
+import os
+
+import torch
+import torch.nn.functional as F
+
+from . import selection as sel
+
+FLEX_Q_TILE = 128  # FlexAttention query tile (rows per BlockMask row)
+SPARSE_BACKENDS = ("auto", "flex", "chunked")
+_sparse_backend: str | None = None
+
+
+# ----------------------------------------------------------------------------------------------
+# MiniCPM's dense / sparse rule
+# ----------------------------------------------------------------------------------------------
+
+
+def dense_sequences(positions: torch.Tensor, sparse) -> torch.Tensor:
+    """bool [B]: which sequences attend densely in this call.
+
+    MiniCPM decides once per forward call from the key length; here it is decided per sequence,
+    from that sequence's key length in this call (stored + new tokens = its last position + 1,
+    because the cache stores positions 0..t contiguously): dense when `key length < dense_len`
+    (`dense_len <= 0`: never), and every row of the sequence follows that one decision.  For
+    batch 1 this is exactly MiniCPM's rule, and a sequence decides the same alone or in a batch.
+    positions [B, T] (-1 = padding).  A dense model (`sparse` None) is dense everywhere.
+    """
+    key_lengths = positions.amax(dim=1) + 1
+    if sparse is None:
+        return torch.ones_like(key_lengths, dtype=torch.bool)
+    if sparse.dense_len <= 0:
+        return torch.zeros_like(key_lengths, dtype=torch.bool)
+    return key_lengths < sparse.dense_len
+
+
+# ----------------------------------------------------------------------------------------------
+# shared helpers
+# ----------------------------------------------------------------------------------------------
+
+
+def _fold_queries(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """q [B, R, Hq, d] -> [B, H, G*R, d] (row g*R + r = head h*G + g at row r)."""
+    batch, rows, heads, dim = q.shape
+    return q.permute(0, 2, 1, 3).reshape(batch, kv_heads, (heads // kv_heads) * rows, dim)
+
+
+def _unfold_output(out: torch.Tensor, rows: int) -> torch.Tensor:
+    """[B, H, G*R, d] -> [B, R, Hq, d]."""
+    batch, kv_heads, _, dim = out.shape
+    return out.view(batch, kv_heads, -1, rows, dim).flatten(1, 2).transpose(1, 2)
+
+
+def _masked_sdpa(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor, bias: torch.Tensor | None, group: int) -> torch.Tensor:
+    """Folded-GQA attention over explicit keys.
+
+    query [..., G*R, d], keys/values [..., L, d], allowed bool [..., R, L] (shared by the G heads),
+    bias [..., L] (added after scaling) or None -> [..., G*R, d].  Rows with no allowed key -> 0.
+    """
+    empty = ~allowed.any(dim=-1, keepdim=True)
+    allowed = allowed | empty
+    logit_bias = torch.zeros((), dtype=query.dtype, device=query.device) if bias is None else bias.unsqueeze(-2).to(query.dtype)
+    # a float mask runs the fused CPU kernel (about 2x faster than a bool mask there)
+    mask = torch.where(allowed, logit_bias, torch.tensor(float("-inf"), dtype=query.dtype, device=query.device))
+    shape = mask.shape
+    mask = mask.unsqueeze(-3).expand(*shape[:-2], group, *shape[-2:]).reshape(*shape[:-2], group * shape[-2], shape[-1])
+    if query.dim() > 4:  # the fused kernels take 4-D inputs
+        lead = query.shape[:-3]
+        flat = lambda t: t.expand(*lead, *t.shape[-3:]).reshape(-1, *t.shape[-3:])
+        out = F.scaled_dot_product_attention(flat(query), flat(keys), flat(values), attn_mask=flat(mask)).view(query.shape)
+    else:
+        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask)
+    empty = empty.unsqueeze(-3).expand(*empty.shape[:-2], group, *empty.shape[-2:]).reshape(*empty.shape[:-2], -1, 1)
+    return out.masked_fill(empty, 0.0)
+
+
+def is_fresh_prefill(positions: torch.Tensor, key_count: int) -> bool:
+    """True when every sequence's rows are exactly positions 0..T-1 and T == S (no padding, no cache)."""
+    rows = positions.shape[1]
+    if rows != key_count:
+        return False
+    return bool((positions == torch.arange(rows, device=positions.device)).all())
+
+
+def _flash_attn_available(tensor: torch.Tensor) -> bool:
+    return tensor.is_cuda and tensor.dtype in (torch.float16, torch.bfloat16) and importlib.util.find_spec("flash_attn") is not None
+
+
+# ----------------------------------------------------------------------------------------------
+# dense
+# ----------------------------------------------------------------------------------------------
+
+
+def dense_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor | None, positions: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Causal attention by position.  q [B, T, Hq, d], keys/values [B, S, H, d], bias [B, S, H] or
+    None, positions [B, T] (-1 = padding) -> [B, T, Hq, d] (padding rows 0)."""
+    batch, rows, heads, dim = q.shape
+    kv_heads, count = keys.shape[2], keys.shape[1]
+    group = heads // kv_heads
+    if bias is None and is_fresh_prefill(positions, count):
+        if _flash_attn_available(q):  # flash-attn takes [B, T, H, d] and GQA natively
+            from flash_attn import flash_attn_func
+
+            return flash_attn_func(q, keys, values, causal=True)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), is_causal=True, enable_gqa=True)
+        return out.transpose(1, 2)
+    k, v = keys.transpose(1, 2), values.transpose(1, 2)  # [B, H, S, d] views
+    b_t = None if bias is None else bias.transpose(1, 2)[:, :, None]  # [B, H, 1, S]
+    key_pos = torch.arange(count, device=q.device)
+    outputs = []
+    for start in range(0, rows, chunk):
+        pos = positions[:, start : start + chunk]
+        allowed = (key_pos.view(1, 1, -1) <= pos.unsqueeze(-1)).unsqueeze(1)  # [B, 1, R, S]
+        query = _fold_queries(q[:, start : start + chunk], kv_heads)
+        out = _masked_sdpa(query, k, v, allowed.expand(-1, kv_heads, -1, -1), None if b_t is None else b_t[:, :, 0], group)
+        outputs.append(_unfold_output(out, pos.shape[1]))
+    return torch.cat(outputs, dim=1)
+
+
+# ----------------------------------------------------------------------------------------------
+# block-sparse, chunked (reference and CPU path)
+# ----------------------------------------------------------------------------------------------
+
+
+def row_block_masks(ids: torch.Tensor, positions: torch.Tensor, n_blocks: int, block_size: int, dense_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """bool [B, H, R, NB]: the blocks each row attends.  ids [B, H, R, K] (-1 = none), positions
+    [B, R]; rows of sequences marked in `dense_rows` [B] attend every block up to their own."""
+    masks = sel.selection_mask(ids, n_blocks)
+    if dense_rows is not None and bool(dense_rows.any()):
+        visible = torch.arange(n_blocks, device=ids.device).view(1, 1, -1) <= torch.div(positions, block_size, rounding_mode="floor").unsqueeze(-1)
+        masks = torch.where(dense_rows.view(-1, 1, 1, 1), visible.unsqueeze(1) & (positions >= 0)[:, None, :, None], masks)
+    return masks
+
+
+def _tile_unions(masks: torch.Tensor, tile: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per tile of `tile` rows, the union of its rows' blocks, ascending and padded.
+
+    masks bool [B, H, R, NB] -> (tiled row masks [B, H, n, tile, NB], union ids int64 [B, H, n, U]
+    (padding -> 0), union valid bool [B, H, n, U]); U = the largest union in this call.
+    """
+    batch, heads, rows, n_blocks = masks.shape
+    n_tiles = -(-rows // tile)
+    if n_tiles * tile != rows:
+        masks = F.pad(masks, (0, 0, 0, n_tiles * tile - rows))
+    tiled = masks.view(batch, heads, n_tiles, tile, n_blocks)
+    union = tiled.any(dim=3)                                        # [B, H, n, NB]
+    width = max(int(union.sum(dim=-1).max()), 1)
+    # stable sort of "not in union" puts the union's block ids first, in ascending order
+    order = torch.sort((~union).to(torch.uint8), dim=-1, stable=True).indices[..., :width]
+    valid = torch.gather(union, -1, order)
+    return tiled, order.masked_fill(~valid, 0), valid
+
+
+def chunked_sparse_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    bias: torch.Tensor | None,
+    positions: torch.Tensor,
+    masks: torch.Tensor,
+    block_size: int,
+) -> torch.Tensor:
+    """Rows attend only their own blocks; work and memory follow the union of a tile's blocks.
+
+    q [B, R, Hq, d], keys/values [B, S, H, d], bias [B, S, H] or None, positions [B, R] (-1 =
+    padding), masks bool [B, H, R, NB] from `row_block_masks` -> [B, R, Hq, d].  Keys are gathered
+    once per KV head (never per query head): [B, H, tiles, U*bs, d] for this chunk.
+    """
+    batch, rows, heads, dim = q.shape
+    count, kv_heads = keys.shape[1], keys.shape[2]
+    group = heads // kv_heads
+    tile = min(block_size, rows)
+    tiled, union, valid = _tile_unions(masks, tile)
+    n_tiles, width = union.shape[2], union.shape[3]
+    # key positions of the gathered blocks [B, H, n, U*bs]
+    offsets = torch.arange(block_size, device=q.device)
+    key_pos = (union.unsqueeze(-1) * block_size + offsets).flatten(-2)
+    exists = valid.repeat_interleave(block_size, dim=-1) & (key_pos < count)
+    index = key_pos.clamp(max=count - 1)
+    b_idx = torch.arange(batch, device=q.device).view(-1, 1, 1, 1)
+    h_idx = torch.arange(kv_heads, device=q.device).view(1, -1, 1, 1)
+    k = keys[b_idx, index, h_idx]                                    # [B, H, n, U*bs, d]
+    v = values[b_idx, index, h_idx]
+    b = None if bias is None else bias[b_idx, index, h_idx]          # [B, H, n, U*bs]
+    # each row's own blocks among the union, and causality by position
+    own = torch.gather(tiled, -1, union.unsqueeze(3).expand(-1, -1, -1, tile, -1)) & valid.unsqueeze(3)
+    own = own.repeat_interleave(block_size, dim=-1)                  # [B, H, n, tile, U*bs]
+    pad_rows = n_tiles * tile - rows
+    pos = F.pad(positions, (0, pad_rows), value=-1).view(batch, 1, n_tiles, tile, 1)
+    allowed = own & exists.unsqueeze(3) & (key_pos.unsqueeze(3) <= pos)
+    qt = F.pad(q, (0, 0, 0, 0, 0, pad_rows)).view(batch, n_tiles, tile, kv_heads, group, dim)
+    query = qt.permute(0, 3, 1, 4, 2, 5).reshape(batch, kv_heads, n_tiles, group * tile, dim)
+    out = _masked_sdpa(query, k, v, allowed, b, group)               # [B, H, n, G*tile, d]
+    out = out.view(batch, kv_heads, n_tiles, group, tile, dim).permute(0, 2, 4, 1, 3, 5)
+    return out.reshape(batch, n_tiles * tile, heads, dim)[:, :rows]
+
+
+# ----------------------------------------------------------------------------------------------
+# block-sparse, FlexAttention (CUDA)
+# ----------------------------------------------------------------------------------------------
+
+
+def flex_available() -> bool:
+    try:
+        from torch.nn.attention.flex_attention import flex_attention  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def pack_block_bits(masks: torch.Tensor) -> torch.Tensor:
+    """bool [..., NB] -> int64 [..., ceil(NB / 64)]: bit j % 64 of word j // 64 = block j."""
+    n_blocks = masks.shape[-1]
+    words = -(-n_blocks // 64)
+    padded = F.pad(masks, (0, words * 64 - n_blocks)).view(*masks.shape[:-1], words, 64)
+    weights = torch.ones((), dtype=torch.int64, device=masks.device) << torch.arange(64, device=masks.device)
+    return (padded.long() * weights).sum(dim=-1)  # distinct bits: the sum is the bitwise OR
+
+
+def build_block_mask(bits: torch.Tensor, start: int, rows: int, key_count: int, block_size: int, group: int, q_tile: int = FLEX_Q_TILE):
+    """A FlexAttention BlockMask for rows at positions start..start+rows-1 of every sequence.
+
+    bits int64 [B, H, rows, W] from `pack_block_bits`.  A query tile's KV blocks are the union of
+    its rows' blocks (mask_mod then checks each row's own bit and causality); heads are the Hq
+    query heads, head hq reads KV head hq // group.
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    batch, kv_heads, _, words = bits.shape
+    n_blocks = -(-key_count // block_size)
+    n_tiles = -(-rows // q_tile)
+    pad = n_tiles * q_tile - rows
+    tile_bits = F.pad(bits, (0, 0, 0, pad)).view(batch, kv_heads, n_tiles, q_tile, words)
+    union_words = tile_bits[..., 0, :]
+    for r in range(1, q_tile):  # OR over the tile's rows (q_tile small ops, no [rows, NB] tensor)
+        union_words = union_words | tile_bits[..., r, :]
+    shifts = torch.arange(64, device=bits.device)
+    union = ((union_words.unsqueeze(-1) >> shifts) & 1).bool().flatten(-2)[..., :n_blocks]  # [B, H, n, NB]
+    counts = union.sum(dim=-1).to(torch.int32)
+    order = torch.sort((~union).to(torch.uint8), dim=-1, stable=True).indices.to(torch.int32)
+    counts = counts.repeat_interleave(group, dim=1).contiguous()
+    order = order.repeat_interleave(group, dim=1).contiguous()
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        blk = kv_idx // block_size
+        word = bits[b, h // group, q_idx, blk // 64]
+        return (((word >> (blk % 64)) & 1) == 1) & (kv_idx <= q_idx + start)
+
+    return BlockMask.from_kv_blocks(counts, order, BLOCK_SIZE=(q_tile, block_size), mask_mod=mask_mod, seq_lengths=(rows, key_count))
+
+
+_COMPILED_FLEX = None
+
+
+def _flex_fn(device: torch.device):
+    """Compiled FlexAttention on CUDA; the eager (unfused, O(T x S)) one elsewhere, for tests."""
+    global _COMPILED_FLEX
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if device.type != "cuda":
+        return flex_attention
+    if _COMPILED_FLEX is None:
+        _COMPILED_FLEX = torch.compile(flex_attention, dynamic=False)
+    return _COMPILED_FLEX
+
+
+def flex_sparse_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    bias: torch.Tensor | None,
+    start: int,
+    bits: torch.Tensor,
+    block_size: int,
+) -> torch.Tensor:
+    """Block-sparse attention through FlexAttention.  q [B, T, Hq, d] at positions start..start+T-1
+    of every sequence (no padding), keys/values [B, S, H, d], bias [B, S, H] or None, bits int64
+    [B, H, T, W] (`pack_block_bits` of the row masks) -> [B, T, Hq, d]."""
+    batch, rows, heads, dim = q.shape
+    kv_heads = keys.shape[2]
+    group = heads // kv_heads
+    block_mask = build_block_mask(bits, start, rows, keys.shape[1], block_size, group)
+    score_mod = None
+    if bias is not None:
+        bias_t = bias.transpose(1, 2).float().contiguous()  # [B, H, S]
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return score + bias_t[b, h // group, kv_idx]
+
+    out = _flex_fn(q.device)(
+        q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+        score_mod=score_mod, block_mask=block_mask, scale=1.0 / math.sqrt(dim), enable_gqa=True,
+    )
+    return out.transpose(1, 2)
+
+
+def sparse_backend() -> str:
+    """"auto" (FlexAttention on CUDA, chunked elsewhere), "flex" or "chunked": `use_sparse_backend`'s
+    choice, else $FORECASTKV_SPARSE_PREFILL, else "auto"."""
+    name = _sparse_backend or os.environ.get("FORECASTKV_SPARSE_PREFILL", "auto").strip().lower()
+    if name not in SPARSE_BACKENDS:
+        raise ValueError(f"unknown sparse prefill backend {name!r}; choose one of {SPARSE_BACKENDS}")
+    return name
+
+
+@contextlib.contextmanager
+def use_sparse_backend(name: str):
+    """`with use_sparse_backend("flex"): ...` forces a back end (tests run FlexAttention eagerly on CPU)."""
+    global _sparse_backend
+    if name not in SPARSE_BACKENDS:
+        raise ValueError(f"unknown sparse prefill backend {name!r}; choose one of {SPARSE_BACKENDS}")
+    previous, _sparse_backend = _sparse_backend, name
+    try:
+        yield
+    finally:
+        _sparse_backend = previous
+
+
+def use_flex(q: torch.Tensor) -> bool:
+    """Whether block-sparse prefill of `q` runs through FlexAttention."""
+    backend = sparse_backend()
+    if backend == "chunked":
+        return False
+    if backend == "flex":
+        if not flex_available():
+            raise RuntimeError("sparse prefill backend 'flex' was forced but this torch has no FlexAttention")
+        return True
+    return q.is_cuda and flex_available()
+
+
+def can_use_flex(q: torch.Tensor, positions: torch.Tensor, key_count: int) -> bool:
+    """FlexAttention needs every sequence at the same positions (no padding) ending at the last key."""
+    rows = positions.shape[1]
+    start = key_count - rows
+    return start >= 0 and bool((positions == torch.arange(start, key_count, device=positions.device)).all())

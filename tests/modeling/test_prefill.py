@@ -1,0 +1,118 @@
+"""Prefill attention back ends against a plain masked-softmax reference, and the model with the
+FlexAttention back end (run eagerly on CPU) against the chunked one."""
+
+import pytest
+import torch
+
+from forecastkv.modeling import prefill
+from tests.conftest import TINY_SPARSE
+from tests.modeling.test_model import rel, tiny_model
+
+
+def reference(q, keys, values, bias, positions, masks, block_size):
+    """Softmax over keys <= each row's position inside its blocks (CIS added after scaling), heads
+    repeated per group; rows with no key give 0.  Shapes as `prefill.chunked_sparse_attention`."""
+    batch, rows, heads, dim = q.shape
+    count, kv_heads = keys.shape[1], keys.shape[2]
+    group = heads // kv_heads
+    key_blocks = masks.repeat_interleave(block_size, dim=-1)[..., :count]            # [B, H, R, S]
+    allowed = key_blocks & (torch.arange(count).view(1, 1, 1, -1) <= positions[:, None, :, None])
+    allowed = allowed.repeat_interleave(group, dim=1)
+    logits = q.transpose(1, 2) @ keys.transpose(1, 2).repeat_interleave(group, dim=1).transpose(-1, -2) / dim**0.5
+    if bias is not None:
+        logits = logits + bias.transpose(1, 2).repeat_interleave(group, dim=1)[:, :, None, :]
+    probs = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1).nan_to_num(0.0)
+    return (probs @ values.transpose(1, 2).repeat_interleave(group, dim=1)).transpose(1, 2)
+
+
+def random_case(seed, batch=2, rows=37, count=53, kv_heads=2, group=3, dim=8, block_size=8, with_bias=True):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, rows, kv_heads * group, dim, generator=gen)
+    keys = torch.randn(batch, count, kv_heads, dim, generator=gen)
+    values = torch.randn(batch, count, kv_heads, dim, generator=gen)
+    bias = torch.randn(batch, count, kv_heads, generator=gen) if with_bias else None
+    positions = torch.arange(count - rows, count).repeat(batch, 1)
+    if batch > 1:
+        positions[1, :5] = -1  # left padding in the second sequence
+    n_blocks = -(-count // block_size)
+    masks = torch.rand(batch, kv_heads, rows, n_blocks, generator=gen) < 0.4
+    masks[0, 0, 3] = False  # a row that attends nothing
+    return q, keys, values, bias, positions, masks, block_size
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_chunked_sparse_matches_reference(with_bias):
+    case = random_case(1, with_bias=with_bias)
+    assert rel(prefill.chunked_sparse_attention(*case), reference(*case)) < 1e-5
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_dense_matches_reference(with_bias):
+    q, keys, values, bias, positions, masks, bs = random_case(2, with_bias=with_bias)
+    everything = torch.ones_like(masks)
+    got = prefill.dense_attention(q, keys, values, bias, positions, chunk=16)
+    assert rel(got, reference(q, keys, values, bias, positions, everything, bs)) < 1e-5
+    fresh = torch.arange(keys.shape[1]).repeat(2, 1)  # T == S, no padding: the one-call causal path
+    q_full = torch.randn(2, keys.shape[1], q.shape[2], q.shape[3])
+    assert prefill.is_fresh_prefill(fresh, keys.shape[1])
+    got = prefill.dense_attention(q_full, keys, values, None, fresh, chunk=16)
+    assert rel(got, reference(q_full, keys, values, None, fresh, torch.ones(2, 2, 53, 7, dtype=torch.bool), bs)) < 1e-5
+
+
+def test_dense_sequences_rule():
+    sparse = tiny_model({**TINY_SPARSE, "dense_len": 40}).config.sparse
+    positions = torch.tensor([[-1, -1, 37, 38], [36, 37, 38, 39], [100, 101, 102, 103]])
+    # key lengths 39, 40, 104: dense below 40 only
+    assert prefill.dense_sequences(positions, sparse).tolist() == [True, False, False]
+    assert prefill.dense_sequences(positions, None).tolist() == [True, True, True]
+
+
+needs_flex = pytest.mark.skipif(not prefill.flex_available(), reason="this torch has no FlexAttention")
+
+
+@needs_flex
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_flex_matches_reference(with_bias):
+    """FlexAttention (eager on CPU) with the BlockMask / mask_mod / score_mod built from row masks."""
+    q, keys, values, bias, _, masks, bs = random_case(3, with_bias=with_bias, batch=1, rows=150, count=170)
+    masks[..., -1] = True  # every row keeps at least one visible block (no padding on this path)
+    positions = torch.arange(20, 170).view(1, -1)
+    masks = masks & (torch.arange(masks.shape[-1]).view(1, 1, 1, -1) <= (positions // bs)[:, None, :, None])
+    masks[..., 0] = True
+    bits = prefill.pack_block_bits(masks)
+    got = prefill.flex_sparse_attention(q, keys, values, bias, 20, bits, bs)
+    assert rel(got, reference(q, keys, values, bias, positions, masks, bs)) < 1e-5
+
+
+@needs_flex
+def test_block_mask_covers_every_rows_blocks():
+    """The BlockMask's per-tile KV block lists hold exactly the union of the tile's rows' blocks."""
+    gen = torch.Generator().manual_seed(4)
+    rows, count, bs, group = 300, 300, 8, 3
+    masks = torch.rand(1, 2, rows, count // bs + 1, generator=gen) < 0.1
+    bits = prefill.pack_block_bits(masks)
+    assert torch.equal(((bits.unsqueeze(-1) >> torch.arange(64)) & 1).bool().flatten(-2)[..., : masks.shape[-1]], masks)
+    block_mask = prefill.build_block_mask(bits, 0, rows, count, bs, group, q_tile=128)
+    dense = block_mask.to_dense()[..., : masks.shape[-1]].bool()       # [1, Hq, tiles, NB]
+    padded = torch.nn.functional.pad(masks, (0, 0, 0, 3 * 128 - rows)).view(1, 2, 3, 128, -1).any(dim=3)
+    assert torch.equal(dense, padded.repeat_interleave(group, dim=1))
+
+
+@needs_flex
+@pytest.mark.parametrize("policy", ["infllmv2", "nosa"])
+def test_model_flex_prefill_equals_chunked(policy):
+    """The whole model, tight budget, NOSA with A != 0: FlexAttention prefill = chunked prefill."""
+    model = tiny_model({"policy": policy}, seed=21)
+    ids = torch.randint(0, 128, (2, 70), generator=torch.Generator().manual_seed(22))
+    with torch.no_grad():
+        with prefill.use_sparse_backend("chunked"):
+            chunked = model(ids).logits
+        with prefill.use_sparse_backend("flex"):
+            flex = model(ids).logits
+    assert rel(flex, chunked) < 1e-5
+
+
+def test_unknown_backend_is_rejected():
+    with pytest.raises(ValueError, match="unknown sparse prefill backend 'fast'"):
+        with prefill.use_sparse_backend("fast"):
+            pass
