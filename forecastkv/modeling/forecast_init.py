@@ -25,7 +25,14 @@ Two schemes (`forecast.init`):
        it was copied from.
 
   Step 2 changes only a per-layer constant: the forecast's top-k (a raw dot product, SparDA §2.4)
-  is unchanged by it, only the training softmax's temperature, which training adjusts.
+  is unchanged by it, only the training softmax's temperature.
+
+* Calibration (`calibrate_forecast_scale`, any init): the student is a softmax of f . Kc / sqrt(d),
+  so a head whose outputs are 40x shorter than the real queries starts far too flat, and
+  fixed-size Adam steps then rewrite its direction before they fix its length (SmolLM2's heads
+  0->1 and 1->2 after step 2 above).  Measured on real rows, each vector is rescaled so its mean
+  squared output norm equals that of the real queries of the group it imitates.  A per-vector
+  constant: one-vector selections are unchanged, only the softmax temperature moves.
 """
 
 from __future__ import annotations
@@ -119,3 +126,35 @@ def apply_forecast_init(model, init: str, seed: int | None = None) -> None:
                     source.self_attn.q_proj.weight, source.input_layernorm.weight, layer.input_layernorm.weight, h_kv, n, d
                 )
             weight.copy_(new.to(device=weight.device, dtype=weight.dtype))
+
+
+def _scoring_head(layers, layer: int) -> torch.Tensor:
+    """The weight [H*n*d, hidden] whose vectors score `layer`: layer 0's current_proj, else layer
+    (layer - 1)'s forecast_proj."""
+    if layer == 0:
+        return layers[0].self_attn.current_proj.weight
+    return layers[layer - 1].self_attn.forecast_proj.weight
+
+
+@torch.no_grad()
+def calibrate_forecast_scale(model, head_sq: torch.Tensor, query_sq: torch.Tensor) -> torch.Tensor:
+    """Rescale every head in place so its output norm matches the real queries'.
+
+    head_sq fp32 [L, H*n]: mean squared norm of the vectors scoring layer m (measured on real rows);
+    query_sq fp32 [L, H]: mean squared norm of layer m's real queries per KV group.  Vector v of
+    group h is multiplied by sqrt(query_sq[m, h] / head_sq[m, h*n + v]).  Returns the factors [L, H*n].
+    """
+    layers = _layers(model)
+    config = layers[0].self_attn.config
+    n, d = config.forecast_config.heads_per_group, config.head_dim
+    if head_sq.shape != (len(layers), config.num_key_value_heads * n) or query_sq.shape != (len(layers), config.num_key_value_heads):
+        raise ValueError(
+            f"head_sq {tuple(head_sq.shape)} / query_sq {tuple(query_sq.shape)} must be "
+            f"[{len(layers)}, {config.num_key_value_heads * n}] / [{len(layers)}, {config.num_key_value_heads}]"
+        )
+    factors = (query_sq.repeat_interleave(n, dim=1) / head_sq.clamp(min=1e-20)).sqrt()
+    for layer in range(len(layers)):
+        weight = _scoring_head(layers, layer)
+        scale = factors[layer].repeat_interleave(d).to(device=weight.device, dtype=torch.float32)
+        weight.copy_((weight.float() * scale[:, None]).to(weight.dtype))
+    return factors

@@ -23,6 +23,8 @@ because every visible probability is positive). Positions < 0 mark padding rows:
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
@@ -69,6 +71,25 @@ def compressed_visibility(
     """positions [B, Tq] (int, -1 = padding) -> bool [B, Tq, C]: compressed key c is visible."""
     ends = torch.arange(num_keys, device=positions.device) * kernel_stride + kernel_size - 1 + lag
     return ends.view(1, 1, -1) <= positions.unsqueeze(-1)
+
+
+# The one visibility rule per selector kind (window end + lag).  The query selector scores the keys
+# of its own layer after the row's token was appended (lag 0); the forecast selector scores the next
+# layer's keys before that layer appends token t (lag 1), which is what the prefetching runtime sees.
+# Deployed scoring (`score_blocks`), the decode kernel and the training teacher and student all
+# take their mask from `key_visibility`, so training optimises exactly what is deployed.
+VISIBILITY_LAG = {"query": 0, "forecast": 1}
+
+
+def visibility_lag(kind: str) -> int:
+    if kind not in VISIBILITY_LAG:
+        raise ValueError(f"score kind {kind!r} is not one of {tuple(VISIBILITY_LAG)}")
+    return VISIBILITY_LAG[kind]
+
+
+def key_visibility(positions: torch.Tensor, num_keys: int, kernel_size: int, kernel_stride: int, kind: str = "query") -> torch.Tensor:
+    """The visibility rule of selector `kind`: positions [B, Tq] -> bool [B, Tq, num_keys]."""
+    return compressed_visibility(positions, num_keys, kernel_size, kernel_stride, visibility_lag(kind))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -195,6 +216,33 @@ def selection_mask(ids: torch.Tensor, n_blocks: int) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------
 
 
+def key_scores(
+    vectors: torch.Tensor,
+    ckeys: torch.Tensor,
+    positions: torch.Tensor,
+    sparse,
+    kind: str = "query",
+    lag: int | None = None,
+    lse_keys: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Stage-1 scores per compressed key, fp32 [B, H, Tq, C] (-inf where invisible).
+
+    vectors [B, Tq, H*n, d]: queries (kind "query") or forecast vectors (kind "forecast"; n = 1 uses
+    the raw dot product, n > 1 the group-summed softmax); ckeys [B, C, H, d]; positions [B, Tq];
+    lag None = the rule of `kind` (`key_visibility`); lse_keys [B, C2, H, d] selects the coarse LSE.
+    """
+    p, s = sparse.kernel_size, sparse.kernel_stride
+    lag = visibility_lag(kind) if lag is None else lag
+    visible = compressed_visibility(positions, ckeys.shape[1], p, s, lag)
+    if kind == "forecast" and vectors.shape[2] == ckeys.shape[2]:
+        return dot_scores(vectors, ckeys, visible)
+    lse_visible = None
+    if lse_keys is not None:
+        p2, s2 = sparse.coarse_kernel
+        lse_visible = compressed_visibility(positions, lse_keys.shape[1], p2, s2, lag)
+    return group_softmax_scores(vectors, ckeys, visible, lse_keys, lse_visible)
+
+
 def score_blocks(
     vectors: torch.Tensor,
     ckeys: torch.Tensor,
@@ -202,29 +250,17 @@ def score_blocks(
     sparse,
     n_blocks: int,
     kind: str = "query",
-    lag: int = 0,
+    lag: int | None = None,
     lse_keys: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Block scores ready for top-k: stage-1 scores, pooled to blocks, init/local forced to +inf.
+    """Block scores ready for top-k: `key_scores` pooled to blocks, init/local forced to +inf.
 
-    vectors [B, Tq, H*n, d]: queries (kind "query") or forecast vectors (kind "forecast"; n = 1 uses
-    the raw dot product, n > 1 the group-summed softmax); ckeys [B, C, H, d]; positions [B, Tq];
-    `sparse` a SparseConfig; lse_keys [B, C2, H, d] selects the coarse LSE (query kind only).
-    Returns fp32 [B, H, Tq, n_blocks].
+    Arguments as `key_scores` (lag None: the visibility rule of `kind`).  Returns fp32
+    [B, H, Tq, n_blocks].
     """
-    p, s = sparse.kernel_size, sparse.kernel_stride
-    visible = compressed_visibility(positions, ckeys.shape[1], p, s, lag)
-    if kind == "forecast" and vectors.shape[2] == ckeys.shape[2]:
-        scores = dot_scores(vectors, ckeys, visible)
-    elif kind in ("query", "forecast"):
-        lse_visible = None
-        if lse_keys is not None:
-            p2, s2 = sparse.coarse_kernel
-            lse_visible = compressed_visibility(positions, lse_keys.shape[1], p2, s2, lag)
-        scores = group_softmax_scores(vectors, ckeys, visible, lse_keys, lse_visible)
-    else:
-        raise ValueError(f"score kind {kind!r} is not one of ('query', 'forecast')")
-    blocks = pool_to_blocks(scores, n_blocks, p, s, sparse.block_size)
+    visibility_lag(kind)  # validates kind
+    scores = key_scores(vectors, ckeys, positions, sparse, kind, lag, lse_keys)
+    blocks = pool_to_blocks(scores, n_blocks, sparse.kernel_size, sparse.kernel_stride, sparse.block_size)
     return force_blocks(blocks, positions, sparse.block_size, sparse.init_blocks, sparse.local_blocks)
 
 
@@ -271,6 +307,32 @@ def select_blocks(
     return nosa_fill(shortlist, agnostic_scores, positions, budget, sparse.block_size)
 
 
+def layer_selection(
+    vectors: torch.Tensor,
+    ckeys: torch.Tensor,
+    positions: torch.Tensor,
+    sparse,
+    kind: str,
+    lse_keys: torch.Tensor | None = None,
+    cis: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One layer's deployed selection int64 [B, H, Tq, budget_blocks] (what `SparseAttention.select`
+    returns): `score_blocks` with the visibility rule of `kind`, then `select_blocks`.
+
+    vectors [B, Tq, H*n, d]; ckeys [B, C, H, d] (the layer's compressed keys); positions [B, Tq];
+    lse_keys: coarse keys for MiniCPM's LSE estimate (query kind only); cis [B, S, H] (nosa only).
+    """
+    n_blocks = num_blocks(int(positions.max()) + 1, sparse.block_size)
+    coarse = lse_keys if kind == "query" else None
+    scores = score_blocks(vectors, ckeys, positions, sparse, n_blocks, kind=kind, lse_keys=coarse)
+    agnostic = None
+    if sparse.policy == "nosa":
+        if cis is None:
+            raise ValueError("the nosa policy needs the layer's CIS [B, S, H] to fill the budget")
+        agnostic = agnostic_block_scores(cis, positions, sparse, n_blocks, lag=visibility_lag(kind))
+    return select_blocks(scores, positions, sparse, agnostic)
+
+
 # ----------------------------------------------------------------------------------------------
 # forecast recall
 # ----------------------------------------------------------------------------------------------
@@ -297,3 +359,148 @@ def forecast_recall_counts(
     hits = (query & forecast).sum(-1).float()
     chance = wanted * forecast.sum(-1).float() / free.clamp(min=1)
     return hits, wanted, chance
+
+
+# ----------------------------------------------------------------------------------------------
+# the recall protocol (shared/DESIGN.md "Forecast recall"): one definition for training and eval
+# ----------------------------------------------------------------------------------------------
+
+RECALL_FIRST_LAYER = 1  # layer 0 is scored by its own current_proj, not forecast: left out of the mean
+BACKBONES = ("dense", "query", "forecast")
+
+
+@dataclass
+class RecallReport:
+    """Forecast recall per layer with its chance level, on query rows t in [start, length).
+
+    recall / chance: per layer (index = layer); mean_recall / mean_chance: the plain mean over
+    layers >= RECALL_FIRST_LAYER; rows: query rows counted (sequences x rows per sequence);
+    backbone: what the frozen model attended with ("dense" | "query" | "forecast").
+    """
+
+    start: int
+    length: int
+    rows: int
+    backbone: str
+    recall: list[float]
+    chance: list[float]
+    mean_recall: float
+    mean_chance: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def table(self, name: str = "recall") -> str:
+        """A Markdown table: one row per layer, then the mean over layers >= 1."""
+        lines = [f"| layer | {name} | chance |", "|---|---|---|"]
+        lines += [f"| {i} | {r:.3f} | {c:.3f} |" for i, (r, c) in enumerate(zip(self.recall, self.chance))]
+        lines.append(f"| mean (>= {RECALL_FIRST_LAYER}) | {self.mean_recall:.3f} | {self.mean_chance:.3f} |")
+        return "\n".join(lines) + "\n"
+
+
+def recall_row_sums(query_ids: torch.Tensor, forecast_ids: torch.Tensor, positions: torch.Tensor, sparse, start: int = 0) -> torch.Tensor:
+    """`forecast_recall_counts` summed over batch, heads and the rows with position >= start.
+
+    query_ids, forecast_ids [B, H, Tq, K]; positions [B, Tq].  Returns fp64 [3]: hits, wanted, chance.
+    """
+    hits, wanted, chance = forecast_recall_counts(query_ids, forecast_ids, positions, sparse)
+    keep = (positions >= start)[:, None].to(hits.dtype)
+    return torch.stack([(x * keep).sum().double() for x in (hits, wanted, chance)]).cpu()
+
+
+def summarise_recall(counts: torch.Tensor, start: int, length: int, rows: int, backbone: str) -> RecallReport:
+    """counts fp64 [L, 3] (hits, wanted, chance summed per layer) -> a `RecallReport`."""
+    wanted = counts[:, 1].clamp(min=1)
+    recall = (counts[:, 0] / wanted).tolist()
+    chance = (counts[:, 2] / wanted).tolist()
+    tail = slice(RECALL_FIRST_LAYER, None) if len(recall) > RECALL_FIRST_LAYER else slice(None)
+    mean = lambda values: sum(values[tail]) / len(values[tail])  # noqa: E731
+    return RecallReport(start, length, rows, backbone, recall, chance, mean(recall), mean(chance))
+
+
+@contextmanager
+def attending_with(config, backbone: str, sparse):
+    """Temporarily set what the frozen model attends with: dense (no sparse_config) or `sparse`
+    routed by the query or the forecast selector."""
+    if backbone not in BACKBONES:
+        raise ValueError(f"backbone {backbone!r} is not one of {BACKBONES}")
+    saved = config.sparse_config
+    config.sparse_config = None if backbone == "dense" else {**sparse.to_dict(), "selector": backbone}
+    try:
+        yield
+    finally:
+        config.sparse_config = saved
+
+
+@torch.no_grad()
+def measure_recall_counts(model, input_ids: torch.Tensor, start: int, backbone: str = "dense", sparse=None) -> torch.Tensor:
+    """Per-layer recall sums fp64 [L, 3] (hits, wanted, chance) of `model` on input_ids [B, T].
+
+    model: a ForecastKVForCausalLM (or ForecastKVModel) with forecast heads; sparse: the geometry
+    both selectors use (default: the model's sparse_config).  At every layer l both selections are
+    made for the rows t >= start by `layer_selection` against layer l's keys: the query selector
+    from l's real queries, the forecast selector from layer l-1's forecast vectors (layer 0: its
+    current_proj).  Memory: one layer's K/V at a time.
+    """
+    inner = getattr(model, "model", model)
+    config = inner.config
+    sparse = sparse if sparse is not None else config.sparse
+    if sparse is None:
+        raise ValueError("forecast recall needs a sparse geometry: the model has no sparse_config, pass sparse=")
+    if not config.forecast_config.enabled:
+        raise ValueError("forecast recall needs a model with forecast heads")
+    length = input_ids.shape[1]
+    if not 0 <= start < length:
+        raise ValueError(f"recall start={start} must lie in [0, sequence length {length})")
+    last = config.num_hidden_layers - 1
+    counts = torch.zeros(config.num_hidden_layers, 3, dtype=torch.float64)
+    carried: dict = {}
+
+    def on_layer(idx, normed, positions, cos, sin, cache_layer):
+        attn = inner.layers[idx].self_attn
+        rows = slice(start, None)
+        x, c, s, pos = normed[:, rows], cos[:, rows], sin[:, rows], positions[:, rows]
+        keys, _, cis, _ = cache_layer.full()
+        ckeys = compress_keys(keys, sparse.kernel_size, sparse.kernel_stride)
+        lse_keys = compress_keys(keys, *sparse.coarse_kernel) if sparse.lse == "coarse" else None
+        queries = post_rope_queries(attn, x, c, s)
+        forecast = attn.project_forecast(x, c, s, "current_proj") if idx == 0 else carried.pop("forecast")
+        query_ids = layer_selection(queries, ckeys, pos, sparse, "query", lse_keys, cis)
+        forecast_ids = layer_selection(forecast, ckeys, pos, sparse, "forecast", cis=cis)
+        counts[idx] = recall_row_sums(query_ids, forecast_ids, pos, sparse, start)
+        if idx < last:
+            carried["forecast"] = attn.project_forecast(x, c, s)
+        cache_layer.reset()  # nothing reads this layer's K/V again: keep memory at one layer
+
+    with attending_with(config, backbone, sparse):
+        inner(input_ids, layer_callback=on_layer)
+    return counts
+
+
+def post_rope_queries(attn, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Post-RoPE queries [B, T, Hq, d] of `attn` from its post-norm input hidden [B, T, hidden]."""
+    from .rope import apply_rope
+
+    batch, length, _ = hidden.shape
+    return apply_rope(attn.q_proj(hidden).view(batch, length, attn.num_heads, attn.head_dim), cos, sin)
+
+
+def forecast_recall(model, sequences: torch.Tensor, start: int, backbone: str = "dense", sparse=None, batch_size: int = 1, progress: bool = False) -> RecallReport:
+    """The recall protocol on held-out sequences [N, T] (int64 token ids): per layer and mean over
+    layers >= 1, chance alongside, counting query rows t in [start, T) only.  See
+    `measure_recall_counts` for model / backbone / sparse."""
+    sequences = torch.as_tensor(sequences)
+    if sequences.dim() != 2 or sequences.shape[0] == 0:
+        raise ValueError(f"sequences must be a non-empty [N, T] tensor of token ids, got shape {tuple(sequences.shape)}")
+    device = next(model.parameters()).device
+    config = getattr(model, "model", model).config
+    counts = torch.zeros(config.num_hidden_layers, 3, dtype=torch.float64)
+    starts = range(0, sequences.shape[0], batch_size)
+    if progress:
+        from tqdm.auto import tqdm
+
+        starts = tqdm(starts, desc="recall", dynamic_ncols=True)
+    for first in starts:
+        counts += measure_recall_counts(model, sequences[first : first + batch_size].to(device), start, backbone, sparse)
+    length = sequences.shape[1]
+    return summarise_recall(counts, start, length, sequences.shape[0] * (length - start), backbone)

@@ -8,7 +8,7 @@
 
 from .data import PackedSequences, build_sequences, load_documents
 from .objective import ObjectiveConfig, layer_loss
-from .trainer import TrainResult, evaluate, forward_backward, load_recipe, train_forecast
+from .trainer import TrainResult, evaluate, load_recipe, train_forecast
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,7 +24,6 @@ __all__ = [
     "TrainResult",
     "build_sequences",
     "evaluate",
-    "forward_backward",
     "layer_loss",
     "load_documents",
     "load_recipe",

@@ -2,19 +2,21 @@
 
 For one layer l and every KV group g and query row t:
 
+Visibility: teacher and student see exactly the keys the deployed forecast selector scores,
+`selection.key_visibility(..., kind="forecast")` (window end + 1 <= t), on whichever grid.
+
 * teacher P: the group-summed softmax of layer l's real (post-RoPE) queries over a *fine* grid of
-  compressed keys (default kernel 2, stride 1), fine key j masked when its start j*stride_f > t;
+  compressed keys (default kernel 2, stride 1), fine keys masked by the forecast rule;
   aligned onto the deployed grid with max_pool1d(kernel=ratio+1, stride=ratio, padding=1),
   ratio = deployed_stride / fine_stride (option: mean), truncated / zero-padded to the deployed
-  count C, renormalised.  No gradient.  Computed in query chunks: memory O(chunk x T).
-* student Q: softmax(f . Kc / sqrt(d)) over the deployed compressed keys Kc of layer l, key i
-  masked when its start i*stride > t; f = layer l-1's forecast (layer 0: its own current_proj).
-  With n vectors per KV group: the mean over the n vectors' softmaxes (= group-summed, L1-normed).
+  count C, masked by the forecast rule on the deployed grid, renormalised.  No gradient.
+  Computed in query chunks: memory O(chunk x T).
+* student Q: softmax(f . Kc / sqrt(d)) over the deployed compressed keys Kc of layer l (forecast
+  rule); f = layer l-1's forecast (layer 0: its own current_proj).  With n vectors per KV group:
+  the mean over the n vectors' softmaxes (= the deployed group-summed score / n).
 * the supervised set S(g, t): the aligned teacher pushed through `selection.py` (pool to blocks,
   force init/local, top-k: `budget_blocks` for infllmv2, the query-aware shortlist
-  init + local + query_blocks for nosa), minus the forced blocks and -1 slots.  The block scores
-  use the query selector's own visibility (`compressed_visibility`, lag 0), so future blocks never
-  take a slot.
+  init + local + query_blocks for nosa), minus the forced blocks and -1 slots.
 * loss ("topk", the default): each block of S expanded to its compressed keys
   {b*r .. b*r + r-1} (r = block_size / kernel_stride), P and Q gathered there (0 for invalid
   slots), one "rest" bucket 1 - sum appended (clamped at 0), everything clamped to >= 1e-8 and
@@ -87,10 +89,9 @@ class ObjectiveConfig:
 # ----------------------------------------------------------------------------------------------
 
 
-def start_visibility(positions: torch.Tensor, num_keys: int, stride: int) -> torch.Tensor:
-    """SparDA's training convention: compressed key j is visible when its start j*stride <= t.
-    positions [B, R] -> bool [B, R, num_keys] (`compressed_visibility` with a window of 1)."""
-    return sel.compressed_visibility(positions, num_keys, 1, stride)
+def forecast_visibility(positions: torch.Tensor, num_keys: int, kernel_size: int, kernel_stride: int) -> torch.Tensor:
+    """The deployed forecast selector's rule (`selection.key_visibility`): [B, R] -> bool [B, R, num_keys]."""
+    return sel.key_visibility(positions, num_keys, kernel_size, kernel_stride, "forecast")
 
 
 def align_to_grid(probs: torch.Tensor, ratio: int, count: int, pooling: str = "max") -> torch.Tensor:
@@ -126,12 +127,13 @@ def teacher_rows(
     with the teacher grid), positions [B, R].  Returns fp32 [B, H, R, count], rows summing to 1
     (0 where nothing is visible).
     """
-    stride_f = objective.teacher_stride
-    visible = start_visibility(positions, fine_keys.shape[1], stride_f)
+    visible = forecast_visibility(positions, fine_keys.shape[1], objective.teacher_kernel, objective.teacher_stride)
     probs = sel.group_softmax_scores(queries, fine_keys, visible).masked_fill(~visible[:, None], 0.0)
-    same_grid = (objective.teacher_kernel, stride_f) == (sparse.kernel_size, sparse.kernel_stride)
+    same_grid = (objective.teacher_kernel, objective.teacher_stride) == (sparse.kernel_size, sparse.kernel_stride)
     if not same_grid:
-        probs = align_to_grid(probs, sparse.kernel_stride // stride_f, count, objective.align_pooling)
+        probs = align_to_grid(probs, sparse.kernel_stride // objective.teacher_stride, count, objective.align_pooling)
+        deployed = forecast_visibility(positions, count, sparse.kernel_size, sparse.kernel_stride)
+        probs = probs.masked_fill(~deployed[:, None], 0.0)
     return renormalise(probs)
 
 
@@ -143,7 +145,7 @@ def teacher_selection(aligned: torch.Tensor, positions: torch.Tensor, sparse, n_
     the CIS-filled rest is not supervised).
     """
     p, s, bs = sparse.kernel_size, sparse.kernel_stride, sparse.block_size
-    visible = sel.compressed_visibility(positions, aligned.shape[-1], p, s)
+    visible = forecast_visibility(positions, aligned.shape[-1], p, s)
     scores = aligned.masked_fill(~visible[:, None], sel.NEG_INF)
     blocks = sel.pool_to_blocks(scores, n_blocks, p, s, bs)
     blocks = sel.force_blocks(blocks, positions, bs, sparse.init_blocks, sparse.local_blocks)
@@ -186,15 +188,15 @@ def bucket(probs: torch.Tensor, index: torch.Tensor, valid: torch.Tensor) -> tor
 # ----------------------------------------------------------------------------------------------
 
 
-def student_rows(forecast: torch.Tensor, ckeys: torch.Tensor, positions: torch.Tensor, stride: int) -> torch.Tensor:
+def student_rows(forecast: torch.Tensor, ckeys: torch.Tensor, positions: torch.Tensor, sparse) -> torch.Tensor:
     """The forecast's distribution over the deployed compressed keys.
 
     forecast [B, R, H*n, d] (post-RoPE), ckeys [B, C, H, d], positions [B, R] -> fp32 [B, H, R, C]:
-    the mean over the n vectors of softmax(f . Kc / sqrt(d)), key i masked when i*stride > t,
-    then renormalised (Q / (sum Q + 1e-8)).  Differentiable in `forecast`.
+    the mean over the n vectors of softmax(f . Kc / sqrt(d)) over the keys the deployed forecast
+    selector sees (0 elsewhere), renormalised (Q / (sum Q + 1e-8)).  Differentiable in `forecast`.
     """
     n = forecast.shape[2] // ckeys.shape[2]
-    visible = start_visibility(positions, ckeys.shape[1], stride)
+    visible = forecast_visibility(positions, ckeys.shape[1], sparse.kernel_size, sparse.kernel_stride)
     probs = sel.group_softmax_scores(forecast, ckeys, visible)
     probs = torch.where(visible[:, None], probs, torch.zeros((), device=probs.device)) / n
     return renormalise(probs)
@@ -205,14 +207,24 @@ def _kl_sum(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return F.kl_div(q.log(), p, reduction="sum")
 
 
-def _topk_chunk_kl(forecast, ckeys, positions, index, valid, target, stride: int) -> torch.Tensor:
-    """One chunk of the top-k + rest KL (recomputed in backward: see `layer_loss`)."""
-    student = bucket(student_rows(forecast, ckeys, positions, stride), index, valid)
-    return _kl_sum(target, student)
+def topk_targets(teacher: torch.Tensor, positions: torch.Tensor, sparse) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """SparDA's top-k + rest target of teacher rows [B, H, R, C]: (index, valid, bucketed target)."""
+    count = teacher.shape[-1]
+    n_blocks = sel.num_blocks(int(positions.max()) + 1, sparse.block_size)
+    ids = teacher_selection(teacher, positions, sparse, n_blocks)
+    index, valid = supervised_keys(ids, positions, sparse, n_blocks, count)
+    return index, valid, bucket(teacher, index, valid)
 
 
-def _full_chunk_kl(forecast, ckeys, positions, teacher, stride: int) -> torch.Tensor:
-    student = student_rows(forecast, ckeys, positions, stride).clamp(min=EPS)
+def rows_kl(forecast: torch.Tensor, ckeys: torch.Tensor, positions: torch.Tensor, teacher: torch.Tensor, sparse, loss: str) -> torch.Tensor:
+    """Summed KL of some query rows: forecast [B, R, H*n, d], ckeys [B, C, H, d], positions [B, R],
+    teacher [B, H, R, C] (`teacher_rows`).  loss "full": KL over the whole row; "topk": over the
+    teacher's supervised keys plus the rest bucket.  fp32 scalar, differentiable in `forecast`."""
+    if loss == "topk":
+        with torch.no_grad():
+            index, valid, target = topk_targets(teacher, positions, sparse)
+        return _kl_sum(target, bucket(student_rows(forecast, ckeys, positions, sparse), index, valid))
+    student = student_rows(forecast, ckeys, positions, sparse).clamp(min=EPS)
     return (teacher * (teacher.clamp(min=EPS).log() - student.log())).sum()
 
 
@@ -242,7 +254,6 @@ def layer_loss(
     objective = objective or ObjectiveConfig()
     batch, length = positions.shape
     count, heads = ckeys.shape[1], ckeys.shape[2]
-    n_blocks = sel.num_blocks(length, sparse.block_size)
     ckeys = ckeys.detach()
     fine_keys = sel.compress_keys(keys.detach(), objective.teacher_kernel, objective.teacher_stride)
     total = forecast.new_zeros((), dtype=torch.float32)
@@ -250,19 +261,9 @@ def layer_loss(
         rows = slice(start, start + objective.chunk_size)
         pos = positions[:, rows]
         teacher = teacher_rows(queries[:, rows].detach(), fine_keys, pos, sparse, objective, count)
-        if objective.loss == "topk":
-            with torch.no_grad():
-                ids = teacher_selection(teacher, pos, sparse, n_blocks)
-                index, valid = supervised_keys(ids, pos, sparse, n_blocks, count)
-                target = bucket(teacher, index, valid)
-            del teacher
-            args = (forecast[:, rows], ckeys, pos, index, valid, target, sparse.kernel_stride)
-            fn = _topk_chunk_kl
-        else:
-            args = (forecast[:, rows], ckeys, pos, teacher, sparse.kernel_stride)
-            fn = _full_chunk_kl
+        args = (forecast[:, rows], ckeys, pos, teacher, sparse, objective.loss)
         if torch.is_grad_enabled() and forecast.requires_grad:
-            total = total + checkpoint(fn, *args, use_reentrant=False)
+            total = total + checkpoint(rows_kl, *args, use_reentrant=False)
         else:
-            total = total + fn(*args)
+            total = total + rows_kl(*args)
     return total / (batch * heads * length)

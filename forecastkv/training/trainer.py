@@ -6,23 +6,23 @@ Read top to bottom:
 2. the model: the frozen base (its own sparse config, or the recipe's), Forecast heads created and
    initialised (`apply_forecast_init`); only `forecast_proj` of layers 0..L-2 and `current_proj`
    train, everything else has requires_grad False;
-3. data: packed token sequences (`data.py`), the same deterministic stream on every process, each
-   process taking its slice of the global batch;
-4. per micro-batch `forward_backward`: a hand-written layer loop.  The backbone runs under no_grad
-   and routes with its own query selection; each layer's loss is back-propagated at once
-   (`loss_l.backward()`), the hidden state is detached between layers and only the forecast tensor
-   of layer l-1 crosses into layer l's loss, so activation memory stays about one layer deep;
-5. after the global batch: gradients summed over processes (a manual all-reduce, as SparDA does
-   instead of DDP, which does not fit per-layer backward), clipped, AdamW step;
-6. held-out forecast recall per layer (`evaluate`), checkpoints (`checkpointing.py`), and at the end
-   `forecast.safetensors` + `forecast_config.json` in the output directory.
+3. rounds: every `train.steps_per_round` steps the next `global_batch` sequences come from the
+   data stream (each process its slice) and the frozen model runs over them once
+   (`features.build_features`, through the model's own decoder loop) to cache what the heads read
+   at `data.cache_rows` query rows: post-norm inputs, next-layer compressed keys, teacher rows;
+4. a step: per cached micro-batch, `rows_per_step` of the cached rows drawn by a generator seeded
+   with (seed, step, micro-batch), every layer's loss on them (`objective.rows_kl`), one backward;
+   gradients summed over processes (a manual all-reduce), clipped, AdamW step.  A step costs one
+   projection and one [rows x C] softmax per layer: a small fraction of a forward;
+5. the first round also calibrates the heads' output norm to the real queries' (`calibrate_init`);
+6. held-out forecast recall with the protocol of `selection.forecast_recall`, checkpoints
+   (`checkpointing.py`), and at the end `forecast.safetensors` + `forecast_config.json`.
 """
 
 from __future__ import annotations
 
 import copy
 import json
-import math
 import os
 import random
 import time
@@ -32,13 +32,12 @@ from pathlib import Path
 import torch
 
 from forecastkv.modeling import selection as sel
-from forecastkv.modeling.cache import SparseCacheLayer
-from forecastkv.modeling.forecast_init import apply_forecast_init
-from forecastkv.modeling.rope import apply_rope
+from forecastkv.modeling.forecast_init import apply_forecast_init, calibrate_forecast_scale
 
 from . import checkpointing as ckpt
 from .data import ByteTokenizer, build_sequences
-from .objective import ObjectiveConfig, layer_loss
+from .features import build_features, cached_rows, head_vectors
+from .objective import ObjectiveConfig, rows_kl
 
 DEFAULTS: dict = {
     "model": {
@@ -48,6 +47,8 @@ DEFAULTS: dict = {
         "sparse_config": None,        # preset name or dict; None keeps the checkpoint's own
         "forecast": {"heads_per_group": 1, "init": "kaiming"},
         "forecast_weights": None,     # start from trained heads (a forecast.safetensors directory)
+        "calibrate_init": True,       # scale each new head so its output norm matches the real queries'
+        "backbone": "query",          # what the frozen model attends with: dense | query | forecast
         "dtype": "auto",              # auto: bfloat16 on CUDA, float32 on CPU
     },
     "data": {
@@ -60,17 +61,23 @@ DEFAULTS: dict = {
         "tokenizer": None,            # None: the model's; "bytes": ByteTokenizer (tests)
         "seq_len": 1024,
         "shuffle_seed": 0,
+        "row_start": 0,               # cached query rows come from [row_start, seq_len)
+        "cache_rows": None,           # rows cached per sequence (None: all of [row_start, seq_len))
         "eval_source": "bundled",
         "eval_split": "heldout",
         "eval_sequences": 4,
         "eval_seq_len": None,         # None: seq_len.  Recall needs lengths well past the budget
+        "eval_start": None,           # recall counts rows t >= eval_start (None: eval_seq_len // 2)
+        "eval_backbone": "dense",
     },
     "objective": ObjectiveConfig().to_dict(),
     "train": {
         "steps": 2000,
         "max_steps": None,            # stop (with a checkpoint) once this step is reached
-        "global_batch": 32,
-        "micro_batch": 1,
+        "global_batch": 32,           # sequences per round
+        "micro_batch": 1,             # sequences per frozen forward
+        "steps_per_round": 1,         # optimizer steps on one round's cached features
+        "rows_per_step": None,        # cached rows drawn per sequence per step (None: all)
         "lr": 5e-4,
         "warmup_steps": 0,
         "betas": [0.9, 0.95],
@@ -80,7 +87,6 @@ DEFAULTS: dict = {
         "seed": 0,
         "log_every": 1,
         "eval_every": 100,            # 0: only before and after; -1: never
-        "eval_loss": True,            # also the held-out loss per layer (costs a teacher pass)
         "save_every": 50,
         "keep_last": 5,
         "progress": True,
@@ -195,131 +201,96 @@ def freeze_base(model) -> list[torch.nn.Parameter]:
 
 
 # ----------------------------------------------------------------------------------------------
-# the layer loop
+# one round, one step
 # ----------------------------------------------------------------------------------------------
 
 
-def _embed(model, ids: torch.Tensor):
-    """hidden [B, T, hidden], positions [B, T], cos/sin [B, T, d], the residual scale (muP)."""
-    inner = model.model
-    config = model.config
-    length = ids.shape[1]
-    if length > config.max_position_embeddings:
-        raise ValueError(f"sequence length {length} exceeds max_position_embeddings={config.max_position_embeddings}")
-    hidden = inner.embed_tokens(ids)
-    positions = torch.arange(length, device=ids.device).expand(ids.shape[0], -1)
-    cos, sin = inner.rotary_emb(positions, hidden.dtype)
-    scale = 1.0
-    mup = config.mup_config
-    if mup is not None:
-        hidden = hidden * mup.scale_emb
-        scale = mup.scale_depth / math.sqrt(config.num_hidden_layers)
-    return hidden, positions, cos, sin, scale
+def _seeded(*parts: int) -> torch.Generator:
+    value = 0
+    for part in parts:
+        value = (value * 1_000_003 + int(part)) % (2**63 - 1)
+    return torch.Generator().manual_seed(value)
 
 
-def _cache_layer(sparse) -> SparseCacheLayer:
-    coarse = sparse.coarse_kernel if sparse.lse == "coarse" else None
-    return SparseCacheLayer(sparse.kernel_size, sparse.kernel_stride, coarse=coarse)
-
-
-def _queries(attn, normed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """The layer's post-RoPE queries [B, T, Hq, d] (the teacher's input)."""
-    batch, length, _ = normed.shape
-    return apply_rope(attn.q_proj(normed).view(batch, length, attn.num_heads, attn.head_dim), cos, sin)
-
-
-def _residual(layer, hidden: torch.Tensor, attn_out: torch.Tensor, scale: float) -> torch.Tensor:
-    hidden = hidden + attn_out * scale
-    return hidden + layer.mlp(layer.post_attention_layernorm(hidden)) * scale
-
-
-def forward_backward(model, ids: torch.Tensor, objective: ObjectiveConfig, loss_scale: float = 1.0) -> list[float]:
-    """One micro-batch ids [B, T]: per layer, the frozen backbone (query routing) and the Forecast
-    loss, back-propagated right away (times `loss_scale`).  Returns the per-layer losses."""
+def build_round(model, batch: torch.Tensor, first_chunk: int, round_index: int, recipe: dict, objective: ObjectiveConfig, device) -> list:
+    """Cached features of this process's sequences batch [n, T], one `Features` per micro-batch;
+    chunk k (global index first_chunk + k) caches rows drawn with seed (seed, round, chunk)."""
+    data, train = recipe["data"], recipe["train"]
     sparse = model.config.sparse
-    layers = model.model.layers
-    last = len(layers) - 1
-    with torch.no_grad():
-        hidden, positions, cos, sin, scale = _embed(model, ids)
-    forecast_in, losses = None, []
-    for idx, layer in enumerate(layers):
-        attn = layer.self_attn
-        cache_layer = _cache_layer(sparse)
-        with torch.no_grad():
-            normed = layer.input_layernorm(hidden)
-        if idx == 0:
-            forecast_in = attn.project_forecast(normed, cos, sin, "current_proj")
-        forecast_next = attn.project_forecast(normed, cos, sin) if idx < last else None
-        with torch.no_grad():
-            attn_out = attn(normed, positions, cos, sin, cache_layer, selector="query")
-            queries = _queries(attn, normed, cos, sin)
-        keys = cache_layer.full()[0]
-        loss = layer_loss(queries, keys, cache_layer.compressed_keys(), forecast_in, positions, sparse, objective)
-        (loss * loss_scale).backward()
-        losses.append(float(loss.detach()))
-        with torch.no_grad():
-            hidden = _residual(layer, hidden, attn_out, scale)
-        forecast_in = forecast_next
-        del cache_layer, queries, keys, attn_out, loss
-    return losses
+    micro, out = train["micro_batch"], []
+    for k, start in enumerate(range(0, batch.shape[0], micro)):
+        rows = cached_rows(batch.shape[1], data["row_start"], data["cache_rows"], _seeded(train["seed"], round_index, first_chunk + k))
+        ids = batch[start : start + micro].to(device)
+        out.append(build_features(model, ids, rows, sparse, objective, recipe["model"]["backbone"]))
+    return out
+
+
+def step_loss(model, features: list, first_chunk: int, step: int, recipe: dict, objective: ObjectiveConfig, denominator: float) -> list[float]:
+    """Back-propagate one step's loss over this process's cached micro-batches; returns the
+    per-layer losses (this process's share of the global mean)."""
+    train = recipe["train"]
+    sparse = model.config.sparse
+    layers = model.config.num_hidden_layers
+    per_layer = [0.0] * layers
+    for k, feats in enumerate(features):
+        count = feats.positions.shape[1]
+        take = train["rows_per_step"]
+        sample = None
+        if take is not None and take < count:
+            sample = torch.randperm(count, generator=_seeded(train["seed"], 7, step, first_chunk + k))[:take].sort().values
+            sample = sample.to(feats.positions.device)
+        pos = feats.positions if sample is None else feats.positions[:, sample]
+        total = 0.0
+        for layer in range(layers):
+            teacher = feats.teachers[layer] if sample is None else feats.teachers[layer][:, :, sample]
+            vectors = head_vectors(model, feats, layer, sample)
+            loss = rows_kl(vectors, feats.ckeys[layer], pos, teacher, sparse, objective.loss) / denominator
+            per_layer[layer] += float(loss.detach())
+            total = total + loss
+        total.backward()
+    return per_layer
+
+
+def rows_per_sequence(recipe: dict) -> int:
+    """Query rows one sequence contributes to a step."""
+    data, train = recipe["data"], recipe["train"]
+    cached = data["seq_len"] - data["row_start"]
+    if data["cache_rows"] is not None:
+        cached = min(cached, data["cache_rows"])
+    return cached if train["rows_per_step"] is None else min(cached, train["rows_per_step"])
 
 
 @torch.no_grad()
-def recall_counts(model, ids: torch.Tensor, objective: ObjectiveConfig | None) -> torch.Tensor:
-    """Per layer [L, 4]: forecast-recall hits, wanted, chance (sums over batch, heads, positions;
-    `selection.forecast_recall_counts` with the runtime's semantics) and the summed layer loss
-    (0 when `objective` is None)."""
-    sparse = model.config.sparse
-    layers = model.model.layers
-    last = len(layers) - 1
-    hidden, positions, cos, sin, scale = _embed(model, ids)
-    counts = torch.zeros(len(layers), 4, dtype=torch.float64)
-    forecast_in = None
-    for idx, layer in enumerate(layers):
-        attn = layer.self_attn
-        cache_layer = _cache_layer(sparse)
-        normed = layer.input_layernorm(hidden)
-        if idx == 0:
-            forecast_in = attn.project_forecast(normed, cos, sin, "current_proj")
-        forecast_next = attn.project_forecast(normed, cos, sin) if idx < last else None
-        record: dict = {}
-        attn_out = attn(normed, positions, cos, sin, cache_layer, forecast_in=forecast_in, selections_out=record, selector="query")
-        hits, wanted, chance = sel.forecast_recall_counts(record["query"], record["forecast"], positions, sparse)
-        loss = 0.0
-        if objective is not None:
-            loss = layer_loss(_queries(attn, normed, cos, sin), cache_layer.full()[0], cache_layer.compressed_keys(), forecast_in, positions, sparse, objective).item()
-        counts[idx] = torch.tensor([hits.sum().item(), wanted.sum().item(), chance.sum().item(), loss * ids.shape[0]], dtype=torch.float64)
-        hidden = _residual(layer, hidden, attn_out, scale)
-        forecast_in = forecast_next
-    return counts
+def calibrate_from_features(model, features: list, accelerator) -> None:
+    """Scale every head so its mean squared output norm equals the real queries' it imitates,
+    measured on the cached rows of all processes (`forecast_init.calibrate_forecast_scale`)."""
+    layers = model.config.num_hidden_layers
+    head_sq, query_sq = None, None
+    for feats in features:
+        sq = torch.stack([head_vectors(model, feats, m).float().pow(2).sum(-1).mean(dim=(0, 1)).cpu() for m in range(layers)])
+        head_sq = sq if head_sq is None else head_sq + sq
+        query_sq = feats.query_sq if query_sq is None else query_sq + feats.query_sq
+    stacked = torch.cat([head_sq.flatten(), query_sq.flatten(), torch.tensor([float(len(features))])]).double()
+    if accelerator.num_processes > 1:
+        stacked = accelerator.reduce(stacked.to(accelerator.device), reduction="sum").cpu()
+    count = stacked[-1]
+    head_sq = (stacked[: head_sq.numel()] / count).view_as(head_sq)
+    query_sq = (stacked[head_sq.numel() : -1] / count).view_as(query_sq)
+    calibrate_forecast_scale(model, head_sq.float(), query_sq.float())
 
 
-def summarise_counts(counts: torch.Tensor, sequences: int) -> dict:
-    """[L, 4] summed counts -> per-layer recall / chance / loss and the means over layers >= 1."""
-    wanted = counts[:, 1].clamp(min=1)
-    recall = (counts[:, 0] / wanted).tolist()
-    chance = (counts[:, 2] / wanted).tolist()
-    loss = (counts[:, 3] / max(sequences, 1)).tolist()
-    tail = slice(1, None) if len(recall) > 1 else slice(None)
-    mean = lambda values: sum(values[tail]) / len(values[tail])  # noqa: E731
-    return {
-        "recall": recall, "chance": chance, "loss": loss,
-        "mean_recall": mean(recall), "mean_chance": mean(chance), "loss_sum": sum(loss),
-    }
-
-
-def evaluate(model, sequences: torch.Tensor, objective: ObjectiveConfig | None, accelerator, micro_batch: int = 1) -> dict:
-    """Held-out forecast recall per layer (and loss unless `objective` is None); the sequences are
-    split over processes, counts summed."""
+def evaluate(model, sequences: torch.Tensor, start: int, backbone: str, accelerator) -> dict:
+    """Held-out forecast recall (`selection.measure_recall_counts`), sequences split over
+    processes, counts summed; returns `RecallReport.to_dict()`."""
     rank, world = accelerator.process_index, accelerator.num_processes
-    mine = sequences[rank::world]
-    counts = torch.zeros(model.config.num_hidden_layers, 4, dtype=torch.float64)
+    counts = torch.zeros(model.config.num_hidden_layers, 3, dtype=torch.float64)
     with accelerator.autocast():
-        for start in range(0, mine.shape[0], micro_batch):
-            counts += recall_counts(model, mine[start : start + micro_batch].to(accelerator.device), objective)
+        for row in range(rank, sequences.shape[0], world):
+            counts += sel.measure_recall_counts(model, sequences[row : row + 1].to(accelerator.device), start, backbone)
     if world > 1:
         counts = accelerator.reduce(counts.to(accelerator.device), reduction="sum").cpu()
-    return summarise_counts(counts, sequences.shape[0])
+    length = sequences.shape[1]
+    return sel.summarise_recall(counts, start, length, sequences.shape[0] * (length - start), backbone).to_dict()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -345,6 +316,7 @@ class TrainResult:
     model: object
     history: list = field(default_factory=list)   # eval dicts, each with its "step"
     losses: list = field(default_factory=list)     # (step, loss summed over layers)
+    speed: dict = field(default_factory=dict)      # steps_per_s (optimizer steps only), feature_s, step_s
 
 
 def _tokenizer(data_cfg: dict, model, path: str | None):
@@ -374,7 +346,15 @@ def _check_lengths(recipe: dict, model, world: int) -> None:
             raise ValueError(f"data.{key}={length} exceeds the model's max_position_embeddings={config.max_position_embeddings}")
         if length < sparse.kernel_size:
             raise ValueError(f"data.{key}={length} is shorter than sparse_config.kernel_size={sparse.kernel_size}: no compressed key to select")
-    train = recipe["train"]
+    train, data = recipe["train"], recipe["data"]
+    if not 0 <= data["row_start"] < data["seq_len"]:
+        raise ValueError(f"data.row_start={data['row_start']} must lie in [0, data.seq_len={data['seq_len']})")
+    eval_len = data["eval_seq_len"] or data["seq_len"]
+    if data["eval_start"] is not None and not 0 <= data["eval_start"] < eval_len:
+        raise ValueError(f"data.eval_start={data['eval_start']} must lie in [0, eval length {eval_len})")
+    for key in ("steps_per_round", "rows_per_step"):
+        if train[key] is not None and (not isinstance(train[key], int) or train[key] < 1):
+            raise ValueError(f"train.{key} must be a positive integer, got {train[key]!r}")
     per_step = world * train["micro_batch"]
     if train["global_batch"] % per_step:
         raise ValueError(
@@ -430,7 +410,8 @@ def train_forecast(config_path_or_dict, **overrides) -> TrainResult:
     model, base = build_model(recipe["model"], accelerator.device)
     objective.check_against(model.config.sparse)
     _check_lengths(recipe, model, world)
-    if not recipe["model"]["forecast_weights"]:
+    fresh_heads = not recipe["model"]["forecast_weights"]
+    if fresh_heads:
         apply_forecast_init(model, recipe["model"]["forecast"]["init"], seed=train["seed"])
     params = freeze_base(model)
     fingerprint = ckpt.model_fingerprint(model)
@@ -450,6 +431,7 @@ def train_forecast(config_path_or_dict, **overrides) -> TrainResult:
             token_field=data_cfg["token_field"], shuffle=False, name="eval data",
         )
         eval_seqs = held.first(data_cfg["eval_sequences"])
+    eval_start = data_cfg["eval_start"] if data_cfg["eval_start"] is not None else (data_cfg["eval_seq_len"] or seq_len) // 2
 
     # -- optimizer -----------------------------------------------------------------------------
     optimizer = torch.optim.AdamW(params, lr=train["lr"], betas=tuple(train["betas"]), eps=train["eps"], weight_decay=train["weight_decay"])
@@ -476,7 +458,7 @@ def train_forecast(config_path_or_dict, **overrides) -> TrainResult:
                 names[name].copy_(tensor.to(names[name].device))
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
-        data.load_state_dict(state["data"])
+        data.load_state_dict(state["data"])   # the position at the start of the step's round
         ckpt.set_rng_state(state["rng"])
         step, history, losses = state["step"], state["history"], state["losses"]
         if main:
@@ -485,12 +467,17 @@ def train_forecast(config_path_or_dict, **overrides) -> TrainResult:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "recipe.json").write_text(json.dumps({**recipe, "processes": world}, indent=2, default=str))
 
+    per_round = train["steps_per_round"]
+    round_start = data.state_dict()
+
     def save(step: int) -> None:
         if main:
+            # mid-round: the round's start, so a resume rebuilds the same cached features
+            position = round_start if step % per_round else data.state_dict()
             state = {
                 "step": step, "trainable": {n: p.detach().cpu().clone() for n, p in forecast_heads(model)},
                 "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": ckpt.rng_state(),
-                "data": data.state_dict(), "recipe": recipe, "fingerprint": fingerprint, "base_model": base,
+                "data": position, "recipe": recipe, "fingerprint": fingerprint, "base_model": base,
                 "sparse_config": model.config.sparse_config, "forecast": model.config.forecast,
                 "history": history, "losses": losses,
             }
@@ -500,7 +487,7 @@ def train_forecast(config_path_or_dict, **overrides) -> TrainResult:
     def run_eval(step: int) -> None:
         if eval_seqs is None:
             return
-        result = {"step": step, **evaluate(model, eval_seqs, objective if train["eval_loss"] else None, accelerator, train["micro_batch"])}
+        result = {"step": step, **evaluate(model, eval_seqs, eval_start, data_cfg["eval_backbone"], accelerator)}
         history.append(result)
         if main:
             _append_metrics(metrics_path, {"step": step, "eval": result})
@@ -509,34 +496,48 @@ def train_forecast(config_path_or_dict, **overrides) -> TrainResult:
     end = train["steps"] if train["max_steps"] is None else min(train["steps"], train["max_steps"])
     per_rank = train["global_batch"] // world
     micro = train["micro_batch"]
+    first_chunk = rank * per_rank // micro
+    heads = model.config.num_key_value_heads
+    denominator = float(train["global_batch"] * heads * rows_per_sequence(recipe))
     from tqdm.auto import tqdm
 
     bar = tqdm(total=train["steps"], initial=step, disable=not (main and train["progress"]), desc="forecast", dynamic_ncols=True)
     evals = train["eval_every"] >= 0  # -1: no evaluation at all; 0: before and after only
     if step == 0 and evals:
         run_eval(0)
-    started = time.time()
+    features, feature_seconds, step_seconds, steps_run = None, 0.0, 0.0, 0
     while step < end:
+        if features is None or step % per_round == 0:
+            round_start = data.state_dict()
+            batch = data.take(train["global_batch"])[rank * per_rank : (rank + 1) * per_rank]
+            features = None  # free the previous round first
+            started = time.time()
+            with accelerator.autocast():
+                features = build_round(model, batch, first_chunk, step // per_round, recipe, objective, accelerator.device)
+            if step == 0 and fresh_heads and recipe["model"]["calibrate_init"]:
+                calibrate_from_features(model, features, accelerator)
+            feature_seconds += time.time() - started
+        started = time.time()
         optimizer.zero_grad(set_to_none=True)
-        batch = data.take(train["global_batch"])[rank * per_rank : (rank + 1) * per_rank]
-        step_loss = torch.zeros(1, dtype=torch.float64)
-        with accelerator.autocast():
-            for start in range(0, per_rank, micro):
-                ids = batch[start : start + micro].to(accelerator.device)
-                layer_losses = forward_backward(model, ids, objective, loss_scale=ids.shape[0] / train["global_batch"])
-                step_loss += sum(layer_losses) * ids.shape[0] / train["global_batch"]
+        layer_losses = step_loss(model, features, first_chunk, step, recipe, objective, denominator)
+        step_loss_value = torch.tensor([sum(layer_losses)], dtype=torch.float64)
         if world > 1:
             sum_over_processes(params, accelerator)
-            step_loss = accelerator.reduce(step_loss.to(accelerator.device), reduction="sum").cpu()
+            step_loss_value = accelerator.reduce(step_loss_value.to(accelerator.device), reduction="sum").cpu()
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, train["grad_clip"]))
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
         scheduler.step()
         step += 1
-        loss_value = float(step_loss)
+        step_seconds += time.time() - started
+        steps_run += 1
+        loss_value = float(step_loss_value)
         losses.append((step, loss_value))
         if main and (step % train["log_every"] == 0 or step == end):
-            _append_metrics(metrics_path, {"step": step, "loss": loss_value, "grad_norm": grad_norm, "lr": lr, "elapsed_s": time.time() - started})
+            _append_metrics(metrics_path, {
+                "step": step, "loss": loss_value, "grad_norm": grad_norm, "lr": lr,
+                "steps_per_s": steps_run / max(step_seconds, 1e-9), "feature_s": feature_seconds,
+            })
         if train["eval_every"] > 0 and step % train["eval_every"] == 0 and step < end:
             run_eval(step)
         postfix = {"loss": f"{loss_value:.4f}"}
@@ -554,4 +555,5 @@ def train_forecast(config_path_or_dict, **overrides) -> TrainResult:
         model.save_forecast_weights(out_dir, base_model=base)
         (out_dir / "recall.md").write_text(_recall_table(history))
     accelerator.wait_for_everyone()
-    return TrainResult(output_dir=out_dir, step=step, model=model, history=history, losses=losses)
+    speed = {"steps_per_s": steps_run / max(step_seconds, 1e-9), "feature_s": feature_seconds, "step_s": step_seconds}
+    return TrainResult(output_dir=out_dir, step=step, model=model, history=history, losses=losses, speed=speed)

@@ -262,3 +262,63 @@ def test_forecast_recall_counts_exclude_forced_blocks():
     hits, wanted, chance = sel.forecast_recall_counts(query, forecast, positions, cfg)
     assert wanted.item() == 2 and hits.item() == 1
     assert abs(chance.item() - 2 * 2 / 7) < 1e-6  # 7 free visible blocks (1..7), forecast picked 2
+
+
+# ---------------------------------------------------------------------------------------------
+# one visibility rule: training (teacher and student) sees exactly what deployed scoring scores
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("per_group", [1, 2])
+def test_training_student_is_the_deployed_forecast_score(per_group):
+    """The training student is a fixed function of the deployed forecast scores: softmax(score/sqrt(d))
+    over the same keys for one vector per group, the group-summed score / n for n > 1.  A change of
+    either side's visibility (or scoring) rule breaks the equality."""
+    from forecastkv.training.objective import student_rows, teacher_rows, ObjectiveConfig
+
+    cfg = GEOMETRIES[0]
+    torch.manual_seed(11 + per_group)
+    length, heads, d = 40, 2, 8
+    f = torch.randn(1, length, heads * per_group, d)
+    k = torch.randn(1, length, heads, d)
+    ckeys = sel.compress_keys(k, cfg.kernel_size, cfg.kernel_stride)
+    positions = torch.arange(length).view(1, -1)
+    deployed = sel.key_scores(f, ckeys, positions, cfg, kind="forecast")            # what the runtime ranks
+    student = student_rows(f, ckeys, positions, cfg)
+    visible = torch.isfinite(deployed)
+    assert torch.equal(student > 0, visible)
+    # the boundary the issue names: the window ending at t is not visible, the one ending at t-1 is
+    ends = torch.arange(ckeys.shape[1]) * cfg.kernel_stride + cfg.kernel_size - 1
+    assert torch.equal(visible[0, 0], ends.view(1, -1) <= positions.view(-1, 1) - 1)
+    if per_group == 1:
+        expected = torch.softmax(deployed / math.sqrt(d), dim=-1).nan_to_num(0.0)
+    else:
+        expected = deployed.masked_fill(~visible, 0.0) / per_group
+    rows = visible.any(-1)
+    assert torch.allclose(student[rows], expected[rows], rtol=1e-5, atol=1e-7)
+    # the teacher lives on the same keys, on the deployed grid and (aligned) from a fine grid
+    q = torch.randn(1, length, heads * 3, d)
+    for objective in (ObjectiveConfig(teacher_kernel=4, teacher_stride=2), ObjectiveConfig(teacher_kernel=2, teacher_stride=1)):
+        fine = sel.compress_keys(k, objective.teacher_kernel, objective.teacher_stride)
+        teacher = teacher_rows(q, fine, positions, cfg, objective, ckeys.shape[1])
+        assert not (teacher[~visible] != 0).any()
+    # and the deployed module path uses the same scoring: SparseAttention.select == layer_selection
+    ids = sel.layer_selection(f, ckeys, positions, cfg, "forecast")
+    n_blocks = sel.num_blocks(length, cfg.block_size)
+    assert torch.equal(ids, sel.select_blocks(sel.score_blocks(f, ckeys, positions, cfg, n_blocks, kind="forecast", lag=1), positions, cfg))
+
+
+def test_recall_protocol_counts_rows_from_start_and_summarises_layers():
+    cfg = SparseConfig(kernel_size=4, kernel_stride=2, block_size=8, init_blocks=1, window_size=8, topk=3, dense_len=0)
+    positions = torch.tensor([[40, 79]])  # qb = 5 (forced 0, 4, 5) and qb = 9 (forced 0, 8, 9)
+    query = torch.tensor([[[[0, 1, 2, 4, 5, -1], [0, 2, 4, 8, 9, -1]]]])
+    forecast = torch.tensor([[[[0, 1, 3, 4, 5, -1], [0, 2, 5, 8, 9, -1]]]])
+    every = sel.recall_row_sums(query, forecast, positions, cfg, start=0)
+    late = sel.recall_row_sums(query, forecast, positions, cfg, start=41)
+    assert every.tolist()[:2] == [2.0, 4.0] and late.tolist()[:2] == [1.0, 2.0]
+    assert abs(late[2].item() - 2 * 2 / 7) < 1e-6          # 7 free visible blocks at t = 79 (fp32 counts)
+    counts = torch.tensor([[5.0, 5.0, 1.0], [1.0, 2.0, 0.5], [2.0, 2.0, 1.0]], dtype=torch.float64)
+    report = sel.summarise_recall(counts, start=41, length=80, rows=1, backbone="dense")
+    assert report.recall == [1.0, 0.5, 1.0] and report.mean_recall == 0.75       # layer 0 left out
+    assert report.chance == [0.2, 0.25, 0.5] and report.mean_chance == 0.375
+    assert "| mean (>= 1) | 0.750 | 0.375 |" in report.table()

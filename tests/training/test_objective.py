@@ -61,7 +61,7 @@ def ref_selection(teacher, t, sp, n_blocks, width):
     scores = []
     for j in range(n_blocks):
         vals = [float(teacher[c]) for c in range(teacher.shape[0])
-                if c * s < (j + 1) * bs and c * s + p > j * bs and c * s + p - 1 <= t]
+                if c * s < (j + 1) * bs and c * s + p > j * bs and c * s + p <= t]
         score = max(vals) if vals else -math.inf
         if j < sp["init_blocks"] or qb - local <= j <= qb:
             score = math.inf
@@ -105,13 +105,15 @@ def reference_loss(q, k, f, sp, objective, policy="infllmv2"):
             coarse = ref_window_means(k[b, :, g], p, s)
             count = len(coarse)
             for t in range(length):
-                # teacher: group-summed softmax over the fine grid, start-causal
-                vis_f = [j * sf <= t for j in range(len(fine))]
+                # the forecast selector's rule on either grid: a window is visible once it ended
+                # before t (end + 1 <= t), the next layer's keys before it appends token t
+                vis_f = [j * sf + kf <= t for j in range(len(fine))]
+                vis_c = [i * s + p <= t for i in range(count)]
+                # teacher: group-summed softmax over the fine grid, aligned, masked, renormalised
                 tp = sum(ref_softmax_visible(q[b, t, g * group + h], fine, vis_f) for h in range(group))
-                tp = ref_align(tp, s // sf, count)
+                tp = ref_align(tp, s // sf, count) * torch.tensor(vis_c, dtype=torch.float32)
                 tp = tp / (tp.sum() + EPS)
-                # student: mean over the n vectors, start-causal on the deployed grid
-                vis_c = [i * s <= t for i in range(count)]
+                # student: mean over the n vectors on the deployed grid
                 sq = sum(ref_softmax_visible(f[b, t, g * n + v], coarse, vis_c) for v in range(n)) / n
                 sq = sq / (sq.sum() + EPS)
                 if objective.loss == "full":

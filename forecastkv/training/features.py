@@ -1,0 +1,119 @@
+"""The feature cache: what the Forecast heads read, computed once per sequence and reused.
+
+The base is frozen, so everything a head's loss depends on except the head itself is a constant of
+the sequence: for every layer m, the post-norm input of the head that scores m (layer m-1's input,
+or layer 0's own for `current_proj`), layer m's deployed compressed keys and the teacher rows.
+`build_features` runs the frozen model once (through `ForecastKVModel.forward(layer_callback=)`,
+the model's own decoder loop) and keeps those for a subset of query rows; a training step then
+costs one projection and one [rows x C] softmax per layer, a small fraction of a forward.
+
+Memory: the model holds one layer's K/V at a time (each layer's cache is dropped once read); the
+cache keeps, per sequence, L x rows x (hidden + H x C) numbers, independent of T^2.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from forecastkv.modeling import selection as sel
+from forecastkv.modeling.rope import apply_rope
+
+from .objective import ObjectiveConfig, teacher_rows
+
+
+@dataclass
+class Features:
+    """Cached inputs of one micro-batch, for R cached query rows per sequence.
+
+    positions [B, R] int64, cos / sin [B, R, d] (RoPE at those rows), inputs: L-1 tensors
+    [B, R, hidden] (post-norm input of layer l, l = 0..L-2), ckeys: L tensors [B, C, H, d] (layer
+    m's deployed compressed keys, fp32), teachers: L tensors [B, H, R, C] (fp32, rows sum to 1),
+    query_sq: fp32 [L, H] (mean squared norm of layer m's real queries per KV group, for calibration).
+    """
+
+    positions: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    inputs: list
+    ckeys: list
+    teachers: list
+    query_sq: torch.Tensor
+
+    def head_input(self, layer: int) -> tuple[torch.Tensor, str, int]:
+        """(input rows [B, R, hidden], projection name, owning layer) of the head scoring `layer`."""
+        if layer == 0:
+            return self.inputs[0], "current_proj", 0
+        return self.inputs[layer - 1], "forecast_proj", layer - 1
+
+    def nbytes(self) -> int:
+        tensors = [self.positions, self.cos, self.sin, *self.inputs, *self.ckeys, *self.teachers]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def cached_rows(length: int, row_start: int, count: int | None, generator: torch.Generator | None) -> torch.Tensor:
+    """Sorted row indices int64 [R] in [row_start, length): all of them, or `count` drawn without
+    replacement by `generator`."""
+    if not 0 <= row_start < length:
+        raise ValueError(f"row_start={row_start} must lie in [0, sequence length {length})")
+    rows = torch.arange(row_start, length)
+    if count is not None and count < rows.numel():
+        rows = rows[torch.randperm(rows.numel(), generator=generator)[:count]].sort().values
+    return rows
+
+
+@torch.no_grad()
+def build_features(model, ids: torch.Tensor, rows: torch.Tensor, sparse, objective: ObjectiveConfig, backbone: str = "query") -> Features:
+    """Run the frozen `model` once over ids [B, T] and cache the rows `rows` [R] (int64, sorted).
+
+    sparse: the geometry the heads are trained for; backbone: what the frozen model attends with
+    ("dense", "query" = its sparse attention routed by real queries, "forecast").
+    """
+    inner = getattr(model, "model", model)
+    config = inner.config
+    last = config.num_hidden_layers - 1
+    rows = rows.to(ids.device)
+    store: dict = {"inputs": [], "ckeys": [], "teachers": [], "norms": []}
+
+    def on_layer(idx, normed, positions, cos, sin, cache_layer):
+        attn = inner.layers[idx].self_attn
+        if idx == 0:
+            store["positions"], store["cos"], store["sin"] = positions[:, rows], cos[:, rows].float(), sin[:, rows].float()
+        x = normed[:, rows]
+        if idx < last:
+            store["inputs"].append(x.float())
+        keys = cache_layer.full()[0]
+        ckeys = sel.compress_keys(keys, sparse.kernel_size, sparse.kernel_stride).float()
+        fine = sel.compress_keys(keys, objective.teacher_kernel, objective.teacher_stride)
+        pos = store["positions"]
+        queries = sel.post_rope_queries(attn, x, cos[:, rows], sin[:, rows])
+        chunks = []
+        for start in range(0, rows.numel(), objective.chunk_size):
+            part = slice(start, start + objective.chunk_size)
+            chunks.append(teacher_rows(queries[:, part], fine, pos[:, part], sparse, objective, ckeys.shape[1]))
+        store["ckeys"].append(ckeys)
+        store["teachers"].append(torch.cat(chunks, dim=2))
+        per_group = queries.float().pow(2).sum(-1).view(*queries.shape[:2], attn.num_kv_heads, -1)  # [B, R, H, G]
+        store["norms"].append(per_group.mean(dim=(0, 1, 3)).cpu())
+        cache_layer.reset()  # nothing reads this layer's K/V again
+
+    with sel.attending_with(config, backbone, sparse):
+        inner(ids, layer_callback=on_layer)
+    return Features(
+        store["positions"], store["cos"], store["sin"], store["inputs"], store["ckeys"], store["teachers"], torch.stack(store["norms"])
+    )
+
+
+def head_vectors(model, features: Features, layer: int, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Forecast vectors [B, r, H*n, d] (post-RoPE) scoring `layer` at cached rows `rows` (indices
+    into the R cached rows; None = all), differentiable in the head's weight."""
+    inner = getattr(model, "model", model)
+    x, name, owner = features.head_input(layer)
+    cos, sin = features.cos, features.sin
+    if rows is not None:
+        x, cos, sin = x[:, rows], cos[:, rows], sin[:, rows]
+    attn = inner.layers[owner].self_attn
+    weight = getattr(attn, name).weight
+    out = torch.nn.functional.linear(x.to(weight.dtype), weight)
+    return apply_rope(out.view(*x.shape[:2], -1, attn.head_dim), cos.to(out.dtype), sin.to(out.dtype))

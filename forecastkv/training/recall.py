@@ -1,0 +1,126 @@
+"""Forecast recall of saved heads, on held-out text, with the one protocol of `selection.py`.
+
+    forecastkv forecast-recall --forecast-weights runs/smollm2-135m-forecast --length 2048 --start 1024
+    forecastkv forecast-recall --init next_query --heads-per-group 1      # an untrained init
+
+The protocol (`selection.forecast_recall`): a held-out split cut into sequences of T tokens, query
+rows t in [start, T) only, both selectors scored at every layer against that layer's keys, recall
+per layer and as the mean over layers >= 1, chance alongside.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from forecastkv.modeling import selection as sel
+
+DEFAULT_START = 1024
+
+
+@dataclass(frozen=True)
+class RecallProtocol:
+    """What a recall number means: held-out `split` of `source`, `sequences` sequences of `length`
+    tokens (all there are when None), rows t >= `start`, attention of the frozen model `backbone`."""
+
+    source: str = "bundled"
+    split: str = "heldout"
+    length: int = 2048
+    start: int = DEFAULT_START
+    sequences: int | None = None
+    backbone: str = "dense"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.start < self.length:
+            raise ValueError(f"recall start={self.start} must lie in [0, length={self.length})")
+        if self.backbone not in sel.BACKBONES:
+            raise ValueError(f"backbone {self.backbone!r} is not one of {sel.BACKBONES}")
+
+
+def heldout_sequences(protocol: RecallProtocol, tokenizer) -> torch.Tensor:
+    """[N, length] int64: the held-out documents packed in storage order (no shuffle)."""
+    from .data import build_sequences
+
+    packed = build_sequences(protocol.source, tokenizer, protocol.length, split=protocol.split, shuffle=False, name="recall data")
+    count = len(packed) if protocol.sequences is None else min(protocol.sequences, len(packed))
+    return packed.first(count)
+
+
+def evaluate_recall(model, tokenizer, protocol: RecallProtocol = RecallProtocol(), sparse=None, progress: bool = False) -> sel.RecallReport:
+    """Run the protocol on `model` (forecast heads required).  Returns a `selection.RecallReport`."""
+    sequences = heldout_sequences(protocol, tokenizer)
+    return sel.forecast_recall(model, sequences, protocol.start, protocol.backbone, sparse=sparse, progress=progress)
+
+
+def load_for_recall(base: str, forecast_weights: str | None = None, sparse_config=None, init: str = "next_query", heads_per_group: int = 1):
+    """(model, tokenizer, base path): the base with saved heads (`forecast_weights`) or freshly
+    initialised ones (`init`, `heads_per_group`), float32."""
+    from transformers import AutoTokenizer
+
+    from forecastkv import ForecastKVForCausalLM
+    from forecastkv.bundled import bundled_model_path
+
+    path = bundled_model_path(base.split(":", 1)[1]) if base.startswith("bundled:") else base
+    if forecast_weights is not None:
+        model = ForecastKVForCausalLM.from_pretrained(path, sparse_config=sparse_config, forecast_weights=forecast_weights)
+    else:
+        model = ForecastKVForCausalLM.from_pretrained(path, sparse_config=sparse_config, forecast={"init": init, "heads_per_group": heads_per_group})
+    return model.float().eval(), AutoTokenizer.from_pretrained(path), path
+
+
+def resolve_geometry(sparse_config=None, forecast_weights=None, topk: int | None = None) -> dict:
+    """The sparse_config dict both selectors use: `sparse_config` (preset name, JSON text or dict),
+    else the one saved beside `forecast_weights`, else the smollm2-135m preset; `topk` overrides."""
+    from forecastkv.modeling.configuration import resolve_sparse_config
+
+    if isinstance(sparse_config, str) and sparse_config.lstrip().startswith("{"):
+        sparse_config = json.loads(sparse_config)
+    if sparse_config is None and forecast_weights is not None:
+        side = Path(forecast_weights) / "forecast_config.json"
+        if side.is_file():
+            sparse_config = json.loads(side.read_text()).get("sparse_config")
+    geometry = dict(resolve_sparse_config(sparse_config if sparse_config is not None else "smollm2-135m"))
+    if topk is not None:
+        geometry["topk"] = topk
+    return resolve_sparse_config(geometry)
+
+
+def build_parser(prog: str = "forecastkv forecast-recall") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description="Held-out forecast recall of saved (or freshly initialised) heads.")
+    parser.add_argument("--model", default="bundled:smollm2-135m", help="base checkpoint directory / hub id / bundled:<name>")
+    parser.add_argument("--forecast-weights", default=None, help="a directory with forecast.safetensors (train-forecast output)")
+    parser.add_argument("--init", default="next_query", choices=("next_query", "kaiming"), help="without --forecast-weights: heads to create")
+    parser.add_argument("--heads-per-group", type=int, default=1)
+    parser.add_argument("--sparse-config", default=None, help="geometry both selectors use: a preset name or JSON (default: the saved heads', else smollm2-135m)")
+    parser.add_argument("--topk", type=int, default=None, help="override the geometry's topk (the issue's SmolLM2 protocol: 12)")
+    parser.add_argument("--source", default="bundled")
+    parser.add_argument("--split", default="heldout")
+    parser.add_argument("--length", type=int, default=2048, help="T: tokens per held-out sequence")
+    parser.add_argument("--start", type=int, default=DEFAULT_START, help="count query rows t >= start only")
+    parser.add_argument("--sequences", type=int, default=None, help="at most this many sequences (default: all)")
+    parser.add_argument("--backbone", default="dense", choices=sel.BACKBONES)
+    parser.add_argument("--json", default=None, help="also write the report as JSON here")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    protocol = RecallProtocol(args.source, args.split, args.length, args.start, args.sequences, args.backbone)
+    sparse = resolve_geometry(args.sparse_config, args.forecast_weights, args.topk)
+    model, tokenizer, _ = load_for_recall(args.model, args.forecast_weights, sparse, args.init, args.heads_per_group)
+    report = evaluate_recall(model, tokenizer, protocol, progress=sys.stderr.isatty())
+    what = args.forecast_weights or f"init {args.init}, {args.heads_per_group} vector(s) per group"
+    print(f"forecast recall of {what}: T={args.length}, rows t >= {args.start}, {report.rows} rows, backbone {args.backbone}")
+    print(report.table())
+    if args.json:
+        Path(args.json).write_text(json.dumps({"protocol": protocol.__dict__, "heads": what, **report.to_dict()}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
