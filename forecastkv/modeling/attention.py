@@ -103,7 +103,9 @@ class SparseAttention(nn.Module):
         )
         agnostic = None
         if sparse.policy == "nosa":
-            agnostic = sel.agnostic_block_scores(cache_layer.full()[2], positions, sparse, n_blocks, lag=lag)
+            # from the CIS the cache pools incrementally: a decode step never re-pools every token,
+            # and an offloaded cache keeps the raw CIS on the host
+            agnostic = cache_layer.agnostic_block_scores(positions, sparse, n_blocks, lag=lag)
         return sel.select_blocks(scores, positions, sparse, agnostic)
 
     # ------------------------------------------------------------------------------------------

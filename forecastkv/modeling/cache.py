@@ -7,9 +7,15 @@ The attention module talks to a cache layer through four calls (shared/DESIGN.md
     layer.plan(selection)                # the blocks the next attention of this layer will read
     layer.blocks(selection)              # K/V (and bias) of those blocks, ready to attend
 
+plus `agnostic_block_scores(...)` for NOSA (from CIS pooled incrementally, never re-pooled) and
+`full()` for prefill and dense rows.
+
 Storage is indexed by *position*, per sequence: token t of sequence b lives at row t of sequence b,
 whatever column it came in.  Left padding (positions -1) is never stored, so every sequence of a
 left-padded batch sees exactly the keys, compressed keys and blocks it would see alone.
+
+Capacity is preallocated (`max_length`) or grown in fixed chunks of `GROWTH_CHUNK` rows, so decoding
+does not copy every layer's KV each time a power of two is crossed.
 """
 
 from __future__ import annotations
@@ -17,37 +23,123 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .selection import compress_keys, num_compressed
+from . import selection as sel
+from .selection import num_compressed
+
+GROWTH_CHUNK = 1024  # rows added per growth when no max_length was given
 
 
-def _grow(buffer: torch.Tensor | None, rows: int, like: torch.Tensor) -> torch.Tensor:
-    """Return `buffer` with at least `rows` rows along dim 1 (doubling), zero-filled."""
+def capacity_for(rows: int, max_length: int | None) -> int:
+    """Rows to allocate for `rows` stored positions: `max_length` if given (an error past it), else
+    `rows` rounded up to the next multiple of GROWTH_CHUNK."""
+    if max_length is not None:
+        if rows > max_length:
+            raise ValueError(f"sequence of {rows} tokens exceeds this cache's max_length={max_length}; build the cache with a larger max_length")
+        return max_length
+    return -(-rows // GROWTH_CHUNK) * GROWTH_CHUNK
+
+
+def grow_rows(buffer: torch.Tensor | None, rows: int, like: torch.Tensor, max_length: int | None = None, **alloc) -> torch.Tensor:
+    """Return `buffer` with at least `rows` rows along dim 1, zero-filled; a new buffer is sized by
+    `capacity_for` and shaped like `like` [B, *, ...].  `alloc` goes to `torch.zeros` (device, pin_memory)."""
     if buffer is not None and buffer.shape[1] >= rows:
         return buffer
-    old = 0 if buffer is None else buffer.shape[1]
-    capacity = max(rows, 2 * old, 64)
-    grown = like.new_zeros((like.shape[0], capacity, *like.shape[2:]))
+    capacity = capacity_for(rows, max_length)
+    alloc = {"dtype": like.dtype, "device": like.device, **alloc}
+    grown = torch.zeros((like.shape[0], capacity, *like.shape[2:]), **alloc)
     if buffer is not None:
-        grown[:, :old] = buffer
+        grown[:, : buffer.shape[1]] = buffer
     return grown
 
 
+def window_rows(old_lengths: torch.Tensor, new_lengths: torch.Tensor, size: int, stride: int):
+    """The compression windows completed between two lengths, per sequence.
+
+    Returns (window ids [B, W], valid bool [B, W], key rows [B, W, size]) with W the most windows
+    any sequence completed; each sequence computes only its own new windows.
+    """
+    def count(lengths):
+        return torch.where(lengths >= size, torch.div(lengths - size, stride, rounding_mode="floor") + 1, torch.zeros_like(lengths))
+
+    first, last = count(old_lengths), count(new_lengths)
+    width = int((last - first).max()) if last.numel() else 0
+    ids = first.unsqueeze(1) + torch.arange(max(width, 0), device=first.device)
+    valid = ids < last.unsqueeze(1)
+    rows = ids.unsqueeze(-1) * stride + torch.arange(size, device=first.device)
+    return ids, valid, rows
+
+
+def compress_windows(source: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Mean of the key rows of each window.  source [B, S, H, ...], rows [B, W, size] -> [B, W, H, ...]
+    (fp32 mean, cast to `dtype`, by default the source's, as `selection.compress_keys`)."""
+    batch = torch.arange(source.shape[0], device=rows.device).view(-1, 1, 1)
+    windows = source[batch, rows.clamp(max=source.shape[1] - 1)]          # [B, W, size, H, ...]
+    return windows.movedim(2, -1).float().mean(dim=-1).to(dtype or source.dtype)
+
+
+def write_windows(target: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, windows: torch.Tensor) -> None:
+    """target[b, ids[b, w]] = windows[b, w] where valid.  target [B, C, ...]."""
+    batch_idx, w_idx = valid.nonzero(as_tuple=True)
+    target[batch_idx, ids[batch_idx, w_idx]] = windows[batch_idx, w_idx].to(target.device, target.dtype)
+
+
+def pooled_agnostic_scores(pooled_cis: torch.Tensor, positions: torch.Tensor, sparse, n_blocks: int, lag: int = 0) -> torch.Tensor:
+    """NOSA's query-agnostic block score from CIS already mean-pooled into compression windows.
+
+    Equals `selection.agnostic_block_scores(cis, ...)` with pooled_cis = compress_keys(cis.float()):
+    pooled_cis fp32 [B, C, H], positions [B, Tq] -> fp32 [B, H, Tq, NB].  A cache keeps the pooled
+    CIS incrementally, so a decode step costs O(C), not a re-pool of every token.
+    """
+    p, s, bs = sparse.kernel_size, sparse.kernel_stride, sparse.block_size
+    visible = sel.compressed_visibility(positions, pooled_cis.shape[1], p, s, lag)
+    scores = pooled_cis.float().permute(0, 2, 1)[:, :, None, :].expand(-1, -1, positions.shape[1], -1)
+    scores = scores.masked_fill(~visible[:, None], sel.NEG_INF)
+    blocks = sel.force_blocks(sel.pool_to_blocks(scores, n_blocks, p, s, bs), positions, bs, sparse.init_blocks, sparse.local_blocks)
+    future = torch.arange(n_blocks, device=positions.device).view(1, 1, 1, -1) > torch.div(positions, bs, rounding_mode="floor")[:, None, :, None]
+    return blocks.masked_fill(future, sel.NEG_INF)
+
+
+def new_rows(lengths: torch.Tensor, positions: torch.Tensor):
+    """Where an append's tokens go: (batch_idx [N], col_idx [N], pos [N], new lengths [B], rows = the
+    longest new length) for the N non-padding tokens of positions [B, n], or None if all are padding."""
+    valid = positions >= 0
+    if not bool(valid.any()):
+        return None
+    new_lengths = torch.maximum(lengths, (positions + 1).amax(dim=1))
+    batch_idx, col_idx = valid.nonzero(as_tuple=True)
+    return batch_idx, col_idx, positions[batch_idx, col_idx], new_lengths, int(new_lengths.max())
+
+
+def columns_to_remove(tokens: int, columns: int) -> int:
+    """transformers' crop argument -> columns to drop.  Negative: drop that many (5.24); positive:
+    keep that many (the legacy absolute form); 0: nothing."""
+    if tokens < 0:
+        return min(-tokens, columns)
+    if tokens == 0:
+        return 0
+    return max(columns - tokens, 0)
+
+
 class SparseCacheLayer(CacheLayerMixin):
-    """One layer: K/V [B, S, H, d] (and NOSA's CIS [B, S, H]) by position, plus compressed keys.
+    """One layer: K/V [B, S, H, d] (and NOSA's CIS [B, S, H]) by position, plus compressed keys
+    [B, C, H, d] and, with CIS, the CIS pooled over the same windows [B, C, H] (fp32).
 
     `lengths` [B] counts the stored positions of each sequence (they are contiguous from 0).
     """
 
     is_compileable = False
     is_sliding = False
+    is_croppable = True
 
-    def __init__(self, kernel_size: int | None = None, kernel_stride: int | None = None, coarse: tuple[int, int] | None = None) -> None:
+    def __init__(self, kernel_size: int | None = None, kernel_stride: int | None = None, coarse: tuple[int, int] | None = None, max_length: int | None = None) -> None:
         super().__init__()
         self.kernel = (kernel_size, kernel_stride) if kernel_size else None
         self.coarse = coarse
+        self.max_length = max_length
         self.cis: torch.Tensor | None = None
         self.ckeys: torch.Tensor | None = None
         self.coarse_keys: torch.Tensor | None = None
+        self.pooled_cis: torch.Tensor | None = None
         self.lengths: torch.Tensor | None = None
         self.planned: torch.Tensor | None = None
         self.block_shares: list[float] = []  # per planned decode step: blocks read / blocks stored
@@ -60,25 +152,41 @@ class SparseCacheLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
-        raise TypeError("SparseCacheLayer is written through append(k, v, cis, positions), not update()")
+        raise TypeError(f"{type(self).__name__} is written through append(k, v, cis, positions), not update()")
 
     def get_seq_length(self) -> int:
         return self.columns
 
     def get_max_length(self) -> int:
-        return -1
+        return -1 if self.max_length is None else self.max_length
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.columns + query_length, 0
 
     def reset(self) -> None:
-        self.__init__(*(self.kernel or (None, None)), coarse=self.coarse)
+        self.__init__(*(self.kernel or (None, None)), coarse=self.coarse, max_length=self.max_length)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        for name in ("keys", "values", "cis", "ckeys", "coarse_keys", "lengths"):
-            tensor = getattr(self, name)
+        for name in ("keys", "values", "cis", "ckeys", "coarse_keys", "pooled_cis", "lengths"):
+            tensor = getattr(self, name, None)
             if tensor is not None:
                 setattr(self, name, tensor.index_select(0, beam_idx.to(tensor.device)))
+
+    def crop(self, tokens: int) -> None:
+        """Drop the last columns (transformers' crop: negative = how many, positive = how many to keep).
+
+        Every sequence loses the same number of trailing positions (trailing columns are real tokens
+        in assisted and prompt-lookup decoding).  Windows past the new lengths are recomputed when
+        they complete again, so nothing else needs clearing.
+        """
+        if not self.is_initialized:
+            return
+        drop = columns_to_remove(tokens, self.columns)
+        if drop == 0:
+            return
+        self.columns -= drop
+        self.lengths = (self.lengths - drop).clamp(min=0)
+        self.planned = None
 
     # -- the four calls --------------------------------------------------------------------------
     def append(self, keys: torch.Tensor, values: torch.Tensor, cis: torch.Tensor | None, positions: torch.Tensor) -> None:
@@ -86,38 +194,44 @@ class SparseCacheLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(keys, values)
         self.columns += positions.shape[1]
-        valid = positions >= 0
-        if not bool(valid.any()):
+        new = new_rows(self.lengths, positions)
+        if new is None:
             return
-        new_lengths = torch.maximum(self.lengths, (positions + 1).amax(dim=1))
-        rows = int(new_lengths.max())
-        self.keys = _grow(self.keys, rows, keys)
-        self.values = _grow(self.values, rows, values)
-        batch_idx, col_idx = valid.nonzero(as_tuple=True)
-        pos = positions[batch_idx, col_idx]
+        batch_idx, col_idx, pos, new_lengths, rows = new
+        self.keys = grow_rows(self.keys, rows, keys, self.max_length)
+        self.values = grow_rows(self.values, rows, values, self.max_length)
         self.keys[batch_idx, pos] = keys[batch_idx, col_idx]
         self.values[batch_idx, pos] = values[batch_idx, col_idx]
         if cis is not None:
-            self.cis = _grow(self.cis, rows, cis)
+            self.cis = grow_rows(self.cis, rows, cis, self.max_length)
             self.cis[batch_idx, pos] = cis[batch_idx, col_idx]
         old_lengths, self.lengths = self.lengths, new_lengths
-        if self.kernel is not None:
-            self.ckeys = self._extend_compressed(self.ckeys, self.kernel, old_lengths)
-            if self.coarse is not None:
-                self.coarse_keys = self._extend_compressed(self.coarse_keys, self.coarse, old_lengths)
+        self._extend_compressed(old_lengths, self.keys, self.cis)
 
-    def _extend_compressed(self, ckeys: torch.Tensor | None, kernel: tuple[int, int], old_lengths: torch.Tensor) -> torch.Tensor:
-        """Compute the windows completed by the last append (per sequence counts differ; windows
-        past a sequence's own count hold partial data and are never visible to its queries)."""
+    def _extend_compressed(self, old_lengths: torch.Tensor, key_source: torch.Tensor, cis_source: torch.Tensor | None) -> None:
+        """Compress the windows completed by the last append, per sequence (no window twice).
+
+        key_source [B, S, H, d] and cis_source [B, S, H] hold every stored row (any device);
+        the results land on the lengths' device.  CIS is pooled in fp32, as `selection` does.
+        """
+        if self.kernel is None:
+            return
+        self.ckeys = self._extend(self.ckeys, self.kernel, old_lengths, key_source)
+        if cis_source is not None:
+            self.pooled_cis = self._extend(self.pooled_cis, self.kernel, old_lengths, cis_source, torch.float32)
+        if self.coarse is not None:
+            self.coarse_keys = self._extend(self.coarse_keys, self.coarse, old_lengths, key_source)
+
+    def _extend(self, target, kernel, old_lengths, source, dtype=None):
+        """`target` [B, C, ...] with the windows of `kernel` completed since `old_lengths` written."""
         size, stride = kernel
-        # num_compressed is monotonic in the length: the extremes bound every sequence's window range
-        first = num_compressed(int(old_lengths.min()), size, stride)
-        last = num_compressed(int(self.lengths.max()), size, stride)
-        ckeys = _grow(ckeys, max(last, 1), self.keys[:, :1])
-        if last > first:
-            span = self.keys[:, first * stride : (last - 1) * stride + size]
-            ckeys[:, first:last] = compress_keys(span, size, stride)
-        return ckeys
+        ids, valid, rows = window_rows(old_lengths, self.lengths, size, stride)
+        like = source[:, :1].to(self.lengths.device, dtype or source.dtype)
+        capacity = None if self.max_length is None else max(num_compressed(self.max_length, size, stride), 1)
+        target = grow_rows(target, max(num_compressed(int(self.lengths.max()), size, stride), 1), like, capacity)
+        if ids.shape[1]:
+            write_windows(target, ids, valid, compress_windows(source, rows.to(source.device), dtype))
+        return target
 
     def compressed_keys(self) -> torch.Tensor:
         """[B, C, H, d]: compressed keys up to the longest sequence (visibility masks the rest)."""
@@ -127,6 +241,13 @@ class SparseCacheLayer(CacheLayerMixin):
         if self.coarse is None:
             return None
         return self.coarse_keys[:, : num_compressed(int(self.lengths.max()), *self.coarse)]
+
+    def agnostic_block_scores(self, positions: torch.Tensor, sparse, n_blocks: int, lag: int = 0) -> torch.Tensor:
+        """NOSA's query-agnostic block scores [B, H, Tq, NB] (fp32) from the incrementally pooled CIS."""
+        if self.pooled_cis is None:
+            raise ValueError("agnostic block scores need CIS: this layer stored none (is the policy nosa?)")
+        count = num_compressed(int(self.lengths.max()), *self.kernel)
+        return pooled_agnostic_scores(self.pooled_cis[:, :count], positions, sparse, n_blocks, lag)
 
     def plan(self, selection: torch.Tensor, block_size: int | None = None) -> None:
         """Resident cache: nothing to move.  Remembers the plan and, given `block_size`, the share
@@ -139,17 +260,7 @@ class SparseCacheLayer(CacheLayerMixin):
     def blocks(self, selection: torch.Tensor, block_size: int):
         """Gather selected blocks.  selection [B, H, K] (-1 = none) ->
         keys, values [B, H, K*bs, d], key positions [B, H, K*bs] (-1 = not a key), bias [B, H, K*bs] or None."""
-        batch, heads, width = selection.shape
-        offsets = torch.arange(block_size, device=selection.device)
-        pos = (selection.clamp(min=0).unsqueeze(-1) * block_size + offsets).view(batch, heads, width * block_size)
-        exists = (selection >= 0).repeat_interleave(block_size, dim=-1) & (pos < self.lengths.view(-1, 1, 1))
-        index = pos.clamp(max=self.keys.shape[1] - 1)
-        rows = torch.arange(batch, device=index.device).view(-1, 1, 1)
-        heads_idx = torch.arange(heads, device=index.device).view(1, -1, 1)
-        # advanced indexing copies whole d-rows (a gather over a transposed view is several x slower)
-        keys, values = self.keys[rows, index, heads_idx], self.values[rows, index, heads_idx]
-        bias = None if self.cis is None else self.cis[rows, index, heads_idx]
-        return keys, values, pos.masked_fill(~exists, -1), bias
+        return gather_blocks(self.keys, self.values, self.cis, selection, self.lengths, block_size)
 
     # -- full views (prefill and dense paths) ----------------------------------------------------
     def full(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
@@ -159,15 +270,80 @@ class SparseCacheLayer(CacheLayerMixin):
         return self.keys[:, :rows], self.values[:, :rows], cis, rows
 
 
-class SparseCache(Cache):
-    """Everything resident on the model's device; the default cache of `generate()`."""
+def block_rows(selection: torch.Tensor, block_size: int, lengths: torch.Tensor):
+    """Key positions [B, H, K*bs] of the selected blocks and whether each is a stored key."""
+    batch, heads, width = selection.shape
+    offsets = torch.arange(block_size, device=selection.device)
+    pos = (selection.clamp(min=0).unsqueeze(-1) * block_size + offsets).view(batch, heads, width * block_size)
+    exists = (selection >= 0).repeat_interleave(block_size, dim=-1) & (pos < lengths.view(-1, 1, 1))
+    return pos, exists
 
-    def __init__(self, config=None, num_layers: int | None = None) -> None:
+
+def gather_blocks(keys, values, cis, selection, lengths, block_size, rows: torch.Tensor | None = None):
+    """K/V/bias of the selected blocks from position-indexed storage [B, S, H, ...].
+
+    rows [B, H, K*bs] overrides where each key is read from (a slot buffer); by default row = position.
+    Returns keys, values [B, H, K*bs, d], key positions [B, H, K*bs] (-1 = not a key), bias or None.
+    """
+    batch, heads, _ = selection.shape
+    pos, exists = block_rows(selection, block_size, lengths)
+    index = (pos if rows is None else rows).clamp(min=0, max=keys.shape[1] - 1)
+    b_idx = torch.arange(batch, device=index.device).view(-1, 1, 1)
+    h_idx = torch.arange(heads, device=index.device).view(1, -1, 1)
+    # advanced indexing copies whole d-rows (a gather over a transposed view is several x slower)
+    k, v = keys[b_idx, index, h_idx], values[b_idx, index, h_idx]
+    bias = None if cis is None else cis[b_idx, index, h_idx]
+    return k, v, pos.masked_fill(~exists, -1), bias
+
+
+def model_signature(config) -> dict:
+    """What a cache must agree on with the model it serves."""
+    sparse = config.sparse
+    signature = {
+        "num_hidden_layers": config.num_hidden_layers,
+        "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim,
+    }
+    if sparse is not None:
+        signature.update(
+            kernel_size=sparse.kernel_size, kernel_stride=sparse.kernel_stride, block_size=sparse.block_size,
+            budget_blocks=sparse.budget_blocks, policy=sparse.policy, lse=sparse.lse,
+        )
+    return signature
+
+
+class SparseCache(Cache):
+    """Everything resident on the model's device; the default cache of `generate()`.
+
+    max_length: preallocate this many positions per sequence (else grow in chunks);
+    selector: "query" or "forecast" overrides the model's `sparse_config.selector` for runs with
+    this cache (how the runtime modes compare selectors on one model); None keeps the model's.
+    """
+
+    def __init__(self, config=None, num_layers: int | None = None, max_length: int | None = None, selector: str | None = None) -> None:
         sparse = config.sparse if config is not None else None
         num_layers = num_layers if num_layers is not None else config.num_hidden_layers
+        if selector not in (None, "query", "forecast"):
+            raise ValueError(f"selector={selector!r} is not one of (None, 'query', 'forecast')")
+        self.selector = selector
+        self.signature = model_signature(config) if config is not None else None
+        super().__init__(layers=[self._make_layer(config, sparse, idx, max_length) for idx in range(num_layers)])
+
+    @staticmethod
+    def _make_layer(config, sparse, idx: int, max_length: int | None) -> SparseCacheLayer:
         kernel = (sparse.kernel_size, sparse.kernel_stride) if sparse is not None else (None, None)
         coarse = sparse.coarse_kernel if sparse is not None and sparse.lse == "coarse" else None
-        super().__init__(layers=[SparseCacheLayer(*kernel, coarse=coarse) for _ in range(num_layers)])
+        return SparseCacheLayer(*kernel, coarse=coarse, max_length=max_length)
+
+    def check_model(self, config) -> None:
+        """Raise if this cache was built for a model of another shape than `config`'s."""
+        if self.signature is None:
+            return
+        theirs = model_signature(config)
+        diff = {key: (value, theirs.get(key)) for key, value in self.signature.items() if theirs.get(key) != value}
+        if diff or set(theirs) != set(self.signature):
+            detail = ", ".join(f"{key}: cache {mine!r} vs model {other!r}" for key, (mine, other) in diff.items()) or "sparse vs dense"
+            raise ValueError(f"this {type(self).__name__} was built for another model ({detail}); build one with the model that uses it")
 
     def sequence_lengths(self) -> torch.Tensor | None:
         """[B] stored positions per sequence (None before the first token)."""
@@ -175,6 +351,11 @@ class SparseCache(Cache):
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.layers[layer_idx].get_seq_length()
+
+    def crop(self, max_length: int) -> None:
+        """Drop trailing columns of every layer (negative: that many; positive: keep that many)."""
+        for layer in self.layers:
+            layer.crop(max_length)
 
     def stats(self) -> dict:
         """Sparse decode steps seen and the mean share of stored KV blocks they read, per layer and overall."""

@@ -1,0 +1,455 @@
+"""`OffloadedSparseCache`: full KV in (pinned) host memory, only the selected blocks on the device.
+
+Per offloaded layer (shared/DESIGN.md, "The cache and the runtime"):
+
+* a `HostKVStore` holds every position's K/V (and NOSA's CIS); new tokens are written through to it;
+* a device slot buffer [B, (M + 1) * bs, H, d] holds M = budget regular slots (complete blocks)
+  and one tail slot (the block being written), with a block map [B, H, M];
+* `plan(selection)` diffs the selection against the map (`slots.diff_block_map`): hits stay, misses
+  are fetched into free slots by the block gather, at once (sync modes) or on a side stream
+  (forecast-offload, CUDA); `blocks(selection)` waits for this layer's fetch only and reads the slots;
+* a multi-token call (prefill, draft verification) stages one layer's KV on the device for the
+  chunked attention and drops it when the next layer stages, so peak device memory is one layer's
+  KV plus the slots;
+* compressed keys (and NOSA's pooled CIS) stay on the device: they are what selection scores.
+
+Modes (`MODES`): `no-offload` (every layer resident, the `SparseCache` behaviour), `sparse-offload`
+(query selector, fetched at the consuming layer), `forecast-sync` (forecast selector, fetched at the
+consuming layer), `forecast-offload` (forecast selector, fetched one layer ahead), `dense-offload`
+(every offloaded layer's whole KV copied to the device each step; attention as the model's own).
+All modes give the tokens of `SparseCache` with the same selector.  On a machine without CUDA the
+"device" tensors are CPU tensors and the side stream is synchronous; the counters are the same.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import kernels
+from ..kernels.block_gather import block_gather_reference
+from ..modeling.cache import SparseCache, SparseCacheLayer, gather_blocks, new_rows
+from .host_store import HostKVStore
+from .prefetch import make_prefetcher
+from .slots import diff_block_map
+
+MODES = ("no-offload", "sparse-offload", "forecast-sync", "forecast-offload", "dense-offload")
+MODE_SELECTOR = {"sparse-offload": "query", "forecast-sync": "forecast", "forecast-offload": "forecast"}
+MODE_FETCH = {"sparse-offload": "sync", "forecast-sync": "sync", "forecast-offload": "prefetch", "dense-offload": "dense"}
+
+
+class StepLog:
+    """Per decode step of one layer: blocks wanted / hit / missed (device int64 [3], summed over
+    sequences and heads: no host sync) and bytes moved that the host already knows."""
+
+    def __init__(self) -> None:
+        self.counts: list[torch.Tensor] = []
+        self.h2d_extra: list[int] = []  # bytes outside the block gather (dense-offload's whole-layer copy)
+        self.selections: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # (selection, complete blocks) if recording
+
+    def add(self, counts: torch.Tensor) -> None:
+        self.counts.append(counts)
+        self.h2d_extra.append(0)
+
+    def table(self) -> torch.Tensor:
+        """int64 [steps, 3] on the CPU (one sync)."""
+        if not self.counts:
+            return torch.zeros(0, 3, dtype=torch.long)
+        return torch.stack(self.counts).cpu()
+
+
+class Staging:
+    """The one layer whose KV is staged on the device for a multi-token call."""
+
+    def __init__(self) -> None:
+        self.holder = None
+
+    def hold(self, layer) -> None:
+        if self.holder is not None and self.holder is not layer:
+            self.holder.release_staged()
+        self.holder = layer
+
+    def release(self) -> None:
+        if self.holder is not None:
+            self.holder.release_staged()
+        self.holder = None
+
+
+class ResidentLayer(SparseCacheLayer):
+    """A layer kept whole on the device (layer 0, or every layer in no-offload), with the counters."""
+
+    offloaded = False
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.log = StepLog()
+        self.d2h_bytes = 0
+        self.h2d_other = 0
+
+    def reset(self) -> None:
+        super().reset()
+        self.log, self.d2h_bytes, self.h2d_other = StepLog(), 0, 0
+
+    def plan(self, selection: torch.Tensor, block_size: int | None = None) -> None:
+        super().plan(selection, block_size)
+        wanted = (selection >= 0).sum()
+        self.log.add(torch.stack([wanted, wanted, torch.zeros_like(wanted)]))
+        if self.log.selections is not None:
+            self.log.selections.append((selection.clone(), torch.div(self.lengths, block_size, rounding_mode="floor").clone()))
+
+    def device_tensors(self) -> dict:
+        names = ("keys", "values", "cis")
+        return {name: getattr(self, name) for name in names if getattr(self, name, None) is not None}
+
+    def index_tensors(self) -> dict:
+        names = ("ckeys", "coarse_keys", "pooled_cis", "lengths")
+        return {name: getattr(self, name) for name in names if getattr(self, name, None) is not None}
+
+    def host_nbytes(self) -> int:
+        return 0
+
+
+class OffloadedLayer(SparseCacheLayer):
+    """One offloaded layer: host store, device slots + block map, the fetch of its misses."""
+
+    offloaded = True
+
+    def __init__(self, kernel_size, kernel_stride, coarse, max_length, *, block_size: int, budget: int, fetch: str, staging: Staging) -> None:
+        super().__init__(kernel_size, kernel_stride, coarse=coarse, max_length=max_length)
+        self.block_size, self.budget, self.fetch = block_size, budget, fetch
+        self.staging = staging
+        self._fresh()
+
+    def _fresh(self) -> None:
+        self.host: HostKVStore | None = None
+        self.k_slots = self.v_slots = self.bias_slots = self.block_map = None
+        self.staged = None  # (keys, values, cis) on the device during a multi-token call
+        self.pending = None  # the last plan: dict(selection, slot_of, load_ids, done, fetched)
+        self.prefetcher = None
+        self.log = StepLog()
+        self.d2h_bytes = 0
+        self.h2d_other = 0  # staging and tail refills (prefill, verification, crop)
+
+    def reset(self) -> None:
+        recording = self.log.selections is not None
+        SparseCacheLayer.__init__(self, *(self.kernel or (None, None)), coarse=self.coarse, max_length=self.max_length)
+        self._fresh()
+        self.log.selections = [] if recording else None
+
+    def reorder_cache(self, beam_idx):
+        raise NotImplementedError("OffloadedSparseCache does not support beam search (reorder_cache)")
+
+    # -- allocation ---------------------------------------------------------------------------
+    def _allocate(self, keys: torch.Tensor, cis: torch.Tensor | None) -> None:
+        batch, _, heads, dim = keys.shape
+        device = keys.device
+        pin = device.type == "cuda"
+        cis_dtype = None if cis is None else cis.dtype
+        self.host = HostKVStore(batch, heads, dim, keys.dtype, cis is not None, cis_dtype, self.max_length, pin)
+        rows = (self.budget + 1) * self.block_size
+        # NaN, not zeros: a slot row read before it was written shows up at once in tests
+        fill = float("nan")
+        self.k_slots = torch.full((batch, rows, heads, dim), fill, dtype=keys.dtype, device=device)
+        self.v_slots = torch.full((batch, rows, heads, dim), fill, dtype=keys.dtype, device=device)
+        if cis is not None:
+            self.bias_slots = torch.full((batch, rows, heads), fill, dtype=cis.dtype, device=device)
+        self.block_map = torch.full((batch, heads, self.budget), -1, dtype=torch.long, device=device)
+        self.prefetcher = make_prefetcher(device, overlap=self.fetch == "prefetch")
+
+    def _check_batch(self, keys: torch.Tensor) -> None:
+        if keys.shape[0] != self.k_slots.shape[0]:
+            raise ValueError(f"this cache holds a batch of {self.k_slots.shape[0]} sequences, got {keys.shape[0]}; build a new cache per batch")
+
+    # -- append -------------------------------------------------------------------------------
+    def append(self, keys: torch.Tensor, values: torch.Tensor, cis: torch.Tensor | None, positions: torch.Tensor) -> None:
+        """Store new tokens on the host (write-through) and in the tail slot; keys/values [B, n, H, d],
+        cis [B, n, H] or None, positions [B, n] (-1 = padding)."""
+        if not self.is_initialized:
+            self.lazy_initialization(keys, values)
+            self._allocate(keys, cis)
+        self._check_batch(keys)
+        self.columns += positions.shape[1]
+        new = new_rows(self.lengths, positions)
+        if new is None:
+            return
+        batch_idx, col_idx, pos, new_lengths, rows = new
+        old_rows = int(self.lengths.max())
+        self.host.ensure(rows)
+        new_k, new_v = keys[batch_idx, col_idx], values[batch_idx, col_idx]
+        new_cis = None if cis is None else cis[batch_idx, col_idx]
+        self.d2h_bytes += self.host.write(batch_idx, pos, new_k, new_v, new_cis)
+        old_lengths, self.lengths = self.lengths, new_lengths
+        if positions.shape[1] > 1:
+            source = self._stage(rows, old_rows, batch_idx, pos, new_k, new_v, new_cis)
+            self._extend_compressed(old_lengths, source[0], source[2])
+            self._refill_tail(*source)
+        else:
+            self.staging.release()
+            self._extend_compressed(old_lengths, self.host.keys, self.host.cis)
+            self._write_tail(batch_idx, pos, new_k, new_v, new_cis)
+
+    def _stage(self, rows, old_rows, batch_idx, pos, new_k, new_v, new_cis):
+        """Device copies of positions [0, rows) for the chunked attention of a multi-token call."""
+        self.staging.hold(self)
+        host_k, host_v, host_cis = self.host.rows(rows)
+        if self.k_slots.device.type == "cpu":
+            self.staged = (host_k, host_v, host_cis)  # host and device are one memory
+        else:
+            def stage(host, new):
+                buffer = torch.empty((host.shape[0], rows, *host.shape[2:]), dtype=host.dtype, device=self.k_slots.device)
+                if old_rows:
+                    buffer[:, :old_rows].copy_(host[:, :old_rows], non_blocking=True)
+                buffer[batch_idx, pos] = new.to(buffer.dtype)
+                return buffer
+
+            cis_buffer = None if host_cis is None else stage(host_cis, new_cis)
+            self.staged = (stage(host_k, new_k), stage(host_v, new_v), cis_buffer)
+        self.h2d_other += old_rows * self.host.row_bytes() * self.host.shape[0]
+        return self.staged
+
+    def release_staged(self) -> None:
+        self.staged = None
+
+    def _tail_rows(self) -> torch.Tensor:
+        """[B, bs] positions of the tail block of each sequence (the block of its last stored token)."""
+        tail = torch.div((self.lengths - 1).clamp(min=0), self.block_size, rounding_mode="floor")
+        return tail.unsqueeze(1) * self.block_size + torch.arange(self.block_size, device=tail.device)
+
+    def _refill_tail(self, keys, values, cis) -> None:
+        """Copy each sequence's tail block from position-indexed storage [B, S, H, ...] to the tail slot."""
+        rows = self._tail_rows().to(keys.device).clamp(max=keys.shape[1] - 1)
+        batch = torch.arange(keys.shape[0], device=keys.device).view(-1, 1)
+        start = self.budget * self.block_size
+        device = self.k_slots.device
+        self.k_slots[:, start:] = keys[batch, rows].to(device)
+        self.v_slots[:, start:] = values[batch, rows].to(device)
+        if cis is not None:
+            self.bias_slots[:, start:] = cis[batch, rows].to(device)
+
+    def _write_tail(self, batch_idx, pos, keys, values, cis) -> None:
+        row = self.budget * self.block_size + pos % self.block_size
+        self.k_slots[batch_idx, row] = keys
+        self.v_slots[batch_idx, row] = values
+        if cis is not None:
+            self.bias_slots[batch_idx, row] = cis
+
+    # -- crop ---------------------------------------------------------------------------------
+    def crop(self, tokens: int) -> None:
+        before = self.columns
+        super().crop(tokens)
+        if not self.is_initialized or self.columns == before:
+            return
+        self.pending = None
+        self.staging.release()
+        complete = torch.div(self.lengths, self.block_size, rounding_mode="floor").view(-1, 1, 1)
+        self.block_map = self.block_map.masked_fill(self.block_map >= complete, -1)  # now partial blocks
+        self._refill_tail(self.host.keys, self.host.values, self.host.cis)
+        self.h2d_other += self.block_size * self.host.row_bytes() * self.host.shape[0]
+
+    # -- plan and blocks ----------------------------------------------------------------------
+    def plan(self, selection: torch.Tensor, block_size: int | None = None) -> None:
+        """Diff `selection` [B, H, K] against the block map; fetch the misses now (sync) or on the
+        side stream (prefetch).  Blocks not complete on the host (the current one) come from the
+        tail slot and are not fetched."""
+        self.planned = selection
+        complete = torch.div(self.lengths, self.block_size, rounding_mode="floor")
+        if self.log.selections is not None:
+            self.log.selections.append((selection.clone(), complete.clone()))
+        wanted = selection.masked_fill((selection < 0) | (selection >= complete.view(-1, 1, 1)), -1)
+        if self.fetch == "dense":
+            count = (wanted >= 0).sum()
+            self.log.add(torch.stack([count, torch.zeros_like(count), torch.zeros_like(count)]))
+            self.pending = {"selection": selection, "dense": True}
+            return
+        self.block_map, load_ids, slot_of, hits, misses = diff_block_map(self.block_map, wanted)
+        self.log.add(torch.stack([(wanted >= 0).sum(), hits.sum(), misses.sum()]))
+        self.pending = {"selection": selection, "slot_of": slot_of, "load_ids": load_ids, "done": None, "fetched": False}
+        if self.fetch == "prefetch":
+            self.pending["done"] = self.prefetcher.launch(lambda: self._gather(load_ids), keep_alive=(load_ids,))
+            self.pending["fetched"] = True
+
+    def _gather(self, load_ids: torch.Tensor) -> None:
+        """Copy the host blocks named by load_ids [B, H, M] into their slots (tail column skipped)."""
+        ids = torch.cat([load_ids, load_ids.new_full((*load_ids.shape[:2], 1), -1)], dim=-1).permute(1, 0, 2).contiguous()
+        host = self.host
+        args = (host.keys, host.values, ids, self.k_slots, self.v_slots, self.block_size, host.cis, self.bias_slots)
+        if self.k_slots.device.type == "cuda":
+            kernels.block_gather(*args, check_ids=False)  # the UVA kernel: no sync, skips bad ids
+        else:
+            block_gather_reference(*args, check_ids=False)
+
+    def blocks(self, selection: torch.Tensor, block_size: int):
+        """The selected blocks from the slots (same layout and values as `SparseCacheLayer.blocks`)."""
+        if self.pending is None or not same_tensor(self.pending["selection"], selection):
+            self.plan(selection, block_size)
+        pending = self.pending
+        if pending.get("dense"):
+            rows = int(self.lengths.max())
+            keys, values, cis = (None if t is None else t.to(self.k_slots.device, non_blocking=True) for t in self.host.rows(rows))
+            self.log.h2d_extra[-1] += rows * self.host.row_bytes() * self.host.shape[0]
+            return gather_blocks(keys, values, cis, selection, self.lengths, block_size)
+        if pending["fetched"]:
+            self.prefetcher.wait(pending["done"])
+        else:
+            self._gather(pending["load_ids"])
+            pending["fetched"] = True
+        current = torch.div((self.lengths - 1).clamp(min=0), block_size, rounding_mode="floor").view(-1, 1, 1)
+        slot = torch.where(pending["slot_of"] >= 0, pending["slot_of"], torch.where((selection == current) & (selection >= 0), self.budget, -1))
+        offsets = torch.arange(block_size, device=slot.device)
+        rows = (slot.clamp(min=0).unsqueeze(-1) * block_size + offsets).flatten(-2)
+        return gather_blocks(self.k_slots, self.v_slots, self.bias_slots, selection, self.lengths, block_size, rows=rows)
+
+    # -- full views (multi-token calls, dense rows) -------------------------------------------
+    def full(self):
+        """K, V [B, S, H, d], CIS or None on the device, S = the longest sequence: the staged copy
+        of this call, else (a dense decode row) a fresh copy of the whole layer."""
+        rows = int(self.lengths.max())
+        if self.staged is None or self.staged[0].shape[1] < rows:
+            host_k, host_v, host_cis = self.host.rows(rows)
+            device = self.k_slots.device
+            self.staging.hold(self)
+            self.staged = tuple(None if t is None else t.to(device, non_blocking=True) for t in (host_k, host_v, host_cis))
+            self.h2d_other += rows * self.host.row_bytes() * self.host.shape[0]
+        keys, values, cis = self.staged
+        return keys[:, :rows], values[:, :rows], None if cis is None else cis[:, :rows], rows
+
+    # -- bytes --------------------------------------------------------------------------------
+    def device_tensors(self) -> dict:
+        tensors = {"k_slots": self.k_slots, "v_slots": self.v_slots, "bias_slots": self.bias_slots, "block_map": self.block_map}
+        if self.staged is not None and self.k_slots is not None and self.k_slots.device.type != "cpu":
+            tensors.update(staged_keys=self.staged[0], staged_values=self.staged[1], staged_cis=self.staged[2])
+        return {name: t for name, t in tensors.items() if t is not None}
+
+    def index_tensors(self) -> dict:
+        names = ("ckeys", "coarse_keys", "pooled_cis", "lengths")
+        return {name: getattr(self, name) for name in names if getattr(self, name, None) is not None}
+
+    def host_nbytes(self) -> int:
+        return 0 if self.host is None else self.host.nbytes()
+
+    def block_bytes(self) -> int:
+        """Bytes one (sequence, head) block moves: K + V (+ CIS) rows of one head."""
+        if self.host is None:
+            return 0
+        return self.block_size * self.host.row_bytes() // self.host.shape[1]
+
+
+def same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors are views of the same memory with the same layout (the plan a layer
+    received, passed again as a fresh `selection[:, :, 0]` view).  The plan holds a reference, so
+    its memory cannot be reused by another tensor meanwhile."""
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.device == b.device
+
+
+def _nbytes(tensors: dict) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+class OffloadedSparseCache(SparseCache):
+    """A transformers `Cache` with the full KV on the host and the selected blocks on the device.
+
+    Build it with `OffloadedSparseCache.for_model(model, mode=..., max_length=None)` and pass it to
+    `model.generate(ids, cache=cache)` (`past_key_values=` on transformers 5.17).
+    """
+
+    def __init__(self, config, mode: str = "forecast-offload", max_length: int | None = None, first_layer_resident: bool = True, record_selections: bool = False) -> None:
+        if mode not in MODES:
+            raise ValueError(f"unknown offload mode {mode!r}; choose one of {MODES}")
+        if max_length is not None and (not isinstance(max_length, int) or max_length <= 0):
+            raise ValueError(f"max_length must be a positive integer or None, got {max_length!r}")
+        sparse = config.sparse
+        selector = MODE_SELECTOR.get(mode)
+        if selector == "forecast" and not config.forecast_config.enabled:
+            raise ValueError(f"mode {mode!r} selects with Forecast heads, but this model has none; load it with forecast={{...}} or use 'sparse-offload'")
+        if selector is not None and sparse is None:
+            raise ValueError(f"mode {mode!r} needs a sparse model (sparse_config is None); use 'dense-offload' or 'no-offload'")
+        self.mode = mode
+        self.first_layer_resident = first_layer_resident
+        self.staging = Staging()
+        self._build = (mode, max_length, first_layer_resident)
+        super().__init__(config, max_length=max_length, selector=selector)
+        if record_selections:
+            for layer in self.layers:
+                layer.log.selections = []
+
+    def _make_layer(self, config, sparse, idx: int, max_length: int | None):
+        kernel = (sparse.kernel_size, sparse.kernel_stride) if sparse is not None else (None, None)
+        coarse = sparse.coarse_kernel if sparse is not None and sparse.lse == "coarse" else None
+        mode, _, first_resident = self._build
+        if mode == "no-offload" or (idx == 0 and first_resident):
+            return ResidentLayer(*kernel, coarse=coarse, max_length=max_length)
+        block_size = sparse.block_size if sparse is not None else 64
+        budget = sparse.budget_blocks if sparse is not None else 1
+        return OffloadedLayer(*kernel, coarse, max_length, block_size=block_size, budget=budget, fetch=MODE_FETCH.get(mode, "sync"), staging=self.staging)
+
+    @classmethod
+    def for_model(cls, model, mode: str | None = None, max_length: int | None = None, **options) -> "OffloadedSparseCache":
+        """A cache for `model`.  mode: one of `MODES`; None picks forecast-offload for a model whose
+        selector is forecast, else sparse-offload.  max_length preallocates that many positions per
+        sequence (prompt + new tokens); past it the cache raises.  options: first_layer_resident
+        (default True), record_selections (default False: keep every plan for replay tests)."""
+        config = model.config
+        if mode is None:
+            sparse = config.sparse
+            mode = "forecast-offload" if sparse is not None and sparse.selector == "forecast" else "sparse-offload"
+        return cls(config, mode=mode, max_length=max_length, **options)
+
+    # -- bytes and counters -------------------------------------------------------------------
+    def device_nbytes(self) -> int:
+        """Bytes of the KV tier on the device: slots, block maps, resident layers' KV and any
+        staged layer.  Compressed keys are counted apart, in `index_nbytes()`."""
+        return sum(_nbytes(layer.device_tensors()) for layer in self.layers)
+
+    def index_nbytes(self) -> int:
+        """Bytes of the selection index on the device (compressed keys, pooled CIS, lengths)."""
+        return sum(_nbytes(layer.index_tensors()) for layer in self.layers)
+
+    def host_nbytes(self) -> int:
+        """Bytes of the host tier (every offloaded layer's K/V/CIS store)."""
+        return sum(layer.host_nbytes() for layer in self.layers)
+
+    def stats(self) -> dict:
+        """Counters per layer and decode step (one host sync here, none while decoding).
+
+        Blocks count (sequence, KV head, block) triples of complete blocks, the tail excluded.
+        h2d_bytes_per_step: bytes moved host -> device at each decode step, all layers summed
+        (block fetches, or dense-offload's whole-layer copies).  prefill/other H2D (staging for
+        multi-token calls, tail refills after crop) and D2H (write-through) are totals.
+        """
+        steps_per_layer, fetched, hits, wanted, layer_h2d = [], [], [], [], []
+        per_step: list[int] = []
+        for layer in self.layers:
+            table = layer.log.table()
+            block_bytes = layer.block_bytes() if layer.offloaded else 0
+            step_bytes = (table[:, 2] * block_bytes).tolist() if len(table) else []
+            step_bytes = [a + b for a, b in zip(step_bytes, layer.log.h2d_extra)]
+            steps_per_layer.append(len(table))
+            wanted.append(int(table[:, 0].sum()))
+            hits.append(int(table[:, 1].sum()))
+            fetched.append(int(table[:, 2].sum()))
+            layer_h2d.append(sum(step_bytes))
+            for k, value in enumerate(step_bytes):
+                if k == len(per_step):
+                    per_step.append(0)
+                per_step[k] += value
+        dense = self.mode == "dense-offload"
+        hit_rate = [None if (dense and layer.offloaded) or not w else h / w for layer, h, w in zip(self.layers, hits, wanted)]
+        offloaded_wanted = sum(w for layer, w in zip(self.layers, wanted) if layer.offloaded)
+        offloaded_hits = sum(h for layer, h in zip(self.layers, hits) if layer.offloaded)
+        return {
+            "mode": self.mode,
+            "decode_steps": max(steps_per_layer, default=0),
+            "h2d_bytes_per_step": per_step,
+            "h2d_bytes_per_step_mean": sum(per_step) / len(per_step) if per_step else 0.0,
+            "h2d_bytes_per_layer": layer_h2d,
+            "blocks_wanted_per_layer": wanted,
+            "blocks_fetched_per_layer": fetched,
+            "hits_per_layer": hits,
+            "misses_per_layer": fetched,
+            "hit_rate_per_layer": hit_rate,
+            "hit_rate": None if dense or not offloaded_wanted else offloaded_hits / offloaded_wanted,
+            "h2d_other_bytes": sum(layer.h2d_other for layer in self.layers),
+            "d2h_bytes": sum(layer.d2h_bytes for layer in self.layers),
+            "device_nbytes": self.device_nbytes(),
+            "index_nbytes": self.index_nbytes(),
+            "host_nbytes": self.host_nbytes(),
+        }
