@@ -157,14 +157,8 @@ class ForecastKVModel(ForecastKVPreTrainedModel):
         cache: SparseCache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         collect_selections: bool = False,
-        layer_callback=None,
     ) -> tuple[torch.Tensor, SparseCache, list | None]:
-        """Returns (last hidden states [B, T, hidden], the cache, per-layer selections or None).
-
-        layer_callback(idx, normed, positions, cos, sin, cache_layer), if given, runs after each
-        layer's attention with that layer's post-norm input [B, T, hidden], positions [B, T],
-        cos/sin [B, T, d] and cache layer (its K/V now stored): what training and the recall
-        protocol read, so they need no decoder loop of their own."""
+        """Returns (last hidden states [B, T, hidden], the cache, per-layer selections or None)."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
         hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
@@ -173,6 +167,7 @@ class ForecastKVModel(ForecastKVPreTrainedModel):
             cache = SparseCache(self.config)
         elif not isinstance(cache, SparseCache):
             raise TypeError(f"forecastkv models need a SparseCache (or a subclass), got {type(cache).__name__}")
+        cache.check_model(self.config)
         positions = self.positions_for(batch, length, cache, attention_mask, position_ids, hidden.device)
         cos, sin = self.rotary_emb(positions, hidden.dtype)
 
@@ -183,7 +178,9 @@ class ForecastKVModel(ForecastKVPreTrainedModel):
             residual_scale = mup.scale_depth / math.sqrt(self.config.num_hidden_layers)
 
         sparse = self.config.sparse
-        forecast_selector = sparse is not None and sparse.selector == "forecast"
+        # a cache may carry a selector of its own (the runtime's modes compare selectors on one model)
+        selector = (getattr(cache, "selector", None) or sparse.selector) if sparse is not None else None
+        forecast_selector = selector == "forecast"
         want_forecast = self.config.forecast_config.enabled and (forecast_selector or collect_selections)
         decode = length == 1
         selections = [] if collect_selections else None
@@ -204,8 +201,6 @@ class ForecastKVModel(ForecastKVPreTrainedModel):
                     cache.layers[idx + 1].plan(planned_next[:, :, 0], sparse.block_size)
             record = {} if collect_selections else None
             out = attn(normed, positions, cos, sin, cache.layers[idx], forecast_in=forecast, selection=planned, selections_out=record, selector=selector)
-            if layer_callback is not None:
-                layer_callback(idx, normed, positions, cos, sin, cache.layers[idx])
             planned = planned_next
             if selections is not None:
                 selections.append(record)
