@@ -160,11 +160,17 @@ def load_model(
         settings["sparse_config"] = resolve_sparse_config(sparse_config)
     if forecast is not None:
         settings["forecast"] = {**(settings.get("forecast") or {}), **forecast, "enabled": True}
+    heads = None
     if forecast_weights is not None:
-        side = json.loads((Path(forecast_weights) / FORECAST_CONFIG).read_text())
+        heads, side = read_forecast_side(forecast_weights, settings)
         settings["forecast"] = {**side["forecast"], "enabled": True}
         if settings.get("sparse_config") is None:
             settings["sparse_config"] = side.get("sparse_config")
+        # loaded heads exist to select blocks: the forecast selector goes on (also on a base with
+        # its own sparse_config, e.g. MiniCPM4.1 or NOSA) unless the caller's dict names a selector
+        explicit = isinstance(sparse_config, dict) and "selector" in sparse_config
+        if settings.get("sparse_config") is not None and not explicit:
+            settings["sparse_config"] = {**settings["sparse_config"], "selector": "forecast"}
     sparse = settings.get("sparse_config")
     wants_forecast = isinstance(sparse, dict) and sparse.get("selector") == "forecast"
     if wants_forecast and not (settings.get("forecast") or {}).get("enabled"):
@@ -178,8 +184,11 @@ def load_model(
         settings.pop(key, None)
     model_config = ForecastKVConfig(**settings)
     model = cls(model_config)
-    if forecast_weights is not None:
-        state.update(read_forecast_weights(forecast_weights))
+    if heads is not None:
+        last = f"model.layers.{model_config.num_hidden_layers - 1}.self_attn.forecast_proj.weight"
+        if last not in heads and last in model.state_dict():  # SparDA may leave out the unused last head
+            heads[last] = torch.zeros_like(model.state_dict()[last])
+        state.update(heads)
     created = _load_weights(model, state, directory, created_ok=forecast is not None)
     if created:
         from .forecast_init import apply_forecast_init
@@ -251,9 +260,65 @@ def save_forecast_weights(model, directory: str | os.PathLike, base_model: str |
 
 
 def read_forecast_weights(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The head tensors of `directory` (our forecast.safetensors) or of a SparDA indexer file."""
+    return read_forecast_side(directory)[0]
+
+
+SPARDA_HEAD = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn\.)?(q_future_proj|q_curr_proj|forecast_proj|current_proj)(?:\.weight)?$")
+SPARDA_FILES = ("*.pt", "*.pth", "*.bin", "*.safetensors")
+
+
+def _sparda_tensors(obj, found: dict) -> None:
+    """Collect head tensors from a (nested) SparDA checkpoint dict under our state-dict names."""
+    if not isinstance(obj, dict):
+        return
+    for key, value in obj.items():
+        if isinstance(value, torch.Tensor) and isinstance(key, str):
+            match = SPARDA_HEAD.search(key)
+            if match and value.dim() == 2:
+                name = {"q_future_proj": "forecast_proj", "q_curr_proj": "current_proj"}.get(match.group(2), match.group(2))
+                found[f"model.layers.{int(match.group(1))}.self_attn.{name}.weight"] = value
+        elif isinstance(value, dict):
+            _sparda_tensors(value, found)
+
+
+def read_forecast_side(path: str | os.PathLike, settings: dict | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+    """(head tensors, {"forecast": ..., "sparse_config": ...}) from forecast weights saved alone.
+
+    `path`: a directory written by `save_forecast_weights`; or SparDA's indexer checkpoint (a
+    `torch.save` file holding `q_future_proj` / `q_curr_proj` weights, optionally `sparse_config`;
+    no base), given as the file or a directory holding one.  For SparDA files heads_per_group is
+    read from the weight shape and the base `settings` (num_key_value_heads, head_dim).
+    """
     from safetensors.torch import load_file
 
-    file = Path(directory) / FORECAST_WEIGHTS
-    if not file.is_file():
-        raise CheckpointError(f"no {FORECAST_WEIGHTS} in {directory}")
-    return map_state_dict(load_file(str(file)))
+    path = Path(path)
+    if path.is_dir() and (path / FORECAST_WEIGHTS).is_file():
+        side_file = path / FORECAST_CONFIG
+        if not side_file.is_file():
+            raise CheckpointError(f"{path} has {FORECAST_WEIGHTS} but no {FORECAST_CONFIG}")
+        return map_state_dict(load_file(str(path / FORECAST_WEIGHTS))), json.loads(side_file.read_text())
+    files = [path] if path.is_file() else sorted(f for pattern in SPARDA_FILES for f in path.glob(pattern)) if path.is_dir() else []
+    if not files:
+        raise CheckpointError(f"no {FORECAST_WEIGHTS} (ours) or SparDA indexer checkpoint ({', '.join(SPARDA_FILES)}) at {path}")
+    found: dict[str, torch.Tensor] = {}
+    meta: dict = {}
+    for file in files:
+        try:
+            blob = load_file(str(file)) if file.suffix == ".safetensors" else torch.load(file, map_location="cpu", weights_only=True)
+        except Exception as error:  # a pickle with foreign objects, or a corrupt file
+            raise CheckpointError(f"cannot read SparDA indexer checkpoint {file}: {error}") from error
+        _sparda_tensors(blob, found)
+        if isinstance(blob, dict) and isinstance(blob.get("sparse_config"), dict):
+            meta = blob["sparse_config"]
+    if not found:
+        raise CheckpointError(f"{path} holds no q_future_proj / q_curr_proj (or forecast_proj / current_proj) weights")
+    settings = settings or {}
+    rows = next(iter(found.values())).shape[0]
+    kv_heads = int(settings.get("num_key_value_heads") or settings.get("num_attention_heads") or 1)
+    head_dim = int(settings.get("head_dim") or settings.get("hidden_size", rows) // int(settings.get("num_attention_heads", 1)))
+    if rows % (kv_heads * head_dim):
+        raise CheckpointError(f"SparDA head weight has {rows} rows, not a multiple of num_key_value_heads x head_dim = {kv_heads} x {head_dim}")
+    sparse = {k: v for k, v in meta.items() if k in _SPARSE_KEYS} or None
+    side = {"forecast": {**ForecastConfig().to_dict(), "heads_per_group": rows // (kv_heads * head_dim)}, "sparse_config": sparse}
+    return found, side
