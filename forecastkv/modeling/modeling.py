@@ -157,8 +157,14 @@ class ForecastKVModel(ForecastKVPreTrainedModel):
         cache: SparseCache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         collect_selections: bool = False,
+        layer_callback=None,
     ) -> tuple[torch.Tensor, SparseCache, list | None]:
-        """Returns (last hidden states [B, T, hidden], the cache, per-layer selections or None)."""
+        """Returns (last hidden states [B, T, hidden], the cache, per-layer selections or None).
+
+        layer_callback(idx, normed, positions, cos, sin, cache_layer), if given, runs after each
+        layer's attention with that layer's post-norm input [B, T, hidden], positions [B, T],
+        cos/sin [B, T, d] and cache layer (its K/V now stored): what training and the recall
+        protocol read, so they need no decoder loop of their own."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
         hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
@@ -201,6 +207,8 @@ class ForecastKVModel(ForecastKVPreTrainedModel):
                     cache.layers[idx + 1].plan(planned_next[:, :, 0], sparse.block_size)
             record = {} if collect_selections else None
             out = attn(normed, positions, cos, sin, cache.layers[idx], forecast_in=forecast, selection=planned, selections_out=record, selector=selector)
+            if layer_callback is not None:
+                layer_callback(idx, normed, positions, cos, sin, cache.layers[idx])
             planned = planned_next
             if selections is not None:
                 selections.append(record)
