@@ -116,14 +116,34 @@ def test_incremental_decode_equals_recompute(mode):
 
 
 def test_forecast_decode_uses_plan_from_previous_layer():
+    """Layer l plans layer l+1 before layer l stores its token, and layer l+1 reads exactly that plan;
+    only layer 0 plans itself.  A model whose layers planned themselves would fail both checks."""
     model = tiny_model({"policy": "infllmv2", "selector": "forecast"}, seed=5)
     ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(5))
     cache = SparseCache(model.config)
+    events = []
+
+    def spy(idx, layer):
+        append, plan, blocks = layer.append, layer.plan, layer.blocks
+        layer.append = lambda *a, **k: (events.append(("append", idx, None)), append(*a, **k))[1]
+        layer.plan = lambda sel, *a, **k: (events.append(("plan", idx, sel)), plan(sel, *a, **k))[1]
+        layer.blocks = lambda sel, *a, **k: (events.append(("blocks", idx, sel)), blocks(sel, *a, **k))[1]
+
+    for idx, layer in enumerate(cache.layers):
+        spy(idx, layer)
     with torch.no_grad():
         model(ids, past_key_values=cache)
+        events.clear()
         model(torch.randint(0, 128, (1, 1)), past_key_values=cache)
-    planned = [layer.planned for layer in cache.layers]
-    assert all(p is not None and p.shape == (1, 2, model.config.sparse.budget_blocks) for p in planned)
+    order = [(kind, idx) for kind, idx, _ in events]
+    layers = model.config.num_hidden_layers
+    assert order.index(("append", 0)) < order.index(("plan", 0))  # layer 0 selects its own blocks
+    for idx in range(1, layers):
+        assert order.count(("plan", idx)) == 1
+        assert order.index(("plan", idx)) < order.index(("append", idx - 1)), idx
+        planned = next(sel for kind, i, sel in events if kind == "plan" and i == idx)
+        read = next(sel for kind, i, sel in events if kind == "blocks" and i == idx)
+        assert planned.data_ptr() == read.data_ptr() and planned.shape == read.shape == (1, 2, model.config.sparse.budget_blocks)
 
 
 def test_multiple_forecast_vectors_per_group_run():
