@@ -1,0 +1,244 @@
+"""The report beside `results.jsonl`: `report.md` (tables task x length x mode) and PNG plots.
+
+    score_vs_length.png   per task: score (x100; perplexity: lower is better) vs context length, one line per mode
+    recall_by_layer.png   forecast recall per layer per (mode, length), chance level dashed
+    bytes_per_step.png    KV bytes read (and H2D bytes, when offloaded) per decode step vs length, per mode
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from pathlib import Path
+
+from .results import MERGED, write_atomic
+
+MIB = 2**20
+
+
+def load(directory: str | Path) -> list[dict]:
+    path = Path(directory) / MERGED
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def _ordered(values):
+    return list(dict.fromkeys(values))
+
+
+def _mean(values):
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+def _ppl(records):
+    """Pooled perplexity over examples (sum of NLL / tokens), and per bucket."""
+    nll = sum(b["nll_sum"] for r in records for b in r["buckets"])
+    tokens = sum(b["tokens"] for r in records for b in r["buckets"])
+    buckets: dict = defaultdict(lambda: [0.0, 0])
+    for r in records:
+        for b in r["buckets"]:
+            buckets[(b["start"], b["end"])][0] += b["nll_sum"]
+            buckets[(b["start"], b["end"])][1] += b["tokens"]
+    return math.exp(nll / tokens), {k: math.exp(s / n) for k, (s, n) in sorted(buckets.items())}
+
+
+def _recall(records):
+    """Per layer recall and chance pooled over examples (counts summed), and means over layers >= 1."""
+    counts = None
+    for r in records:
+        if r.get("recall"):
+            c = r["recall"]["counts"]
+            counts = c if counts is None else [[a + b for a, b in zip(x, y)] for x, y in zip(counts, c)]
+    if counts is None:
+        return None
+    recall = [h / max(w, 1) for h, w, _ in counts]
+    chance = [c / max(w, 1) for _, w, c in counts]
+    tail = slice(1, None) if len(recall) > 1 else slice(None)
+    return {"recall": recall, "chance": chance, "mean": _mean(recall[tail]), "mean_chance": _mean(chance[tail]),
+            "start": next(r["recall"]["start"] for r in records if r.get("recall"))}
+
+
+def _fmt(value, digits=1):
+    return "—" if value is None else f"{value:.{digits}f}"
+
+
+def tables(records: list[dict]) -> str:
+    modes = _ordered(r["mode"] for r in records)
+    lines = ["# Evaluation report", "", f"{len(records)} records; modes: {', '.join(modes)}.", ""]
+    groups = defaultdict(list)
+    for r in records:
+        groups[(r["task"], r["length"], r["mode"])].append(r)
+    tasks = _ordered(r["task"] for r in records)
+    lengths = sorted(set(r["length"] for r in records))
+    dense = "dense" if "dense" in modes else None
+    others = [m for m in modes if m != dense]
+
+    scored = [t for t in tasks if t != "perplexity"]
+    if scored:
+        head = ["task", "length", "n"] + modes + ([f"{m} − dense" for m in others] if dense else [])
+        lines += ["## Scores (×100, mean over examples)", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for task in scored:
+            for length in lengths:
+                cells = {m: _mean(r["score"] for r in groups[(task, length, m)]) for m in modes}
+                if all(v is None for v in cells.values()):
+                    continue
+                n = max(len(groups[(task, length, m)]) for m in modes)
+                row = [task, str(length), str(n)] + [_fmt(None if cells[m] is None else 100 * cells[m]) for m in modes]
+                if dense:
+                    row += [_fmt(None if cells[m] is None or cells[dense] is None else 100 * (cells[m] - cells[dense]), 1) for m in others]
+                lines.append("| " + " | ".join(row) + " |")
+        lines.append("")
+
+    if "perplexity" in tasks:
+        head = ["length", "n"] + modes + ([f"{m} / dense" for m in others] if dense else [])
+        lines += ["## Perplexity on held-out essays (lower is better)", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        details = []
+        for length in lengths:
+            ppl = {m: _ppl(groups[("perplexity", length, m)]) if groups[("perplexity", length, m)] else None for m in modes}
+            if all(v is None for v in ppl.values()):
+                continue
+            n = max(len(groups[("perplexity", length, m)]) for m in modes)
+            row = [str(length), str(n)] + [_fmt(None if ppl[m] is None else ppl[m][0], 3) for m in modes]
+            if dense:
+                row += [_fmt(None if ppl[m] is None or ppl[dense] is None else ppl[m][0] / ppl[dense][0], 4) for m in others]
+            lines.append("| " + " | ".join(row) + " |")
+            spans = _ordered(k for v in ppl.values() if v for k in v[1])
+            details += [f"**{length} tokens, by position**", "", "| positions | " + " | ".join(modes) + " |", "|" + "---|" * (len(modes) + 1)]
+            for span in spans:
+                details.append(f"| {span[0]}–{span[1] - 1} | " + " | ".join(_fmt(ppl[m][1].get(span) if ppl[m] else None, 3) for m in modes) + " |")
+            details.append("")
+        lines += [""] + details
+
+    recall_rows = []
+    for m in modes:
+        for length in lengths:
+            got = _recall([r for r in records if r["mode"] == m and r["length"] == length])
+            if got:
+                recall_rows.append((m, length, got))
+    if recall_rows:
+        lines += ["## Forecast recall (layers ≥ 1; prefill rows past the start)", "",
+                  "| mode | length | rows from | recall | chance | per layer |", "|---|---|---|---|---|---|"]
+        for m, length, got in recall_rows:
+            per = " ".join(f"{x:.2f}" for x in got["recall"])
+            lines.append(f"| {m} | {length} | {got['start']} | {got['mean']:.3f} | {got['mean_chance']:.3f} | {per} |")
+        lines.append("")
+
+    lines += ["## Bytes per decode step and time (mean over examples)", "",
+              "| mode | length | KV read MiB/step | H2D MiB/step | prefill s | decode ms/step |", "|---|---|---|---|---|---|"]
+    for m in modes:
+        for length in lengths:
+            rs = [r for r in records if r["mode"] == m and r["length"] == length]
+            if not rs:
+                continue
+            kv = _mean(r["kv_read_bytes_per_step"] for r in rs)
+            h2d = _mean(r["h2d_bytes_per_step"] for r in rs)
+            lines.append(f"| {m} | {length} | {_fmt(None if kv is None else kv / MIB, 3)} | {_fmt(None if h2d is None else h2d / MIB, 3)} | "
+                         f"{_fmt(_mean(r['time']['prefill_s'] for r in rs), 2)} | {_fmt(_mean(r['time']['decode_ms_per_step'] for r in rs), 1)} |")
+    lines += ["", "KV read: bytes of K/V (and NOSA bias) the attention read per decode step, all layers — what a "
+              "cache without slot reuse would move host→device. H2D: the offloaded runtime's own counters "
+              "(— on the resident cache, which moves nothing). Times are wall-clock on the machine that ran it.", ""]
+    return "\n".join(lines)
+
+
+def plots(records: list[dict], directory: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    modes = _ordered(r["mode"] for r in records)
+    tasks = _ordered(r["task"] for r in records)
+    colors = {m: plt.cm.tab10(i % 10) for i, m in enumerate(modes)}
+
+    cols = min(4, len(tasks))
+    rows = -(-len(tasks) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3.2 * rows), squeeze=False)
+    for ax, task in zip(axes.flat, tasks):
+        for m in modes:
+            by_len = defaultdict(list)
+            for r in records:
+                if r["task"] == task and r["mode"] == m:
+                    by_len[r["length"]].append(r)
+            xs = sorted(by_len)
+            if task == "perplexity":
+                ys = [_ppl(by_len[x])[0] for x in xs]
+            else:
+                ys = [100 * _mean(r["score"] for r in by_len[x]) for x in xs]
+            ax.plot(xs, ys, marker="o", color=colors[m], label=m)
+        ax.set_title(task + (" (lower is better)" if task == "perplexity" else ""), fontsize=10)
+        ax.set_xlabel("context length (tokens)")
+        ax.set_ylabel("perplexity" if task == "perplexity" else "score (×100)")
+        ax.set_xscale("log", base=2)
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(tasks):]:
+        ax.axis("off")
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(modes), frameon=False)
+    fig.suptitle("Score vs context length per mode")
+    fig.tight_layout(rect=(0, 0.06, 1, 0.96))
+    written.append(directory / "score_vs_length.png")
+    fig.savefig(written[-1], dpi=110)
+    plt.close(fig)
+
+    lengths = sorted(set(r["length"] for r in records))
+    curves = [(m, n, _recall([r for r in records if r["mode"] == m and r["length"] == n])) for m in modes for n in lengths]
+    curves = [c for c in curves if c[2]]
+    if curves:
+        fig, ax = plt.subplots(figsize=(7, 4.2))
+        shades = {n: 0.35 + 0.65 * (i + 1) / len(lengths) for i, n in enumerate(lengths)}
+        for m, n, got in curves:
+            layers = list(range(len(got["recall"])))
+            ax.plot(layers, got["recall"], marker="o", ms=3, color=colors[m], alpha=shades[n], label=f"{m}, {n} tokens")
+            ax.plot(layers, got["chance"], ls="--", color=colors[m], alpha=shades[n] * 0.6)
+        ax.set_xlabel("layer")
+        ax.set_ylabel("forecast recall (share of query-selected blocks)")
+        ax.set_ylim(0, 1.02)
+        ax.set_title("Forecast recall by layer (dashed: chance)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        written.append(directory / "recall_by_layer.png")
+        fig.savefig(written[-1], dpi=110)
+        plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    drawn = False
+    for m in modes:
+        for field, style, label in (("kv_read_bytes_per_step", "-", "KV read"), ("h2d_bytes_per_step", ":", "H2D")):
+            xs, ys = [], []
+            for n in lengths:
+                v = _mean(r[field] for r in records if r["mode"] == m and r["length"] == n)
+                if v is not None:
+                    xs.append(n)
+                    ys.append(v / MIB)
+            if xs:
+                ax.plot(xs, ys, ls=style, marker="o", color=colors[m], label=f"{m} ({label})")
+                drawn = True
+    if drawn:
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context length (tokens)")
+        ax.set_ylabel("MiB per decode step (all layers)")
+        ax.set_title("KV bytes per decode step per mode")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        written.append(directory / "bytes_per_step.png")
+        fig.savefig(written[-1], dpi=110)
+    plt.close(fig)
+    return written
+
+
+def write_report(directory: str | Path) -> Path:
+    """Write `report.md` and the plots beside `results.jsonl`; returns the report's path."""
+    directory = Path(directory)
+    records = load(directory)
+    path = directory / "report.md"
+    if not records:
+        write_atomic(path, "# Evaluation report\n\nNo results yet.\n")
+        return path
+    images = plots(records, directory)
+    text = tables(records) + "\n" + "".join(f"![{p.stem}]({p.name})\n" for p in images)
+    write_atomic(path, text)
+    return path

@@ -1,0 +1,76 @@
+"""Each metric against values computed by hand (the arithmetic is in the comments)."""
+
+import pytest
+
+from forecastkv.eval import metrics as m
+
+
+def test_string_match_all_and_part():
+    # 123 and 456 found, 789 not: 2 of 3; matching ignores case
+    assert m.string_match_all("The numbers are 123 and 456.", ["123", "456", "789"]) == pytest.approx(2 / 3)
+    assert m.string_match_all("ABC def", ["abc"]) == 1.0
+    assert m.string_match_part("The numbers are 123 and 456.", ["789", "456"]) == 1.0
+    assert m.string_match_part("nothing", ["789"]) == 0.0
+    with pytest.raises(ValueError, match="at least one reference"):
+        m.string_match_all("x", [])
+
+
+def test_qa_f1():
+    # pred -> [eiffel, tower, in, paris] (punctuation and "the" dropped); ref -> [eiffel, tower, paris, france]
+    # overlap 3: P = R = 3/4 -> F1 = 0.75
+    assert m.qa_f1_score("The Eiffel Tower, in Paris!", "Eiffel tower Paris France") == pytest.approx(0.75)
+    # multiset overlap: pred [x, y, y, z], ref [y, y, y, x] -> x1 + y2 = 3 -> P = R = 3/4
+    assert m.qa_f1_score("x y y z", "y y y x") == pytest.approx(0.75)
+    # P = 1, R = 1/2 -> F1 = 2/3
+    assert m.qa_f1_score("cat", "cat dog") == pytest.approx(2 / 3)
+    assert m.qa_f1_score("an apple", "the") == 0.0  # both normalise to nothing useful
+
+
+def test_rouge_l():
+    # LCS "the cat on the mat" = 5 of 6 tokens each side -> F = 5/6
+    assert m.rouge_l_score("the cat sat on the mat", "the cat lay on the mat") == pytest.approx(5 / 6)
+    # LCS "b d" = 2: P = 2/4, R = 2/3 -> F = 2 * (1/3) / (7/6) = 4/7
+    assert m.rouge_l_score("a b c d", "b d e") == pytest.approx(4 / 7)
+    assert m.rouge_l_score("", "b d e") == 0.0
+    assert m.lcs_length("abcbdab", "bdcaba") == 4  # the textbook example (e.g. "bcba")
+
+
+def test_classification():
+    classes = ["City", "Country", "Individual"]
+    # City and Country both named -> 1/2
+    assert m.classification_score("City or Country", "City", all_classes=classes) == 0.5
+    assert m.classification_score("Individual", "City", all_classes=classes) == 0.0
+    # "Hockey" is a strict substring of the truth "Ice Hockey" and is not counted -> 1
+    assert m.classification_score("Ice Hockey", "Ice Hockey", all_classes=["Hockey", "Ice Hockey"]) == 1.0
+
+
+def test_retrieval_and_count():
+    # numbers 3 and 5, one equals the truth's paragraph 3 -> 1/2
+    assert m.retrieval_score("Paragraph 3, maybe paragraph 5", "Paragraph 3") == 0.5
+    assert m.retrieval_score("none of them", "Paragraph 3") == 0.0
+    assert m.retrieval_zh_score("段落2", "段落2") == 1.0
+    with pytest.raises(ValueError, match="Paragraph N"):
+        m.retrieval_score("1", "the first")
+    # 12 and 13 -> one right of two
+    assert m.count_score("There are 12 unique, not 13", 12) == 0.5
+
+
+def test_code_similarity():
+    # the fenced first line is skipped; the second equals the truth
+    assert m.code_sim_score("```python\n    return total\n", "    return total") == 1.0
+    # "# ..." skipped; "return x+1" (10 chars) vs "return x + 1" (12): matches "return x", "+", "1" = 10 chars
+    # ratio 2 * 10 / 22 = 0.909 -> round(90.9) / 100 = 0.91
+    assert m.code_sim_score("# comment\nreturn x+1", "return x + 1") == pytest.approx(0.91)
+
+
+def test_zh_metrics_use_characters():
+    # 北京大学 vs 北京: overlap 2 chars, P = 2/4, R = 1 -> F1 = 2/3
+    assert m.qa_f1_zh_score("北京大学。", "北京") == pytest.approx(2 / 3)
+    assert m.rouge_l_zh_score("北京大学", "北京") == pytest.approx(2 / 3)
+
+
+def test_best_over_references_and_dispatch():
+    assert m.score_prediction("qa_f1", "Lovelace", ["Ada Lovelace", "Lovelace"]) == 1.0
+    assert m.score_prediction("string_match_all", "12 34", ["12", "99"]) == 0.5
+    with pytest.raises(ValueError, match="unknown metric 'bleu'"):
+        m.score_prediction("bleu", "x", ["y"])

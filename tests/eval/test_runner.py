@@ -1,0 +1,133 @@
+"""The runner on a tiny random model: resume after a kill, one process = two, clear errors that keep
+earlier results, LongBench from the fixture, and the report files."""
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from forecastkv.eval import runner
+from forecastkv.eval.results import MERGED
+
+from .common import FIXTURES, read_jsonl, same_records, tiny_suite
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory):
+    """One uninterrupted single-process run of the tiny suite."""
+    out = tmp_path_factory.mktemp("reference")
+    result = runner.run_eval(tiny_suite(out))
+    return out, read_jsonl(result["results"])
+
+
+def test_uninterrupted_run_and_report(reference_run):
+    out, records = reference_run
+    # 2 passkey + 1 perplexity examples x 3 modes, in canonical order: example-major, modes in order
+    assert [(r["key"], r["mode"]) for r in records] == [
+        (k, m) for k in ("passkey/400/0", "passkey/400/1", "perplexity/300/0") for m in ("dense", "infllmv2-query", "infllmv2-forecast")]
+    for r in records:
+        assert r["prompt_tokens"] == (400 - 3 if r["task"] == "passkey" else 300)
+        assert (r["recall"] is None) == (r["mode"] == "dense")
+    text = (out / "report.md").read_text()
+    assert "| passkey | 400 | 2 |" in text and "## Forecast recall" in text and "## Perplexity" in text
+    for name in ("score_vs_length.png", "recall_by_layer.png", "bytes_per_step.png"):
+        assert (out / name).stat().st_size > 10_000
+
+
+def test_kill_and_restart_gives_the_same_jsonl(reference_run, tmp_path, monkeypatch):
+    _, expected = reference_run
+    calls = []
+    real = runner.evaluate_example
+
+    def counting(model, example, mode, *args, **kwargs):
+        calls.append((example.key, mode.name))
+        return real(model, example, mode, *args, **kwargs)
+
+    monkeypatch.setattr(runner, "evaluate_example", counting)
+
+    def kill_after_four(record):
+        if len(calls) == 4:
+            raise KeyboardInterrupt  # the process dies right after its 4th record reached the disk
+
+    with pytest.raises(KeyboardInterrupt):
+        runner.run_eval(tiny_suite(tmp_path), after_record=kill_after_four)
+    shard = tmp_path / "results.rank0.jsonl"
+    assert len(read_jsonl(shard)) == 4 and not (tmp_path / MERGED).exists()
+    with open(shard, "a") as f:  # ... and a 5th record was half written when it died
+        f.write('{"key": "passkey/400/1", "mode": "infllm')
+    result = runner.run_eval(tiny_suite(tmp_path))
+    assert len(calls) == len(set(calls)) == len(expected)  # each (example, mode) evaluated exactly once
+    same_records(read_jsonl(result["results"]), expected)
+    assert runner.run_eval(tiny_suite(tmp_path))["evaluated"] == 0  # a finished suite does nothing
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_equal_one(reference_run, tmp_path):
+    _, expected = reference_run
+    suite = tmp_path / "suite.yaml"
+    suite.write_text(yaml.safe_dump(tiny_suite(tmp_path / "out")))
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+           "-m", "forecastkv.eval", "--config", str(suite), "--no-progress"]
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    shards = [read_jsonl(tmp_path / "out" / f"results.rank{r}.jsonl") for r in (0, 1)]
+    assert {r["key"] for r in shards[0]} == {"passkey/400/0", "perplexity/300/0"}  # examples 0 and 2
+    assert {r["key"] for r in shards[1]} == {"passkey/400/1"}
+    same_records(read_jsonl(tmp_path / "out" / MERGED), expected)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"tasks": [{"name": "needle_party", "lengths": [400]}]}, "unknown task 'needle_party'"),
+    ({"modes": ["dense", "psychic"]}, "unknown attention mode 'psychic'"),
+    ({"modes": ["dense@floppy-disk"]}, "cache mode 'floppy-disk'"),
+    ({"tasks": [{"name": "passkey", "lengths": [4000]}]}, r"length 4000 exceeds the model's context \(max_position_embeddings=640\)"),
+    ({"longbench": {"dir": "EMPTY", "tasks": ["hotpotqa"], "lengths": [512]}}, r"lacks \['hotpotqa.jsonl'\]"),
+    ({"longbench": {"dir": "MISSING", "tasks": ["hotpotqa"], "lengths": [512]}}, "does not exist"),
+    ({"modes": ["infllmv2-forecast"], "model": {"forecast": None}}, "needs forecast heads, but the model has none"),
+    ({"modes": ["nosa"]}, "needs NOSA's A/delta"),
+])
+def test_bad_input_errors_keep_earlier_results(reference_run, tmp_path, change, message):
+    out, _ = reference_run
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    change = dict(change)
+    if "longbench" in change:
+        (tmp_path / "EMPTY").mkdir()
+        change["longbench"] = {**change["longbench"], "dir": str(tmp_path / change["longbench"]["dir"])}
+    if "model" in change:
+        change["model"] = {**tiny_suite(out)["model"], **change["model"]}
+    with pytest.raises(ValueError, match=message):
+        runner.run_eval(tiny_suite(out, **change))
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_longbench_fixture_end_to_end(tmp_path):
+    suite = tiny_suite(tmp_path, tasks=[], modes=["dense", "infllmv2-query"],
+                       longbench={"dir": str(FIXTURES / "longbench"), "tasks": ["hotpotqa", "trec"], "lengths": [256], "max_new_tokens": 4})
+    records = read_jsonl(runner.run_eval(suite, limit=1)["results"])
+    assert [(r["key"], r["mode"]) for r in records] == [
+        ("longbench:hotpotqa/256/0", "dense"), ("longbench:hotpotqa/256/0", "infllmv2-query"),
+        ("longbench:trec/256/0", "dense"), ("longbench:trec/256/0", "infllmv2-query")]
+    assert records[0]["metric"] == "qa_f1" and records[2]["metric"] == "classification"
+    assert records[0]["references"] == ["Graz"] and all(0.0 <= r["score"] <= 1.0 for r in records)
+
+
+def test_cli_eval_subcommand(reference_run, tmp_path, capsys):
+    from forecastkv.cli import main
+
+    suite = tmp_path / "suite.yaml"
+    suite.write_text(yaml.safe_dump(tiny_suite(tmp_path / "out", tasks=[{"name": "perplexity", "lengths": [200]}], modes=["dense"])))
+    assert main(["eval", "--config", str(suite), "--no-progress"]) == 0
+    assert "report:" in capsys.readouterr().out
+    assert len(read_jsonl(tmp_path / "out" / MERGED)) == 1
