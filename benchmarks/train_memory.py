@@ -1,9 +1,12 @@
-"""Peak memory of one Forecast training step (forward + per-layer backward) at several lengths.
+"""Peak memory and speed of Forecast training: one feature-cache build (the frozen forward, one
+layer's K/V at a time, teacher in query chunks) and the cheap steps that reuse it.
 
-Each (length, teacher chunk) runs in a fresh process: load the model, then run one
-`forward_backward` on random tokens while a thread samples the process RSS every 2 ms (CPU), or
-read `torch.cuda.max_memory_allocated` (CUDA).  Reported: the step's peak minus the memory held
-just before it.  `--chunk 0` means one chunk of all rows (the unchunked O(T^2) teacher).
+Each (length, teacher chunk) runs in a fresh process: load the model, build the features of one
+random-token sequence while a thread samples the process RSS every 2 ms (CPU), or read
+`torch.cuda.max_memory_allocated` (CUDA); then time optimizer-free steps (loss + backward over all
+layers) on `--rows` cached rows.  Reported: the build's peak minus the memory held before it, the
+cache size, the seconds of one build and of one step, and their ratio (steps per frozen forward).
+`--chunk 0` means one chunk of all rows.
 
     python benchmarks/train_memory.py --model bundled:smollm2-135m --lengths 1024 4096 --chunks 256 0
 """
@@ -36,19 +39,22 @@ class PeakSampler(threading.Thread):
             time.sleep(self.interval)
 
 
-def one(model_spec: str, length: int, chunk: int) -> dict:
+def one(model_spec: str, length: int, chunk: int, rows: int = 512, steps: int = 5) -> dict:
     import torch
 
-    from forecastkv.training.objective import ObjectiveConfig
-    from forecastkv.training.trainer import build_model, forward_backward, freeze_base, load_recipe
+    from forecastkv.training.features import build_features, cached_rows, head_vectors
+    from forecastkv.training.objective import ObjectiveConfig, rows_kl
+    from forecastkv.training.trainer import build_model, freeze_base, load_recipe
 
     torch.manual_seed(0)
     recipe = load_recipe({"model": {"path": model_spec, "sparse_config": "smollm2-135m", "forecast": {"init": "kaiming"}}})
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model, _ = build_model(recipe["model"], device)
     freeze_base(model)
+    sparse = model.config.sparse
     ids = torch.randint(0, model.config.vocab_size, (1, length), device=device)
-    objective = ObjectiveConfig(chunk_size=chunk or length)
+    objective = ObjectiveConfig(chunk_size=chunk or length, teacher_kernel=2, teacher_stride=1)
+    picked = cached_rows(length, 0, rows, torch.Generator().manual_seed(0))
     gc.collect()
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -60,8 +66,8 @@ def one(model_spec: str, length: int, chunk: int) -> dict:
         sampler.start()
     start = time.time()
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-        losses = forward_backward(model, ids, objective)
-    elapsed = time.time() - start
+        feats = build_features(model, ids, picked, sparse, objective, backbone="query")
+    build_s = time.time() - start
     if device.type == "cuda":
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
@@ -69,8 +75,15 @@ def one(model_spec: str, length: int, chunk: int) -> dict:
         sampler.running = False
         sampler.join()
         peak = sampler.peak
-    return {"length": length, "chunk": chunk or length, "device": device.type, "step_peak_mib": (peak - before) / 2**20,
-            "held_before_mib": before / 2**20, "seconds": elapsed, "loss": sum(losses)}
+    start = time.time()
+    for _ in range(steps):
+        total = sum(rows_kl(head_vectors(model, feats, m), feats.ckeys[m], feats.positions, feats.teachers[m], sparse, "full")
+                    for m in range(model.config.num_hidden_layers))
+        total.backward()
+    step_s = (time.time() - start) / steps
+    return {"length": length, "chunk": chunk or length, "device": device.type, "build_peak_mib": (peak - before) / 2**20,
+            "cache_mib": feats.nbytes() / 2**20, "held_before_mib": before / 2**20, "build_s": build_s, "step_s": step_s,
+            "rows": picked.numel(), "loss": float(total)}
 
 
 def main(argv=None) -> int:
@@ -93,11 +106,13 @@ def main(argv=None) -> int:
                 return 1
             rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
             r = rows[-1]
-            print(f"T={r['length']:6d} chunk={r['chunk']:6d} {r['device']}: step peak +{r['step_peak_mib']:8.1f} MiB "
-                  f"(model etc. {r['held_before_mib']:.0f} MiB held before), {r['seconds']:.1f} s", flush=True)
-    print("\n| T | teacher chunk | step peak (MiB above the loaded model) | s |\n|---|---|---|---|")
+            print(f"T={r['length']:6d} chunk={r['chunk']:6d} {r['device']}: build peak +{r['build_peak_mib']:8.1f} MiB "
+                  f"(model etc. {r['held_before_mib']:.0f} MiB held before), cache {r['cache_mib']:.1f} MiB, "
+                  f"build {r['build_s']:.1f} s, step {r['step_s']:.3f} s", flush=True)
+    print("\n| T | teacher chunk | build peak (MiB above the loaded model) | cache MiB | build s | step s | steps per build |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['length']} | {r['chunk']} | {r['step_peak_mib']:.0f} | {r['seconds']:.1f} |")
+        print(f"| {r['length']} | {r['chunk']} | {r['build_peak_mib']:.0f} | {r['cache_mib']:.1f} | {r['build_s']:.1f} | {r['step_s']:.3f} | {r['build_s'] / r['step_s']:.0f} |")
     return 0
 
 

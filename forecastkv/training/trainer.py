@@ -87,6 +87,7 @@ DEFAULTS: dict = {
         "seed": 0,
         "log_every": 1,
         "eval_every": 100,            # 0: only before and after; -1: never
+        "eval_at_start": True,        # False: skip the step-0 evaluation (the init's recall)
         "save_every": 50,
         "keep_last": 5,
         "progress": True,
@@ -503,7 +504,7 @@ def train_forecast(config_path_or_dict, **overrides) -> TrainResult:
 
     bar = tqdm(total=train["steps"], initial=step, disable=not (main and train["progress"]), desc="forecast", dynamic_ncols=True)
     evals = train["eval_every"] >= 0  # -1: no evaluation at all; 0: before and after only
-    if step == 0 and evals:
+    if step == 0 and evals and train["eval_at_start"]:
         run_eval(0)
     features, feature_seconds, step_seconds, steps_run = None, 0.0, 0.0, 0
     while step < end:

@@ -170,3 +170,17 @@ def test_smollm2_smoke(tmp_path, bundled_path):
     )
     assert result.step == 1 and len(result.history[-1]["recall"]) == 30
     assert (tmp_path / "run" / "forecast.safetensors").is_file()
+
+
+def test_multi_vector_heads_train_and_save(tmp_path):
+    """heads_per_group = G = 3: trained (the loss falls), saved with their vector count."""
+    recipe = tiny_recipe(tmp_path / "data", tmp_path / "run", steps=4, eval_every=-1, steps_per_round=4, rows_per_step=16)
+    recipe["model"]["forecast"] = {"heads_per_group": 3, "init": "next_query"}
+    recipe["data"]["row_start"] = 8
+    result = train_forecast(recipe)
+    saved = load_file(Path(result.output_dir) / "forecast.safetensors")
+    assert saved["model.layers.1.self_attn.forecast_proj.weight"].shape == (2 * 3 * 16, 96)
+    assert json.loads((Path(result.output_dir) / "forecast_config.json").read_text())["forecast"]["heads_per_group"] == 3
+    losses = [loss for _, loss in result.losses]
+    assert losses[-1] < losses[0]
+    assert result.speed["steps_per_s"] > 0 and result.speed["feature_s"] > 0
