@@ -29,24 +29,23 @@ from .selection import num_compressed
 GROWTH_CHUNK = 1024  # rows added per growth when no max_length was given
 
 
-def capacity_for(rows: int, max_length: int | None) -> int:
-    """Rows to allocate for `rows` stored positions: `max_length` if given (an error past it), else
-    `rows` rounded up to the next multiple of GROWTH_CHUNK."""
+def capacity_for(rows: int, max_length: int | None, chunk: int = GROWTH_CHUNK) -> int:
+    """Rows to allocate for `rows` stored rows: `max_length` if given (an error past it), else
+    `rows` rounded up to the next multiple of `chunk`."""
     if max_length is not None:
         if rows > max_length:
             raise ValueError(f"sequence of {rows} tokens exceeds this cache's max_length={max_length}; build the cache with a larger max_length")
         return max_length
-    return -(-rows // GROWTH_CHUNK) * GROWTH_CHUNK
+    return -(-rows // chunk) * chunk
 
 
-def grow_rows(buffer: torch.Tensor | None, rows: int, like: torch.Tensor, max_length: int | None = None, **alloc) -> torch.Tensor:
+def grow_rows(buffer: torch.Tensor | None, rows: int, like: torch.Tensor, max_length: int | None = None, chunk: int = GROWTH_CHUNK) -> torch.Tensor:
     """Return `buffer` with at least `rows` rows along dim 1, zero-filled; a new buffer is sized by
-    `capacity_for` and shaped like `like` [B, *, ...].  `alloc` goes to `torch.zeros` (device, pin_memory)."""
+    `capacity_for` and shaped like `like` [B, *, ...] (its dtype and device)."""
     if buffer is not None and buffer.shape[1] >= rows:
         return buffer
-    capacity = capacity_for(rows, max_length)
-    alloc = {"dtype": like.dtype, "device": like.device, **alloc}
-    grown = torch.zeros((like.shape[0], capacity, *like.shape[2:]), **alloc)
+    capacity = capacity_for(rows, max_length, chunk)
+    grown = torch.zeros((like.shape[0], capacity, *like.shape[2:]), dtype=like.dtype, device=like.device)
     if buffer is not None:
         grown[:, : buffer.shape[1]] = buffer
     return grown
@@ -228,7 +227,8 @@ class SparseCacheLayer(CacheLayerMixin):
         ids, valid, rows = window_rows(old_lengths, self.lengths, size, stride)
         like = source[:, :1].to(self.lengths.device, dtype or source.dtype)
         capacity = None if self.max_length is None else max(num_compressed(self.max_length, size, stride), 1)
-        target = grow_rows(target, max(num_compressed(int(self.lengths.max()), size, stride), 1), like, capacity)
+        # windows grow in chunks worth GROWTH_CHUNK positions, not GROWTH_CHUNK windows
+        target = grow_rows(target, max(num_compressed(int(self.lengths.max()), size, stride), 1), like, capacity, max(GROWTH_CHUNK // stride, 1))
         if ids.shape[1]:
             write_windows(target, ids, valid, compress_windows(source, rows.to(source.device), dtype))
         return target
