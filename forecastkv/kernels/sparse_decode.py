@@ -15,6 +15,7 @@ id listed twice is attended twice (as `blocks()` + `attend` do); canonical selec
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -30,6 +31,7 @@ from ._common import (
     check_shape,
     check_tensor,
     cuda_device_guard,
+    interpreting,
     next_pow2,
     tl,
 )
@@ -69,6 +71,14 @@ _BLOCKS_DOC = (
     bias            [B, S, H_kv] or None  additive per-key bias (NOSA's CIS), any float dtype"""
     + _ARGS_DOC
 )
+
+
+_SPLITS_DOC = """
+    num_splits      int or None        (Triton only) selection entries are split across this many
+                                       programs per (sequence, KV head) and the partial results
+                                       combined by their LSE (flash-decoding); None: enough to fill
+                                       the GPU about twice (1 off CUDA)
+    """
 
 
 def _doc(text):
@@ -209,21 +219,28 @@ def sparse_decode_blocks_reference(q, k_cache, v_cache, block_ids, lengths, bloc
 
 def _sparse_decode_kernel(
     q_ptr, k_ptr, v_ptr, bias_ptr, sel_ptr, len_ptr, out_ptr, lse_ptr,
-    n_sel, n_rows, n_blocks, scale,
+    n_sel, per_split, n_rows, n_blocks, scale,
     sq_b, sq_h, sq_d, sk_b, sk_s, sk_h, sk_d, sv_b, sv_s, sv_h, sv_d, sc_b, sc_s, sc_h,
-    ss_b, ss_h, ss_k, so_b, so_h, so_d, sl_b, sl_h,
+    ss_b, ss_h, ss_k, so_b, so_h, so_s, so_d, sl_b, sl_h, sl_s,
     GROUP: tl.constexpr, GP: tl.constexpr, BLOCK: tl.constexpr, BLOCK_P: tl.constexpr,
     D: tl.constexpr, D_P: tl.constexpr, SLOTS: tl.constexpr, HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr,
+    NATIVE_DOT: tl.constexpr,
 ):
+    """Program (b, h, split): the GQA group of KV head h over selection entries
+    [split * per_split, (split + 1) * per_split).  Writes that split's normalised output and LSE
+    (out/lse carry a split stride; with one split they are the final result)."""
     b = tl.cast(tl.program_id(0), tl.int64)
     h = tl.cast(tl.program_id(1), tl.int64)
+    split = tl.cast(tl.program_id(2), tl.int64)
     g = tl.arange(0, GP)
     g_ok = g < GROUP
     qh = h * GROUP + g
     dd = tl.arange(0, D_P)
     d_ok = dd < D
     rows = tl.arange(0, BLOCK_P)
-    q = tl.load(q_ptr + b * sq_b + qh[:, None] * sq_h + dd[None, :] * sq_d, mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+    q = tl.load(q_ptr + b * sq_b + qh[:, None] * sq_h + dd[None, :] * sq_d, mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+    if not NATIVE_DOT:
+        q = q.to(tl.float32)
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D_P], tl.float32)
@@ -231,10 +248,13 @@ def _sparse_decode_kernel(
         length = 0
     else:
         length = tl.minimum(tl.load(len_ptr + b).to(tl.int64), n_rows)
-    for i in range(0, n_sel):
-        entry = tl.load(sel_ptr + b * ss_b + h * ss_h + tl.cast(i, tl.int64) * ss_k).to(tl.int64)
+    lo = split * per_split
+    hi = tl.minimum(lo + per_split, n_sel)
+    for i in range(lo, hi):
+        idx = tl.cast(i, tl.int64)
+        entry = tl.load(sel_ptr + b * ss_b + h * ss_h + idx * ss_k).to(tl.int64)
         if SLOTS:  # entry = valid rows of slot i
-            start = tl.cast(i, tl.int64) * BLOCK
+            start = idx * BLOCK
             count = tl.minimum(tl.maximum(entry, 0), BLOCK)
         else:  # entry = block id; clamp so a bad id reads nothing
             ok = (entry >= 0) & (entry < n_blocks)
@@ -243,11 +263,15 @@ def _sparse_decode_kernel(
         key_ok = rows < count
         pos = start + rows
         tile = key_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + b * sk_b + pos[:, None] * sk_s + h * sk_h + dd[None, :] * sk_d, mask=tile, other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + b * sv_b + pos[:, None] * sv_s + h * sv_h + dd[None, :] * sv_d, mask=tile, other=0.0).to(tl.float32)
-        if USE_DOT:  # group padded to 16 rows; ieee keeps fp32 exact (no tf32)
+        k = tl.load(k_ptr + b * sk_b + pos[:, None] * sk_s + h * sk_h + dd[None, :] * sk_d, mask=tile, other=0.0)
+        v = tl.load(v_ptr + b * sv_b + pos[:, None] * sv_s + h * sv_h + dd[None, :] * sv_d, mask=tile, other=0.0)
+        if NATIVE_DOT:  # bf16/fp16 tensor cores, fp32 accumulation
+            s = tl.dot(q, tl.trans(k))
+        elif USE_DOT:  # group padded to 16 rows; ieee keeps fp32 exact (no tf32)
+            k = k.to(tl.float32)
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
+            k = k.to(tl.float32)
             s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)
         s = s * scale
         if HAS_BIAS:
@@ -258,55 +282,119 @@ def _sparse_decode_kernel(
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        if USE_DOT:
-            pv = tl.dot(p, v, input_precision="ieee")
+        if NATIVE_DOT:
+            pv = tl.dot(p.to(v.dtype), v)
+        elif USE_DOT:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
         else:
-            pv = tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+            pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
     has_keys = l_i > 0.0
     o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     row_lse = tl.where(has_keys, m_i + tl.log(tl.where(has_keys, l_i, 1.0)), float("-inf"))
-    tl.store(out_ptr + b * so_b + qh[:, None] * so_h + dd[None, :] * so_d, o.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
-    tl.store(lse_ptr + b * sl_b + qh * sl_h, row_lse, mask=g_ok)
+    tl.store(out_ptr + b * so_b + qh[:, None] * so_h + split * so_s + dd[None, :] * so_d, o.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+    tl.store(lse_ptr + b * sl_b + qh * sl_h + split * sl_s, row_lse, mask=g_ok)
+
+
+def _combine_kernel(
+    part_o_ptr, part_lse_ptr, out_ptr, lse_ptr, n_splits,
+    sp_b, sp_h, sp_s, sp_d, spl_b, spl_h, spl_s, so_b, so_h, so_d, sl_b, sl_h,
+    S_P: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr,
+):
+    """Program (b, query head): out = sum_s exp(lse_s - lse) * o_s, lse = logsumexp_s lse_s."""
+    b = tl.cast(tl.program_id(0), tl.int64)
+    qh = tl.cast(tl.program_id(1), tl.int64)
+    sp = tl.arange(0, S_P)
+    s_ok = sp < n_splits
+    dd = tl.arange(0, D_P)
+    d_ok = dd < D
+    part_lse = tl.load(part_lse_ptr + b * spl_b + qh * spl_h + sp * spl_s, mask=s_ok, other=float("-inf"))
+    top = tl.max(part_lse, axis=0)
+    top_safe = tl.where(top == float("-inf"), 0.0, top)
+    weight = tl.exp(part_lse - top_safe)  # 0 for splits without keys
+    total = tl.sum(weight, axis=0)
+    part_o = tl.load(part_o_ptr + b * sp_b + qh * sp_h + sp[:, None] * sp_s + dd[None, :] * sp_d, mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+    o = tl.sum(weight[:, None] * part_o, axis=0) / tl.where(total > 0.0, total, 1.0)
+    row_lse = tl.where(total > 0.0, top_safe + tl.log(tl.where(total > 0.0, total, 1.0)), float("-inf"))
+    tl.store(out_ptr + b * so_b + qh * so_h + dd * so_d, o.to(out_ptr.dtype.element_ty), mask=d_ok)
+    tl.store(lse_ptr + b * sl_b + qh * sl_h, row_lse)
 
 
 _KERNEL = LazyKernel(_sparse_decode_kernel)
+_COMBINE = LazyKernel(_combine_kernel)
+MIN_ENTRIES_PER_SPLIT = 4  # a split below this costs more in its partial write than it saves
 
 
-def _launch(q, k, v, bias, sel, lengths, block_size, scale, out, lse, slots: bool, n_blocks: int):
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def choose_splits(batch: int, heads: int, n_sel: int, device: torch.device) -> int:
+    """Splits of the selection per (sequence, KV head) so the grid fills the GPU about twice
+    (flash-decoding); 1 off CUDA.  A host-side choice from shapes only: no device sync."""
+    if device.type != "cuda" or n_sel <= MIN_ENTRIES_PER_SPLIT:
+        return 1
+    wanted = -(-2 * _sm_count(device.index if device.index is not None else torch.cuda.current_device()) // max(batch * heads, 1))
+    return max(1, min(wanted, -(-n_sel // MIN_ENTRIES_PER_SPLIT)))
+
+
+def _launch(q, k, v, bias, sel, lengths, block_size, scale, out, lse, slots: bool, n_blocks: int, num_splits=None):
     batch, q_heads, dim = q.shape
     heads = k.shape[2]
     group = q_heads // heads
+    n_sel = sel.shape[2]
     scale = 1.0 / math.sqrt(dim) if scale is None else float(scale)
     out = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
     lse = torch.empty((batch, q_heads), dtype=torch.float32, device=q.device) if lse is None else lse
     if batch == 0 or q_heads == 0 or dim == 0:
         return out, lse
+    splits = choose_splits(batch, heads, n_sel, q.device) if num_splits is None else int(num_splits)
+    check_positive_int("num_splits", splits)
+    splits = min(splits, max(n_sel, 1))
+    per_split = -(-n_sel // splits)
     use_dot = group > 2  # tl.dot needs >= 16 rows: pad the group; tiny groups use a sum-reduce
+    native_dot = use_dot and q.dtype in (torch.bfloat16, torch.float16) and not interpreting()
     gp = next_pow2(group, 16 if use_dot else 1)
     has_bias = bias is not None
     sc = bias.stride() if has_bias else (0, 0, 0)
     len_arg = lengths if lengths is not None else sel  # placeholder in slot mode
+    if splits == 1:
+        target_o, target_lse = out, lse
+        so = (out.stride(0), out.stride(1), 0, out.stride(2))
+        sl = (lse.stride(0), lse.stride(1), 0)
+    else:  # fp32 partials [B, Hq, splits, d] and [B, Hq, splits], combined below
+        target_o = torch.empty((batch, q_heads, splits, dim), dtype=torch.float32, device=q.device)
+        target_lse = torch.empty((batch, q_heads, splits), dtype=torch.float32, device=q.device)
+        so = (target_o.stride(0), target_o.stride(1), target_o.stride(2), target_o.stride(3))
+        sl = target_lse.stride()
+    d_p = next_pow2(dim, 16 if use_dot else 1)
     with cuda_device_guard(q):
-        _KERNEL[(batch, heads)](
-            q, k, v, bias if has_bias else k, sel, len_arg, out, lse,
-            sel.shape[2], k.shape[1], n_blocks, scale,
-            *q.stride(), *k.stride(), *v.stride(), *sc, *sel.stride(), *out.stride(), *lse.stride(),
+        _KERNEL[(batch, heads, splits)](
+            q, k, v, bias if has_bias else k, sel, len_arg, target_o, target_lse,
+            n_sel, per_split, k.shape[1], n_blocks, scale,
+            *q.stride(), *k.stride(), *v.stride(), *sc, *sel.stride(), *so, *sl,
             GROUP=group, GP=gp, BLOCK=block_size, BLOCK_P=next_pow2(block_size, 16 if use_dot else 1),
-            D=dim, D_P=next_pow2(dim, 16 if use_dot else 1), SLOTS=slots, HAS_BIAS=has_bias, USE_DOT=use_dot,
+            D=dim, D_P=d_p, SLOTS=slots, HAS_BIAS=has_bias, USE_DOT=use_dot, NATIVE_DOT=native_dot,
             num_warps=4 if use_dot else 8,  # the sum-reduce tile [GP, BLOCK, D] needs more threads
         )
+        if splits > 1:
+            _COMBINE[(batch, q_heads)](
+                target_o, target_lse, out, lse, splits,
+                *target_o.stride(), *target_lse.stride(), *out.stride(), *lse.stride(),
+                S_P=next_pow2(splits), D=dim, D_P=next_pow2(dim), num_warps=4,
+            )
     return out, lse
 
 
-@_doc(_SLOTS_DOC)
-def sparse_decode_slots_triton(q, k_slots, v_slots, slot_lens, block_size, scale=None, bias_slots=None, out=None, lse=None, check_ids=True):
+@_doc(_SLOTS_DOC + _SPLITS_DOC)
+def sparse_decode_slots_triton(q, k_slots, v_slots, slot_lens, block_size, scale=None, bias_slots=None, out=None, lse=None, check_ids=True, num_splits=None):
     slots = validate_slots(q, k_slots, v_slots, slot_lens, block_size, scale, bias_slots, out, lse, check_ids)
-    return _launch(q, k_slots, v_slots, bias_slots, slot_lens, None, block_size, scale, out, lse, True, slots)
+    return _launch(q, k_slots, v_slots, bias_slots, slot_lens, None, block_size, scale, out, lse, True, slots, num_splits)
 
 
-@_doc(_BLOCKS_DOC)
-def sparse_decode_blocks_triton(q, k_cache, v_cache, block_ids, lengths, block_size, scale=None, bias=None, out=None, lse=None, check_ids=True):
+@_doc(_BLOCKS_DOC + _SPLITS_DOC)
+def sparse_decode_blocks_triton(q, k_cache, v_cache, block_ids, lengths, block_size, scale=None, bias=None, out=None, lse=None, check_ids=True, num_splits=None):
     n_blocks = validate_blocks(q, k_cache, v_cache, block_ids, lengths, block_size, scale, bias, out, lse, check_ids)
-    return _launch(q, k_cache, v_cache, bias, block_ids, lengths, block_size, scale, out, lse, False, n_blocks)
+    return _launch(q, k_cache, v_cache, bias, block_ids, lengths, block_size, scale, out, lse, False, n_blocks, num_splits)

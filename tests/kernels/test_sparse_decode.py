@@ -115,17 +115,53 @@ def test_no_valid_key_gives_zeros(impl):
 
 
 def aot_launches():
-    """Sum-reduce (G <= 2) and tl.dot (G > 2) variants, both layouts, at d 128, block 64, bf16."""
+    """Sum-reduce (G <= 2) and tensor-core tl.dot (G > 2, bf16) variants, both layouts, at d 128,
+    block 64; then the split (flash-decoding) launch and its combine kernel."""
     for group in (2, 16):
         q, k, v, b, ids, lengths = blocks_case(heads=2, group=group, dim=128, block=64, seq=300, width=3, dtype=torch.bfloat16)
         K.sparse_decode_blocks_triton(q, k, v, ids, lengths, 64, bias=b)
         K.sparse_decode_slots_triton(q, k[:, :192], v[:, :192], torch.full((2, 2, 3), 64), 64)
+    K.sparse_decode_blocks_triton(q, k, v, ids, lengths, 64, bias=b, num_splits=2)
 
 
 @aot_sm90
 def test_compiles_for_sm90():
     """Compiled-mode errors the interpreter lets through would show here, without a GPU."""
-    assert compile_sm90(__name__, "aot_launches") == 4
+    assert compile_sm90(__name__, "aot_launches") == 6
+
+
+@needs_triton
+@pytest.mark.parametrize("splits", [2, 3, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [2, 3])
+def test_split_blocks_combine_to_the_reference(splits, dtype, group):
+    """Flash-decoding: entries split across programs, partials combined by their LSE (8 splits >
+    5 entries: some splits are empty)."""
+    q, k, v, b, ids, lengths = blocks_case(group=group, dtype=dtype, seq=45, width=5)
+    ids[1, 0] = -1  # a row whose first split has no key
+    ref = K.sparse_decode_blocks_reference(q, k, v, ids, lengths, 8, bias=b)
+    out, lse = poisoned(q)
+    check_pair(K.sparse_decode_blocks_triton(q, k, v, ids, lengths, 8, bias=b, out=out, lse=lse, num_splits=splits), ref, dtype)
+
+
+@needs_triton
+@pytest.mark.parametrize("splits", [2, 4])
+def test_split_slots_combine_to_the_reference(splits):
+    q, k, v, b, lens = slots_case(group=3, slots=5)
+    lens[1, 1] = 0  # an empty head row: zeros and -inf
+    ref = K.sparse_decode_slots_reference(q, k, v, lens, 8, bias_slots=b)
+    out, lse = poisoned(q)
+    got = K.sparse_decode_slots_triton(q, k, v, lens, 8, bias_slots=b, out=out, lse=lse, num_splits=splits)
+    assert (got[0][1, 3:6] == 0).all() and (got[1][1, 3:6] == float("-inf")).all()
+    finite = torch.isfinite(ref[1])
+    assert_close(got[0].float(), ref[0].float(), torch.float32)
+    assert torch.equal(finite, torch.isfinite(got[1])) and rel_err(got[1][finite], ref[1][finite]) < 1e-5
+
+
+def test_split_choice_fills_the_gpu_only_on_cuda():
+    from forecastkv.kernels.sparse_decode import choose_splits
+
+    assert choose_splits(1, 8, 96, torch.device("cpu")) == 1
 
 
 # ----------------------------------------------------------------------------------------------
