@@ -277,26 +277,57 @@ class OffloadedLayer(SparseCacheLayer):
         else:
             block_gather_reference(*args, check_ids=False)
 
-    def blocks(self, selection: torch.Tensor, block_size: int):
-        """The selected blocks from the slots (same layout and values as `SparseCacheLayer.blocks`)."""
+    def _ready(self, selection: torch.Tensor, block_size: int) -> dict:
+        """The plan for `selection` with its blocks in place (waits for this layer's fetch only)."""
         if self.pending is None or not same_tensor(self.pending["selection"], selection):
             self.plan(selection, block_size)
         pending = self.pending
         if pending.get("dense"):
-            rows = int(self.lengths.max())
-            keys, values, cis = (None if t is None else t.to(self.k_slots.device, non_blocking=True) for t in self.host.rows(rows))
-            self.log.h2d_extra[-1] += rows * self.host.row_bytes() * self.host.shape[0]
-            return gather_blocks(keys, values, cis, selection, self.lengths, block_size)
+            return pending
         if pending["fetched"]:
             self.prefetcher.wait(pending["done"])
         else:
             self._gather(pending["load_ids"])
             pending["fetched"] = True
-        current = torch.div((self.lengths - 1).clamp(min=0), block_size, rounding_mode="floor").view(-1, 1, 1)
-        slot = torch.where(pending["slot_of"] >= 0, pending["slot_of"], torch.where((selection == current) & (selection >= 0), self.budget, -1))
+        return pending
+
+    def _dense_copy(self):
+        """dense-offload: the whole layer copied to the device (counted against this step)."""
+        rows = int(self.lengths.max())
+        self.log.h2d_extra[-1] += rows * self.host.row_bytes() * self.host.shape[0]
+        return tuple(None if t is None else t.to(self.k_slots.device, non_blocking=True) for t in self.host.rows(rows))
+
+    def _slot_of_selected(self, pending: dict, selection: torch.Tensor) -> torch.Tensor:
+        """[B, H, K] slot serving each selected block: its regular slot, the tail slot (M) for the
+        block being written, -1 for none."""
+        current = torch.div((self.lengths - 1).clamp(min=0), self.block_size, rounding_mode="floor").view(-1, 1, 1)
+        tail = (selection == current) & (selection >= 0)
+        return torch.where(pending["slot_of"] >= 0, pending["slot_of"], torch.where(tail, self.budget, -1))
+
+    def blocks(self, selection: torch.Tensor, block_size: int):
+        """The selected blocks from the slots (same layout and values as `SparseCacheLayer.blocks`)."""
+        pending = self._ready(selection, block_size)
+        if pending.get("dense"):
+            return gather_blocks(*self._dense_copy(), selection, self.lengths, block_size)
+        slot = self._slot_of_selected(pending, selection)
         offsets = torch.arange(block_size, device=slot.device)
         rows = (slot.clamp(min=0).unsqueeze(-1) * block_size + offsets).flatten(-2)
         return gather_blocks(self.k_slots, self.v_slots, self.bias_slots, selection, self.lengths, block_size, rows=rows)
+
+    def decode_attention(self, q: torch.Tensor, selection: torch.Tensor, block_size: int) -> torch.Tensor:
+        """Decode attention straight over the slots with the `sparse_decode_slots` kernel.
+        q [B, Hq, d], selection [B, H, K] -> [B, Hq, d]."""
+        pending = self._ready(selection, block_size)
+        if pending.get("dense"):
+            keys, values, cis = self._dense_copy()
+            return kernels.sparse_decode_blocks(q, keys, values, selection, self.lengths, block_size, bias=cis, check_ids=False)[0]
+        slot = self._slot_of_selected(pending, selection)
+        batch, heads, _ = selection.shape
+        slot_lens = torch.zeros((batch, heads, self.budget + 2), dtype=torch.long, device=slot.device)
+        # rows of each selected block that are stored keys (a full block, or the tail's filled part)
+        stored = (self.lengths.view(-1, 1, 1) - selection.clamp(min=0) * block_size).clamp(0, block_size)
+        slot_lens.scatter_(-1, torch.where(slot >= 0, slot, self.budget + 1), torch.where(slot >= 0, stored, 0))
+        return kernels.sparse_decode_slots(q, self.k_slots, self.v_slots, slot_lens[..., : self.budget + 1], block_size, bias_slots=self.bias_slots, check_ids=False)[0]
 
     # -- full views (multi-token calls, dense rows) -------------------------------------------
     def full(self):

@@ -23,6 +23,7 @@ from .prefill import (
     row_block_masks,
     use_flex,
 )
+from .cache import decode_kernels_enabled
 from .rope import apply_rope
 
 
@@ -171,6 +172,10 @@ class SparseAttention(nn.Module):
     def _decode_blocks(self, q: torch.Tensor, positions: torch.Tensor, cache_layer, selection: torch.Tensor) -> torch.Tensor:
         """One token per sequence over its selected blocks.  q [B, 1, Hq, d], selection [B, H, K] -> [B, 1, Hq, d]."""
         batch = q.shape[0]
+        if decode_kernels_enabled(q.device) and hasattr(cache_layer, "decode_attention"):
+            # the sparse_decode kernel reads the blocks in place: no gather copy, no host sync
+            out = cache_layer.decode_attention(q[:, 0], selection, self.sparse.block_size)
+            return out.view(batch, 1, self.num_heads, self.head_dim)
         keys, values, key_pos, bias = cache_layer.blocks(selection, self.sparse.block_size)
         query = q.view(batch, self.num_kv_heads, self.group, self.head_dim)
         allowed = ((key_pos >= 0) & (key_pos <= positions.view(-1, 1, 1))).unsqueeze(2).expand(-1, -1, self.group, -1)

@@ -262,12 +262,34 @@ class SparseCacheLayer(CacheLayerMixin):
         keys, values [B, H, K*bs, d], key positions [B, H, K*bs] (-1 = not a key), bias [B, H, K*bs] or None."""
         return gather_blocks(self.keys, self.values, self.cis, selection, self.lengths, block_size)
 
+    def decode_attention(self, q: torch.Tensor, selection: torch.Tensor, block_size: int) -> torch.Tensor:
+        """One decode token per sequence over its selected blocks through the `sparse_decode`
+        kernel (no gather copy, no host sync).  q [B, Hq, d], selection [B, H, K] -> [B, Hq, d].
+        Keys are those stored (position < length), which at decode is every key up to the token."""
+        from .. import kernels
+
+        return kernels.sparse_decode_blocks(q, self.keys, self.values, selection, self.lengths, block_size, bias=self.cis, check_ids=False)[0]
+
     # -- full views (prefill and dense paths) ----------------------------------------------------
     def full(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
         """K, V [B, S, H, d], CIS [B, S, H] or None, and S = the longest stored sequence."""
         rows = int(self.lengths.max())
         cis = None if self.cis is None else self.cis[:, :rows]
         return self.keys[:, :rows], self.values[:, :rows], cis, rows
+
+
+DECODE_KERNELS_ENV = "FORECASTKV_DECODE_KERNELS"
+
+
+def decode_kernels_enabled(device: torch.device) -> bool:
+    """Whether decode attention runs through the kernels: on CUDA, or anywhere with
+    $FORECASTKV_DECODE_KERNELS=1 (the interpreter tests); the gather + SDPA path otherwise."""
+    import os
+
+    flag = os.environ.get(DECODE_KERNELS_ENV, "").strip().lower()
+    if flag in ("0", "false", "off"):
+        return False
+    return torch.device(device).type == "cuda" or flag in ("1", "true", "on")
 
 
 def block_rows(selection: torch.Tensor, block_size: int, lengths: torch.Tensor):
