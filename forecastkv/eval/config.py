@@ -6,7 +6,10 @@
     modes:      ["dense", "infllmv2-query", "infllmv2-forecast@forecast-offload", ...]
     tasks:      [{name, lengths, examples, depths, max_new_tokens, options}]   (see tasks.TASKS)
     longbench:  {dir (official JSONL files; null = `datasets`), tasks, lengths, examples, e}
-    seed, prefill_chunk, recall_start (null: budget blocks x block size), bucket_tokens, output_dir
+    seed, prefill_chunk, bucket_tokens, output_dir
+    recall:     "forecast" (measure forecast recall in forecast-selector modes), "all" (every sparse
+                mode with heads: costs a second selection per layer), or "none";
+                recall_start: first prefill row counted (null: budget blocks x block size)
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ DEFAULTS = {
     "seed": 0,
     "prefill_chunk": 1024,
     "recall_start": None,
+    "recall": "forecast",
     "bucket_tokens": 1024,
     "output_dir": "runs/eval",
     "progress": True,
@@ -103,6 +107,8 @@ def load_config(source: str | Path | dict, overrides: dict | None = None) -> dic
             raise ValueError("longbench.tasks must name at least one task")
     if not config["tasks"] and bench is None:
         raise ValueError("the eval config has no tasks and no longbench section")
+    if config["recall"] not in ("forecast", "all", "none"):
+        raise ValueError(f"recall must be one of ('forecast', 'all', 'none'), got {config['recall']!r}")
     for name in ("prefill_chunk", "bucket_tokens"):
         if not isinstance(config[name], int) or config[name] < 1:
             raise ValueError(f"{name} must be a positive integer, got {config[name]!r}")

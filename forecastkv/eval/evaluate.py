@@ -25,15 +25,6 @@ from .metrics import score_prediction
 from .modes import Mode, make_cache
 
 
-def recall_sums(query_ids: torch.Tensor, forecast_ids: torch.Tensor, positions: torch.Tensor, sparse, start: int) -> torch.Tensor:
-    """fp64 [3] (hits, wanted, chance) over the rows with position >= start (selection.py's counts)."""
-    if hasattr(sel, "recall_row_sums"):
-        return sel.recall_row_sums(query_ids, forecast_ids, positions, sparse, start)
-    hits, wanted, chance = sel.forecast_recall_counts(query_ids, forecast_ids, positions, sparse)
-    keep = (positions >= start)[:, None].to(hits.dtype)
-    return torch.stack([(x * keep).sum().double() for x in (hits, wanted, chance)]).cpu()
-
-
 def default_recall_start(sparse) -> int:
     """First row whose visible blocks exceed the budget (earlier rows are trivially perfect)."""
     return sparse.budget_blocks * sparse.block_size
@@ -71,9 +62,10 @@ def _offload_stats(cache) -> dict | None:
 
 @torch.no_grad()
 def evaluate_example(model, example, mode: Mode, codec, prefill_chunk: int = 1024, recall_start: int | None = None,
-                     bucket_tokens: int = 1024) -> dict:
+                     bucket_tokens: int = 1024, recall: str = "all") -> dict:
     """Score `example` with `model` already switched to `mode` (see `modes.attending_with`).
 
+    recall: "all" (every sparse mode of a model with heads), "forecast" (forecast-selector modes only) or "none".
     Returns the record fields: score, prediction, recall counts per layer [[hits, wanted, chance]],
     bytes per decode step, perplexity buckets (perplexity task), timings.
     """
@@ -81,7 +73,7 @@ def evaluate_example(model, example, mode: Mode, codec, prefill_chunk: int = 102
     ids = torch.tensor([example.input_ids], dtype=torch.long, device=device)
     length = ids.shape[1]
     sparse = model.config.sparse
-    collect = mode.sparse and model.config.forecast_config.enabled
+    collect = mode.sparse and model.config.forecast_config.enabled and (recall == "all" or (recall == "forecast" and mode.selector == "forecast"))
     start_row = (default_recall_start(sparse) if recall_start is None else recall_start) if collect else None
     counts = torch.zeros(model.config.num_hidden_layers, 3, dtype=torch.float64) if collect else None
     perplexity = example.metric == "perplexity"
@@ -102,7 +94,7 @@ def evaluate_example(model, example, mode: Mode, codec, prefill_chunk: int = 102
             positions = torch.arange(start, end, device=device).view(1, -1)
             for idx, record in enumerate(out.selections):
                 if "query" in record and "forecast" in record:
-                    counts[idx] += recall_sums(record["query"], record["forecast"], positions, sparse, start_row)
+                    counts[idx] += sel.recall_row_sums(record["query"], record["forecast"], positions, sparse, start_row)
         del out
     prefill_s = time.perf_counter() - began
 

@@ -12,6 +12,7 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
+from ..modeling.selection import RECALL_FIRST_LAYER
 from .results import MERGED, write_atomic
 
 MIB = 2**20
@@ -54,7 +55,8 @@ def _recall(records):
         return None
     recall = [h / max(w, 1) for h, w, _ in counts]
     chance = [c / max(w, 1) for _, w, c in counts]
-    tail = slice(1, None) if len(recall) > 1 else slice(None)
+    first = RECALL_FIRST_LAYER if len(recall) > RECALL_FIRST_LAYER else 0
+    tail = slice(first, None)
     return {"recall": recall, "chance": chance, "mean": _mean(recall[tail]), "mean_chance": _mean(chance[tail]),
             "start": next(r["recall"]["start"] for r in records if r.get("recall"))}
 
@@ -117,7 +119,7 @@ def tables(records: list[dict]) -> str:
             if got:
                 recall_rows.append((m, length, got))
     if recall_rows:
-        lines += ["## Forecast recall (layers ≥ 1; prefill rows past the start)", "",
+        lines += [f"## Forecast recall (mean over layers ≥ {RECALL_FIRST_LAYER}; prefill rows from the start on)", "",
                   "| mode | length | rows from | recall | chance | per layer |", "|---|---|---|---|---|---|"]
         for m, length, got in recall_rows:
             per = " ".join(f"{x:.2f}" for x in got["recall"])
@@ -141,6 +143,19 @@ def tables(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _length_label(n: int) -> str:
+    return f"{n // 1024}K" if n % 1024 == 0 else str(n)
+
+
+def _length_axis(ax, lengths) -> None:
+    """Log-2 x axis with a labelled tick at every length measured."""
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(lengths)
+    ax.set_xticklabels([_length_label(n) for n in lengths])
+    ax.minorticks_off()
+    ax.set_xlabel("context length (tokens)")
+
+
 def plots(records: list[dict], directory: Path) -> list[Path]:
     import matplotlib
 
@@ -151,6 +166,8 @@ def plots(records: list[dict], directory: Path) -> list[Path]:
     modes = _ordered(r["mode"] for r in records)
     tasks = _ordered(r["task"] for r in records)
     colors = {m: plt.cm.tab10(i % 10) for i, m in enumerate(modes)}
+    # modes that score the same would hide each other: each gets its own marker, size and dash
+    looks = {m: {"marker": "osD^v<>p"[i % 8], "ms": 8 - 1.5 * (i % 4), "ls": ["-", "--", "-.", ":"][i % 4]} for i, m in enumerate(modes)}
 
     cols = min(4, len(tasks))
     rows = -(-len(tasks) // cols)
@@ -166,11 +183,10 @@ def plots(records: list[dict], directory: Path) -> list[Path]:
                 ys = [_ppl(by_len[x])[0] for x in xs]
             else:
                 ys = [100 * _mean(r["score"] for r in by_len[x]) for x in xs]
-            ax.plot(xs, ys, marker="o", color=colors[m], label=m)
+            ax.plot(xs, ys, color=colors[m], label=m, **looks[m])
         ax.set_title(task + (" (lower is better)" if task == "perplexity" else ""), fontsize=10)
-        ax.set_xlabel("context length (tokens)")
         ax.set_ylabel("perplexity" if task == "perplexity" else "score (×100)")
-        ax.set_xscale("log", base=2)
+        _length_axis(ax, sorted({r["length"] for r in records if r["task"] == task}))
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(tasks):]:
         ax.axis("off")
@@ -193,6 +209,7 @@ def plots(records: list[dict], directory: Path) -> list[Path]:
             ax.plot(layers, got["recall"], marker="o", ms=3, color=colors[m], alpha=shades[n], label=f"{m}, {n} tokens")
             ax.plot(layers, got["chance"], ls="--", color=colors[m], alpha=shades[n] * 0.6)
         ax.set_xlabel("layer")
+        ax.set_xticks(range(len(curves[0][2]["recall"])))
         ax.set_ylabel("forecast recall (share of query-selected blocks)")
         ax.set_ylim(0, 1.02)
         ax.set_title("Forecast recall by layer (dashed: chance)")
@@ -214,12 +231,12 @@ def plots(records: list[dict], directory: Path) -> list[Path]:
                     xs.append(n)
                     ys.append(v / MIB)
             if xs:
-                ax.plot(xs, ys, ls=style, marker="o", color=colors[m], label=f"{m} ({label})")
+                ax.plot(xs, ys, ls=style, marker=looks[m]["marker"], ms=looks[m]["ms"], color=colors[m], label=f"{m} ({label})")
                 drawn = True
     if drawn:
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("context length (tokens)")
-        ax.set_ylabel("MiB per decode step (all layers)")
+        _length_axis(ax, lengths)
+        ax.set_yscale("log")
+        ax.set_ylabel("MiB per decode step (all layers, log scale)")
         ax.set_title("KV bytes per decode step per mode")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)

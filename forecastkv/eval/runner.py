@@ -187,7 +187,7 @@ def run_eval(source, limit: int | None = None, output_dir: str | None = None, pr
             bar.set_postfix_str(f"{unit.key} {name}")
             with attending_with(model, mode):
                 result = evaluate_example(model, example, mode, codec, config["prefill_chunk"], config["recall_start"],
-                                          config["bucket_tokens"])
+                                          config["bucket_tokens"], config["recall"])
             record = {"key": unit.key, "task": unit.task, "length": unit.length, "index": unit.index, "mode": name,
                       "attention": mode.attention, "cache": mode.cache, "metric": example.metric,
                       "references": example.references, "depth": example.meta.get("depth"), "seed": config["seed"],

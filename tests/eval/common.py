@@ -22,8 +22,8 @@ def tiny_suite(output_dir, **changes) -> dict:
         "tokenizer": "bytes",
         "modes": ["dense", "infllmv2-query", "infllmv2-forecast"],
         "tasks": [
-            {"name": "passkey", "lengths": [400], "examples": 2, "max_new_tokens": 3},
-            {"name": "perplexity", "lengths": [300], "examples": 1},
+            {"name": "passkey", "lengths": [320], "examples": 2, "max_new_tokens": 3},
+            {"name": "perplexity", "lengths": [200], "examples": 1},
         ],
         "prefill_chunk": 128,
         "bucket_tokens": 100,

@@ -30,12 +30,12 @@ def test_uninterrupted_run_and_report(reference_run):
     out, records = reference_run
     # 2 passkey + 1 perplexity examples x 3 modes, in canonical order: example-major, modes in order
     assert [(r["key"], r["mode"]) for r in records] == [
-        (k, m) for k in ("passkey/400/0", "passkey/400/1", "perplexity/300/0") for m in ("dense", "infllmv2-query", "infllmv2-forecast")]
+        (k, m) for k in ("passkey/320/0", "passkey/320/1", "perplexity/200/0") for m in ("dense", "infllmv2-query", "infllmv2-forecast")]
     for r in records:
-        assert r["prompt_tokens"] == (400 - 3 if r["task"] == "passkey" else 300)
-        assert (r["recall"] is None) == (r["mode"] == "dense")
+        assert r["prompt_tokens"] == (320 - 3 if r["task"] == "passkey" else 200)
+        assert (r["recall"] is None) == (r["mode"] != "infllmv2-forecast")  # recall: forecast (the default)
     text = (out / "report.md").read_text()
-    assert "| passkey | 400 | 2 |" in text and "## Forecast recall" in text and "## Perplexity" in text
+    assert "| passkey | 320 | 2 |" in text and "## Forecast recall" in text and "## Perplexity" in text
     for name in ("score_vs_length.png", "recall_by_layer.png", "bytes_per_step.png"):
         assert (out / name).stat().st_size > 10_000
 
@@ -60,7 +60,7 @@ def test_kill_and_restart_gives_the_same_jsonl(reference_run, tmp_path, monkeypa
     shard = tmp_path / "results.rank0.jsonl"
     assert len(read_jsonl(shard)) == 4 and not (tmp_path / MERGED).exists()
     with open(shard, "a") as f:  # ... and a 5th record was half written when it died
-        f.write('{"key": "passkey/400/1", "mode": "infllm')
+        f.write('{"key": "passkey/320/1", "mode": "infllm')
     result = runner.run_eval(tiny_suite(tmp_path))
     assert len(calls) == len(set(calls)) == len(expected)  # each (example, mode) evaluated exactly once
     same_records(read_jsonl(result["results"]), expected)
@@ -83,8 +83,8 @@ def test_two_processes_equal_one(reference_run, tmp_path):
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     shards = [read_jsonl(tmp_path / "out" / f"results.rank{r}.jsonl") for r in (0, 1)]
-    assert {r["key"] for r in shards[0]} == {"passkey/400/0", "perplexity/300/0"}  # examples 0 and 2
-    assert {r["key"] for r in shards[1]} == {"passkey/400/1"}
+    assert {r["key"] for r in shards[0]} == {"passkey/320/0", "perplexity/200/0"}  # examples 0 and 2
+    assert {r["key"] for r in shards[1]} == {"passkey/320/1"}
     same_records(read_jsonl(tmp_path / "out" / MERGED), expected)
 
 
@@ -131,3 +131,13 @@ def test_cli_eval_subcommand(reference_run, tmp_path, capsys):
     assert main(["eval", "--config", str(suite), "--no-progress"]) == 0
     assert "report:" in capsys.readouterr().out
     assert len(read_jsonl(tmp_path / "out" / MERGED)) == 1
+
+
+def test_shipped_suites_are_valid():
+    from forecastkv.eval.config import load_config, work_units
+
+    for path in sorted((REPO / "configs" / "eval").glob("*.yaml")):
+        config = load_config(path)
+        assert work_units(config), path
+    smol = load_config(REPO / "configs" / "eval" / "smollm2-135m.yaml")
+    assert max(n for t in smol["tasks"] for n in t["lengths"]) <= 8192  # SmolLM2's context
