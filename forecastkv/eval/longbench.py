@@ -105,7 +105,7 @@ def load_rows(name: str, source: str | Path | None = None, e: bool = False) -> l
     try:
         import datasets
     except ImportError:
-        raise ValueError("LongBench needs a local directory of the official JSONL files (longbench_dir:) "
+        raise ValueError("LongBench needs a local directory of the official JSONL files (longbench.dir) "
                          "or the `datasets` package (pip install datasets)") from None
     subset = f"{name}_e" if e else name
     return [dict(row) for row in datasets.load_dataset(HUB_NAME, subset, split="test")]

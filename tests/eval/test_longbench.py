@@ -66,3 +66,13 @@ def test_bad_directory_errors(tmp_path):
     (tmp_path / "trec.jsonl").write_text("{not json\n")
     with pytest.raises(ValueError, match="trec.jsonl line 1 is not JSON"):
         longbench.load_rows("trec", tmp_path)
+
+
+def test_without_a_directory_datasets_is_needed():
+    try:
+        import datasets  # noqa: F401
+    except ImportError:
+        with pytest.raises(ValueError, match=r"official JSONL files \(longbench.dir\) or the `datasets` package"):
+            longbench.load_rows("hotpotqa", None)
+    else:
+        pytest.skip("datasets is installed: the hub path would need the network")
