@@ -14,6 +14,7 @@ from torch import nn
 
 from . import selection as sel
 from .prefill import (
+    block_layout,
     can_use_flex,
     chunked_sparse_attention,
     dense_attention,
@@ -199,6 +200,9 @@ class SparseAttention(nn.Module):
         n_blocks = sel.num_blocks(count, sparse.block_size)
         flex = not all_dense and not bool(dense.any()) and use_flex(q) and can_use_flex(q, positions, count)
         outputs, bits, records = [], [], {}
+        blocks = None
+        if not all_dense and not flex:  # K/V (and CIS) by block, once per call: chunks gather whole blocks
+            blocks = tuple(None if x is None else block_layout(x, sparse.block_size) for x in (keys, values, cis))
         for start in range(0, q.shape[1], self.config.query_chunk_size):
             rows = slice(start, start + self.config.query_chunk_size)
             pos = positions[:, rows]
@@ -215,7 +219,7 @@ class SparseAttention(nn.Module):
             if flex:
                 bits.append(pack_block_bits(masks))
             else:
-                outputs.append(chunked_sparse_attention(q[:, rows], keys, values, cis, pos, masks, sparse.block_size))
+                outputs.append(chunked_sparse_attention(q[:, rows], keys, values, cis, pos, masks, sparse.block_size, blocks))
         if selections_out is not None:
             selections_out.update({key: torch.cat(parts, dim=2) for key, parts in records.items()})
         if all_dense:

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from .configuration import ForecastConfig, ForecastKVConfig, resolve_sparse_config
+from .lazy_weights import LazyCheckpoint, LazyCheckpointError, load_into, set_tensor
 
 FORECAST_WEIGHTS = "forecast.safetensors"
 FORECAST_CONFIG = "forecast_config.json"
@@ -53,35 +54,24 @@ def resolve_directory(path_or_id: str | os.PathLike, **hub_kwargs) -> Path:
         raise CheckpointError(f"{path_or_id!r} is neither a local directory nor a reachable hub id ({error})") from error
 
 
-def read_state_dict(directory: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a checkpoint directory (single or sharded safetensors, or pytorch_model.bin)."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    index = directory / "model.safetensors.index.json"
-    if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        files = [directory / shard for shard in shards]
-    else:
-        files = sorted(directory.glob("*.safetensors"))
-        files = [f for f in files if f.name != FORECAST_WEIGHTS]
-    state: dict[str, torch.Tensor] = {}
-    if not files:
-        binary = directory / "pytorch_model.bin"
-        if not binary.is_file():
-            raise CheckpointError(f"no weights in {directory}: expected model.safetensors (or shards) or pytorch_model.bin")
-        return torch.load(binary, map_location="cpu", weights_only=True)
-    for file in files:
-        if not file.is_file():
-            raise CheckpointError(f"partial checkpoint: shard {file.name} listed in the index is missing from {directory}")
-        try:
-            state.update(load_file(str(file)))
-        except (SafetensorError, OSError, RuntimeError) as error:
-            raise CheckpointError(f"corrupt checkpoint file {file}: {error}") from error
-    return state
+def _our_name(key: str) -> str | None:
+    """A stored tensor name under our state-dict names (None: not a weight we load)."""
+    if IGNORED.search(key):
+        return None
+    for pattern, replacement in RENAMES:
+        key = pattern.sub(replacement, key)
+    return key
 
 
-def detect_format(raw: dict, state: dict[str, torch.Tensor]) -> str:
+def open_checkpoint(directory: Path) -> LazyCheckpoint:
+    """The directory's tensors (names, shapes; data read later, one tensor at a time)."""
+    try:
+        return LazyCheckpoint(directory, rename=_our_name, skip=(FORECAST_WEIGHTS,))
+    except LazyCheckpointError as error:
+        raise CheckpointError(str(error)) from error
+
+
+def detect_format(raw: dict, state) -> str:
     """'forecastkv' | 'minicpm' | 'nosa' | 'llama'."""
     model_type = raw.get("model_type")
     if model_type == "forecastkv":
@@ -139,9 +129,16 @@ def load_model(
     dtype: torch.dtype | str | None = None,
     device: str | torch.device | None = None,
     config: ForecastKVConfig | None = None,
+    device_map: str | dict | None = None,
     **kwargs,
 ):
-    """Build `cls` from any supported checkpoint.  See `ForecastKVForCausalLM.from_pretrained`."""
+    """Build `cls` from any supported checkpoint.  See `ForecastKVForCausalLM.from_pretrained`.
+
+    Lean: the model is built on the meta device (no initialiser touches a real tensor), then each
+    checkpoint tensor is read once, cast to `dtype` (default: torch's default dtype) and placed on
+    `device` (default CPU) or on its `device_map` device ("auto" or a dict, through accelerate).
+    Peak memory is about the loaded model plus its largest tensor.
+    """
     directory = resolve_directory(path_or_id, **kwargs)
     config_file = directory / "config.json"
     if not config_file.is_file():
@@ -150,7 +147,8 @@ def load_model(
         raw = json.loads(config_file.read_text())
     except json.JSONDecodeError as error:
         raise CheckpointError(f"corrupt config.json in {directory}: {error}") from error
-    state = map_state_dict(read_state_dict(directory))
+    checkpoint = open_checkpoint(directory)
+    state = checkpoint.names  # name -> shape; the data stays on disk until load_into
     fmt = detect_format(raw, state)
     settings = config_from_raw(raw, fmt) if config is None else config.to_dict()
     has_heads = any(FORECAST_KEY.search(key) for key in state)
@@ -183,27 +181,82 @@ def load_model(
     for key in ("architectures", "model_type", "transformers_version", "auto_map", "torch_dtype", "dtype"):
         settings.pop(key, None)
     model_config = ForecastKVConfig(**settings)
-    model = cls(model_config)
-    if heads is not None:
+    dtype = torch.get_default_dtype() if dtype is None else (getattr(torch, dtype) if isinstance(dtype, str) else dtype)
+    device = torch.device("cpu" if device is None else device)
+    with torch.device("meta"):
+        model = cls(model_config)
+    device_map = resolve_device_map(model, device_map, dtype)
+    heads = dict(heads or {})
+    if heads:
         last = f"model.layers.{model_config.num_hidden_layers - 1}.self_attn.forecast_proj.weight"
-        if last not in heads and last in model.state_dict():  # SparDA may leave out the unused last head
-            heads[last] = torch.zeros_like(model.state_dict()[last])
-        state.update(heads)
-    created = _load_weights(model, state, directory, created_ok=forecast is not None)
+        expected = dict(model.named_parameters())
+        if last not in heads and last in expected:  # SparDA may leave out the unused last head
+            heads[last] = torch.zeros(expected[last].shape)
+    shapes = {**state, **{name: tuple(tensor.shape) for name, tensor in heads.items()}}
+    created = _check_names(model, shapes, directory, created_ok=forecast is not None)
+    loaded = [name for name in state if name not in heads and not (model_config.tie_word_embeddings and name == "lm_head.weight")]
+    load_into(model, checkpoint, loaded, dtype, device, device_map)
+    for name, tensor in heads.items():
+        load_into_one(model, name, tensor, dtype, device, device_map)
+    materialize_rest(model, dtype, device, device_map)
     if created:
         from .forecast_init import apply_forecast_init
 
         apply_forecast_init(model, model_config.forecast_config.init)
-    if dtype is not None:
-        model = model.to(getattr(torch, dtype) if isinstance(dtype, str) else dtype)
-    if device is not None:
-        model = model.to(device)
+    if device_map and len({str(d) for d in device_map.values()}) > 1:
+        from accelerate import dispatch_model
+
+        model = dispatch_model(model, device_map)
     return model.eval()
 
 
-def _load_weights(model, state: dict[str, torch.Tensor], directory: Path, created_ok: bool) -> bool:
-    """Copy `state` into `model`.  Returns True when forecast heads were absent and left to init."""
-    expected = model.state_dict()
+def load_into_one(model, name: str, tensor: torch.Tensor, dtype, device, device_map) -> None:
+    from .lazy_weights import device_for
+
+    target = dtype if tensor.is_floating_point() else tensor.dtype
+    set_tensor(model, name, tensor.to(device=device_for(name, device_map, device), dtype=target))
+
+
+def resolve_device_map(model, device_map, dtype) -> dict | None:
+    """None, a dict {module prefix: device}, or "auto" / "balanced" / "sequential" (accelerate
+    plans it from the meta model's sizes and the free memory of every device)."""
+    if device_map is None or isinstance(device_map, dict):
+        return device_map
+    if isinstance(device_map, str):
+        from accelerate import infer_auto_device_map
+
+        if device_map not in ("auto", "balanced", "balanced_low_0", "sequential"):
+            raise ValueError(f"device_map={device_map!r} is not a dict or one of 'auto', 'balanced', 'balanced_low_0', 'sequential'")
+        return infer_auto_device_map(model, no_split_module_classes=model._no_split_modules, dtype=dtype)
+    raise TypeError(f"device_map must be None, a str or a dict, got {type(device_map).__name__}")
+
+
+def materialize_rest(model, dtype, device, device_map) -> None:
+    """After loading: forecast heads the checkpoint lacked get storage (their init runs next),
+    rotary tables are recomputed on their device (they are not stored), tied weights are tied."""
+    from .lazy_weights import device_for
+    from .rope import RotaryEmbedding
+
+    for name, param in list(model.named_parameters()):
+        if param.is_meta and FORECAST_KEY.search(name):
+            set_tensor(model, name, torch.empty(param.shape, dtype=dtype, device=device_for(name, device_map, device)))
+    for name, module in list(model.named_modules()):
+        if isinstance(module, RotaryEmbedding):
+            parent, _, attr = name.rpartition(".")
+            with torch.device(device_for(name, device_map, device)):
+                setattr(model.get_submodule(parent), attr, RotaryEmbedding(model.config))
+    if model.config.tie_word_embeddings:
+        model.tie_weights()
+    still = [name for name, tensor in list(model.named_parameters()) + list(model.named_buffers()) if tensor.is_meta]
+    if still:
+        raise CheckpointError(f"{len(still)} model tensors were neither loaded nor created, e.g. {still[:3]}")
+
+
+def _check_names(model, state: dict, directory: Path, created_ok: bool) -> bool:
+    """Check the checkpoint's names and shapes `state` {name: shape} against `model`.  Returns
+    True when forecast heads are absent and will be created."""
+    expected = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    state = dict(state)
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
         expected.pop("lm_head.weight", None)
@@ -220,12 +273,9 @@ def _load_weights(model, state: dict[str, torch.Tensor], directory: Path, create
         raise CheckpointError(
             f"{directory} lacks forecast weights for layers {layers}; pass forecast={{...}} to create them"
         )
-    for key, tensor in state.items():
-        if tuple(tensor.shape) != tuple(expected[key].shape):
-            raise CheckpointError(f"tensor {key} has shape {tuple(tensor.shape)} in {directory}, the model expects {tuple(expected[key].shape)}")
-    model.load_state_dict(state, strict=False)
-    if model.config.tie_word_embeddings:
-        model.tie_weights()
+    for key, shape in state.items():
+        if tuple(shape) != expected[key]:
+            raise CheckpointError(f"tensor {key} has shape {tuple(shape)} in {directory}, the model expects {expected[key]}")
     return bool(missing_heads)
 
 

@@ -237,11 +237,13 @@ class ForecastKVForCausalLM(ForecastKVPreTrainedModel, GenerationMixin):
     def from_pretrained(cls, pretrained_model_name_or_path, *args, sparse_config=None, forecast=None, forecast_weights=None, **kwargs):
         """Load our format, MiniCPM4/4.1, NOSA, plain Llama-family or SparDA checkpoints.
 
-        sparse_config: a preset name (`configs/models/<name>.json`) or a dict of sparse_config keys;
+        sparse_config: a preset name (`forecastkv/presets/<name>.json`, see `list_presets()`) or a dict of sparse_config keys;
             None keeps the checkpoint's own (a checkpoint without one loads dense).
         forecast: a dict of forecast keys; creates (and initialises) heads the checkpoint lacks.
         forecast_weights: a directory written by `save_forecast_weights`, loaded onto the base.
-        dtype / device: where the loaded model lives.
+        dtype / device: where the loaded model lives; device_map ("auto" or a dict) spreads it over
+            devices through accelerate.  Loading is lean: built on the meta device, each tensor
+            read once into its final dtype and device (peak ~ the model's own bytes).
         """
         from .checkpoints import load_model
 

@@ -157,10 +157,12 @@ def row_block_masks(ids: torch.Tensor, positions: torch.Tensor, n_blocks: int, b
 
 
 def _tile_unions(masks: torch.Tensor, tile: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per tile of `tile` rows, the union of its rows' blocks, ascending and padded.
+    """Per tile of `tile` rows, the union of its rows' blocks, highest block first, padded.
 
     masks bool [B, H, R, NB] -> (tiled row masks [B, H, n, tile, NB], union ids int64 [B, H, n, U]
-    (padding -> 0), union valid bool [B, H, n, U]); U = the largest union in this call.
+    (padding -> 0), union valid bool [B, H, n, U]); U = the largest union in this call.  Highest
+    first: the blocks holding the tile's own rows (the only ones needing a per-key causal test)
+    come first.
     """
     batch, heads, rows, n_blocks = masks.shape
     n_tiles = -(-rows // tile)
@@ -169,10 +171,20 @@ def _tile_unions(masks: torch.Tensor, tile: int) -> tuple[torch.Tensor, torch.Te
     tiled = masks.view(batch, heads, n_tiles, tile, n_blocks)
     union = tiled.any(dim=3)                                        # [B, H, n, NB]
     width = max(int(union.sum(dim=-1).max()), 1)
-    # stable sort of "not in union" puts the union's block ids first, in ascending order
-    order = torch.sort((~union).to(torch.uint8), dim=-1, stable=True).indices[..., :width]
-    valid = torch.gather(union, -1, order)
-    return tiled, order.masked_fill(~valid, 0), valid
+    ranked = torch.where(union, torch.arange(n_blocks, device=masks.device), -1)
+    ids = torch.topk(ranked, width, dim=-1).values                  # descending, -1 = padding
+    valid = ids >= 0
+    return tiled, ids.clamp(min=0), valid
+
+
+def block_layout(x: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[B, S, H, ...] -> contiguous [B, H, NB, block_size, ...], zero padded past S (one copy per
+    layer call, per KV head: what the chunks gather whole blocks from)."""
+    batch, count, heads = x.shape[:3]
+    n_blocks = -(-count // block_size)
+    out = x.new_zeros((batch, heads, n_blocks * block_size, *x.shape[3:]))
+    out[:, :, :count] = x.transpose(1, 2)
+    return out.view(batch, heads, n_blocks, block_size, *x.shape[3:])
 
 
 def chunked_sparse_attention(
@@ -183,40 +195,61 @@ def chunked_sparse_attention(
     positions: torch.Tensor,
     masks: torch.Tensor,
     block_size: int,
+    blocks: tuple | None = None,
 ) -> torch.Tensor:
     """Rows attend only their own blocks; work and memory follow the union of a tile's blocks.
 
     q [B, R, Hq, d], keys/values [B, S, H, d], bias [B, S, H] or None, positions [B, R] (-1 =
-    padding), masks bool [B, H, R, NB] from `row_block_masks` -> [B, R, Hq, d].  Keys are gathered
-    once per KV head (never per query head): [B, H, tiles, U*bs, d] for this chunk.
+    padding), masks bool [B, H, R, NB] (`row_block_masks`; blocks after a row's own are ignored)
+    -> [B, R, Hq, d].  `blocks`: (`block_layout` of keys, of values, of bias or None), computed
+    once per layer by the caller (else here).  Each tile of `block_size` rows gathers its union's
+    blocks once per KV head (never per query head): [B*H*tiles, 1, U*bs, d]; its G query heads
+    share them through SDPA's GQA and one [tile, U*bs] mask.
     """
     batch, rows, heads, dim = q.shape
-    count, kv_heads = keys.shape[1], keys.shape[2]
+    kv_heads = keys.shape[2]
     group = heads // kv_heads
+    if blocks is None:
+        blocks = (block_layout(keys, block_size), block_layout(values, block_size), None if bias is None else block_layout(bias, block_size))
+    key_blocks, value_blocks, bias_blocks = blocks
+    n_blocks = key_blocks.shape[2]
     tile = min(block_size, rows)
+    current = torch.div(positions, block_size, rounding_mode="floor")[:, None, :, None]
+    masks = masks & (torch.arange(masks.shape[-1], device=q.device) <= current)  # nothing after a row's own block
     tiled, union, valid = _tile_unions(masks, tile)
     n_tiles, width = union.shape[2], union.shape[3]
-    # key positions of the gathered blocks [B, H, n, U*bs]
-    offsets = torch.arange(block_size, device=q.device)
-    key_pos = (union.unsqueeze(-1) * block_size + offsets).flatten(-2)
-    exists = valid.repeat_interleave(block_size, dim=-1) & (key_pos < count)
-    index = key_pos.clamp(max=count - 1)
-    b_idx = torch.arange(batch, device=q.device).view(-1, 1, 1, 1)
-    h_idx = torch.arange(kv_heads, device=q.device).view(1, -1, 1, 1)
-    k = keys[b_idx, index, h_idx]                                    # [B, H, n, U*bs, d]
-    v = values[b_idx, index, h_idx]
-    b = None if bias is None else bias[b_idx, index, h_idx]          # [B, H, n, U*bs]
-    # each row's own blocks among the union, and causality by position
-    own = torch.gather(tiled, -1, union.unsqueeze(3).expand(-1, -1, -1, tile, -1)) & valid.unsqueeze(3)
-    own = own.repeat_interleave(block_size, dim=-1)                  # [B, H, n, tile, U*bs]
     pad_rows = n_tiles * tile - rows
-    pos = F.pad(positions, (0, pad_rows), value=-1).view(batch, 1, n_tiles, tile, 1)
-    allowed = own & exists.unsqueeze(3) & (key_pos.unsqueeze(3) <= pos)
-    qt = F.pad(q, (0, 0, 0, 0, 0, pad_rows)).view(batch, n_tiles, tile, kv_heads, group, dim)
-    query = qt.permute(0, 3, 1, 4, 2, 5).reshape(batch, kv_heads, n_tiles, group * tile, dim)
-    out = _masked_sdpa(query, k, v, allowed, b, group)               # [B, H, n, G*tile, d]
-    out = out.view(batch, kv_heads, n_tiles, group, tile, dim).permute(0, 2, 4, 1, 3, 5)
-    return out.reshape(batch, n_tiles * tile, heads, dim)[:, :rows]
+    pos = positions if pad_rows == 0 else F.pad(positions, (0, pad_rows), value=-1)
+    pos = pos.view(batch, 1, n_tiles, tile, 1)
+    # whole-block gathers: row (b, h, block) of the flattened layout
+    flat = ((torch.arange(batch, device=q.device).view(-1, 1, 1, 1) * kv_heads + torch.arange(kv_heads, device=q.device).view(1, -1, 1, 1)) * n_blocks + union).flatten()
+    k = key_blocks.view(-1, block_size, dim).index_select(0, flat).view(-1, 1, width * block_size, dim)
+    v = value_blocks.view(-1, block_size, dim).index_select(0, flat).view(-1, 1, width * block_size, dim)
+    # each row's own blocks among the union [.., tile, U], never past the row's own block
+    own = torch.gather(tiled, -1, union.unsqueeze(3).expand(-1, -1, -1, tile, -1)) & valid.unsqueeze(3)
+    empty = ~own.any(dim=-1, keepdim=True)                            # padding rows: no block
+    has_empty = bool(empty.any())
+    if has_empty:
+        own |= empty & valid.unsqueeze(3)
+    neg_inf = torch.tensor(float("-inf"), dtype=q.dtype, device=q.device)
+    block_mask = torch.where(own, torch.zeros((), dtype=q.dtype, device=q.device), neg_inf)
+    mask = block_mask.unsqueeze(-1).expand(*block_mask.shape, block_size).reshape(*block_mask.shape[:-1], width * block_size)
+    if bias_blocks is not None:  # CIS, added after the 1/sqrt(d) scaling
+        mask = mask + bias_blocks.view(-1, block_size).index_select(0, flat).view(batch, kv_heads, n_tiles, 1, width * block_size).to(q.dtype)
+    # causality inside blocks: a tile of <= block_size rows spans <= 2 blocks, the union's two highest
+    near = min(2, width) * block_size
+    near_pos = (union[..., :2].unsqueeze(-1) * block_size + torch.arange(block_size, device=q.device)).flatten(-2)
+    mask[..., :near] = mask[..., :near].masked_fill(near_pos.unsqueeze(3) > pos, float("-inf"))
+    qt = q if pad_rows == 0 else F.pad(q, (0, 0, 0, 0, 0, pad_rows))
+    query = qt.view(batch, n_tiles, tile, kv_heads, group, dim).permute(0, 3, 1, 4, 2, 5).reshape(-1, group, tile, dim)
+    if has_empty:  # rows with no key: attend anything finite, zeroed below
+        mask = mask.masked_fill(empty, 0.0)
+    out = F.scaled_dot_product_attention(query, k, v, attn_mask=mask.flatten(0, 2).unsqueeze(1), enable_gqa=True)
+    out = out.view(batch, kv_heads, n_tiles, group, tile, dim)
+    if has_empty:
+        out = out.masked_fill(empty.unsqueeze(3), 0.0)
+    out = out.permute(0, 2, 4, 1, 3, 5).reshape(batch, n_tiles * tile, heads, dim)
+    return out if pad_rows == 0 else out[:, :rows]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -104,7 +104,7 @@ def _head_logits(vectors: torch.Tensor, ckeys: torch.Tensor, scale: float) -> to
     per = heads_total // heads
     v = vectors.float().view(batch, rows, heads, per, dim).permute(0, 2, 3, 1, 4)  # [B, H, n, Tq, d]
     k = ckeys.float().permute(0, 2, 3, 1).unsqueeze(2)                               # [B, H, 1, d, C]
-    return torch.matmul(v, k) * scale
+    return torch.matmul(v * scale if scale != 1.0 else v, k)  # scale the small side, not the [Tq, C] logits
 
 
 def group_softmax_scores(
@@ -123,14 +123,17 @@ def group_softmax_scores(
     """
     scale = 1.0 / math.sqrt(vectors.shape[-1])
     mask = visible[:, None, None]  # [B, 1, 1, Tq, C]
-    logits = _head_logits(vectors, ckeys, scale).masked_fill(~mask, NEG_INF)
-    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-    if lse_keys is not None:
-        coarse = _head_logits(vectors, lse_keys, scale).masked_fill(~lse_visible[:, None, None], NEG_INF)
+    logits = _head_logits(vectors, ckeys, scale).masked_fill_(~mask, NEG_INF)
+    if lse_keys is None:
+        # exact LSE: one fused softmax pass (a row seeing no key gives NaN, masked to -inf below)
+        probs = torch.softmax(logits, dim=-1)
+    else:
+        lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+        coarse = _head_logits(vectors, lse_keys, scale).masked_fill_(~lse_visible[:, None, None], NEG_INF)
         coarse_lse = torch.logsumexp(coarse, dim=-1, keepdim=True)
         lse = torch.where(torch.isfinite(coarse_lse), coarse_lse, lse)
-    probs = torch.exp(logits - lse.nan_to_num(neginf=0.0))  # exp(-inf) = 0 where invisible
-    return probs.sum(dim=2).masked_fill(~visible[:, None], NEG_INF)
+        probs = torch.exp(logits - lse.nan_to_num(neginf=0.0))  # exp(-inf) = 0 where invisible
+    return probs.sum(dim=2).masked_fill_(~visible[:, None], NEG_INF)
 
 
 def dot_scores(vectors: torch.Tensor, ckeys: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,215 @@
+"""Sparse vs dense prefill: time and peak memory of one forward over a long prompt.
+
+CPU (this machine): the bundled SmolLM2-135M on real essay text, dense (no sparse_config) against
+the `smollm2-135m` preset (12 blocks of 64).  Time: both models in one process, runs alternating
+dense / sparse (`--repeats` each, best kept), so load from other processes hits both alike.
+Memory: each (mode, length) in a fresh process, peak RSS minus the RSS held just before the forward.
+
+    python benchmarks/prefill.py --lengths 4096 8192            # prints a table and JSON lines
+
+GPU: `gpu_prefill_comparison()` runs the same comparison on MiniCPM4.1-8B-shaped random weights
+(bf16, a few layers: per-layer cost is what differs) at 32K and 128K tokens; benchmarks/gpu_check.py
+calls it.  Dense prefill there is flash-attn when installed, else SDPA; sparse is FlexAttention.
+Both modes return only the last position's logits (a prefill needs no more).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from train_memory import PeakSampler, rss_bytes  # noqa: E402
+
+MINICPM_SHAPE = dict(
+    vocab_size=73448, hidden_size=4096, intermediate_size=16384, num_attention_heads=32,
+    num_key_value_heads=2, head_dim=128, rms_norm_eps=1e-6, max_position_embeddings=131072 + 1024,
+    bos_token_id=None, eos_token_id=None,
+)
+
+
+def prompt_ids(tokenizer, length: int):
+    """The first `length` tokens of the bundled essays, [1, length] int64."""
+    import torch
+
+    from forecastkv import bundled_texts
+
+    text = "\n\n".join(bundled_texts("all"))
+    ids = tokenizer(text, return_tensors="pt").input_ids[:, :length]
+    if ids.shape[1] < length:
+        raise ValueError(f"the bundled essays hold {ids.shape[1]} tokens, fewer than length={length}")
+    return ids.to(torch.long)
+
+
+def timed_prefill(model, ids, repeats: int = 1) -> tuple[float, object]:
+    """Best wall time of `repeats` forwards (last-position logits only) and the last logits."""
+    import torch
+
+    best, logits = float("inf"), None
+    for _ in range(repeats):
+        if ids.is_cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        with torch.no_grad():
+            logits = model(ids, logits_to_keep=1, use_cache=False).logits
+        if ids.is_cuda:
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return best, logits
+
+
+def smollm2(mode: str):
+    from forecastkv import ForecastKVForCausalLM, bundled_model_path
+
+    path = bundled_model_path("smollm2-135m")
+    return path, ForecastKVForCausalLM.from_pretrained(path, sparse_config="smollm2-135m" if mode == "sparse" else None)
+
+
+def cpu_memory(mode: str, length: int, threads: int) -> dict:
+    """Peak RSS of one (mode, length) prefill on the bundled SmolLM2, in this (fresh) process."""
+    import torch
+    from transformers import AutoTokenizer
+
+    torch.set_num_threads(threads)
+    path, model = smollm2(mode)
+    ids = prompt_ids(AutoTokenizer.from_pretrained(path), length)
+    gc.collect()
+    held = rss_bytes()
+    sampler = PeakSampler()
+    sampler.start()
+    _, logits = timed_prefill(model, ids)
+    sampler.running = False
+    sampler.join()
+    return {"mode": mode, "length": length, "peak_mib": (sampler.peak - held) / 2**20, "next_token": int(logits[0, -1].argmax())}
+
+
+def cpu_times(lengths: list[int], threads: int, repeats: int) -> dict:
+    """{(mode, length): best seconds}, dense and sparse runs alternating in this process."""
+    import torch
+    from transformers import AutoTokenizer
+
+    torch.set_num_threads(threads)
+    path, dense = smollm2("dense")
+    _, sparse = smollm2("sparse")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    best = {}
+    for length in lengths:
+        ids = prompt_ids(tokenizer, length)
+        for _ in range(repeats):
+            for mode, model in (("dense", dense), ("sparse", sparse)):
+                seconds, _ = timed_prefill(model, ids)
+                best[(mode, length)] = min(seconds, best.get((mode, length), float("inf")))
+                print(json.dumps({"mode": mode, "length": length, "seconds": seconds}), flush=True)
+    return best
+
+
+def run_cpu(lengths: list[int], threads: int, repeats: int) -> list[dict]:
+    rows = []
+    for length in lengths:
+        for mode in ("dense", "sparse"):
+            cmd = [sys.executable, __file__, "--one", mode, str(length), "--threads", str(threads)]
+            out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+            rows.append(json.loads(out.strip().splitlines()[-1]))
+            print(json.dumps(rows[-1]), flush=True)
+    times = cpu_times(lengths, threads, repeats)
+    for row in rows:
+        row["seconds"] = times[(row["mode"], row["length"])]
+    return rows
+
+
+def ratios(rows: list[dict]) -> list[dict]:
+    """Per length: sparse / dense time and peak memory."""
+    by = {(r["mode"], r["length"]): r for r in rows}
+    out = []
+    for length in sorted({r["length"] for r in rows}):
+        dense, sparse = by[("dense", length)], by[("sparse", length)]
+        out.append({
+            "length": length, "dense_s": dense["seconds"], "sparse_s": sparse["seconds"],
+            "time_ratio": sparse["seconds"] / dense["seconds"],
+            "dense_peak_mib": dense["peak_mib"], "sparse_peak_mib": sparse["peak_mib"],
+            "memory_ratio": sparse["peak_mib"] / max(dense["peak_mib"], 1e-9),
+        })
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU: MiniCPM4.1-8B-shaped random weights (called by benchmarks/gpu_check.py)
+# ----------------------------------------------------------------------------------------------
+
+
+def minicpm_shaped_model(sparse: bool, num_layers: int, device, dtype):
+    """A ForecastKVForCausalLM with MiniCPM4.1-8B's layer shape (random weights, `num_layers`
+    layers), the `minicpm4.1-8b` preset when `sparse`, dense otherwise."""
+    import torch
+
+    from forecastkv import ForecastKVConfig, ForecastKVForCausalLM
+
+    config = ForecastKVConfig(**MINICPM_SHAPE, num_hidden_layers=num_layers, initializer_range=0.02,
+                              sparse_config="minicpm4.1-8b" if sparse else None)
+    with torch.device(device):
+        model = ForecastKVForCausalLM(config)
+    return model.to(dtype).eval()
+
+
+def gpu_prefill_comparison(lengths=(32768, 131072), num_layers: int = 4, repeats: int = 2, seed: int = 0) -> list[dict]:
+    """Dense vs block-sparse prefill on CUDA with MiniCPM4.1-8B-shaped layers, bf16.
+
+    Returns one dict per length: dense_s, sparse_s (best of `repeats`, after one warm-up that
+    also compiles FlexAttention), speedup = dense_s / sparse_s, and peak GiB of each
+    (torch.cuda.max_memory_allocated).  Goal at 128K: speedup >= 2.2 (FLOP bound ~2.5).
+    """
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("gpu_prefill_comparison needs a CUDA device")
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    torch.manual_seed(seed)
+    dense = minicpm_shaped_model(False, num_layers, device, dtype)
+    sparse = minicpm_shaped_model(True, num_layers, device, dtype)
+    sparse.load_state_dict(dense.state_dict())
+    results = []
+    for length in lengths:
+        ids = torch.randint(0, MINICPM_SHAPE["vocab_size"], (1, length), device=device)
+        row = {"length": length, "num_layers": num_layers}
+        for name, model in (("dense", dense), ("sparse", sparse)):
+            timed_prefill(model, ids[:, : min(length, 16384)])  # warm-up / compile
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            seconds, _ = timed_prefill(model, ids, repeats)
+            row[f"{name}_s"] = seconds
+            row[f"{name}_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        row["speedup"] = row["dense_s"] / row["sparse_s"]
+        results.append(row)
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=2, help="timed runs per mode and length (best kept)")
+    parser.add_argument("--gpu", action="store_true", help="run gpu_prefill_comparison instead")
+    parser.add_argument("--one", nargs=2, metavar=("MODE", "LENGTH"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(cpu_memory(args.one[0], int(args.one[1]), args.threads)))
+        return
+    if args.gpu:
+        for row in gpu_prefill_comparison(tuple(args.lengths)):
+            print(json.dumps(row))
+        return
+    rows = run_cpu(args.lengths, args.threads, args.repeats)
+    print("\n| length | dense s | sparse s | sparse/dense time | dense peak MiB | sparse peak MiB | sparse/dense memory |")
+    print("|---|---|---|---|---|---|---|")
+    for r in ratios(rows):
+        print(f"| {r['length']} | {r['dense_s']:.2f} | {r['sparse_s']:.2f} | {r['time_ratio']:.2f} | "
+              f"{r['dense_peak_mib']:.0f} | {r['sparse_peak_mib']:.0f} | {r['memory_ratio']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,194 @@
+"""Lean weight loading: names and shapes from the file headers, data one tensor at a time.
+
+`LazyCheckpoint` reads a checkpoint directory (one `model.safetensors`, shards with
+`model.safetensors.index.json` as MiniCPM4.1-8B ships, or `pytorch_model.bin`) without holding a
+state dict: safetensors headers give every tensor's name, dtype, shape and byte range; a tensor's
+bytes are read straight into its final buffer (`readinto`, no mmap, so the page cache never counts
+as the process's memory).  `load_into` fills a model built on the meta device, tensor by tensor,
+in the target dtype on each tensor's target device: peak memory is the model plus one tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+from torch import nn
+
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class LazyCheckpointError(ValueError):
+    """A checkpoint file that is missing, truncated or not a checkpoint."""
+
+
+def read_safetensors_header(path: Path) -> tuple[dict, int]:
+    """({name: {"dtype", "shape", "data_offsets"}}, byte offset of the data) of a safetensors file;
+    every tensor's byte range is checked against the file size (a truncated file is an error)."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise LazyCheckpointError(f"corrupt checkpoint file {path}: {size} bytes, too short for a safetensors header")
+        (length,) = struct.unpack("<Q", raw)
+        if length > size - 8:
+            raise LazyCheckpointError(f"corrupt checkpoint file {path}: header of {length} bytes in a {size}-byte file")
+        try:
+            header = json.loads(f.read(length))
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise LazyCheckpointError(f"corrupt checkpoint file {path}: unreadable header ({error})") from error
+    header.pop("__metadata__", None)
+    start = 8 + length
+    for name, entry in header.items():
+        begin, end = entry["data_offsets"]
+        if entry["dtype"] not in SAFETENSORS_DTYPES:
+            raise LazyCheckpointError(f"tensor {name} in {path} has dtype {entry['dtype']}; readable: {sorted(SAFETENSORS_DTYPES)}")
+        expected = SAFETENSORS_DTYPES[entry["dtype"]].itemsize * _numel(entry["shape"])
+        if not 0 <= begin <= end or end - begin != expected or start + end > size:
+            raise LazyCheckpointError(
+                f"corrupt checkpoint file {path}: tensor {name} needs bytes [{start + begin}, {start + end}) "
+                f"({expected} expected) of a {size}-byte file"
+            )
+    return header, start
+
+
+def _numel(shape) -> int:
+    count = 1
+    for dim in shape:
+        count *= int(dim)
+    return count
+
+
+class LazyCheckpoint:
+    """The tensors of a checkpoint directory, read on demand.
+
+    `names` maps each (renamed) tensor name to its shape; `load_into` reads them into a model.
+    `rename` maps a stored name to ours (None drops it).
+    """
+
+    def __init__(self, directory: Path, rename: Callable[[str], str | None] = lambda name: name, skip: tuple[str, ...] = ()) -> None:
+        self.directory = directory
+        index = directory / INDEX_FILE
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as error:
+                raise LazyCheckpointError(f"corrupt index {index}: {error}") from error
+            files = [directory / name for name in sorted(set(weight_map.values()))]
+            for file in files:
+                if not file.is_file():
+                    raise LazyCheckpointError(f"partial checkpoint: shard {file.name} listed in the index is missing from {directory}")
+        else:
+            files = sorted(f for f in directory.glob("*.safetensors") if f.name not in skip)
+        self._sources: dict[str, tuple[Path, str]] = {}   # our name -> (file, stored name)
+        self._shapes: dict[str, tuple[int, ...]] = {}
+        self._headers: dict[Path, tuple[dict, int]] = {}
+        self._binary: dict[str, torch.Tensor] | None = None
+        if not files:
+            binary = directory / "pytorch_model.bin"
+            if not binary.is_file():
+                raise LazyCheckpointError(f"no weights in {directory}: expected model.safetensors (or shards) or pytorch_model.bin")
+            # mmap: tensors are paged in when copied, one at a time
+            self._binary = torch.load(binary, map_location="cpu", weights_only=True, mmap=True)
+            for stored, tensor in self._binary.items():
+                self._add(rename(stored), binary, stored, tuple(tensor.shape))
+            return
+        for file in files:
+            header, start = read_safetensors_header(file)
+            self._headers[file] = (header, start)
+            for stored, entry in header.items():
+                self._add(rename(stored), file, stored, tuple(entry["shape"]))
+
+    def _add(self, name: str | None, file: Path, stored: str, shape: tuple[int, ...]) -> None:
+        if name is None:
+            return
+        self._sources[name] = (file, stored)
+        self._shapes[name] = shape
+
+    @property
+    def names(self) -> dict[str, tuple[int, ...]]:
+        return dict(self._shapes)
+
+    def nbytes(self) -> int:
+        """Bytes of tensor data in the files."""
+        total = 0
+        for header, _ in self._headers.values():
+            total += sum(entry["data_offsets"][1] - entry["data_offsets"][0] for entry in header.values())
+        if self._binary is not None:
+            total += sum(t.numel() * t.element_size() for t in self._binary.values())
+        return total
+
+    def tensors(self, names) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, CPU tensor in the stored dtype) for `names`, file by file, in file order."""
+        by_file: dict[Path, list[str]] = {}
+        for name in names:
+            by_file.setdefault(self._sources[name][0], []).append(name)
+        for file, wanted in by_file.items():
+            if self._binary is not None:
+                for name in wanted:
+                    yield name, self._binary[self._sources[name][1]]
+                continue
+            header, start = self._headers[file]
+            wanted.sort(key=lambda name: header[self._sources[name][1]]["data_offsets"][0])
+            with open(file, "rb", buffering=0) as f:
+                for name in wanted:
+                    entry = header[self._sources[name][1]]
+                    tensor = torch.empty(entry["shape"], dtype=SAFETENSORS_DTYPES[entry["dtype"]])
+                    begin, end = entry["data_offsets"]
+                    if end > begin:
+                        f.seek(start + begin)
+                        view = memoryview(tensor.view(-1).view(torch.uint8).numpy())
+                        got = 0
+                        while got < end - begin:  # readinto may return short counts on large reads
+                            count = f.readinto(view[got:])
+                            if not count:
+                                raise LazyCheckpointError(f"corrupt checkpoint file {file}: tensor {name} ends early")
+                            got += count
+                    yield name, tensor
+                if hasattr(os, "posix_fadvise"):  # drop this shard from the page cache: it is read once
+                    os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+def set_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """Put `tensor` in place of the parameter or buffer `name` (no copy into an old buffer; a
+    parameter keeps its requires_grad)."""
+    path, _, attr = name.rpartition(".")
+    module = model.get_submodule(path)
+    if attr in module._parameters:
+        old = module._parameters[attr]
+        module._parameters[attr] = nn.Parameter(tensor, requires_grad=old.requires_grad if old is not None else True)
+    elif attr in module._buffers:
+        module._buffers[attr] = tensor
+    else:
+        raise KeyError(f"{name} is neither a parameter nor a buffer of the model")
+
+
+def device_for(name: str, device_map: dict | None, default: torch.device) -> torch.device:
+    """The device of tensor `name` under an accelerate-style `device_map` (longest module prefix)."""
+    if not device_map:
+        return default
+    module = name
+    while True:
+        if module in device_map:
+            target = device_map[module]
+            return torch.device(f"cuda:{target}" if isinstance(target, int) else target)
+        if not module:
+            raise ValueError(f"device_map places no module holding {name}")
+        module = module.rpartition(".")[0]
+
+
+def load_into(model: nn.Module, checkpoint: LazyCheckpoint, names, dtype: torch.dtype, device: torch.device, device_map: dict | None = None) -> None:
+    """Read `names` from `checkpoint` into `model` (built on the meta device): each tensor cast to
+    `dtype` (floating tensors only) and moved to its device, one at a time."""
+    for name, tensor in checkpoint.tensors(names):
+        target = dtype if tensor.is_floating_point() else tensor.dtype
+        set_tensor(model, name, tensor.to(device=device_for(name, device_map, device), dtype=target))
