@@ -141,7 +141,7 @@ class SparseCacheLayer(CacheLayerMixin):
         self.pooled_cis: torch.Tensor | None = None
         self.lengths: torch.Tensor | None = None
         self.planned: torch.Tensor | None = None
-        self.block_shares: list[float] = []  # per planned decode step: blocks read / blocks stored
+        self.block_shares: list[torch.Tensor] = []  # per planned decode step: blocks read / blocks stored
         self.columns = 0  # input columns seen, padding included (what generate() slices by)
 
     # -- transformers' CacheLayerMixin -------------------------------------------------------------
@@ -255,7 +255,7 @@ class SparseCacheLayer(CacheLayerMixin):
         self.planned = selection
         if block_size is not None and self.lengths is not None:
             stored = (-(-self.lengths.clamp(min=1) // block_size)).sum() * selection.shape[1]
-            self.block_shares.append(float((selection >= 0).sum()) / float(stored))
+            self.block_shares.append((selection >= 0).sum() / stored)  # a device scalar: no sync while decoding
 
     def blocks(self, selection: torch.Tensor, block_size: int):
         """Gather selected blocks.  selection [B, H, K] (-1 = none) ->
@@ -381,7 +381,7 @@ class SparseCache(Cache):
 
     def stats(self) -> dict:
         """Sparse decode steps seen and the mean share of stored KV blocks they read, per layer and overall."""
-        per_layer = [sum(layer.block_shares) / len(layer.block_shares) if layer.block_shares else None for layer in self.layers]
+        per_layer = [float(torch.stack(layer.block_shares).float().mean()) if layer.block_shares else None for layer in self.layers]
         seen = [share for share in per_layer if share is not None]
         return {
             "decode_steps": max((len(layer.block_shares) for layer in self.layers), default=0),
