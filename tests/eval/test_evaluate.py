@@ -124,3 +124,17 @@ def test_mode_names_and_pairs():
     assert parse_mode("infllmv2-forecast@forecast-offload").cache == "forecast-offload"
     with pytest.raises(ValueError, match="selects blocks with the query selector"):
         parse_mode("infllmv2-forecast@sparse-offload")
+
+
+def test_dense_offload_moves_the_whole_kv_each_step(model):
+    pytest.importorskip("forecastkv.inference")
+    codec = ByteCodec(128)
+    ex = generate_example("passkey", codec, 320, essays=ESSAYS, max_new_tokens=3)
+    mode = parse_mode("dense@dense-offload")
+    with attending_with(model, mode):
+        got = evaluate_example(model, ex, mode, codec)
+    # layer 0 stays resident; every other layer's whole K/V crosses once per step
+    c = model.config
+    keys = [len(ex.input_ids) + s for s in (1, 2)]
+    whole = [k * c.num_key_value_heads * 2 * c.head_dim * 4 * (c.num_hidden_layers - 1) for k in keys]
+    assert got["h2d_bytes_per_step"] == pytest.approx(sum(whole) / 2, rel=0.02)
