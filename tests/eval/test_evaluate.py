@@ -138,3 +138,27 @@ def test_dense_offload_moves_the_whole_kv_each_step(model):
     keys = [len(ex.input_ids) + s for s in (1, 2)]
     whole = [k * c.num_key_value_heads * 2 * c.head_dim * 4 * (c.num_hidden_layers - 1) for k in keys]
     assert got["h2d_bytes_per_step"] == pytest.approx(sum(whole) / 2, rel=0.02)
+
+
+def test_nosa_modes_on_a_model_with_a_delta():
+    torch.manual_seed(0)
+    nosa = {**TINY_SPARSE, "policy": "nosa"}
+    config = ForecastKVConfig(**TINY_MODEL, sparse_config=nosa, forecast={"enabled": True, "heads_per_group": 1})
+    model = ForecastKVForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.A.normal_()  # a non-zero CIS bias, so NOSA differs from InfLLM-v2
+    codec = ByteCodec(128)
+    ex = generate_example("passkey", codec, 320, essays=ESSAYS, max_new_tokens=2)
+    ids = torch.tensor([ex.input_ids])
+    for name, selector in (("nosa", "query"), ("nosa-forecast", "forecast")):
+        mode = parse_mode(name)
+        loaded = ForecastKVForCausalLM(ForecastKVConfig(**TINY_MODEL, sparse_config={**nosa, "selector": selector},
+                                                        forecast={"enabled": True, "heads_per_group": 1})).eval()
+        loaded.load_state_dict(model.state_dict())
+        with torch.no_grad(), attending_with(model, mode):
+            torch.testing.assert_close(model(ids).logits, loaded(ids).logits, rtol=0, atol=0)
+            got = evaluate_example(model, ex, mode, codec)
+        assert got["decode_steps"] == 1 and got["kv_read_bytes_per_step"] > 0
+    with torch.no_grad(), attending_with(model, parse_mode("infllmv2-query")):
+        assert not torch.equal(model(ids).logits, loaded(ids).logits)
