@@ -2,9 +2,13 @@
 
 1. the kernel tests on CUDA, compiled (TRITON_INTERPRET unset): `pytest tests/kernels -m "not slow"`;
 2. the kernel benchmark (`benchmarks/kernels.py`);
-3. a short table last.
+3. the runtime: decode tokens/s of every offload mode on MiniCPM4.1-8B-shaped random bf16 weights
+   at 32K-128K, batch 1-16 (OOM marked), hidden fetch share, gather vs pinned copy, host syncs per
+   step (`benchmarks/offload_decode.py`; dry run on CPU: `--tiny`), and any extra SECTIONS
+   (benchmarks/prefill.py joins when it accepts --gpu-check);
+4. a short table last.
 
-    PYTHONPATH=. python benchmarks/gpu_check.py [--skip-tests] [--skip-bench]
+    PYTHONPATH=. python benchmarks/gpu_check.py [--skip-tests] [--skip-bench] [--skip-sections [NAME ...]]
 
 Both steps run as subprocesses from the repository root with PYTHONPATH set to it, each with its
 own timeout, so a crash or hang in one still leaves the other's result and the table.  Exit code 0
@@ -29,6 +33,16 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != HERE]
 
 TEST_TIMEOUT_S = 300
 BENCH_TIMEOUT_S = 150
+RUNTIME_TIMEOUT_S = 270  # benchmarks/offload_decode.py stops starting new runs after RUNTIME_BUDGET_S
+RUNTIME_BUDGET_S = 200
+# Extra sections: (name, script, arguments, timeout).  A script that writes `--json PATH` with a
+# "summary" dict has it printed in the table.  benchmarks/prefill.py joins when it accepts
+# --gpu-check (its own sparse vs dense prefill comparison at 32K/128K).
+SECTIONS = [
+    ("runtime decode", os.path.join("benchmarks", "offload_decode.py"), ["--budget-s", str(RUNTIME_BUDGET_S)], RUNTIME_TIMEOUT_S),
+]
+PREFILL_SCRIPT = os.path.join("benchmarks", "prefill.py")
+PREFILL_TIMEOUT_S = 150
 
 
 def child_env() -> dict:
@@ -71,6 +85,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description="kernel tests (compiled) + kernel benchmark on one GPU")
     parser.add_argument("--skip-tests", action="store_true")
     parser.add_argument("--skip-bench", action="store_true")
+    parser.add_argument("--skip-sections", nargs="*", default=None, help="skip these extra sections (no names: all)")
     args = parser.parse_args()
     t_start = time.perf_counter()
     env_line = environment()
@@ -102,6 +117,27 @@ def main() -> int:
         status = "timeout" if rc is None else ("ok" if rc == 0 else f"FAILED (rc {rc})")
         ok &= rc == 0
         table.append(("kernel benchmark", status, secs, f"{len(bench_summary)} headline numbers"))
+
+    sections = list(SECTIONS)
+    prefill = os.path.join(ROOT, PREFILL_SCRIPT)
+    if os.path.exists(prefill) and "--gpu-check" in open(prefill).read():
+        sections.append(("prefill", PREFILL_SCRIPT, ["--gpu-check"], PREFILL_TIMEOUT_S))
+    for name, script, extra, timeout in sections:
+        if args.skip_sections is not None and (not args.skip_sections or name in args.skip_sections):
+            continue
+        print(f"== {name}", flush=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "section.json")
+            rc, out, secs = run([sys.executable, script, *extra, "--json", path], timeout)
+            print(tail(out, 70), flush=True)
+            summary = {}
+            if rc == 0 and os.path.exists(path):
+                with open(path) as f:
+                    summary = json.load(f).get("summary", {})
+        status = "timeout" if rc is None else ("ok" if rc == 0 else f"FAILED (rc {rc})")
+        ok &= rc == 0
+        table.append((name, status, secs, f"{len(summary)} headline numbers" if summary else "table above"))
+        bench_summary.update({f"{name}: {key}": value for key, value in summary.items()})
 
     print("\n== summary")
     print(f"{env_line}")

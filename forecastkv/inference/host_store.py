@@ -63,6 +63,20 @@ class HostKVStore:
             moved += cis.numel() * cis.element_size()
         return moved
 
+    def write_span(self, start: int, keys: torch.Tensor, values: torch.Tensor, cis: torch.Tensor | None) -> int:
+        """Store keys/values [B, n, H, d] (and cis [B, n, H]) at positions start..start+n-1 of every
+        sequence: one slice copy per tensor (a DMA from the device, asynchronous into pinned
+        memory, ordered before later work on the same stream).  Returns bytes moved."""
+        count = keys.shape[1]
+        pinned = self.pin and keys.device.type == "cuda"
+        self.keys[:, start : start + count].copy_(keys, non_blocking=pinned)
+        self.values[:, start : start + count].copy_(values, non_blocking=pinned)
+        moved = keys.numel() * keys.element_size() * 2
+        if cis is not None:
+            self.cis[:, start : start + count].copy_(cis, non_blocking=pinned)
+            moved += cis.numel() * cis.element_size()
+        return moved
+
     def rows(self, count: int):
         """Views of the first `count` positions: keys, values [B, count, H, d], cis or None."""
         cis = None if self.cis is None else self.cis[:, :count]

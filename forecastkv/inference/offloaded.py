@@ -176,7 +176,12 @@ class OffloadedLayer(SparseCacheLayer):
         self.host.ensure(rows)
         new_k, new_v = keys[batch_idx, col_idx], values[batch_idx, col_idx]
         new_cis = None if cis is None else cis[batch_idx, col_idx]
-        self.d2h_bytes += self.host.write(batch_idx, pos, new_k, new_v, new_cis)
+        span = positions.shape[1] > 1 and pos.numel() == positions.numel() and bool((positions == positions[:1]).all())
+        if span and int(positions[0, -1] - positions[0, 0]) == positions.shape[1] - 1:
+            # every sequence stores the same contiguous positions (an unpadded prompt): slice copies
+            self.d2h_bytes += self.host.write_span(int(positions[0, 0]), keys, values, cis)
+        else:
+            self.d2h_bytes += self.host.write(batch_idx, pos, new_k, new_v, new_cis)
         old_lengths, self.lengths = self.lengths, new_lengths
         if positions.shape[1] > 1:
             source = self._stage(rows, old_rows, batch_idx, pos, new_k, new_v, new_cis)
