@@ -172,8 +172,10 @@ def run_eval(source, limit: int | None = None, output_dir: str | None = None, pr
     mine = units[rank::world]
     pending = [(u, [m for m in config["modes"] if (u.key, m, fingerprint(config, u)) not in done]) for u in mine]
     pending = [(u, modes) for u, modes in pending if modes]
-    # build every pending example first, so a task that cannot fit its length fails before any run
-    examples = {u.key: build_example(config, u, codec, rows) for u, _ in pending}
+    # build every pending example once first (then drop it: 128K prompts add up), so a task that
+    # cannot fit its length fails before any run
+    for unit, _ in pending:
+        build_example(config, unit, codec, rows)
 
     from tqdm.auto import tqdm
 
@@ -181,7 +183,7 @@ def run_eval(source, limit: int | None = None, output_dir: str | None = None, pr
                disable=not config["progress"] or rank != 0, unit="run")
     evaluated = 0
     for unit, modes in pending:
-        example = examples.pop(unit.key)
+        example = build_example(config, unit, codec, rows)
         for name in modes:
             mode = parse_mode(name)
             bar.set_postfix_str(f"{unit.key} {name}")

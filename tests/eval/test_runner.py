@@ -97,6 +97,7 @@ def test_two_processes_equal_one(reference_run, tmp_path):
     ({"longbench": {"dir": "MISSING", "tasks": ["hotpotqa"], "lengths": [512]}}, "does not exist"),
     ({"modes": ["infllmv2-forecast"], "model": {"forecast": None}}, "needs forecast heads, but the model has none"),
     ({"modes": ["nosa"]}, "needs NOSA's A/delta"),
+    ({"tasks": [{"name": "cwe", "lengths": [300], "max_new_tokens": 8}]}, "task 'cwe': length 300 is too short"),
 ])
 def test_bad_input_errors_keep_earlier_results(reference_run, tmp_path, change, message):
     out, _ = reference_run
