@@ -4,6 +4,7 @@
     sparse_decode_slots(...)     decode attention over device slot buffers
     sparse_decode_blocks(...)    decode attention over selected blocks of a resident cache
     block_scores(...)            decode-time block selection scores, ready for top-k
+    agnostic_scores(...)         NOSA's query-agnostic block scores from the pooled CIS
 
 Backend choice, per call: the Triton kernel when the tensors are on CUDA, or anywhere when
 `TRITON_INTERPRET=1` (Triton's CPU interpreter, used by the tests); the reference otherwise.
@@ -24,7 +25,7 @@ import torch
 
 from ._common import interpreting, triton_available
 from .block_gather import block_gather_copy_engine, block_gather_reference, block_gather_triton
-from .block_scores import block_scores_reference, block_scores_triton
+from .block_scores import agnostic_scores_reference, agnostic_scores_triton, block_scores_reference, block_scores_triton
 from .sparse_decode import (
     sparse_decode_blocks_reference,
     sparse_decode_blocks_triton,
@@ -103,18 +104,27 @@ def sparse_decode_blocks(q, k_cache, v_cache, block_ids, lengths, block_size, sc
     return fn(q, k_cache, v_cache, block_ids, lengths, block_size, scale, bias, out, lse, check_ids)
 
 
-def block_scores(vectors, ckeys, positions, sparse, n_blocks, kind="query", lag=None, out=None):
+def block_scores(vectors, ckeys, positions, sparse, n_blocks, kind="query", lag=None, out=None, lse_keys=None):
     fn = block_scores_triton if use_triton(vectors.device) else block_scores_reference
-    return fn(vectors, ckeys, positions, sparse, n_blocks, kind, lag, out)
+    return fn(vectors, ckeys, positions, sparse, n_blocks, kind, lag, out, lse_keys)
+
+
+def agnostic_scores(pooled_cis, positions, sparse, n_blocks, lag=0, out=None):
+    fn = agnostic_scores_triton if use_triton(pooled_cis.device) else agnostic_scores_reference
+    return fn(pooled_cis, positions, sparse, n_blocks, lag, out)
 
 
 block_gather.__doc__ = block_gather_reference.__doc__
 sparse_decode_slots.__doc__ = sparse_decode_slots_reference.__doc__
 sparse_decode_blocks.__doc__ = sparse_decode_blocks_reference.__doc__
 block_scores.__doc__ = block_scores_reference.__doc__
+agnostic_scores.__doc__ = agnostic_scores_reference.__doc__
 
 __all__ = [
     "BACKENDS",
+    "agnostic_scores",
+    "agnostic_scores_reference",
+    "agnostic_scores_triton",
     "block_gather",
     "block_gather_copy_engine",
     "block_gather_reference",

@@ -1,4 +1,6 @@
-"""block_scores: the Triton kernel against its reference, a thin wrapper over `selection.score_blocks`."""
+"""block_scores / agnostic_scores: the Triton kernels and their plain-PyTorch references, both
+against `selection.py` (the single source of selection semantics), in every scoring mode:
+query (exact and MiniCPM4.1's coarse LSE), forecast (raw dot, multi-vector softmax), NOSA agnostic."""
 
 from __future__ import annotations
 
@@ -71,12 +73,67 @@ def test_no_compressed_keys_yet(impl):
     assert torch.equal(got, expected.unsqueeze(1).expand(-1, 2, -1))
 
 
-def test_reference_is_score_blocks():
-    """The reference adds nothing: it is score_blocks on one row, with lag 0 / 1 by kind."""
-    for kind, group, lag in (("query", 3, 0), ("forecast", 1, 1), ("forecast", 3, 1)):
-        vectors, ckeys, pos, n_blocks = case(kind, group)
-        expected = sel.score_blocks(vectors[:, None], ckeys, pos[:, None], SPARSE, n_blocks, kind=kind, lag=lag)[:, :, 0]
-        assert torch.equal(K.block_scores_reference(vectors, ckeys, pos, SPARSE, n_blocks, kind), expected)
+def coarse_keys_for(ckeys_like, pos, sparse, dim=16, dtype=torch.float32):
+    """Random coarse (k2) keys [B, C2, H, d] for the longest row."""
+    p2, s2 = sparse.coarse_kernel
+    count = sel.num_compressed(int(pos.max()) + 1, p2, s2)
+    return torch.randn(ckeys_like.shape[0], count, ckeys_like.shape[2], dim, device=DEVICE).to(dtype)
+
+
+IMPLS = [pytest.param(K.block_scores_reference, id="reference"), pytest.param(K.block_scores_triton, marks=needs_triton, id="triton")]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("kind, group, coarse", [("query", 3, False), ("query", 3, True), ("query", 1, True), ("forecast", 1, False), ("forecast", 3, False)])
+def test_matches_selection(impl, kind, group, coarse):
+    """Reference and kernel equal `selection.score_blocks` on one row (lag 0 / 1 by kind)."""
+    vectors, ckeys, pos, n_blocks = case(kind, group, positions=(45, 30, -1))
+    lse_keys = coarse_keys_for(ckeys, pos, SPARSE) if coarse else None
+    if coarse:
+        assert lse_keys.shape[1] > 0  # rows 45 and 30 see coarse keys (window 16, stride 8)
+    expected = sel.score_blocks(vectors[:, None], ckeys, pos[:, None], SPARSE, n_blocks, kind=kind,
+                                lag=0 if kind == "query" else 1, lse_keys=lse_keys)[:, :, 0]
+    out = poisoned_out(vectors, ckeys, n_blocks)
+    got = impl(vectors, ckeys, pos, SPARSE, n_blocks, kind, out=out, lse_keys=lse_keys)
+    assert got is out and not out.isnan().any()
+    assert_close(got, expected, torch.float32)
+    if coarse:  # the coarse LSE is a different normalisation: it must change the scores
+        exact = sel.score_blocks(vectors[:, None], ckeys, pos[:, None], SPARSE, n_blocks, kind=kind)[:, :, 0]
+        finite = torch.isfinite(exact)
+        assert (got[finite] - exact[finite]).abs().max() > 1e-3
+
+
+AGNOSTIC = [pytest.param(K.agnostic_scores_reference, id="reference"), pytest.param(K.agnostic_scores_triton, marks=needs_triton, id="triton")]
+
+
+@pytest.mark.parametrize("impl", AGNOSTIC)
+@pytest.mark.parametrize("sparse, lag", [(SPARSE, 0), (SPARSE, 1), (SPARSE_ALT, 0)], ids=["minicpm-like", "lag1", "alt-geometry"])
+def test_agnostic_matches_selection(impl, sparse, lag):
+    """NOSA's agnostic score from the pooled CIS equals `selection.agnostic_block_scores`."""
+    pos = torch.tensor([45, 13, 0, -1], device=DEVICE)
+    cis = torch.randn(4, 46, 2, device=DEVICE)  # [B, S, H]
+    pooled = sel.compress_keys(cis.float(), sparse.kernel_size, sparse.kernel_stride)  # [B, C, H]
+    n_blocks = sel.num_blocks(46, sparse.block_size) + 1
+    expected = sel.agnostic_block_scores(cis, pos[:, None], sparse, n_blocks, lag=lag)[:, :, 0]
+    out = poisoned_out(pooled.transpose(1, 2), pooled.unsqueeze(-1), n_blocks)
+    got = impl(pooled, pos, sparse, n_blocks, lag, out=out)
+    assert got is out and not out.isnan().any()
+    assert_close(got, expected, torch.float32)
+    assert (expected == float("inf")).any() and (expected == float("-inf")).any() and torch.isfinite(expected).any()
+
+
+def test_kernels_are_leaves():
+    """kernels/ imports nothing from the rest of the package (the model calls the kernels)."""
+    import ast
+    from pathlib import Path
+
+    for path in (Path(K.__file__).parent).glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level >= 2:
+                raise AssertionError(f"{path.name} imports from the package: from {'.' * node.level}{node.module}")
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [node.module] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+                assert not any(n and n.startswith("forecastkv") for n in names), (path.name, names)
 
 
 @needs_triton
@@ -90,17 +147,22 @@ def test_topk_on_kernel_scores_matches():
 
 
 def aot_launches():
-    """MiniCPM4.1 geometry (pooling window 5, d 128), bf16: softmax with tl.dot, raw dot, small-group softmax."""
+    """MiniCPM4.1 geometry (pooling window 5, d 128), bf16: softmax with tl.dot, raw dot, small-group
+    softmax, coarse LSE, agnostic scores."""
     sparse = SparseConfig()
     for kind, group in (("query", 4), ("forecast", 1), ("forecast", 2)):
         vectors, ckeys, pos, n_blocks = case(kind, group, torch.bfloat16, batch=2, dim=128, sparse=sparse, positions=(1000, 500))
         K.block_scores_triton(vectors, ckeys, pos, sparse, n_blocks, kind)
+    # MiniCPM4.1's coarse LSE (G = 16) and NOSA's agnostic score
+    vectors, ckeys, pos, n_blocks = case("query", 16, torch.bfloat16, batch=2, dim=128, sparse=sparse, positions=(1000, 500))
+    K.block_scores_triton(vectors, ckeys, pos, sparse, n_blocks, "query", lse_keys=coarse_keys_for(ckeys, pos, sparse, 128, torch.bfloat16))
+    K.agnostic_scores_triton(torch.randn(2, 61, 2, device=DEVICE).to(torch.bfloat16), pos, sparse, n_blocks)
 
 
 @aot_sm90
 def test_compiles_for_sm90():
     """Compiled-mode errors the interpreter lets through would show here, without a GPU."""
-    assert compile_sm90(__name__, "aot_launches") == 3
+    assert compile_sm90(__name__, "aot_launches") == 5
 
 
 # ----------------------------------------------------------------------------------------------
