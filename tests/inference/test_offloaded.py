@@ -64,7 +64,8 @@ def assert_parity(model, ids, mask, modes, new_tokens=10, reference_selector=Non
 def test_every_mode_matches_sparse_cache_tiny(policy, selector, batch):
     model = tiny_model({"policy": policy, "selector": selector}, seed=3)
     ids, mask = left_padded([45] if batch == "single" else [45, 26, 37])
-    caches = assert_parity(model, ids, mask, modes_for(selector), new_tokens=9)
+    modes = modes_for(selector) if batch == "left-padded" else modes_for(selector)[2:]  # batch 1: the selector's own modes
+    caches = assert_parity(model, ids, mask, modes, new_tokens=9)
     moved = caches[modes_for(selector)[-1]].stats()
     assert moved["decode_steps"] == 8 and moved["h2d_bytes_per_step_mean"] > 0  # blocks really moved
 
@@ -103,7 +104,8 @@ def test_minicpm_format_coarse_lse_and_dense_len(tmp_path):
 
 @pytest.mark.bundled
 def test_bundled_smollm2_offloaded_matches_sparse_cache(bundled_path):
-    """Real weights (InfLLM-v2; the checkpoint has no NOSA parameters), both selectors, left padding."""
+    """Real weights (InfLLM-v2; the checkpoint has no NOSA parameters), prefetched forecast blocks,
+    left padding.  (The query selector and NOSA are covered on the tiny models.)"""
     from forecastkv import ForecastKVForCausalLM, bundled_texts
     from transformers import AutoTokenizer
 
@@ -117,8 +119,8 @@ def test_bundled_smollm2_offloaded_matches_sparse_cache(bundled_path):
     mask = torch.zeros_like(ids)
     for i, r in enumerate(rows):
         ids[i, width - len(r) :], mask[i, width - len(r) :] = r, 1
-    assert_parity(model, ids, mask, ["forecast-offload"], new_tokens=4)
-    assert_parity(model, ids, mask, ["sparse-offload"], new_tokens=4, reference_selector="query")
+    caches = assert_parity(model, ids, mask, ["forecast-offload"], new_tokens=4)
+    assert caches["forecast-offload"].stats()["blocks_fetched_per_layer"][1] > 0
 
 
 # -- bytes ----------------------------------------------------------------------------------------

@@ -43,7 +43,7 @@ def test_copied_prefill_decodes_like_generate():
     prefilled = SparseCache(model.config)
     with torch.no_grad():
         first = model(ids, **{CACHE_KWARG: prefilled}).logits[:, -1].argmax(-1, keepdim=True)
-    for mode in ("forecast-offload", "dense-offload"):
+    for mode in ("forecast-offload",):
         ref_cache = OffloadedSparseCache.for_model(model, mode=mode)
         ref = generate(model, ids, mask, ref_cache, new_tokens=5)
         cache = OffloadedSparseCache.for_model(model, mode=mode)
