@@ -47,6 +47,32 @@ class Features:
             return self.inputs[0], "current_proj", 0
         return self.inputs[layer - 1], "forecast_proj", layer - 1
 
+    def take(self, index: torch.Tensor) -> "Features":
+        """The cached rows `index` [B, r] (int64, per sequence, into the R cached rows)."""
+        def rows(t: torch.Tensor, dim: int) -> torch.Tensor:
+            shape = list(t.shape)
+            shape[dim] = index.shape[1]
+            view = [index.shape[0]] + [1] * (t.dim() - 1)
+            view[dim] = index.shape[1]
+            return torch.gather(t, dim, index.view(view).expand(shape))
+
+        return Features(
+            rows(self.positions, 1), rows(self.cos, 1), rows(self.sin, 1), [rows(x, 1) for x in self.inputs],
+            self.ckeys, [rows(t, 2) for t in self.teachers], self.query_sq,
+        )
+
+    @staticmethod
+    def merge(parts: list) -> "Features":
+        """Concatenate micro-batches with equal T and R along the batch (one op per layer per step)."""
+        cat = lambda get: torch.cat([get(p) for p in parts])  # noqa: E731
+        layers = range(len(parts[0].ckeys))
+        return Features(
+            cat(lambda p: p.positions), cat(lambda p: p.cos), cat(lambda p: p.sin),
+            [cat(lambda p, i=i: p.inputs[i]) for i in range(len(parts[0].inputs))],
+            [cat(lambda p, i=i: p.ckeys[i]) for i in layers], [cat(lambda p, i=i: p.teachers[i]) for i in layers],
+            torch.stack([p.query_sq for p in parts]).mean(0),
+        )
+
     def nbytes(self) -> int:
         tensors = [self.positions, self.cos, self.sin, *self.inputs, *self.ckeys, *self.teachers]
         return sum(t.numel() * t.element_size() for t in tensors)
@@ -105,15 +131,12 @@ def build_features(model, ids: torch.Tensor, rows: torch.Tensor, sparse, objecti
     )
 
 
-def head_vectors(model, features: Features, layer: int, rows: torch.Tensor | None = None) -> torch.Tensor:
-    """Forecast vectors [B, r, H*n, d] (post-RoPE) scoring `layer` at cached rows `rows` (indices
-    into the R cached rows; None = all), differentiable in the head's weight."""
+def head_vectors(model, features: Features, layer: int) -> torch.Tensor:
+    """Forecast vectors [B, R, H*n, d] (post-RoPE) scoring `layer` at the cached rows,
+    differentiable in the head's weight."""
     inner = getattr(model, "model", model)
     x, name, owner = features.head_input(layer)
-    cos, sin = features.cos, features.sin
-    if rows is not None:
-        x, cos, sin = x[:, rows], cos[:, rows], sin[:, rows]
     attn = inner.layers[owner].self_attn
     weight = getattr(attn, name).weight
     out = torch.nn.functional.linear(x.to(weight.dtype), weight)
-    return apply_rope(out.view(*x.shape[:2], -1, attn.head_dim), cos.to(out.dtype), sin.to(out.dtype))
+    return apply_rope(out.view(*x.shape[:2], -1, attn.head_dim), features.cos.to(out.dtype), features.sin.to(out.dtype))

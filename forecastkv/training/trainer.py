@@ -36,7 +36,7 @@ from forecastkv.modeling.forecast_init import apply_forecast_init, calibrate_for
 
 from . import checkpointing as ckpt
 from .data import ByteTokenizer, build_sequences
-from .features import build_features, cached_rows, head_vectors
+from .features import Features, build_features, cached_rows, head_vectors
 from .objective import ObjectiveConfig, rows_kl
 
 DEFAULTS: dict = {
@@ -91,6 +91,7 @@ DEFAULTS: dict = {
         "save_every": 50,
         "keep_last": 5,
         "progress": True,
+        "threads": None,              # torch intra-op threads (None: torch's default); 1 is faster on a busy CPU
     },
     "output_dir": "runs/forecast",
     "resume": None,
@@ -213,9 +214,10 @@ def _seeded(*parts: int) -> torch.Generator:
     return torch.Generator().manual_seed(value)
 
 
-def build_round(model, batch: torch.Tensor, first_chunk: int, round_index: int, recipe: dict, objective: ObjectiveConfig, device) -> list:
-    """Cached features of this process's sequences batch [n, T], one `Features` per micro-batch;
-    chunk k (global index first_chunk + k) caches rows drawn with seed (seed, round, chunk)."""
+def build_round(model, batch: torch.Tensor, first_chunk: int, round_index: int, recipe: dict, objective: ObjectiveConfig, device) -> Features:
+    """Cached features of this process's sequences batch [n, T], built one micro-batch at a time
+    and merged; micro-batch k (global index first_chunk + k) caches rows drawn with seed
+    (seed, round, chunk)."""
     data, train = recipe["data"], recipe["train"]
     sparse = model.config.sparse
     micro, out = train["micro_batch"], []
@@ -223,32 +225,40 @@ def build_round(model, batch: torch.Tensor, first_chunk: int, round_index: int, 
         rows = cached_rows(batch.shape[1], data["row_start"], data["cache_rows"], _seeded(train["seed"], round_index, first_chunk + k))
         ids = batch[start : start + micro].to(device)
         out.append(build_features(model, ids, rows, sparse, objective, recipe["model"]["backbone"]))
-    return out
+    return Features.merge(out)
 
 
-def step_loss(model, features: list, first_chunk: int, step: int, recipe: dict, objective: ObjectiveConfig, denominator: float) -> list[float]:
-    """Back-propagate one step's loss over this process's cached micro-batches; returns the
-    per-layer losses (this process's share of the global mean)."""
+def step_rows(features: Features, first_chunk: int, step: int, recipe: dict) -> torch.Tensor | None:
+    """Row indices [B, r] into the cached rows for this step (None: all rows).  Sequence b belongs
+    to micro-batch first_chunk + b // micro_batch, whose draw is seeded with (seed, step, chunk),
+    so the draw does not depend on how the sequences are split over processes."""
     train = recipe["train"]
+    batch, count = features.positions.shape
+    take = train["rows_per_step"]
+    if take is None or take >= count:
+        return None
+    micro = train["micro_batch"]
+    draws = {}
+    for b in range(batch):
+        chunk = first_chunk + b // micro
+        if chunk not in draws:
+            draws[chunk] = torch.randperm(count, generator=_seeded(train["seed"], 7, step, chunk))[:take].sort().values
+    return torch.stack([draws[first_chunk + b // micro] for b in range(batch)]).to(features.positions.device)
+
+
+def step_loss(model, features: Features, first_chunk: int, step: int, recipe: dict, objective: ObjectiveConfig, denominator: float) -> list[float]:
+    """Back-propagate one step's loss over this process's cached rows; returns the per-layer
+    losses (this process's share of the global mean)."""
     sparse = model.config.sparse
-    layers = model.config.num_hidden_layers
-    per_layer = [0.0] * layers
-    for k, feats in enumerate(features):
-        count = feats.positions.shape[1]
-        take = train["rows_per_step"]
-        sample = None
-        if take is not None and take < count:
-            sample = torch.randperm(count, generator=_seeded(train["seed"], 7, step, first_chunk + k))[:take].sort().values
-            sample = sample.to(feats.positions.device)
-        pos = feats.positions if sample is None else feats.positions[:, sample]
-        total = 0.0
-        for layer in range(layers):
-            teacher = feats.teachers[layer] if sample is None else feats.teachers[layer][:, :, sample]
-            vectors = head_vectors(model, feats, layer, sample)
-            loss = rows_kl(vectors, feats.ckeys[layer], pos, teacher, sparse, objective.loss) / denominator
-            per_layer[layer] += float(loss.detach())
-            total = total + loss
-        total.backward()
+    index = step_rows(features, first_chunk, step, recipe)
+    feats = features if index is None else features.take(index)
+    per_layer, total = [], 0.0
+    for layer in range(model.config.num_hidden_layers):
+        vectors = head_vectors(model, feats, layer)
+        loss = rows_kl(vectors, feats.ckeys[layer], feats.positions, feats.teachers[layer], sparse, objective.loss) / denominator
+        per_layer.append(float(loss.detach()))
+        total = total + loss
+    total.backward()
     return per_layer
 
 
@@ -262,16 +272,14 @@ def rows_per_sequence(recipe: dict) -> int:
 
 
 @torch.no_grad()
-def calibrate_from_features(model, features: list, accelerator) -> None:
+def calibrate_from_features(model, features: Features, accelerator) -> None:
     """Scale every head so its mean squared output norm equals the real queries' it imitates,
     measured on the cached rows of all processes (`forecast_init.calibrate_forecast_scale`)."""
     layers = model.config.num_hidden_layers
-    head_sq, query_sq = None, None
-    for feats in features:
-        sq = torch.stack([head_vectors(model, feats, m).float().pow(2).sum(-1).mean(dim=(0, 1)).cpu() for m in range(layers)])
-        head_sq = sq if head_sq is None else head_sq + sq
-        query_sq = feats.query_sq if query_sq is None else query_sq + feats.query_sq
-    stacked = torch.cat([head_sq.flatten(), query_sq.flatten(), torch.tensor([float(len(features))])]).double()
+    head_sq = torch.stack([head_vectors(model, features, m).float().pow(2).sum(-1).sum(dim=(0, 1)).cpu() for m in range(layers)])
+    rows = features.positions.numel()
+    query_sq = features.query_sq * rows
+    stacked = torch.cat([head_sq.flatten(), query_sq.flatten(), torch.tensor([float(rows)])]).double()
     if accelerator.num_processes > 1:
         stacked = accelerator.reduce(stacked.to(accelerator.device), reduction="sum").cpu()
     count = stacked[-1]
@@ -406,6 +414,8 @@ def train_forecast(config_path_or_dict, **overrides) -> TrainResult:
     rank, world, main = accelerator.process_index, accelerator.num_processes, accelerator.is_main_process
     torch.manual_seed(train["seed"])
     random.seed(train["seed"])
+    if train["threads"] is not None:
+        torch.set_num_threads(train["threads"])
 
     # -- model ---------------------------------------------------------------------------------
     model, base = build_model(recipe["model"], accelerator.device)

@@ -166,7 +166,8 @@ def test_smollm2_smoke(tmp_path, bundled_path):
     """One step on the bundled SmolLM2-135M with the shipped recipe (short sequences)."""
     result = train_forecast(
         ROOT / "configs" / "train" / "smollm2-135m.yaml", output_dir=str(tmp_path / "run"), steps=1,
-        data={"seq_len": 256, "eval_seq_len": 512, "eval_sequences": 1}, train={"global_batch": 1, "progress": False},
+        data={"seq_len": 384, "row_start": 128, "eval_seq_len": 512, "eval_start": 256, "eval_sequences": 1},
+        train={"global_batch": 1, "progress": False},
     )
     assert result.step == 1 and len(result.history[-1]["recall"]) == 30
     assert (tmp_path / "run" / "forecast.safetensors").is_file()
