@@ -12,7 +12,7 @@ OFFLOAD_MODES = ("no-offload", "sparse-offload", "forecast-sync", "forecast-offl
 def _demo(args) -> int:
     from .demo import run_demo
 
-    run_demo(prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, preset=args.preset)
+    run_demo(output=args.output, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, progress=not args.no_progress)
     return 0
 
 
@@ -71,10 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="forecastkv", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
-    demo = commands.add_parser("demo", help="dense vs InfLLM-v2 continuation of an essay on the bundled SmolLM2")
-    demo.add_argument("--prompt-tokens", type=int, default=1536)
+    demo = commands.add_parser("demo", help="the main job on the bundled SmolLM2: train Forecast heads, evaluate, generate offloaded, report")
+    demo.add_argument("--output", default="runs/demo", help="where the heads, eval results and report.md go (a rerun resumes)")
+    demo.add_argument("--prompt-tokens", type=int, default=1024, help="prompt of the offloaded generation (step 3)")
     demo.add_argument("--new-tokens", type=int, default=32)
-    demo.add_argument("--preset", default="smollm2-135m")
+    demo.add_argument("--no-progress", action="store_true", help="no progress bars")
     demo.set_defaults(run=_demo)
 
     gen = commands.add_parser("generate", help="greedy generation from a prompt (argument or stdin)")

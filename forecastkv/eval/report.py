@@ -32,7 +32,7 @@ def _mean(values):
     return sum(values) / len(values) if values else None
 
 
-def _ppl(records):
+def pooled_perplexity(records):
     """Pooled perplexity over examples (sum of NLL / tokens), and per bucket."""
     nll = sum(b["nll_sum"] for r in records for b in r["buckets"])
     tokens = sum(b["tokens"] for r in records for b in r["buckets"])
@@ -97,7 +97,7 @@ def tables(records: list[dict]) -> str:
         lines += ["## Perplexity on held-out essays (lower is better)", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         details = []
         for length in lengths:
-            ppl = {m: _ppl(groups[("perplexity", length, m)]) if groups[("perplexity", length, m)] else None for m in modes}
+            ppl = {m: pooled_perplexity(groups[("perplexity", length, m)]) if groups[("perplexity", length, m)] else None for m in modes}
             if all(v is None for v in ppl.values()):
                 continue
             n = max(len(groups[("perplexity", length, m)]) for m in modes)
@@ -180,7 +180,7 @@ def plots(records: list[dict], directory: Path) -> list[Path]:
                     by_len[r["length"]].append(r)
             xs = sorted(by_len)
             if task == "perplexity":
-                ys = [_ppl(by_len[x])[0] for x in xs]
+                ys = [pooled_perplexity(by_len[x])[0] for x in xs]
             else:
                 ys = [100 * _mean(r["score"] for r in by_len[x]) for x in xs]
             ax.plot(xs, ys, color=colors[m], label=m, **looks[m])
@@ -202,25 +202,27 @@ def plots(records: list[dict], directory: Path) -> list[Path]:
     curves = [(m, n, _recall([r for r in records if r["mode"] == m and r["length"] == n])) for m in modes for n in lengths]
     curves = [c for c in curves if c[2]]
     if curves:
-        fig, ax = plt.subplots(figsize=(7, 4.2))
+        fig, ax = plt.subplots(figsize=(10, 4.2))
         shades = {n: 0.35 + 0.65 * (i + 1) / len(lengths) for i, n in enumerate(lengths)}
         for m, n, got in curves:
             layers = list(range(len(got["recall"])))
-            ax.plot(layers, got["recall"], marker="o", ms=3, color=colors[m], alpha=shades[n], label=f"{m}, {n} tokens")
+            ax.plot(layers, got["recall"], marker=looks[m]["marker"], ms=looks[m]["ms"] / 2, color=colors[m], alpha=shades[n],
+                    label=f"{m}, {_length_label(n)} tokens")
             ax.plot(layers, got["chance"], ls="--", color=colors[m], alpha=shades[n] * 0.6)
         ax.set_xlabel("layer")
-        ax.set_xticks(range(len(curves[0][2]["recall"])))
+        count = len(curves[0][2]["recall"])
+        ax.set_xticks(range(0, count, 1 if count <= 16 else 5))
         ax.set_ylabel("forecast recall (share of query-selected blocks)")
         ax.set_ylim(0, 1.02)
         ax.set_title("Forecast recall by layer (dashed: chance)")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
         fig.tight_layout()
         written.append(directory / "recall_by_layer.png")
         fig.savefig(written[-1], dpi=110)
         plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    fig, ax = plt.subplots(figsize=(10, 4.2))
     drawn = False
     for m in modes:
         for field, style, label in (("kv_read_bytes_per_step", "-", "KV read"), ("h2d_bytes_per_step", ":", "H2D")):
@@ -239,7 +241,7 @@ def plots(records: list[dict], directory: Path) -> list[Path]:
         ax.set_ylabel("MiB per decode step (all layers, log scale)")
         ax.set_title("KV bytes per decode step per mode")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
         fig.tight_layout()
         written.append(directory / "bytes_per_step.png")
         fig.savefig(written[-1], dpi=110)
