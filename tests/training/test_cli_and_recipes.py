@@ -50,3 +50,20 @@ def test_cli_stop_and_resume(tmp_path):
     assert (out / "forecast.safetensors").is_file() and (out / "forecast_config.json").is_file()
     with pytest.raises(SystemExit):
         main([])
+
+
+def test_recall_protocol_and_geometry(tmp_path):
+    from forecastkv.training.recall import RecallProtocol, build_parser, resolve_geometry
+
+    assert resolve_geometry(None, None, 12)["topk"] == 12                     # smollm2-135m preset, topk overridden
+    side = tmp_path / "heads"
+    side.mkdir()
+    (side / "forecast_config.json").write_text(json.dumps({"forecast": {}, "sparse_config": {"kernel_size": 32, "kernel_stride": 16, "block_size": 64, "topk": 5}}))
+    assert resolve_geometry(None, side)["topk"] == 5                          # the heads' own geometry
+    assert resolve_geometry('{"kernel_size": 4, "kernel_stride": 2, "block_size": 8}')["block_size"] == 8
+    with pytest.raises(ValueError, match=r"recall start=2048 must lie in \[0, length=2048\)"):
+        RecallProtocol(length=2048, start=2048)
+    with pytest.raises(ValueError, match=r"backbone 'sparse' is not one of"):
+        RecallProtocol(backbone="sparse")
+    args = build_parser().parse_args(["--forecast-weights", "x", "--length", "4096", "--start", "1024", "--topk", "12"])
+    assert (args.length, args.start, args.topk, args.backbone) == (4096, 1024, 12, "dense")
