@@ -203,11 +203,7 @@ def load_model(
         from .forecast_init import apply_forecast_init
 
         apply_forecast_init(model, model_config.forecast_config.init)
-    if device_map and len({str(d) for d in device_map.values()}) > 1:
-        from accelerate import dispatch_model
-
-        model = dispatch_model(model, device_map)
-    return model.eval()
+    return model.eval()  # tensors sit on their device_map devices; the decoder loop moves activations
 
 
 def load_into_one(model, name: str, tensor: torch.Tensor, dtype, device, device_map) -> None:
@@ -220,6 +216,8 @@ def load_into_one(model, name: str, tensor: torch.Tensor, dtype, device, device_
 def resolve_device_map(model, device_map, dtype) -> dict | None:
     """None, a dict {module prefix: device}, or "auto" / "balanced" / "sequential" (accelerate
     plans it from the meta model's sizes and the free memory of every device)."""
+    if isinstance(device_map, dict) and any(str(d) == "disk" for d in device_map.values()):
+        raise ValueError("device_map entries 'disk' are not supported: place every module on a device or 'cpu'")
     if device_map is None or isinstance(device_map, dict):
         return device_map
     if isinstance(device_map, str):
@@ -227,7 +225,8 @@ def resolve_device_map(model, device_map, dtype) -> dict | None:
 
         if device_map not in ("auto", "balanced", "balanced_low_0", "sequential"):
             raise ValueError(f"device_map={device_map!r} is not a dict or one of 'auto', 'balanced', 'balanced_low_0', 'sequential'")
-        return infer_auto_device_map(model, no_split_module_classes=model._no_split_modules, dtype=dtype)
+        planned = infer_auto_device_map(model, no_split_module_classes=model._no_split_modules, dtype=dtype)
+        return resolve_device_map(model, planned, dtype)
     raise TypeError(f"device_map must be None, a str or a dict, got {type(device_map).__name__}")
 
 

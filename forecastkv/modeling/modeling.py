@@ -194,6 +194,8 @@ class ForecastKVModel(ForecastKVPreTrainedModel):
         last = len(self.layers) - 1
         for idx, layer in enumerate(self.layers):
             attn = layer.self_attn
+            if hidden.device != layer.input_layernorm.weight.device:  # device_map: layers on several devices
+                hidden, positions, cos, sin, forecast, planned = _to_device(layer.input_layernorm.weight.device, hidden, positions, cos, sin, forecast, planned)
             normed = layer.input_layernorm(hidden)
             if want_forecast and idx == 0:
                 forecast = attn.project_forecast(normed, cos, sin, "current_proj")
@@ -215,7 +217,12 @@ class ForecastKVModel(ForecastKVPreTrainedModel):
             hidden = hidden + out * residual_scale
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden)) * residual_scale
             forecast = next_forecast
-        return self.norm(hidden), cache, selections
+        return self.norm(hidden.to(self.norm.weight.device)), cache, selections
+
+
+def _to_device(device, *tensors):
+    """Each tensor (or None) on `device`."""
+    return tuple(None if t is None else t.to(device) for t in tensors)
 
 
 def _pick_cache(cache, past_key_values):
@@ -285,7 +292,7 @@ class ForecastKVForCausalLM(ForecastKVPreTrainedModel, GenerationMixin):
         mup = self.config.mup_config
         if mup is not None:
             hidden = hidden / (self.config.hidden_size / mup.dim_model_base)
-        logits = self.lm_head(hidden)
+        logits = self.lm_head(hidden.to(self.lm_head.weight.device))
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)

@@ -116,3 +116,22 @@ def test_unknown_backend_is_rejected():
     with pytest.raises(ValueError, match="unknown sparse prefill backend 'fast'"):
         with prefill.use_sparse_backend("fast"):
             pass
+
+
+def test_benchmark_comparison_runs_on_tiny_models():
+    """benchmarks/prefill.py's comparison (what gpu_check runs at 32K / 128K on CUDA) works end to
+    end on CPU with tiny models: same-weight dense and sparse models, one row per length."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "prefill.py"
+    spec = importlib.util.spec_from_file_location("bench_prefill", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    dense = tiny_model(seed=31)
+    sparse = tiny_model({"policy": "infllmv2"}, seed=31)
+    sparse.load_state_dict(dense.state_dict(), strict=False)
+    rows = bench.prefill_comparison(dense, sparse, (64, 96), vocab_size=128, repeats=1, warmup_length=32)
+    assert [r["length"] for r in rows] == [64, 96]
+    for row in rows:
+        assert row["dense_s"] > 0 and row["sparse_s"] > 0 and row["speedup"] == row["dense_s"] / row["sparse_s"]
