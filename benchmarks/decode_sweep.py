@@ -1,0 +1,194 @@
+"""Decode sweep: runtime modes x batch x context length, organised like SparDA's efficiency runs.
+
+    PYTHONPATH=. python benchmarks/decode_sweep.py --config cpu        # SmolLM2-135M-shaped, fp32, 1K-4K, batch 1-4
+    PYTHONPATH=. python benchmarks/decode_sweep.py --config gpu        # MiniCPM4.1-8B-shaped, bf16, 32K-128K, batch 1-64
+    PYTHONPATH=. python benchmarks/decode_sweep.py --config gpu-short  # what benchmarks/gpu_check.py runs
+
+Per (length, batch): prefill tokens/s of one forward over random token ids into a resident
+`SparseCache` and into an offloaded cache (`forecast-offload`: K/V written to host as it goes).
+Per (length, mode, batch): the cache is filled with random post-RoPE K/V (decode cost does not
+depend on where the keys came from), then warm-up steps (the first fills empty slots) and timed
+steps: decode tokens/s, H2D bytes per step, block hit rate (`offload_decode.run_config`).
+Once a batch runs out of memory (device or pinned host) for a (length, mode), larger batches are
+marked OOM and not run; configurations left when the time budget is spent are marked "skipped".
+Writes JSON (atomically) and a PNG beside it: decode tokens/s vs batch per mode, one panel per
+length, and H2D MiB per step.  Random weights: the numbers are speeds and bytes, not quality.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != HERE]  # benchmarks/kernels.py shadows HF's `kernels`
+sys.path.append(HERE)  # for offload_decode (appended: HF's `kernels` still wins)
+from offload_decode import MINICPM41_8B, is_oom, run_config, synchronize  # noqa: E402
+
+SMOLLM2_135M = dict(
+    vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+    num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5, initializer_range=0.02, max_position_embeddings=8192,
+    bos_token_id=None, eos_token_id=None, tie_word_embeddings=True,
+)
+CONFIGS = {
+    # name: (model shape, preset, dtype on that device, lengths, batches, budget seconds)
+    "cpu": (SMOLLM2_135M, "smollm2-135m", torch.float32, [1024, 2048, 4096], [1, 2, 4], 480.0),
+    "gpu": (MINICPM41_8B, "minicpm4.1-8b", torch.bfloat16, [32768, 65536, 131072], [1, 4, 16, 64], 1800.0),
+    "gpu-short": (MINICPM41_8B, "minicpm4.1-8b", torch.bfloat16, [131072, 32768], [1, 4, 16], 150.0),
+}
+
+
+def build_model(shape: dict, preset: str, device: torch.device, dtype: torch.dtype):
+    """A random-weight model of `shape` with `preset`'s geometry, forecast selector and heads."""
+    from forecastkv import ForecastKVConfig, ForecastKVForCausalLM
+    from forecastkv.modeling.configuration import load_preset
+
+    sparse = dict(load_preset(preset)["sparse_config"], selector="forecast")
+    config = ForecastKVConfig(**shape, sparse_config=sparse, forecast={"enabled": True, "heads_per_group": 1})
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            return ForecastKVForCausalLM(config).eval()
+    finally:
+        torch.set_default_dtype(previous)
+
+
+@torch.no_grad()
+def prefill_rate(model, batch: int, length: int, mode: str | None, device: torch.device) -> dict:
+    """Tokens/s of one prefill forward of random ids [batch, length] into a fresh cache:
+    `SparseCache` when mode is None, else `OffloadedSparseCache` in `mode`."""
+    from forecastkv import SparseCache
+    from forecastkv.inference import OffloadedSparseCache
+    from forecastkv.modeling.modeling import CACHE_KWARG
+
+    ids = torch.randint(0, model.config.vocab_size, (batch, length), device=device)
+    cache = SparseCache(model.config) if mode is None else OffloadedSparseCache.for_model(model, mode=mode, max_length=length + 1)
+    synchronize(device)
+    start = time.perf_counter()
+    model(ids, logits_to_keep=1, **{CACHE_KWARG: cache})
+    synchronize(device)
+    seconds = time.perf_counter() - start
+    return {"status": "ok", "seconds": seconds, "tokens_per_s": batch * length / seconds}
+
+
+def sweep(keys, batches, measure, started: float, budget_s: float) -> list[dict]:
+    """For each key (a dict of fixed settings) run `measure(**key, batch=b)` over increasing
+    batches; after an OOM the larger batches are marked, not run; past the budget, "skipped"."""
+    rows = []
+    for key in keys:
+        failed_at = None
+        for batch in sorted(batches):
+            row = {**key, "batch": batch}
+            if failed_at is not None:
+                row["status"] = f"OOM (batch {failed_at} did)"
+            elif time.perf_counter() - started > budget_s:
+                row["status"] = "skipped (time budget)"
+            else:
+                try:
+                    row.update(measure(**key, batch=batch))
+                except Exception as error:  # noqa: BLE001 - OOM of either tier is a result
+                    if not is_oom(error):
+                        raise
+                    failed_at, row["status"] = batch, "OOM"
+                    if torch.cuda.is_available():
+                        torch.cuda.empty_cache()
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+def plot(results: dict, path: str) -> str:
+    """Decode tokens/s vs batch (one panel per length, a line per mode) and H2D MiB per step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lengths = sorted({r["length"] for r in results["decode"]})
+    modes = list(dict.fromkeys(r["mode"] for r in results["decode"]))
+    fig, axes = plt.subplots(2, len(lengths), figsize=(4.2 * len(lengths), 7), squeeze=False)
+    for col, length in enumerate(lengths):
+        for mode in modes:
+            ok = [r for r in results["decode"] if r["length"] == length and r["mode"] == mode and r.get("status") == "ok"]
+            if ok:
+                axes[0, col].plot([r["batch"] for r in ok], [r["tokens_per_s"] for r in ok], "o-", label=mode)
+                axes[1, col].plot([r["batch"] for r in ok], [r["h2d_bytes_per_step"] / 2**20 for r in ok], "o-", label=mode)
+        axes[0, col].set_title(f"context {length // 1024}K tokens" if length >= 1024 else f"context {length} tokens")
+        for row, label in ((0, "decode tokens/s"), (1, "H2D MiB per decode step")):
+            ax = axes[row, col]
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(results["batches"], [str(b) for b in results["batches"]])
+            ax.set_xlabel("batch")
+            ax.set_ylabel(label)
+            ax.grid(alpha=0.3)
+        axes[1, col].set_yscale("symlog", linthresh=0.1)
+        axes[1, col].set_ylim(bottom=0)
+    axes[0, 0].legend(fontsize=8)
+    fig.suptitle(f"{results['model']}\non {results['device']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv=None) -> dict:
+    from forecastkv.inference import MODES
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", choices=sorted(CONFIGS), default="cpu")
+    parser.add_argument("--lengths", type=int, nargs="+", default=None)
+    parser.add_argument("--batches", type=int, nargs="+", default=None)
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--budget-s", type=float, default=None)
+    parser.add_argument("--no-prefill", action="store_true")
+    parser.add_argument("--out", default=None, help="JSON path (the PNG goes beside it); default benchmarks/results/decode_sweep_<config>.json")
+    args = parser.parse_args(argv)
+    shape, preset, dtype, lengths, batches, budget = CONFIGS[args.config]
+    lengths, batches, budget = args.lengths or lengths, args.batches or batches, args.budget_s or budget
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.config != "cpu" and device.type != "cuda":
+        raise SystemExit(f"--config {args.config} needs a CUDA device (this machine has none); use --config cpu")
+    out = args.out or os.path.join(HERE, "results", f"decode_sweep_{args.config}.json")
+
+    started = time.perf_counter()
+    model = build_model(shape, preset, device, dtype)
+    name = f"{'SmolLM2-135M' if shape is SMOLLM2_135M else 'MiniCPM4.1-8B'}-shaped random {str(dtype).split('.')[-1]}, preset {preset}"
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({os.cpu_count()} cores)"
+    print(f"{name} on {device_name}: lengths {lengths}, batches {batches}, modes {args.modes}", flush=True)
+    results = {"config": args.config, "model": name, "device": device_name, "lengths": lengths, "batches": batches,
+               "command": "python benchmarks/decode_sweep.py " + " ".join(sys.argv[1:] if argv is None else argv)}
+    torch.manual_seed(0)
+    if not args.no_prefill:
+        caches = [{"length": n, "cache": c} for n in lengths for c in ("resident", "forecast-offload")]
+        results["prefill"] = sweep(caches, batches, lambda length, cache, batch: prefill_rate(
+            model, batch, length, None if cache == "resident" else cache, device), started, budget)
+    grid = [{"length": n, "mode": m} for n in lengths for m in args.modes]
+    results["decode"] = sweep(grid, batches, lambda length, mode, batch: run_config(model, mode, batch, length, args, device), started, budget)
+    results["seconds"] = time.perf_counter() - started
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out + ".tmp", "w") as handle:
+        json.dump(results, handle, indent=1)
+    os.replace(out + ".tmp", out)
+    png = plot(results, os.path.splitext(out)[0] + ".png")
+    print(f"\n{'length':>7} {'mode':<17} {'batch':>5} {'status':<22} {'tok/s':>9} {'H2D MiB/step':>13}")
+    for r in results["decode"]:
+        ok = r.get("status") == "ok"
+        print(f"{r['length']:>7} {r['mode']:<17} {r['batch']:>5} {r['status']:<22} "
+              f"{r['tokens_per_s'] if ok else float('nan'):>9.2f} {r['h2d_bytes_per_step'] / 2**20 if ok else float('nan'):>13.3f}")
+    for r in results.get("prefill", []):
+        if r.get("status") == "ok":
+            print(f"prefill {r['length']:>7} {r['cache']:<17} batch {r['batch']}: {r['tokens_per_s']:.0f} tokens/s")
+    print(f"wrote {out} and {png} ({results['seconds']:.0f} s)")
+    return results
+
+
+if __name__ == "__main__":
+    main()
