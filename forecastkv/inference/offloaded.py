@@ -172,7 +172,6 @@ class OffloadedLayer(SparseCacheLayer):
         if new is None:
             return
         batch_idx, col_idx, pos, new_lengths, rows = new
-        old_rows = int(self.lengths.max())
         self.host.ensure(rows)
         new_k, new_v = keys[batch_idx, col_idx], values[batch_idx, col_idx]
         new_cis = None if cis is None else cis[batch_idx, col_idx]
@@ -184,7 +183,7 @@ class OffloadedLayer(SparseCacheLayer):
             self.d2h_bytes += self.host.write(batch_idx, pos, new_k, new_v, new_cis)
         old_lengths, self.lengths = self.lengths, new_lengths
         if positions.shape[1] > 1:
-            source = self._stage(rows, old_rows, batch_idx, pos, new_k, new_v, new_cis)
+            source = self._stage(rows, int(old_lengths.max()), batch_idx, pos, new_k, new_v, new_cis)
             self._extend_compressed(old_lengths, source[0], source[2])
             self._refill_tail(*source)
         else:
