@@ -384,14 +384,17 @@ def _truncate_metrics(path: Path, step: int) -> None:
 
 
 def _recall_table(history: list) -> str:
+    """Per-layer recall at the first and the last evaluation (one column when there was one)."""
     if not history:
         return ""
-    first, final = history[0], history[-1]
-    lines = [f"| layer | recall @ step {first['step']} | recall @ step {final['step']} | chance |", "|---|---|---|---|"]
-    for i, (a, b, c) in enumerate(zip(first["recall"], final["recall"], final["chance"])):
-        lines.append(f"| {i} | {a:.3f} | {b:.3f} | {c:.3f} |")
-    lines.append(f"| mean (>= 1) | {first['mean_recall']:.3f} | {final['mean_recall']:.3f} | {final['mean_chance']:.3f} |")
-    return "\n".join(lines) + "\n"
+    evals = [history[0], history[-1]] if len(history) > 1 else [history[-1]]
+    final = history[-1]
+    lines = ["| layer | " + " | ".join(f"recall @ step {e['step']}" for e in evals) + " | chance |", "|---" * (len(evals) + 2) + "|"]
+    for i in range(len(final["recall"])):
+        lines.append(f"| {i} | " + " | ".join(f"{e['recall'][i]:.3f}" for e in evals) + f" | {final['chance'][i]:.3f} |")
+    lines.append("| mean (>= 1) | " + " | ".join(f"{e['mean_recall']:.3f}" for e in evals) + f" | {final['mean_chance']:.3f} |")
+    note = f"\nT = {final['length']}, rows t >= {final['start']}, {final['backbone']} backbone, {final['rows']} rows per layer.\n"
+    return "\n".join(lines) + "\n" + note
 
 
 def train_forecast(config_path_or_dict, **overrides) -> TrainResult:
