@@ -193,6 +193,9 @@ class SparseCacheLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(keys, values)
         self.columns += positions.shape[1]
+        if positions.shape[1] == 1 and self.keys is not None:
+            self._append_one(keys[:, 0], values[:, 0], None if cis is None else cis[:, 0], positions[:, 0])
+            return
         new = new_rows(self.lengths, positions)
         if new is None:
             return
@@ -206,6 +209,49 @@ class SparseCacheLayer(CacheLayerMixin):
             self.cis[batch_idx, pos] = cis[batch_idx, col_idx]
         old_lengths, self.lengths = self.lengths, new_lengths
         self._extend_compressed(old_lengths, self.keys, self.cis)
+
+    def _append_one(self, keys: torch.Tensor, values: torch.Tensor, cis: torch.Tensor | None, pos: torch.Tensor) -> None:
+        """A decode step without host syncs: keys/values [B, H, d], cis [B, H] or None, pos [B]
+        (-1 = padding).  Capacity is bounded by the columns seen (every position is below it);
+        a padding row writes back what it read, so no row selection is needed."""
+        valid = pos >= 0
+        index = pos.clamp(min=0)
+        batch = torch.arange(pos.shape[0], device=pos.device)
+
+        def put(buffer, new):
+            keep = valid.view(-1, *([1] * (new.dim() - 1)))
+            buffer[batch, index] = torch.where(keep, new.to(buffer.dtype), buffer[batch, index])
+
+        self.keys = grow_rows(self.keys, self.columns, self.keys, self.max_length)
+        self.values = grow_rows(self.values, self.columns, self.values, self.max_length)
+        put(self.keys, keys)
+        put(self.values, values)
+        if cis is not None:
+            self.cis = grow_rows(self.cis, self.columns, self.cis, self.max_length)
+            put(self.cis, cis)
+        old_lengths = self.lengths
+        self.lengths = torch.where(valid, torch.maximum(old_lengths, pos + 1), old_lengths)
+        if self.kernel is None:
+            return
+        self.ckeys = self._extend_one(self.ckeys, self.kernel, old_lengths, self.keys)
+        if cis is not None:
+            self.pooled_cis = self._extend_one(self.pooled_cis, self.kernel, old_lengths, self.cis, torch.float32)
+        if self.coarse is not None:
+            self.coarse_keys = self._extend_one(self.coarse_keys, self.coarse, old_lengths, self.keys)
+
+    def _extend_one(self, target, kernel, old_lengths, source, dtype=None):
+        """`_extend` for a one-token step: each sequence completes at most one window."""
+        size, stride = kernel
+        first, last = (torch.where(n >= size, torch.div(n - size, stride, rounding_mode="floor") + 1, torch.zeros_like(n)) for n in (old_lengths, self.lengths))
+        capacity = None if self.max_length is None else max(num_compressed(self.max_length, size, stride), 1)
+        target = grow_rows(target, max(num_compressed(self.columns, size, stride), 1), target, capacity, max(GROWTH_CHUNK // stride, 1))
+        rows = (first.unsqueeze(-1) * stride + torch.arange(size, device=first.device)).unsqueeze(1)  # [B, 1, size]
+        window = compress_windows(source, rows, dtype)[:, 0]
+        index = first.clamp(max=target.shape[1] - 1)
+        batch = torch.arange(first.shape[0], device=first.device)
+        done = (last > first).view(-1, *([1] * (window.dim() - 1)))
+        target[batch, index] = torch.where(done, window.to(target.dtype), target[batch, index])
+        return target
 
     def _extend_compressed(self, old_lengths: torch.Tensor, key_source: torch.Tensor, cis_source: torch.Tensor | None) -> None:
         """Compress the windows completed by the last append, per sequence (no window twice).
