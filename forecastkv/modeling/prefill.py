@@ -16,6 +16,12 @@ selected blocks when sparse, with the CIS bias added after the 1/sqrt(d) scaling
   * `flex_sparse_attention`: CUDA, PyTorch's FlexAttention with a BlockMask built from the same
     selections (a query tile's KV blocks = the union of its rows' selections, `mask_mod` checks
     each row's own set from a bit mask, `score_mod` adds the CIS bias).
+
+Cost notes (2-core CPU, SmolLM2, benchmarks/prefill.py): a 64-row tile's union is ~18 blocks
+against a 12-block budget; what remains is the masked SDPA kernel (about 1.7x the per-key cost of
+causal flash on CPU) and stage-1 selection in PyTorch, whose [Hq, T, C] score passes grow as
+T^2 / kernel_stride.  At 128K the same stage 1 is the expected GPU bottleneck too: a fused
+prefill stage-1 kernel (score, pool, top-k without materialising the scores) is the next step.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import contextlib
 import importlib.util
 import math
 import os
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -315,7 +322,12 @@ def _flex_fn(device: torch.device):
     from torch.nn.attention.flex_attention import flex_attention
 
     if device.type != "cuda":
-        return flex_attention
+        def eager(*args, **kwargs):  # tests only: unfused, O(T x S); its warning says so
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+                return flex_attention(*args, **kwargs)
+
+        return eager
     if _COMPILED_FLEX is None:
         _COMPILED_FLEX = torch.compile(flex_attention, dynamic=False)
     return _COMPILED_FLEX
