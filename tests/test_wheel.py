@@ -51,11 +51,13 @@ def installed(tmp_path_factory):
 
 
 def test_wheel_contains_every_preset(installed):
+    """Every file under forecastkv/presets (model presets, the demo's recipe and suites) ships."""
     _, wheel = installed
-    shipped = sorted(p.name for p in (ROOT / "forecastkv" / "presets").glob("*.json"))
-    assert shipped, "no presets in forecastkv/presets"
+    presets = ROOT / "forecastkv" / "presets"
+    shipped = sorted(str(p.relative_to(ROOT)) for p in presets.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
+    assert any(name.endswith(".json") for name in shipped), "no presets in forecastkv/presets"
     with zipfile.ZipFile(wheel) as archive:
-        in_wheel = sorted(Path(n).name for n in archive.namelist() if n.startswith("forecastkv/presets/") and n.endswith(".json"))
+        in_wheel = sorted(n for n in archive.namelist() if n.startswith("forecastkv/presets/"))
     assert in_wheel == shipped
 
 
