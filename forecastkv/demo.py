@@ -9,7 +9,7 @@ same code as the package's commands:
                                                    (`forecastkv generate --offload`: `generate_offloaded`);
 4. write `<output>/report.md` with its plots and print a short summary last.
 
-The recipe and the suite are package data (`forecastkv/presets/demo/`); `overrides` shrink them
+The recipe and the eval suites are package data (`forecastkv/presets/demo/`); `overrides` shrink them
 for the test.  Everything is written under `output` and a rerun resumes: finished training and
 finished eval examples are kept.
 """
@@ -50,15 +50,17 @@ def _merge(base: dict, overrides: dict | None) -> dict:
 
 
 def demo_configs(output: Path, train_overrides: dict | None = None, eval_overrides: dict | None = None) -> tuple[dict, dict]:
-    """(training recipe, eval suite) for a demo run writing under `output`.  The suite evaluates the
-    heads the recipe writes, with the recipe's geometry, so both steps see the same selection."""
+    """(training recipe, {suite name: eval suite}) for a demo run writing under `output`.  The suites
+    evaluate the heads the recipe writes, with the recipe's geometry, so both steps see the same
+    selection.  eval_overrides: {suite name: overrides}."""
     recipe = _merge(yaml.safe_load((DEMO_DIR / "train.yaml").read_text()), train_overrides)
     recipe["output_dir"] = str(output / "heads")
-    suite = _merge(yaml.safe_load((DEMO_DIR / "eval.yaml").read_text()), eval_overrides)
-    suite["model"] = {**suite.get("model", {}), "path": recipe["model"]["path"], "sparse_config": recipe["model"]["sparse_config"],
-                      "forecast_weights": recipe["output_dir"], "forecast": None}
-    suite["output_dir"] = str(output / "eval")
-    return recipe, suite
+    suites = _merge(yaml.safe_load((DEMO_DIR / "eval.yaml").read_text()), eval_overrides)
+    for name, suite in suites.items():
+        suite["model"] = {**suite.get("model", {}), "path": recipe["model"]["path"], "sparse_config": recipe["model"]["sparse_config"],
+                          "forecast_weights": recipe["output_dir"], "forecast": None}
+        suite["output_dir"] = str(output / "eval" / name)
+    return recipe, suites
 
 
 def _recall_plot(before: dict, after: dict, path: Path) -> Path:
@@ -122,7 +124,7 @@ def run_demo(output: str | Path = "runs/demo", train_overrides: dict | None = No
 
     output = Path(output)
     output.mkdir(parents=True, exist_ok=True)
-    recipe, suite = demo_configs(output, train_overrides, eval_overrides)
+    recipe, suites = demo_configs(output, train_overrides, eval_overrides)
     clock = {"start": time.perf_counter()}
 
     print("== 1/4 fit Forecast heads on the training essays (recall measured before and after)", flush=True)
@@ -134,8 +136,10 @@ def run_demo(output: str | Path = "runs/demo", train_overrides: dict | None = No
           f"{after['mean_recall']:.3f} at step {after['step']} (chance {after['mean_chance']:.3f})", flush=True)
 
     print("== 2/4 evaluate on the held-out essays (perplexity per selector, H2D bytes per offload mode)", flush=True)
-    evaluated = run_eval(suite, progress=progress)
-    records = load_records(suite["output_dir"])
+    reports, records = [], []
+    for suite in suites.values():
+        reports.append(Path(run_eval(suite, progress=progress)["report"] or Path(suite["output_dir"]) / "report.md"))
+        records += load_records(suite["output_dir"])
     per_mode = _eval_summary(records)
     clock["eval"] = time.perf_counter()
 
@@ -152,7 +156,6 @@ def run_demo(output: str | Path = "runs/demo", train_overrides: dict | None = No
 
     print("== 4/4 report", flush=True)
     recall_png = _recall_plot(before, after, output / "recall_by_layer.png")
-    eval_report = Path(evaluated["report"]) if evaluated.get("report") else Path(suite["output_dir"]) / "report.md"
     query, forecast = per_mode.get("infllmv2-query", {}), per_mode.get("infllmv2-forecast", {})
     bytes_of = {m.split("@")[1]: v["h2d_bytes_per_step"] for m, v in per_mode.items() if "@" in m}
     ppl_ratio = (forecast["perplexity"] / query["perplexity"]) if query.get("perplexity") and forecast.get("perplexity") else None
@@ -169,10 +172,10 @@ def run_demo(output: str | Path = "runs/demo", train_overrides: dict | None = No
         (trained.output_dir / "recall.md").read_text() if (trained.output_dir / "recall.md").is_file() else "", "",
         f"![recall by layer]({recall_png.name})", "",
         "## 2. Held-out evaluation (perplexity per selector, H2D bytes per decode step per offload mode)", "",
-        f"Full tables and plots: [{eval_report.relative_to(output)}]({eval_report.relative_to(output)}).", "",
+        "Full tables and plots: " + ", ".join(f"[{p.relative_to(output)}]({p.relative_to(output)})" for p in reports) + ".", "",
         "| mode | perplexity | H2D MiB per decode step |", "|---|---|---|",
         *[f"| {m} | {_fmt(v['perplexity'])} | {_fmt(v['h2d_bytes_per_step'], 2**20)} |" for m, v in per_mode.items()],
-        "", *[f"![{p.stem}]({p.relative_to(output)})" for p in sorted(Path(suite["output_dir"]).glob("*.png"))], "",
+        "", *[f"![{p.stem}]({p.relative_to(output)})" for r in reports for p in sorted(r.parent.glob("*.png"))], "",
         f"## 3. Offloaded generation (forecast-offload, {ids.shape[1]}-token prompt, {seconds:.1f} s)", "",
         "```", continuation.strip(), "```", "", "```", stats_text, "```", "",
     ]
