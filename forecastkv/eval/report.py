@@ -138,8 +138,8 @@ def tables(records: list[dict]) -> str:
             lines.append(f"| {m} | {length} | {_fmt(None if kv is None else kv / MIB, 3)} | {_fmt(None if h2d is None else h2d / MIB, 3)} | "
                          f"{_fmt(_mean(r['time']['prefill_s'] for r in rs), 2)} | {_fmt(_mean(r['time']['decode_ms_per_step'] for r in rs), 1)} |")
     lines += ["", "KV read: bytes of K/V (and NOSA bias) the attention read per decode step, all layers — what a "
-              "cache without slot reuse would move host→device. H2D: the offloaded runtime's own counters "
-              "(— on the resident cache, which moves nothing). Times are wall-clock on the machine that ran it.", ""]
+              "cache without slot reuse would move host→device. H2D: every byte the offloaded runtime "
+              "counted host→device during the decode steps, per step (— on the resident cache, which moves nothing). Times are wall-clock on the machine that ran it.", ""]
     return "\n".join(lines)
 
 
