@@ -186,6 +186,8 @@ def plots(records: list[dict], directory: Path) -> list[Path]:
             ax.plot(xs, ys, color=colors[m], label=m, **looks[m])
         ax.set_title(task + (" (lower is better)" if task == "perplexity" else ""), fontsize=10)
         ax.set_ylabel("perplexity" if task == "perplexity" else "score (×100)")
+        if task != "perplexity":
+            ax.set_ylim(-5, 105)  # the full score range, so a flat line reads as what it is
         _length_axis(ax, sorted({r["length"] for r in records if r["task"] == task}))
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(tasks):]:
