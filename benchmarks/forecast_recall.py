@@ -90,7 +90,9 @@ def main(argv: list[str] | None = None) -> int:
         for layer in range(layers):
             lines.append(f"| {layer} | " + " | ".join(f"{results[s]['recall'][layer]:.3f}" for s in specs) + f" | {chance[layer]:.3f} |")
         lines.append("| mean (>= 1) | " + " | ".join(f"**{results[s]['mean_recall']:.3f}**" for s in specs) + f" | {results[specs[0]]['mean_chance']:.3f} |")
-    title = (f"T = {args.length}, rows t >= {args.start}, {args.backbone} backbone, geometry {json.dumps({k: sparse[k] for k in ('kernel_size', 'kernel_stride', 'block_size', 'init_blocks', 'window_size', 'topk')})}")
+    geometry = json.dumps({k: sparse[k] for k in ("kernel_size", "kernel_stride", "block_size", "init_blocks", "window_size", "topk")})
+    what = "sparse backbone, every next-token loss" if args.perplexity else f"rows t >= {args.start}, {args.backbone} backbone"
+    title = f"T = {args.length}, {what}, geometry {geometry}"
     table = title + "\n\n" + "\n".join(lines) + "\n"
     print(table)
     if args.out:
