@@ -240,7 +240,9 @@ def chunked_sparse_attention(
         own |= empty & valid.unsqueeze(3)
     neg_inf = torch.tensor(float("-inf"), dtype=q.dtype, device=q.device)
     block_mask = torch.where(own, torch.zeros((), dtype=q.dtype, device=q.device), neg_inf)
-    mask = block_mask.unsqueeze(-1).expand(*block_mask.shape, block_size).reshape(*block_mask.shape[:-1], width * block_size)
+    # repeat_interleave allocates: a reshape of the expanded view can stay a stride-0 view (one
+    # block in the union), which the in-place causal masking below must not write through
+    mask = block_mask.repeat_interleave(block_size, dim=-1)
     if bias_blocks is not None:  # CIS, added after the 1/sqrt(d) scaling
         mask = mask + bias_blocks.view(-1, block_size).index_select(0, flat).view(batch, kv_heads, n_tiles, 1, width * block_size).to(q.dtype)
     # causality inside blocks: a tile of <= block_size rows spans <= 2 blocks, the union's two highest

@@ -47,6 +47,17 @@ def test_chunked_sparse_matches_reference(with_bias):
 
 
 @pytest.mark.parametrize("with_bias", [False, True])
+def test_prompt_within_one_block_matches_reference(with_bias):
+    """A prompt shorter than a block: every tile's union is one block (a case that once wrote
+    through a stride-0 view of the mask)."""
+    case = random_case(3, batch=1, rows=5, count=5, with_bias=with_bias)
+    q, keys, values, bias, positions, masks, bs = case
+    masks = torch.ones_like(masks)
+    assert rel(prefill.chunked_sparse_attention(q, keys, values, bias, positions, masks, bs),
+               reference(q, keys, values, bias, positions, masks, bs)) < 1e-5
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
 def test_dense_matches_reference(with_bias):
     q, keys, values, bias, positions, masks, bs = random_case(2, with_bias=with_bias)
     everything = torch.ones_like(masks)
