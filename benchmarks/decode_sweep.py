@@ -3,12 +3,17 @@
     PYTHONPATH=. python benchmarks/decode_sweep.py --config cpu        # SmolLM2-135M-shaped, fp32, 1K-4K, batch 1-4
     PYTHONPATH=. python benchmarks/decode_sweep.py --config gpu        # MiniCPM4.1-8B-shaped, bf16, 32K-128K, batch 1-64
     PYTHONPATH=. python benchmarks/decode_sweep.py --config gpu-short  # what benchmarks/gpu_check.py runs
+    PYTHONPATH=. python benchmarks/decode_sweep.py --config tiny       # a dry run of the script (CPU, seconds)
 
 Per (length, batch): prefill tokens/s of one forward over random token ids into a resident
 `SparseCache` and into an offloaded cache (`forecast-offload`: K/V written to host as it goes).
 Per (length, mode, batch): the cache is filled with random post-RoPE K/V (decode cost does not
 depend on where the keys came from), then warm-up steps (the first fills empty slots) and timed
-steps: decode tokens/s, H2D bytes per step, block hit rate (`offload_decode.run_config`).
+steps: decode tokens/s, H2D bytes per step, block hit rate, host syncs per step on CUDA
+(`offload_decode.run_config`).  Per (length, batch): the share of the synchronous fetch time the
+prefetch hides, 1 - (t[forecast-offload] - t[no-offload]) / (t[forecast-sync] - t[no-offload]),
+the forecast-offload speed-up over sparse-offload, and its step time over no-offload; once per run,
+the block-gather bandwidth against a plain pinned copy.
 Once a batch runs out of memory (device or pinned host) for a (length, mode), larger batches are
 marked OOM and not run; configurations left when the time budget is spent are marked "skipped".
 Writes JSON (atomically) and a PNG beside it: decode tokens/s vs batch per mode, one panel per
@@ -28,17 +33,23 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != HERE]  # benchmarks/kernels.py shadows HF's `kernels`
 sys.path.append(HERE)  # for offload_decode (appended: HF's `kernels` still wins)
-from offload_decode import MINICPM41_8B, is_oom, run_config, synchronize  # noqa: E402
+from offload_decode import MINICPM41_8B, gather_bandwidth, hidden_shares, is_oom, run_config, synchronize  # noqa: E402
 
 SMOLLM2_135M = dict(
     vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
     num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5, initializer_range=0.02, max_position_embeddings=8192,
     bos_token_id=None, eos_token_id=None, tie_word_embeddings=True,
 )
+TINY = dict(
+    vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, initializer_range=0.2, max_position_embeddings=4096,
+    bos_token_id=None, eos_token_id=None,
+)
 CONFIGS = {
     # name: (model shape, preset, dtype on that device, lengths, batches, budget seconds)
     "cpu": (SMOLLM2_135M, "smollm2-135m", torch.float32, [1024, 2048, 4096], [1, 2, 4], 480.0),
     "gpu": (MINICPM41_8B, "minicpm4.1-8b", torch.bfloat16, [32768, 65536, 131072], [1, 4, 16, 64], 1800.0),
+    "tiny": (TINY, "smollm2-135m", torch.float32, [512, 1024], [1, 2], 120.0),  # a dry run of the script
     "gpu-short": (MINICPM41_8B, "minicpm4.1-8b", torch.bfloat16, [131072, 32768], [1, 4, 16], 150.0),
 }
 
@@ -149,18 +160,19 @@ def main(argv=None) -> dict:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--budget-s", type=float, default=None)
     parser.add_argument("--no-prefill", action="store_true")
-    parser.add_argument("--out", default=None, help="JSON path (the PNG goes beside it); default benchmarks/results/decode_sweep_<config>.json")
+    parser.add_argument("--out", "--json", dest="out", default=None,
+                        help="JSON path (the PNG goes beside it); default benchmarks/results/decode_sweep_<config>.json")
     args = parser.parse_args(argv)
     shape, preset, dtype, lengths, batches, budget = CONFIGS[args.config]
     lengths, batches, budget = args.lengths or lengths, args.batches or batches, args.budget_s or budget
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if args.config != "cpu" and device.type != "cuda":
+    if args.config.startswith("gpu") and device.type != "cuda":
         raise SystemExit(f"--config {args.config} needs a CUDA device (this machine has none); use --config cpu")
     out = args.out or os.path.join(HERE, "results", f"decode_sweep_{args.config}.json")
 
     started = time.perf_counter()
     model = build_model(shape, preset, device, dtype)
-    name = f"{'SmolLM2-135M' if shape is SMOLLM2_135M else 'MiniCPM4.1-8B'}-shaped random {str(dtype).split('.')[-1]}, preset {preset}"
+    name = f"{ {id(SMOLLM2_135M): 'SmolLM2-135M', id(MINICPM41_8B): 'MiniCPM4.1-8B'}.get(id(shape), 'tiny')}-shaped random {str(dtype).split('.')[-1]}, preset {preset}"
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({os.cpu_count()} cores)"
     print(f"{name} on {device_name}: lengths {lengths}, batches {batches}, modes {args.modes}", flush=True)
     results = {"config": args.config, "model": name, "device": device_name, "lengths": lengths, "batches": batches,
@@ -172,6 +184,13 @@ def main(argv=None) -> dict:
             model, batch, length, None if cache == "resident" else cache, device), started, budget)
     grid = [{"length": n, "mode": m} for n in lengths for m in args.modes]
     results["decode"] = sweep(grid, batches, lambda length, mode, batch: run_config(model, mode, batch, length, args, device), started, budget)
+    results["hidden_share"] = hidden_shares(results["decode"])
+    with torch.no_grad():
+        results["gather"] = gather_bandwidth(device, dtype, tiny=device.type != "cuda")
+    longest = max(lengths)  # the headline numbers gpu_check prints: the goals are at the longest context
+    results["summary"] = {f"{longest // 1024}K b{e['batch']} {k}": round(v, 3) for e in results["hidden_share"]
+                          if e["length"] == longest for k, v in e.items() if isinstance(v, float)}
+    results["summary"].update({k: round(v, 2) for k, v in results["gather"].items() if k.endswith("GBps")})
     results["seconds"] = time.perf_counter() - started
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out + ".tmp", "w") as handle:
@@ -186,6 +205,11 @@ def main(argv=None) -> dict:
     for r in results.get("prefill", []):
         if r.get("status") == "ok":
             print(f"prefill {r['length']:>7} {r['cache']:<17} batch {r['batch']}: {r['tokens_per_s']:.0f} tokens/s")
+    for entry in results["hidden_share"]:
+        parts = [f"{k}={v:.3f}" for k, v in entry.items() if isinstance(v, float)]
+        print(f"length {entry['length']} batch {entry['batch']}: {', '.join(parts) or 'n/a'}")
+    g = results["gather"]
+    print(f"block gather {g['gather_GBps']:.2f} GB/s vs pinned copy {g['pinned_copy_GBps']:.2f} GB/s ({g['bytes'] / 2**20:.1f} MiB)")
     print(f"wrote {out} and {png} ({results['seconds']:.0f} s)")
     return results
 

@@ -4,7 +4,7 @@
 2. the kernel benchmark (`benchmarks/kernels.py`);
 3. the runtime: decode tokens/s of every offload mode on MiniCPM4.1-8B-shaped random bf16 weights
    at 32K-128K, batch 1-16 (OOM marked), hidden fetch share, gather vs pinned copy, host syncs per
-   step (`benchmarks/offload_decode.py`; dry run on CPU: `--tiny`), and any extra SECTIONS
+   step, prefill tokens/s (`benchmarks/decode_sweep.py --config gpu-short`), and any extra SECTIONS
    (benchmarks/prefill.py joins when it accepts --gpu-check);
 4. a short table last.
 
@@ -33,13 +33,13 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != HERE]
 
 TEST_TIMEOUT_S = 300
 BENCH_TIMEOUT_S = 150
-RUNTIME_TIMEOUT_S = 270  # benchmarks/offload_decode.py stops starting new runs after RUNTIME_BUDGET_S
+RUNTIME_TIMEOUT_S = 270  # benchmarks/decode_sweep.py stops starting new runs after RUNTIME_BUDGET_S
 RUNTIME_BUDGET_S = 200
 # Extra sections: (name, script, arguments, timeout).  A script that writes `--json PATH` with a
 # "summary" dict has it printed in the table.  benchmarks/prefill.py joins when it accepts
 # --gpu-check (its own sparse vs dense prefill comparison at 32K/128K).
 SECTIONS = [
-    ("runtime decode", os.path.join("benchmarks", "offload_decode.py"), ["--budget-s", str(RUNTIME_BUDGET_S)], RUNTIME_TIMEOUT_S),
+    ("decode sweep", os.path.join("benchmarks", "decode_sweep.py"), ["--config", "gpu-short", "--budget-s", str(RUNTIME_BUDGET_S)], RUNTIME_TIMEOUT_S),
 ]
 PREFILL_SCRIPT = os.path.join("benchmarks", "prefill.py")
 PREFILL_TIMEOUT_S = 150

@@ -1,25 +1,21 @@
-"""Decode throughput of every runtime mode on MiniCPM4.1-8B-shaped random bf16 weights.
+"""Measurement helpers of the runtime decode benchmark (`benchmarks/decode_sweep.py` drives them):
+one (mode, batch, length) decode run on a randomly filled cache, the share of fetch time the
+prefetch hides, and block-gather bandwidth against a plain pinned copy.
 
-    PYTHONPATH=. python benchmarks/offload_decode.py [--lengths 32768 131072] [--batches 1 4 16]
-        [--modes ...] [--steps 4] [--budget-s 200] [--json FILE]
-    PYTHONPATH=. python benchmarks/offload_decode.py --tiny      # a dry run on CPU, tiny shapes
+    PYTHONPATH=. python benchmarks/decode_sweep.py --config gpu-short    # what gpu_check.py runs
+    PYTHONPATH=. python benchmarks/decode_sweep.py --config cpu          # a small CPU run
 
-Per (context length, mode, batch): the cache is filled with random post-RoPE K/V (no prefill; the
-decode cost does not depend on how the keys were made), then `--warmup` steps (the first one fills
-empty slots) and `--steps` timed steps.  Reported: decode tokens/s (batch x steps / time), H2D
-bytes per step, host syncs in one decode step (`torch.cuda.set_sync_debug_mode`), and per
-(length, batch) the share of fetch time hidden by the prefetch:
+Per (context length, mode, batch) `run_config` fills the cache with random post-RoPE K/V (no prefill;
+the decode cost does not depend on how the keys were made), then runs `--warmup` steps (the first
+one fills empty slots) and `--steps` timed steps: decode tokens/s (batch x steps / time), H2D
+bytes per step, host syncs in one decode step (`torch.cuda.set_sync_debug_mode`).  Per (length,
+batch) `hidden_shares` gives the share of fetch time hidden by the prefetch:
     hidden = 1 - (t[forecast-offload] - t[no-offload]) / (t[forecast-sync] - t[no-offload]).
-Once a batch runs out of memory (device or pinned host) for a (length, mode), larger batches are
-marked OOM, not run.  Configurations left when `--budget-s` is spent are marked "skipped".
-Also: block-gather bandwidth against a plain pinned-memory copy of the same bytes.
 """
 
 from __future__ import annotations
 
-import argparse
 import gc
-import json
 import os
 import sys
 import time
@@ -35,37 +31,9 @@ MINICPM41_8B = dict(
     num_attention_heads=32, num_key_value_heads=2, head_dim=128, rms_norm_eps=1e-6, initializer_range=0.02,
     max_position_embeddings=262144, bos_token_id=None, eos_token_id=None, tie_word_embeddings=False,
 )
-TINY = dict(
-    vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=16, initializer_range=0.2, max_position_embeddings=4096,
-    bos_token_id=None, eos_token_id=None,
-)
-TINY_SPARSE = dict(kernel_size=4, kernel_stride=2, block_size=8, init_blocks=1, window_size=16, topk=4, dense_len=0, lse="coarse", query_blocks=2)
-
-
 def is_oom(error: BaseException) -> bool:
     text = str(error).lower()
     return isinstance(error, (torch.cuda.OutOfMemoryError, MemoryError)) or "out of memory" in text or "could not pin" in text
-
-
-def build_model(tiny: bool, device: torch.device, dtype: torch.dtype):
-    from forecastkv import ForecastKVConfig, ForecastKVForCausalLM
-    from forecastkv.modeling.configuration import load_preset
-
-    if tiny:
-        settings, sparse = dict(TINY), dict(TINY_SPARSE)
-    else:
-        settings, sparse = dict(MINICPM41_8B), dict(load_preset("minicpm4.1-8b")["sparse_config"])
-    sparse["selector"] = "forecast"
-    config = ForecastKVConfig(**settings, sparse_config=sparse, forecast={"enabled": True, "heads_per_group": 1})
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = ForecastKVForCausalLM(config).eval()  # random weights, made on the device
-    finally:
-        torch.set_default_dtype(previous)
-    return model
 
 
 def synchronize(device: torch.device) -> None:
@@ -152,68 +120,6 @@ def gather_bandwidth(device: torch.device, dtype: torch.dtype, tiny: bool) -> di
     return {"bytes": nbytes, "gather_GBps": nbytes / gather_s / 1e9, "pinned_copy_GBps": nbytes / copy_s / 1e9}
 
 
-def main(argv=None) -> dict:
-    from forecastkv.inference import MODES
-
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--lengths", type=int, nargs="+", default=[131072, 32768], help="longest first: the goals are at 128K")
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
-    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--budget-s", type=float, default=200.0)
-    parser.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU (a dry run of this script)")
-    parser.add_argument("--json", default=None)
-    args = parser.parse_args(argv)
-    if args.tiny and args.lengths == [131072, 32768]:
-        args.lengths = [96, 160]
-    if args.tiny and args.batches == [1, 4, 16]:
-        args.batches = [1, 2]
-
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    started = time.perf_counter()
-    model = build_model(args.tiny, device, dtype)
-    print(f"model: {'tiny' if args.tiny else 'MiniCPM4.1-8B-shaped'} random weights, {dtype}, {device}, "
-          f"{sum(p.numel() for p in model.parameters()) / 1e9:.2f} B parameters ({time.perf_counter() - started:.0f} s)", flush=True)
-    results: dict = {"device": str(torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"), "runs": []}
-    with torch.no_grad():
-        for length in args.lengths:
-            for mode in args.modes:
-                failed_at = None
-                for batch in sorted(args.batches):
-                    row = {"length": length, "mode": mode, "batch": batch}
-                    if failed_at is not None:
-                        row["status"] = f"OOM (batch {failed_at} did)"
-                    elif time.perf_counter() - started > args.budget_s:
-                        row["status"] = "skipped (time budget)"
-                    else:
-                        try:
-                            row.update(run_config(model, mode, batch, length, args, device))
-                        except Exception as error:  # noqa: BLE001 - OOM of either tier, reported
-                            if not is_oom(error):
-                                raise
-                            failed_at = batch
-                            row["status"] = "OOM"
-                    results["runs"].append(row)
-                    print(json.dumps(row), flush=True)
-        results["gather"] = gather_bandwidth(device, dtype, args.tiny)
-    results["hidden_share"] = hidden_shares(results["runs"])
-    longest = max(args.lengths)
-    results["summary"] = {
-        f"{longest // 1024}K b{entry['batch']} {key}": round(value, 3)
-        for entry in results["hidden_share"] if entry["length"] == longest
-        for key, value in entry.items() if isinstance(value, float)
-    }
-    results["summary"].update({key: round(value, 2) for key, value in results["gather"].items() if key.endswith("GBps")})
-    print_table(results)
-    if args.json:
-        with open(args.json + ".tmp", "w") as handle:
-            json.dump(results, handle, indent=1)
-        os.replace(args.json + ".tmp", args.json)
-    return results
-
-
 def hidden_shares(runs: list[dict]) -> list[dict]:
     """Per (length, batch): share of the synchronous fetch time the prefetch hides, and the
     forecast-offload speed-up over sparse-offload and its step time relative to no-offload."""
@@ -231,22 +137,3 @@ def hidden_shares(runs: list[dict]) -> list[dict]:
             entry["forecast_step_vs_no_offload"] = overlap / base
         shares.append(entry)
     return shares
-
-
-def print_table(results: dict) -> None:
-    print(f"\n{'length':>7} {'mode':<17} {'batch':>5} {'status':<22} {'tok/s':>9} {'H2D MiB/step':>13} {'syncs/step':>10}")
-    for r in results["runs"]:
-        ok = r.get("status") == "ok"
-        tps = f"{r['tokens_per_s']:.1f}" if ok else ""
-        h2d = f"{r['h2d_bytes_per_step'] / 2**20:.2f}" if ok else ""
-        syncs = "" if not ok or r["syncs_per_step"] is None else str(r["syncs_per_step"])
-        print(f"{r['length']:>7} {r['mode']:<17} {r['batch']:>5} {r['status']:<22} {tps:>9} {h2d:>13} {syncs:>10}")
-    for entry in results["hidden_share"]:
-        parts = [f"{k}={v:.3f}" for k, v in entry.items() if isinstance(v, float)]
-        print(f"length {entry['length']} batch {entry['batch']}: {', '.join(parts) or 'n/a'}")
-    g = results["gather"]
-    print(f"block gather {g['gather_GBps']:.1f} GB/s vs pinned copy {g['pinned_copy_GBps']:.1f} GB/s ({g['bytes'] / 2**20:.1f} MiB)")
-
-
-if __name__ == "__main__":
-    main()

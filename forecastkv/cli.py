@@ -32,13 +32,13 @@ def _generate(args) -> int:
         from .inference.report import format_stats, generate_offloaded
 
         new_ids, cache, seconds = generate_offloaded(model, ids, args.max_new_tokens, mode=args.offload)
-        print(tokenizer.decode(new_ids[0]))
+        print(tokenizer.decode(new_ids[0], skip_special_tokens=True))
         if args.stats:
             print(f"[{ids.shape[1]} prompt tokens, {new_ids.shape[1]} new, {seconds:.1f}s]", file=sys.stderr)
             print(format_stats(cache.stats()), file=sys.stderr)
         return 0
     new_ids, cache, seconds = generate_with_cache(model, ids, args.max_new_tokens)
-    print(tokenizer.decode(new_ids))
+    print(tokenizer.decode(new_ids, skip_special_tokens=True))
     if args.stats:
         stats = cache.stats()
         share = "n/a (dense)" if stats["block_share"] is None else f"{100 * stats['block_share']:.1f}%"
