@@ -113,14 +113,19 @@ def test_minicpm_sparse_generates_and_sparda_heads_load(tmp_path):
     assert out.shape == (1, 46)
 
 
-def test_nosa_format_loads_and_generates(tmp_path):
+def nosa_dir(tmp_path):
+    """A tiny NOSA-format directory (Llama weights plus per-layer A and delta) -> (path, state dict)."""
     llama = random_llama()
     state = dict(llama.state_dict())
     for i in range(3):
         state[f"model.layers.{i}.self_attn.A"] = torch.randn(2)
         state[f"model.layers.{i}.self_attn.delta.weight"] = torch.randn(2, 2 * HEAD_DIM) * 0.1
     config = {**llama.config.to_dict(), "architectures": ["SparseLlamaForCausalLM"], "model_type": "llama"}
-    directory = write_dir(tmp_path / "nosa", config, state)
+    return write_dir(tmp_path / "nosa", config, state), state
+
+
+def test_nosa_format_loads_and_generates(tmp_path):
+    directory, state = nosa_dir(tmp_path)
     default = ForecastKVForCausalLM.from_pretrained(directory)
     assert default.config.sparse.policy == "nosa" and default.config.sparse.budget_blocks == 64
     model = ForecastKVForCausalLM.from_pretrained(directory, sparse_config={**TINY_SPARSE, "policy": "nosa"})

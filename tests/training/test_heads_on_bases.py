@@ -7,19 +7,9 @@ import torch
 from forecastkv import ForecastKVForCausalLM
 from forecastkv.modeling.checkpoints import CheckpointError
 from tests.conftest import TINY_SPARSE
-from tests.modeling.test_checkpoints import HEAD_DIM, minicpm_dir, random_llama, write_dir
+from tests.modeling.test_checkpoints import HEAD_DIM, minicpm_dir, nosa_dir, random_llama, write_dir
 
 IDS = torch.randint(0, 128, (1, 64), generator=torch.Generator().manual_seed(5))
-
-
-def nosa_dir(tmp_path):
-    llama = random_llama()
-    state = dict(llama.state_dict())
-    for i in range(3):
-        state[f"model.layers.{i}.self_attn.A"] = torch.randn(2)
-        state[f"model.layers.{i}.self_attn.delta.weight"] = torch.randn(2, 2 * HEAD_DIM) * 0.1
-    config = {**llama.config.to_dict(), "architectures": ["SparseLlamaForCausalLM"], "model_type": "llama"}
-    return write_dir(tmp_path / "nosa", config, state)
 
 
 def llama_dir(tmp_path):
@@ -50,7 +40,7 @@ def test_loaded_heads_turn_the_forecast_selector_on_and_route(tmp_path, kind):
         base = minicpm_dir(tmp_path, {"kernel_size": 4, "kernel_stride": 2, "init_blocks": 1, "block_size": 8, "window_size": 8, "topk": 3, "dense_len": 0})[0]
         load = {}
     elif kind == "nosa":
-        base, load = nosa_dir(tmp_path), {"sparse_config": {**TINY_SPARSE, "policy": "nosa", "topk": 4, "query_blocks": 2}}
+        base, load = nosa_dir(tmp_path)[0], {"sparse_config": {**TINY_SPARSE, "policy": "nosa", "topk": 4, "query_blocks": 2}}
     else:
         base, load = llama_dir(tmp_path), {"sparse_config": dict(TINY_SPARSE)}
     plain = ForecastKVForCausalLM.from_pretrained(base, **load)
