@@ -7,7 +7,7 @@ import torch
 from forecastkv import ForecastKVForCausalLM
 from forecastkv.modeling.checkpoints import CheckpointError
 from tests.conftest import TINY_SPARSE
-from tests.modeling.test_checkpoints import HEAD_DIM, minicpm_dir, nosa_dir, random_llama, write_dir
+from tests.modeling.test_checkpoints import HEAD_DIM, minicpm_dir, nosa_dir, random_llama
 
 IDS = torch.randint(0, 128, (1, 64), generator=torch.Generator().manual_seed(5))
 
