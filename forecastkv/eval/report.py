@@ -156,6 +156,16 @@ def _length_axis(ax, lengths) -> None:
     ax.set_xlabel("context length (tokens)")
 
 
+def _save_with_side_legend(fig, ax, title: str, path: Path) -> Path:
+    """Title, grid, the legend beside the axes; write `path` (PNG) and return it."""
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
+
+
 def plots(records: list[dict], directory: Path) -> list[Path]:
     import matplotlib
 
@@ -216,12 +226,7 @@ def plots(records: list[dict], directory: Path) -> list[Path]:
         ax.set_xticks(range(0, count, 1 if count <= 16 else 5))
         ax.set_ylabel("forecast recall (share of query-selected blocks)")
         ax.set_ylim(0, 1.02)
-        ax.set_title("Forecast recall by layer (dashed: chance)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
-        fig.tight_layout()
-        written.append(directory / "recall_by_layer.png")
-        fig.savefig(written[-1], dpi=110)
+        written.append(_save_with_side_legend(fig, ax, "Forecast recall by layer (dashed: chance)", directory / "recall_by_layer.png"))
         plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(10, 4.2))
@@ -241,12 +246,7 @@ def plots(records: list[dict], directory: Path) -> list[Path]:
         _length_axis(ax, lengths)
         ax.set_yscale("log")
         ax.set_ylabel("MiB per decode step (all layers, log scale)")
-        ax.set_title("KV bytes per decode step per mode")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
-        fig.tight_layout()
-        written.append(directory / "bytes_per_step.png")
-        fig.savefig(written[-1], dpi=110)
+        written.append(_save_with_side_legend(fig, ax, "KV bytes per decode step per mode", directory / "bytes_per_step.png"))
     plt.close(fig)
     return written
 
