@@ -209,9 +209,12 @@ def chunked_sparse_attention(
     q [B, R, Hq, d], keys/values [B, S, H, d], bias [B, S, H] or None, positions [B, R] (-1 =
     padding), masks bool [B, H, R, NB] (`row_block_masks`; blocks after a row's own are ignored)
     -> [B, R, Hq, d].  `blocks`: (`block_layout` of keys, of values, of bias or None), computed
-    once per layer by the caller (else here).  Each tile of `block_size` rows gathers its union's
-    blocks once per KV head (never per query head): [B*H*tiles, 1, U*bs, d]; its G query heads
-    share them through SDPA's GQA and one [tile, U*bs] mask.
+    once per layer by the caller (else here).
+
+    Rows are cut into tiles of `block_size` rows.  An entry is one (sequence, KV head, tile): its
+    G query heads are folded into G * tile rows that share one gather of the union's blocks (never
+    a copy per query head) and one [tile, U * block_size] mask.  Entries are attended in groups of
+    equal union width U, so no entry pays for another's larger union.
     """
     batch, rows, heads, dim = q.shape
     kv_heads = keys.shape[2]
@@ -224,41 +227,62 @@ def chunked_sparse_attention(
     current = torch.div(positions, block_size, rounding_mode="floor")[:, None, :, None]
     masks = masks & (torch.arange(masks.shape[-1], device=q.device) <= current)  # nothing after a row's own block
     tiled, union, valid = _tile_unions(masks, tile)
-    n_tiles, width = union.shape[2], union.shape[3]
+    n_tiles = union.shape[2]
+    entries = batch * kv_heads * n_tiles
     pad_rows = n_tiles * tile - rows
     pos = positions if pad_rows == 0 else F.pad(positions, (0, pad_rows), value=-1)
-    pos = pos.view(batch, 1, n_tiles, tile, 1)
-    # whole-block gathers: row (b, h, block) of the flattened layout
-    flat = ((torch.arange(batch, device=q.device).view(-1, 1, 1, 1) * kv_heads + torch.arange(kv_heads, device=q.device).view(1, -1, 1, 1)) * n_blocks + union).flatten()
-    k = key_blocks.view(-1, block_size, dim).index_select(0, flat).view(-1, 1, width * block_size, dim)
-    v = value_blocks.view(-1, block_size, dim).index_select(0, flat).view(-1, 1, width * block_size, dim)
-    # each row's own blocks among the union [.., tile, U], never past the row's own block
-    own = torch.gather(tiled, -1, union.unsqueeze(3).expand(-1, -1, -1, tile, -1)) & valid.unsqueeze(3)
-    empty = ~own.any(dim=-1, keepdim=True)                            # padding rows: no block
-    has_empty = bool(empty.any())
-    if has_empty:
-        own |= empty & valid.unsqueeze(3)
-    neg_inf = torch.tensor(float("-inf"), dtype=q.dtype, device=q.device)
-    block_mask = torch.where(own, torch.zeros((), dtype=q.dtype, device=q.device), neg_inf)
-    # repeat_interleave allocates: a reshape of the expanded view can stay a stride-0 view (one
-    # block in the union), which the in-place causal masking below must not write through
-    mask = block_mask.repeat_interleave(block_size, dim=-1)
+    entry_pos = pos.view(batch, 1, n_tiles, tile).expand(-1, kv_heads, -1, -1).reshape(entries, tile)
+    # flat row of entry e's first block in the [B * H * NB, bs, ...] block layouts
+    entry_base = (torch.arange(batch * kv_heads, device=q.device) * n_blocks).repeat_interleave(n_tiles)
+    qt = q if pad_rows == 0 else F.pad(q, (0, 0, 0, 0, 0, pad_rows))
+    query = qt.view(batch, n_tiles, tile, kv_heads, group, dim).permute(0, 3, 1, 4, 2, 5).reshape(entries, group * tile, dim)
+    tiled, union, valid = tiled.reshape(entries, tile, n_blocks), union.reshape(entries, -1), valid.reshape(entries, -1)
+    widths = valid.sum(dim=-1)
+    out = query.new_zeros(entries, group * tile, dim)  # entries without blocks (padding tiles) stay 0
+    for width in widths.unique().tolist():
+        if width == 0:
+            continue
+        members = (widths == width).nonzero().flatten()
+        out[members] = _attend_entries(
+            query[members], entry_pos[members], union[members, :width], tiled[members], entry_base[members],
+            key_blocks, value_blocks, bias_blocks, group,
+        )
+    out = out.view(batch, kv_heads, n_tiles, group, tile, dim).permute(0, 2, 4, 1, 3, 5).reshape(batch, n_tiles * tile, heads, dim)
+    return out if pad_rows == 0 else out[:, :rows]
+
+
+def _attend_entries(query, pos, union, tiled, base, key_blocks, value_blocks, bias_blocks, group: int) -> torch.Tensor:
+    """Attention of m entries that share a union width w.
+
+    query [m, G*tile, d] (folded heads), pos [m, tile] (-1 = padding), union int64 [m, w] (block
+    ids, highest first, all valid), tiled bool [m, tile, NB] (each row's blocks), base int64 [m]
+    (flat index of the entry's block 0), block layouts as `block_layout` -> [m, G*tile, d].
+    """
+    members, tile = pos.shape
+    width = union.shape[1]
+    block_size, dim = key_blocks.shape[-2], key_blocks.shape[-1]
+    flat = (base.unsqueeze(1) + union).flatten()
+    k = key_blocks.view(-1, block_size, dim).index_select(0, flat).view(members, 1, width * block_size, dim)
+    v = value_blocks.view(-1, block_size, dim).index_select(0, flat).view(members, 1, width * block_size, dim)
+    own = torch.gather(tiled, -1, union.unsqueeze(1).expand(-1, tile, -1))  # [m, tile, w]
+    empty = ~own.any(dim=-1, keepdim=True)                                 # padding rows: no block
+    neg_inf = torch.tensor(float("-inf"), dtype=query.dtype, device=query.device)
+    # repeat_interleave allocates: the in-place causal masking below must not write through a view
+    mask = torch.where(own, torch.zeros((), dtype=query.dtype, device=query.device), neg_inf).repeat_interleave(block_size, dim=-1)
     if bias_blocks is not None:  # CIS, added after the 1/sqrt(d) scaling
-        mask = mask + bias_blocks.view(-1, block_size).index_select(0, flat).view(batch, kv_heads, n_tiles, 1, width * block_size).to(q.dtype)
+        mask = mask + bias_blocks.view(-1, block_size).index_select(0, flat).view(members, 1, width * block_size).to(query.dtype)
     # causality inside blocks: a tile of <= block_size rows spans <= 2 blocks, the union's two highest
     near = min(2, width) * block_size
-    near_pos = (union[..., :2].unsqueeze(-1) * block_size + torch.arange(block_size, device=q.device)).flatten(-2)
-    mask[..., :near] = mask[..., :near].masked_fill(near_pos.unsqueeze(3) > pos, float("-inf"))
-    qt = q if pad_rows == 0 else F.pad(q, (0, 0, 0, 0, 0, pad_rows))
-    query = qt.view(batch, n_tiles, tile, kv_heads, group, dim).permute(0, 3, 1, 4, 2, 5).reshape(-1, group, tile, dim)
+    near_pos = (union[:, :2].unsqueeze(-1) * block_size + torch.arange(block_size, device=query.device)).flatten(-2)
+    mask[..., :near].masked_fill_(near_pos.unsqueeze(1) > pos.unsqueeze(-1), float("-inf"))
+    has_empty = bool(empty.any())
     if has_empty:  # rows with no key: attend anything finite, zeroed below
-        mask = mask.masked_fill(empty, 0.0)
-    out = F.scaled_dot_product_attention(query, k, v, attn_mask=mask.flatten(0, 2).unsqueeze(1), enable_gqa=True)
-    out = out.view(batch, kv_heads, n_tiles, group, tile, dim)
+        mask.masked_fill_(empty, 0.0)
+    folded_mask = mask.unsqueeze(1).expand(-1, group, -1, -1).reshape(members, 1, group * tile, -1)
+    out = F.scaled_dot_product_attention(query.unsqueeze(1), k, v, attn_mask=folded_mask)[:, 0]
     if has_empty:
-        out = out.masked_fill(empty.unsqueeze(3), 0.0)
-    out = out.permute(0, 2, 4, 1, 3, 5).reshape(batch, n_tiles * tile, heads, dim)
-    return out if pad_rows == 0 else out[:, :rows]
+        out = out.view(members, group, tile, dim).masked_fill(empty.unsqueeze(1), 0.0).view(members, group * tile, dim)
+    return out
 
 
 # ----------------------------------------------------------------------------------------------

@@ -107,23 +107,34 @@ def _head_logits(vectors: torch.Tensor, ckeys: torch.Tensor, scale: float) -> to
     return torch.matmul(v * scale if scale != 1.0 else v, k)  # scale the small side, not the [Tq, C] logits
 
 
+def _mask_invisible_(scores: torch.Tensor, visible: torch.Tensor, masked_from: int, fill: float) -> torch.Tensor:
+    """scores [B, ..., Tq, C] with `fill` where `visible` [B, Tq, C] (broadcast over the middle
+    dims) is False, in place.  Columns < `masked_from` are visible to every row and are skipped
+    (a prefill chunk masks only the few keys its rows disagree on, not the whole [Tq, C])."""
+    view = scores[..., masked_from:]
+    hidden = ~visible[..., masked_from:]
+    view.masked_fill_(hidden.view(hidden.shape[0], *([1] * (scores.dim() - 3)), *hidden.shape[1:]), fill)
+    return scores
+
+
 def group_softmax_scores(
     vectors: torch.Tensor,
     ckeys: torch.Tensor,
     visible: torch.Tensor,
     lse_keys: torch.Tensor | None = None,
     lse_visible: torch.Tensor | None = None,
+    masked_from: int = 0,
 ) -> torch.Tensor:
     """InfLLM-v2 stage 1: per-head softmax of v.Kc/sqrt(d) over visible keys, summed per GQA group.
 
     vectors [B, Tq, H*n, d] (n heads per group, consecutive), ckeys [B, C, H, d], visible [B, Tq, C].
     With `lse_keys` [B, C2, H, d] (+ `lse_visible` [B, Tq, C2]) each head is normalised with the
     log-sum-exp over those coarse keys (MiniCPM4.1's estimate); rows that see no coarse key fall
-    back to the exact LSE.  Returns fp32 [B, H, Tq, C]; invisible entries are -inf.
+    back to the exact LSE.  `masked_from`: keys below it are visible to every row (a promise that
+    saves masking them).  Returns fp32 [B, H, Tq, C]; invisible entries are -inf.
     """
     scale = 1.0 / math.sqrt(vectors.shape[-1])
-    mask = visible[:, None, None]  # [B, 1, 1, Tq, C]
-    logits = _head_logits(vectors, ckeys, scale).masked_fill_(~mask, NEG_INF)
+    logits = _mask_invisible_(_head_logits(vectors, ckeys, scale), visible, masked_from, NEG_INF)
     if lse_keys is None:
         # exact LSE: one fused softmax pass (a row seeing no key gives NaN, masked to -inf below)
         probs = torch.softmax(logits, dim=-1)
@@ -133,16 +144,29 @@ def group_softmax_scores(
         coarse_lse = torch.logsumexp(coarse, dim=-1, keepdim=True)
         lse = torch.where(torch.isfinite(coarse_lse), coarse_lse, lse)
         probs = torch.exp(logits - lse.nan_to_num(neginf=0.0))  # exp(-inf) = 0 where invisible
-    return probs.sum(dim=2).masked_fill_(~visible[:, None], NEG_INF)
+    return _mask_invisible_(probs.sum(dim=2), visible, masked_from, NEG_INF)
 
 
-def dot_scores(vectors: torch.Tensor, ckeys: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+def dot_scores(vectors: torch.Tensor, ckeys: torch.Tensor, visible: torch.Tensor, masked_from: int = 0) -> torch.Tensor:
     """SparDA forecast scoring with one vector per KV head: the raw dot product (no scale, no softmax).
 
     vectors [B, Tq, H, d], ckeys [B, C, H, d], visible [B, Tq, C] -> fp32 [B, H, Tq, C], -inf invisible.
     """
-    logits = _head_logits(vectors, ckeys, 1.0)[:, :, 0]
-    return logits.masked_fill(~visible[:, None], NEG_INF)
+    return _mask_invisible_(_head_logits(vectors, ckeys, 1.0)[:, :, 0], visible, masked_from, NEG_INF)
+
+
+def keys_seen(position: int, num_keys: int, kernel_size: int, kernel_stride: int, lag: int) -> int:
+    """How many of `num_keys` compressed keys a row at `position` sees (`compressed_visibility`
+    is a prefix: key c is visible when c * s + p - 1 + lag <= position); 0 for padding (-1)."""
+    if position < 0:
+        return 0
+    return min(num_keys, max(0, (position - kernel_size + 1 - lag) // kernel_stride + 1))
+
+
+def position_range(positions: torch.Tensor) -> tuple[int, int]:
+    """(lowest, highest) entry of positions [B, Tq], read on the host in one go (one CUDA sync)."""
+    low, high = torch.aminmax(positions)
+    return int(low), int(high)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -188,6 +212,20 @@ def force_blocks(block_scores: torch.Tensor, positions: torch.Tensor, block_size
     return block_scores.masked_fill(forced[:, None], POS_INF)
 
 
+def descending_order(scores: torch.Tensor, take: int) -> torch.Tensor:
+    """The first `take` indices of a stable descending sort of fp32 `scores` [..., N] (ties: the
+    lower index first), int64 [..., take].
+
+    A top-k over unique int64 keys (the score's order-preserving bits, then the reversed index)
+    instead of a full sort: about 2x faster on the CPU, and exactly the stable sort's order.
+    """
+    n = scores.shape[-1]
+    bits = (scores.float() + 0.0).view(torch.int32)  # + 0.0: -0.0 becomes +0.0 and ties with it
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)  # int order = float order
+    keys = (ordered << 32) | (n - 1 - torch.arange(n, device=scores.device))
+    return (n - 1) - (torch.topk(keys, take, dim=-1).values & 0xFFFFFFFF)
+
+
 def topk_blocks(block_scores: torch.Tensor, positions: torch.Tensor, k: int, block_size: int) -> torch.Tensor:
     """Top-k block ids, [B, H, Tq, NB] -> int64 [B, H, Tq, k], canonical (ascending, -1 padded).
 
@@ -196,7 +234,7 @@ def topk_blocks(block_scores: torch.Tensor, positions: torch.Tensor, k: int, blo
     """
     n_blocks = block_scores.shape[-1]
     take = min(k, n_blocks)
-    order = torch.sort(block_scores, dim=-1, descending=True, stable=True).indices[..., :take]
+    order = descending_order(block_scores, take)
     chosen = torch.gather(block_scores, -1, order)
     current = torch.div(positions, block_size, rounding_mode="floor")[:, None, :, None]
     invalid = (order > current) | (chosen == NEG_INF)
@@ -227,23 +265,25 @@ def key_scores(
     kind: str = "query",
     lag: int | None = None,
     lse_keys: torch.Tensor | None = None,
+    masked_from: int = 0,
 ) -> torch.Tensor:
     """Stage-1 scores per compressed key, fp32 [B, H, Tq, C] (-inf where invisible).
 
     vectors [B, Tq, H*n, d]: queries (kind "query") or forecast vectors (kind "forecast"; n = 1 uses
     the raw dot product, n > 1 the group-summed softmax); ckeys [B, C, H, d]; positions [B, Tq];
-    lag None = the rule of `kind` (`key_visibility`); lse_keys [B, C2, H, d] selects the coarse LSE.
+    lag None = the rule of `kind` (`key_visibility`); lse_keys [B, C2, H, d] selects the coarse LSE;
+    masked_from: keys below it are visible to every row (`keys_seen` of the lowest position).
     """
     p, s = sparse.kernel_size, sparse.kernel_stride
     lag = visibility_lag(kind) if lag is None else lag
     visible = compressed_visibility(positions, ckeys.shape[1], p, s, lag)
     if kind == "forecast" and vectors.shape[2] == ckeys.shape[2]:
-        return dot_scores(vectors, ckeys, visible)
+        return dot_scores(vectors, ckeys, visible, masked_from)
     lse_visible = None
     if lse_keys is not None:
         p2, s2 = sparse.coarse_kernel
         lse_visible = compressed_visibility(positions, lse_keys.shape[1], p2, s2, lag)
-    return group_softmax_scores(vectors, ckeys, visible, lse_keys, lse_visible)
+    return group_softmax_scores(vectors, ckeys, visible, lse_keys, lse_visible, masked_from)
 
 
 def score_blocks(
@@ -259,11 +299,22 @@ def score_blocks(
     """Block scores ready for top-k: `key_scores` pooled to blocks, init/local forced to +inf.
 
     Arguments as `key_scores` (lag None: the visibility rule of `kind`).  Returns fp32
-    [B, H, Tq, n_blocks].
+    [B, H, Tq, n_blocks].  Multi-row calls (and any call on the CPU) score only the keys some row
+    sees and mask only those not every row sees (`keys_seen`); a CUDA decode step skips that host
+    read.
     """
-    visibility_lag(kind)  # validates kind
-    scores = key_scores(vectors, ckeys, positions, sparse, kind, lag, lse_keys)
-    blocks = pool_to_blocks(scores, n_blocks, sparse.kernel_size, sparse.kernel_stride, sparse.block_size)
+    lag = visibility_lag(kind) if lag is None else lag
+    p, s = sparse.kernel_size, sparse.kernel_stride
+    masked_from = 0
+    if positions.shape[1] > 1 or not positions.is_cuda:
+        # keys no row sees are not scored; keys every row sees are not masked
+        first, last = position_range(positions)
+        masked_from = keys_seen(first, ckeys.shape[1], p, s, lag)
+        ckeys = ckeys[:, : keys_seen(last, ckeys.shape[1], p, s, lag)]
+        if lse_keys is not None:
+            lse_keys = lse_keys[:, : keys_seen(last, lse_keys.shape[1], *sparse.coarse_kernel, lag)]
+    scores = key_scores(vectors, ckeys, positions, sparse, kind, lag, lse_keys, masked_from)
+    blocks = pool_to_blocks(scores, n_blocks, p, s, sparse.block_size)
     return force_blocks(blocks, positions, sparse.block_size, sparse.init_blocks, sparse.local_blocks)
 
 

@@ -322,3 +322,33 @@ def test_recall_protocol_counts_rows_from_start_and_summarises_layers():
     assert report.recall == [1.0, 0.5, 1.0] and report.mean_recall == 0.75       # layer 0 left out
     assert report.chance == [0.2, 0.25, 0.5] and report.mean_chance == 0.375
     assert "| mean (>= 1) | 0.750 | 0.375 |" in report.table()
+
+
+def test_descending_order_is_the_stable_sort_order():
+    """The top-k over packed keys equals a stable descending sort's prefix, ties to the lower id,
+    with +-inf, -0.0 against 0.0, negatives and many exact ties (max-pooled neighbours tie)."""
+    gen = torch.Generator().manual_seed(0)
+    scores = torch.randint(-3, 4, (5, 7, 40), generator=gen).float() / 2
+    scores[0, 0, :5] = torch.tensor([-0.0, 0.0, INF, -INF, -0.0])
+    scores[1, :, ::3] = INF
+    scores[2, :, ::2] = -INF
+    scores[3] = torch.randn(7, 40, generator=gen) * 1e30
+    for take in (1, 6, 40):
+        expected = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :take]
+        assert torch.equal(sel.descending_order(scores, take), expected)
+
+
+def test_keys_seen_bounds_the_visibility_mask():
+    """Keys past what the latest row sees are invisible to every row; keys the earliest row sees
+    are visible to every row; a padding row sees none."""
+    p, s, lag, count = 32, 16, 1, 40
+    for positions in (torch.tensor([[100, 101, 300, 47]]), torch.tensor([[-1, 200, 640]]), torch.tensor([[5, 6]])):
+        first, last = sel.position_range(positions)
+        assert (first, last) == (int(positions.min()), int(positions.max()))
+        lo, hi = sel.keys_seen(first, count, p, s, lag), sel.keys_seen(last, count, p, s, lag)
+        visible = sel.compressed_visibility(positions, count, p, s, lag)
+        assert not visible[..., hi:].any() and (hi == 0 or visible[..., hi - 1].any())
+        assert visible[..., :lo].all()
+        assert lo == 0 or not visible[..., lo].all()
+        for t in positions.flatten().tolist():
+            assert sel.keys_seen(t, count, p, s, lag) == int(sel.compressed_visibility(torch.tensor([[t]]), count, p, s, lag).sum())
