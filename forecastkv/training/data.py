@@ -241,3 +241,32 @@ def build_sequences(
     if len(packed) < min_sequences:
         raise ValueError(f"{name} {source!r} yields {len(packed)} sequences of seq_len={seq_len} ({total}); need at least {min_sequences}")
     return packed
+
+
+def unvisited_windows(data: PackedSequences, visits: int, length: int, count: int) -> torch.Tensor:
+    """`count` windows [count, length] of `data`'s token stream that share no token with the
+    first `visits` sequences a run takes from the start (`take` order, across epochs): text the
+    trained heads never saw, in storage order.  For a validation split carved from training data.
+
+    The stream is the packed sequences end to end, so a window of any `length` maps to a token
+    range; windows overlapping a visited sequence's range are skipped.
+    """
+    if isinstance(data.sequences, DatasetRows):
+        raise ValueError("validation windows need packed training data (data.pack: true)")
+    n, seq_len = len(data), data.seq_len
+    if visits >= n:
+        raise ValueError(f"the run visits {visits} of the {n} training sequences: no unseen text is left for validation")
+    visited = torch.zeros(n, dtype=torch.bool)
+    visited[data.order(0)[:visits]] = True
+    stream = data.sequences.flatten()
+    windows = []
+    for start in range(0, stream.numel() - length + 1, length):
+        first, last = start // seq_len, (start + length - 1) // seq_len
+        if not bool(visited[first : last + 1].any()):
+            windows.append(stream[start : start + length])
+        if len(windows) == count:
+            return torch.stack(windows).long()
+    raise ValueError(
+        f"only {len(windows)} windows of {length} tokens avoid the {visits} training sequences the run visits "
+        f"({n} sequences of {seq_len}); need {count} (lower data.val_sequences or data.val_seq_len)"
+    )

@@ -15,7 +15,11 @@ Read top to bottom:
    gradients summed over processes (a manual all-reduce), clipped, AdamW step.  A step costs one
    projection and one [rows x C] softmax per layer: a small fraction of a forward;
 5. the first round also calibrates the heads' output norm to the real queries' (`calibrate_init`);
-6. held-out forecast recall with the protocol of `selection.forecast_recall`, checkpoints
+6. the per-layer guard (`data.val_sequences` > 0): after the last step, each layer's recall is
+   measured on validation windows of training text the run never visited
+   (`data.unvisited_windows`), with the starting heads and with the trained ones; a layer whose
+   trained head scores below its start gets the start back, so no layer ends below its init;
+7. held-out forecast recall with the protocol of `selection.forecast_recall`, checkpoints
    (`checkpointing.py`), and at the end `forecast.safetensors` + `forecast_config.json`.
 """
 
@@ -35,7 +39,7 @@ from forecastkv.modeling import selection as sel
 from forecastkv.modeling.forecast_init import apply_forecast_init, calibrate_forecast_scale
 
 from . import checkpointing as ckpt
-from .data import ByteTokenizer, build_sequences
+from .data import ByteTokenizer, build_sequences, unvisited_windows
 from .features import Features, build_features, cached_rows, head_vectors
 from .objective import ObjectiveConfig, rows_kl
 
@@ -69,6 +73,9 @@ DEFAULTS: dict = {
         "eval_seq_len": None,         # None: seq_len.  Recall needs lengths well past the budget
         "eval_start": None,           # recall counts rows t >= eval_start (None: eval_seq_len // 2)
         "eval_backbone": "dense",
+        "val_sequences": 0,           # > 0: per-layer guard on unseen training text (below)
+        "val_seq_len": None,          # None: seq_len
+        "val_start": None,            # None: val_seq_len // 2
     },
     "objective": ObjectiveConfig().to_dict(),
     "train": {
@@ -302,6 +309,39 @@ def evaluate(model, sequences: torch.Tensor, start: int, backbone: str, accelera
     return sel.summarise_recall(counts, start, length, sequences.shape[0] * (length - start), backbone).to_dict()
 
 
+def recall_head_name(layer: int) -> str:
+    """The head whose vectors select layer `layer`'s blocks: layer 0's current_proj, else the
+    previous layer's forecast_proj (the index of `RecallReport.recall`)."""
+    if layer == 0:
+        return "model.layers.0.self_attn.current_proj.weight"
+    return f"model.layers.{layer - 1}.self_attn.forecast_proj.weight"
+
+
+@torch.no_grad()
+def guard_layers(model, start_heads: dict, sequences: torch.Tensor, start: int, backbone: str, accelerator) -> dict:
+    """Give each layer whose validation recall fell below its starting head's the starting head back.
+
+    start_heads: {name: tensor} as `forecast_heads` before training; sequences [N, T] validation
+    windows.  Returns {"start": recall per layer, "trained": recall per layer, "restored": [layers]}.
+    """
+    heads = dict(forecast_heads(model))
+    trained = {name: p.detach().clone() for name, p in heads.items()}
+    for name, p in heads.items():
+        p.copy_(start_heads[name].to(p.device))
+    before = evaluate(model, sequences, start, backbone, accelerator)
+    for name, p in heads.items():
+        p.copy_(trained[name])
+    after = evaluate(model, sequences, start, backbone, accelerator)
+    restored = []
+    for layer, (old, new) in enumerate(zip(before["recall"], after["recall"])):
+        name = recall_head_name(layer)
+        if new < old and name in heads:
+            heads[name].copy_(start_heads[name].to(heads[name].device))
+            restored.append(layer)
+    return {"start": before["recall"], "trained": after["recall"], "restored": restored,
+            "length": sequences.shape[1], "rows_from": start, "sequences": sequences.shape[0]}
+
+
 # ----------------------------------------------------------------------------------------------
 # the run
 # ----------------------------------------------------------------------------------------------
@@ -326,6 +366,7 @@ class TrainResult:
     history: list = field(default_factory=list)   # eval dicts, each with its "step"
     losses: list = field(default_factory=list)     # (step, loss summed over layers)
     speed: dict = field(default_factory=dict)      # steps_per_s (optimizer steps only), feature_s, step_s
+    guard: dict | None = None                      # `guard_layers`' result (data.val_sequences > 0)
 
 
 def _tokenizer(data_cfg: dict, model, path: str | None):
@@ -347,7 +388,7 @@ def _tokenizer(data_cfg: dict, model, path: str | None):
 
 def _check_lengths(recipe: dict, model, world: int) -> None:
     config, sparse = model.config, model.config.sparse
-    for key in ("seq_len", "eval_seq_len"):
+    for key in ("seq_len", "eval_seq_len", "val_seq_len"):
         length = recipe["data"][key]
         if length is None:
             continue
@@ -356,6 +397,11 @@ def _check_lengths(recipe: dict, model, world: int) -> None:
         if length < sparse.kernel_size:
             raise ValueError(f"data.{key}={length} is shorter than sparse_config.kernel_size={sparse.kernel_size}: no compressed key to select")
     train, data = recipe["train"], recipe["data"]
+    val_len = data["val_seq_len"] or data["seq_len"]
+    if not isinstance(data["val_sequences"], int) or data["val_sequences"] < 0:
+        raise ValueError(f"data.val_sequences must be a non-negative integer, got {data['val_sequences']!r}")
+    if data["val_start"] is not None and not 0 <= data["val_start"] < val_len:
+        raise ValueError(f"data.val_start={data['val_start']} must lie in [0, validation length {val_len})")
     if not 0 <= data["row_start"] < data["seq_len"]:
         raise ValueError(f"data.row_start={data['row_start']} must lie in [0, data.seq_len={data['seq_len']})")
     eval_len = data["eval_seq_len"] or data["seq_len"]
@@ -395,6 +441,16 @@ def _recall_table(history: list) -> str:
     lines.append("| mean (>= 1) | " + " | ".join(f"{e['mean_recall']:.3f}" for e in evals) + f" | {final['mean_chance']:.3f} |")
     note = f"\nT = {final['length']}, rows t >= {final['start']}, {final['backbone']} backbone, {final['rows']} rows per layer.\n"
     return "\n".join(lines) + "\n" + note
+
+
+def _guard_note(guard: dict | None) -> str:
+    if guard is None:
+        return ""
+    restored = ", ".join(str(i) for i in guard["restored"]) or "none"
+    return (
+        f"\nPer-layer guard on {guard['sequences']} unseen training windows of {guard['length']} tokens "
+        f"(rows t >= {guard['rows_from']}): layers given their starting head back: {restored}.\n"
+    )
 
 
 def train_forecast(config_path_or_dict, **overrides) -> TrainResult:
@@ -446,6 +502,12 @@ def train_forecast(config_path_or_dict, **overrides) -> TrainResult:
         )
         eval_seqs = held.first(data_cfg["eval_sequences"])
     eval_start = data_cfg["eval_start"] if data_cfg["eval_start"] is not None else (data_cfg["eval_seq_len"] or seq_len) // 2
+    val_seqs = None
+    if data_cfg["val_sequences"] > 0:
+        visits = -(-train["steps"] // train["steps_per_round"]) * train["global_batch"]
+        val_len = data_cfg["val_seq_len"] or seq_len
+        val_seqs = unvisited_windows(data, visits, val_len, data_cfg["val_sequences"])
+        val_start = data_cfg["val_start"] if data_cfg["val_start"] is not None else val_len // 2
 
     # -- optimizer -----------------------------------------------------------------------------
     optimizer = torch.optim.AdamW(params, lr=train["lr"], betas=tuple(train["betas"]), eps=train["eps"], weight_decay=train["weight_decay"])
@@ -456,6 +518,8 @@ def train_forecast(config_path_or_dict, **overrides) -> TrainResult:
     out_dir = Path(recipe["output_dir"])
     metrics_path = out_dir / "metrics.jsonl"
     step, history, losses = 0, [], []
+    start_heads = None  # the heads before the first step (after calibration): the guard's fallback
+    guard = None        # the guard's result, once it ran
     if recipe["resume"]:
         path = ckpt.find_checkpoint(recipe["resume"])
         state = ckpt.load_checkpoint(path)
@@ -475,6 +539,7 @@ def train_forecast(config_path_or_dict, **overrides) -> TrainResult:
         data.load_state_dict(state["data"])   # the position at the start of the step's round
         ckpt.set_rng_state(state["rng"])
         step, history, losses = state["step"], state["history"], state["losses"]
+        start_heads, guard = state.get("start_heads"), state.get("guard")
         if main:
             _truncate_metrics(metrics_path, step)
     if main:
@@ -493,7 +558,7 @@ def train_forecast(config_path_or_dict, **overrides) -> TrainResult:
                 "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": ckpt.rng_state(),
                 "data": position, "recipe": recipe, "fingerprint": fingerprint, "base_model": base,
                 "sparse_config": model.config.sparse_config, "forecast": model.config.forecast,
-                "history": history, "losses": losses,
+                "history": history, "losses": losses, "start_heads": start_heads, "guard": guard,
             }
             ckpt.save_checkpoint(out_dir, step, state, train["keep_last"])
         accelerator.wait_for_everyone()
@@ -530,6 +595,8 @@ def train_forecast(config_path_or_dict, **overrides) -> TrainResult:
                 features = build_round(model, batch, first_chunk, step // per_round, recipe, objective, accelerator.device)
             if step == 0 and fresh_heads and recipe["model"]["calibrate_init"]:
                 calibrate_from_features(model, features, accelerator)
+            if step == 0 and val_seqs is not None:
+                start_heads = {n: p.detach().cpu().clone() for n, p in forecast_heads(model)}
             feature_seconds += time.time() - started
         started = time.time()
         optimizer.zero_grad(set_to_none=True)
@@ -562,12 +629,20 @@ def train_forecast(config_path_or_dict, **overrides) -> TrainResult:
         if step % train["save_every"] == 0 and step < end:
             save(step)
     bar.close()
+    if val_seqs is not None and guard is None and step >= train["steps"]:  # not when max_steps cut the run short
+        if start_heads is None:
+            raise ValueError("data.val_sequences > 0, but the resumed checkpoint holds no starting heads to guard with")
+        guard = guard_layers(model, start_heads, val_seqs, val_start, data_cfg["eval_backbone"], accelerator)
+        if main:
+            _append_metrics(metrics_path, {"step": step, "guard": guard})
+        if history and history[-1]["step"] == step:
+            history.pop()  # measured before the guard gave layers their starting heads back
     if evals and (not history or history[-1]["step"] != step):
         run_eval(step)
     save(step)
     if main:
         model.save_forecast_weights(out_dir, base_model=base)
-        (out_dir / "recall.md").write_text(_recall_table(history))
+        (out_dir / "recall.md").write_text(_recall_table(history) + _guard_note(guard))
     accelerator.wait_for_everyone()
     speed = {"steps_per_s": steps_run / max(step_seconds, 1e-9), "feature_s": feature_seconds, "step_s": step_seconds}
-    return TrainResult(output_dir=out_dir, step=step, model=model, history=history, losses=losses, speed=speed)
+    return TrainResult(output_dir=out_dir, step=step, model=model, history=history, losses=losses, speed=speed, guard=guard)
