@@ -212,9 +212,9 @@ def chunked_sparse_attention(
     once per layer by the caller (else here).
 
     Rows are cut into tiles of `block_size` rows.  An entry is one (sequence, KV head, tile): its
-    G query heads are folded into G * tile rows that share one gather of the union's blocks (never
-    a copy per query head) and one [tile, U * block_size] mask.  Entries are attended in groups of
-    equal union width U, so no entry pays for another's larger union.
+    G query heads share one gather of the union's blocks (expanded over the heads, never copied)
+    and one [tile, U * block_size] mask.  Entries are attended in groups of equal union width U,
+    so no entry pays for another's larger union.
     """
     batch, rows, heads, dim = q.shape
     kv_heads = keys.shape[2]
@@ -278,8 +278,10 @@ def _attend_entries(query, pos, union, tiled, base, key_blocks, value_blocks, bi
     has_empty = bool(empty.any())
     if has_empty:  # rows with no key: attend anything finite, zeroed below
         mask.masked_fill_(empty, 0.0)
-    folded_mask = mask.unsqueeze(1).expand(-1, group, -1, -1).reshape(members, 1, group * tile, -1)
-    out = F.scaled_dot_product_attention(query.unsqueeze(1), k, v, attn_mask=folded_mask)[:, 0]
+    # the G heads read the same K/V (a stride-0 expand, no copy) and share one [tile, w*bs] mask
+    k, v = k.expand(-1, group, -1, -1), v.expand(-1, group, -1, -1)
+    out = F.scaled_dot_product_attention(query.view(members, group, tile, dim), k, v, attn_mask=mask.unsqueeze(1))
+    out = out.reshape(members, group * tile, dim)
     if has_empty:
         out = out.view(members, group, tile, dim).masked_fill(empty.unsqueeze(1), 0.0).view(members, group * tile, dim)
     return out
