@@ -31,7 +31,8 @@ Two schemes (`forecast.init`):
   so a head whose outputs are 40x shorter than the real queries starts far too flat, and
   fixed-size Adam steps then rewrite its direction before they fix its length (SmolLM2's heads
   0->1 and 1->2 after step 2 above).  Measured on real rows, each vector is rescaled so its mean
-  squared output norm equals that of the real queries of the group it imitates.  A per-vector
+  squared output norm equals that of the real queries it imitates: its own query head when there
+  is one vector per query head (n = G), else the mean of its group's heads.  A per-vector
   constant: one-vector selections are unchanged, only the softmax temperature moves.
 """
 
@@ -141,18 +142,23 @@ def calibrate_forecast_scale(model, head_sq: torch.Tensor, query_sq: torch.Tenso
     """Rescale every head in place so its output norm matches the real queries'.
 
     head_sq fp32 [L, H*n]: mean squared norm of the vectors scoring layer m (measured on real rows);
-    query_sq fp32 [L, H]: mean squared norm of layer m's real queries per KV group.  Vector v of
-    group h is multiplied by sqrt(query_sq[m, h] / head_sq[m, h*n + v]).  Returns the factors [L, H*n].
+    query_sq fp32 [L, Hq]: mean squared norm of layer m's real queries per query head.  Vector v of
+    group h targets query head h*G + v when n = G (each vector stands for one query head: equal
+    norms would change its group softmax), else the mean over the group's G heads; it is
+    multiplied by sqrt(target / head_sq[m, h*n + v]).  Returns the factors [L, H*n].
     """
     layers = _layers(model)
     config = layers[0].self_attn.config
     n, d = config.forecast_config.heads_per_group, config.head_dim
-    if head_sq.shape != (len(layers), config.num_key_value_heads * n) or query_sq.shape != (len(layers), config.num_key_value_heads):
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    if head_sq.shape != (len(layers), kv_heads * n) or query_sq.shape != (len(layers), heads):
         raise ValueError(
             f"head_sq {tuple(head_sq.shape)} / query_sq {tuple(query_sq.shape)} must be "
-            f"[{len(layers)}, {config.num_key_value_heads * n}] / [{len(layers)}, {config.num_key_value_heads}]"
+            f"[{len(layers)}, {kv_heads * n}] / [{len(layers)}, {heads}]"
         )
-    factors = (query_sq.repeat_interleave(n, dim=1) / head_sq.clamp(min=1e-20)).sqrt()
+    group = heads // kv_heads
+    target = query_sq if n == group else query_sq.view(len(layers), kv_heads, group).mean(-1).repeat_interleave(n, dim=1)
+    factors = (target / head_sq.clamp(min=1e-20)).sqrt()
     for layer in range(len(layers)):
         weight = _scoring_head(layers, layer)
         scale = factors[layer].repeat_interleave(d).to(device=weight.device, dtype=torch.float32)

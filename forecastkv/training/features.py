@@ -30,7 +30,7 @@ class Features:
     positions [B, R] int64, cos / sin [B, R, d] (RoPE at those rows), inputs: L-1 tensors
     [B, R, hidden] (post-norm input of layer l, l = 0..L-2), ckeys: L tensors [B, C, H, d] (layer
     m's deployed compressed keys, fp32), teachers: L tensors [B, H, R, C] (fp32, rows sum to 1),
-    query_sq: fp32 [L, H] (mean squared norm of layer m's real queries per KV group, for calibration).
+    query_sq: fp32 [L, Hq] (mean squared norm of layer m's real queries per query head, for calibration).
     """
 
     positions: torch.Tensor
@@ -120,8 +120,7 @@ def build_features(model, ids: torch.Tensor, rows: torch.Tensor, sparse, objecti
             chunks.append(teacher_rows(queries[:, part], fine, pos[:, part], sparse, objective, ckeys.shape[1]))
         store["ckeys"].append(ckeys)
         store["teachers"].append(torch.cat(chunks, dim=2))
-        per_group = queries.float().pow(2).sum(-1).view(*queries.shape[:2], attn.num_kv_heads, -1)  # [B, R, H, G]
-        store["norms"].append(per_group.mean(dim=(0, 1, 3)).cpu())
+        store["norms"].append(queries.float().pow(2).sum(-1).mean(dim=(0, 1)).cpu())  # [Hq]
         cache_layer.reset()  # nothing reads this layer's K/V again
 
     with sel.attending_with(config, backbone, sparse):

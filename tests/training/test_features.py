@@ -85,8 +85,26 @@ def test_row_subsets_and_calibration():
     head_sq = torch.stack([head_vectors(model, feats, m).pow(2).sum(-1).mean((0, 1)) for m in range(3)])
     factors = calibrate_forecast_scale(model, head_sq, feats.query_sq)
     after = torch.stack([head_vectors(model, feats, m).pow(2).sum(-1).mean((0, 1)) for m in range(3)])
-    torch.testing.assert_close(after, feats.query_sq, rtol=1e-4, atol=0)
+    kv_heads = model.config.num_key_value_heads  # one vector per group: the group's mean query norm
+    torch.testing.assert_close(after, feats.query_sq.view(3, kv_heads, -1).mean(-1), rtol=1e-4, atol=0)
     assert not torch.allclose(factors, torch.ones_like(factors), rtol=0.1)   # kaiming heads start at another scale
+
+
+@torch.no_grad()
+def test_calibration_keeps_query_copies_exact_with_one_vector_per_query_head():
+    """With n = G, `next_query` current_proj copies layer 0's q_proj: calibration must leave each
+    vector at its own query head's norm (factor 1), so layer 0's forecast stays the query selection;
+    group-mean targets would equalise the heads and change the group softmax."""
+    from forecastkv.modeling.forecast_init import apply_forecast_init, calibrate_forecast_scale
+
+    model = tiny(per_group=3)  # TINY_MODEL: 6 query heads, 2 KV heads, G = 3
+    apply_forecast_init(model, "next_query", seed=0)
+    ids = torch.randint(0, 128, (1, 64), generator=torch.Generator().manual_seed(2))
+    feats = build_features(model, ids, cached_rows(64, 16, None, None), model.config.sparse, ObjectiveConfig(chunk_size=64), backbone="query")
+    head_sq = torch.stack([head_vectors(model, feats, m).pow(2).sum(-1).mean((0, 1)) for m in range(3)])
+    factors = calibrate_forecast_scale(model, head_sq, feats.query_sq)
+    torch.testing.assert_close(factors[0], torch.ones_like(factors[0]), rtol=1e-5, atol=0)
+    torch.testing.assert_close(model.model.layers[0].self_attn.current_proj.weight, model.model.layers[0].self_attn.q_proj.weight)
 
 
 @torch.no_grad()
