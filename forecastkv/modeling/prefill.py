@@ -17,10 +17,14 @@ selected blocks when sparse, with the CIS bias added after the 1/sqrt(d) scaling
     selections (a query tile's KV blocks = the union of its rows' selections, `mask_mod` checks
     each row's own set from a bit mask, `score_mod` adds the CIS bias).
 
-Cost notes (2-core CPU, SmolLM2, benchmarks/prefill.py): a 64-row tile's union is ~18 blocks
-against a 12-block budget; what remains is the masked SDPA kernel (about 1.7x the per-key cost of
-causal flash on CPU) and stage-1 selection in PyTorch, whose [Hq, T, C] score passes grow as
-T^2 / kernel_stride.  At 128K the same stage 1 is the expected GPU bottleneck too: a fused
+Cost notes (SmolLM2 at 8K on one CPU thread, benchmarks/prefill.py): of dense prefill's ~40 s,
+~18 s is outside attention (projections, MLP) and stays; causal attention is ~23.5 s.  The sparse
+path spends ~4.6 s in stage-1 selection (scoring only the keys a chunk's rows see) and ~15 s in
+attention: a 64-row tile's union averages ~23 blocks against each row's 16-block budget, and the
+masked SDPA costs about 1.1x causal flash per key (SDPA itself ~10 s, gathers and masks the rest).
+So CPU prefill ends level with dense at 8K (0.99x) and above it at 4K (1.13x); the
+selected-FLOP bound (every row exactly its 16 blocks, selection free) is ~0.57x.  At 128K
+stage 1 ([Hq, T, C] scores, C ~ T / kernel_stride) is the expected GPU bottleneck too: a fused
 prefill stage-1 kernel (score, pool, top-k without materialising the scores) is the next step.
 """
 
