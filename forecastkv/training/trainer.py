@@ -448,7 +448,7 @@ def _guard_note(guard: dict | None) -> str:
         return ""
     restored = ", ".join(str(i) for i in guard["restored"]) or "none"
     return (
-        f"\nPer-layer guard on {guard['sequences']} unseen training windows of {guard['length']} tokens "
+        f"\nPer-layer guard on {guard['sequences']} unseen training window{'s' if guard['sequences'] != 1 else ''} of {guard['length']} tokens "
         f"(rows t >= {guard['rows_from']}): layers given their starting head back: {restored}.\n"
     )
 
