@@ -245,8 +245,9 @@ def build_sequences(
 
 def unvisited_windows(data: PackedSequences, visits: int, length: int, count: int) -> torch.Tensor:
     """`count` windows [count, length] of `data`'s token stream that share no token with the
-    first `visits` sequences a run takes from the start (`take` order, across epochs): text the
-    trained heads never saw, in storage order.  For a validation split carved from training data.
+    first `visits` sequences a run takes from the start (epoch 0 of the `take` order; a run that
+    visits every sequence leaves nothing unseen): text the trained heads never saw, in storage
+    order.  For a validation split carved from training data.
 
     The stream is the packed sequences end to end, so a window of any `length` maps to a token
     range; windows overlapping a visited sequence's range are skipped.
