@@ -205,15 +205,22 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2, help="timed runs per mode and length (best kept)")
-    parser.add_argument("--gpu", action="store_true", help="run gpu_prefill_comparison instead")
+    parser.add_argument("--gpu", action="store_true", help="run gpu_prefill_comparison at --lengths instead")
+    parser.add_argument("--gpu-check", action="store_true", help="gpu_check.py's section: the GPU comparison at 32K and 128K")
+    parser.add_argument("--json", default=None, help="with --gpu / --gpu-check: write rows and a summary here")
     parser.add_argument("--one", nargs=2, metavar=("MODE", "LENGTH"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
         print(json.dumps(cpu_memory(args.one[0], int(args.one[1]), args.threads)))
         return
-    if args.gpu:
-        for row in gpu_prefill_comparison(tuple(args.lengths)):
-            print(json.dumps(row))
+    if args.gpu or args.gpu_check:
+        rows = gpu_prefill_comparison((32768, 131072) if args.gpu_check else tuple(args.lengths))
+        for row in rows:
+            print(json.dumps(row), flush=True)
+        if args.json:
+            summary = {f"speedup_{row['length'] // 1024}K": round(row["speedup"], 3) for row in rows}
+            with open(args.json, "w") as f:
+                json.dump({"rows": rows, "summary": summary}, f, indent=1)
         return
     rows = run_cpu(args.lengths, args.threads, args.repeats)
     print("\n| length | dense s | sparse s | sparse/dense time | dense peak MiB | sparse peak MiB | sparse/dense memory |")
