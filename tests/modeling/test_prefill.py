@@ -123,6 +123,22 @@ def test_model_flex_prefill_equals_chunked(policy):
     assert rel(flex, chunked) < 1e-5
 
 
+@pytest.mark.parametrize("policy", ["infllmv2", "nosa"])
+def test_attention_groups_of_chunks_equal_one_group(policy, monkeypatch):
+    """Selection runs per query chunk (16 rows here) and attention per CHUNKED_ATTENTION_ROWS rows;
+    how the chunks are grouped for attention does not change the logits."""
+    from forecastkv.modeling import attention
+
+    model = tiny_model({"policy": policy}, seed=23)
+    ids = torch.randint(0, 128, (2, 70), generator=torch.Generator().manual_seed(24))
+    outputs = []
+    with torch.no_grad(), prefill.use_sparse_backend("chunked"):
+        for rows in (1, 20, 10_000):  # every chunk alone, groups of 2 chunks (ragged end), one group
+            monkeypatch.setattr(attention, "CHUNKED_ATTENTION_ROWS", rows)
+            outputs.append(model(ids).logits)
+    assert rel(outputs[0], outputs[2]) < 1e-5 and rel(outputs[1], outputs[2]) < 1e-5
+
+
 def test_unknown_backend_is_rejected():
     with pytest.raises(ValueError, match="unknown sparse prefill backend 'fast'"):
         with prefill.use_sparse_backend("fast"):
