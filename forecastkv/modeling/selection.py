@@ -190,11 +190,15 @@ def block_pool_geometry(kernel_size: int, kernel_stride: int, block_size: int) -
 
 def pool_to_blocks(scores: torch.Tensor, n_blocks: int, kernel_size: int, kernel_stride: int, block_size: int) -> torch.Tensor:
     """Max over the compressed keys overlapping each block.  [..., C] -> [..., n_blocks] (-inf if none)."""
+    lead = scores.shape[:-1]
+    if n_blocks <= 0 or math.prod(lead) == 0:
+        return scores.new_full((*lead, max(n_blocks, 0)), NEG_INF)
     window, stride, pad_left = block_pool_geometry(kernel_size, kernel_stride, block_size)
     needed = (n_blocks - 1) * stride + window
     pad_right = max(0, needed - pad_left - scores.shape[-1])
     padded = F.pad(scores, (pad_left, pad_right), value=NEG_INF)[..., :needed]
-    return padded.unfold(-1, window, stride).amax(dim=-1)
+    # max_pool1d: ~3x faster than unfold + amax on the CPU, same values (a max is exact)
+    return F.max_pool1d(padded.reshape(-1, 1, needed), window, stride).view(*lead, n_blocks)
 
 
 def forced_blocks(positions: torch.Tensor, n_blocks: int, block_size: int, init_blocks: int, local_blocks: int) -> torch.Tensor:

@@ -352,3 +352,14 @@ def test_keys_seen_bounds_the_visibility_mask():
         assert lo == 0 or not visible[..., lo].all()
         for t in positions.flatten().tolist():
             assert sel.keys_seen(t, count, p, s, lag) == int(sel.compressed_visibility(torch.tensor([[t]]), count, p, s, lag).sum())
+
+
+def test_pool_to_blocks_edges():
+    """Blocks past the scored keys are -inf; no blocks or no rows give empty results of the right shape."""
+    scores = torch.arange(12.0).view(1, 2, 6)  # 6 compressed keys of stride 16 reach block 1
+    pooled = sel.pool_to_blocks(scores, 4, 32, 16, 64)
+    assert pooled[..., :2].tolist() == [[[3.0, 5.0], [9.0, 11.0]]]  # block 0: keys 0-3, block 1: keys 3-7
+    assert torch.isneginf(pooled[..., 2:]).all()
+    assert sel.pool_to_blocks(scores, 0, 32, 16, 64).shape == (1, 2, 0)
+    assert sel.pool_to_blocks(scores[:, :0], 3, 32, 16, 64).shape == (1, 0, 3)
+    assert torch.isneginf(sel.pool_to_blocks(scores[..., :0], 2, 32, 16, 64)).all()
