@@ -97,11 +97,31 @@ def key_visibility(positions: torch.Tensor, num_keys: int, kernel_size: int, ker
 # ----------------------------------------------------------------------------------------------
 
 
+# torch.bmm(a, b, out_dtype=torch.float32): CUDA only, torch >= 2.8
+_BMM_FP32_OUT = "dtype" in torch.ops.aten.bmm.overloads()
+
+
+def _tensor_core_logits(vectors: torch.Tensor, ckeys: torch.Tensor) -> bool:
+    """Half-precision CUDA inputs without autograd: a bf16 x bf16 (or fp16 x fp16) product is exact
+    in fp32, so a tensor-core matmul with fp32 accumulation and output gives the fp32 logits
+    (up to summation order) without upcast copies or a CUDA-core fp32 matmul."""
+    return (
+        _BMM_FP32_OUT and vectors.is_cuda and vectors.dtype in (torch.float16, torch.bfloat16)
+        and ckeys.dtype == vectors.dtype
+        and not (torch.is_grad_enabled() and (vectors.requires_grad or ckeys.requires_grad))
+    )
+
+
 def _head_logits(vectors: torch.Tensor, ckeys: torch.Tensor, scale: float) -> torch.Tensor:
     """vectors [B, Tq, H*n, d], ckeys [B, C, H, d] -> fp32 logits [B, H, n, Tq, C]."""
     batch, rows, heads_total, dim = vectors.shape
-    heads = ckeys.shape[2]
+    count, heads = ckeys.shape[1], ckeys.shape[2]
     per = heads_total // heads
+    if _tensor_core_logits(vectors, ckeys):  # the n heads of a group fold into rows: K is read once
+        v = vectors.view(batch, rows, heads, per, dim).permute(0, 2, 3, 1, 4).reshape(batch * heads, per * rows, dim)
+        k = ckeys.permute(0, 2, 3, 1).reshape(batch * heads, dim, count)
+        logits = torch.bmm(v, k, out_dtype=torch.float32)
+        return (logits.mul_(scale) if scale != 1.0 else logits).view(batch, heads, per, rows, count)
     v = vectors.float().view(batch, rows, heads, per, dim).permute(0, 2, 3, 1, 4)  # [B, H, n, Tq, d]
     k = ckeys.float().permute(0, 2, 3, 1).unsqueeze(2)                               # [B, H, 1, d, C]
     return torch.matmul(v * scale if scale != 1.0 else v, k)  # scale the small side, not the [Tq, C] logits
@@ -124,14 +144,16 @@ def group_softmax_scores(
     lse_keys: torch.Tensor | None = None,
     lse_visible: torch.Tensor | None = None,
     masked_from: int = 0,
+    coarse_everywhere: bool = False,
 ) -> torch.Tensor:
     """InfLLM-v2 stage 1: per-head softmax of v.Kc/sqrt(d) over visible keys, summed per GQA group.
 
     vectors [B, Tq, H*n, d] (n heads per group, consecutive), ckeys [B, C, H, d], visible [B, Tq, C].
     With `lse_keys` [B, C2, H, d] (+ `lse_visible` [B, Tq, C2]) each head is normalised with the
     log-sum-exp over those coarse keys (MiniCPM4.1's estimate); rows that see no coarse key fall
-    back to the exact LSE.  `masked_from`: keys below it are visible to every row (a promise that
-    saves masking them).  Returns fp32 [B, H, Tq, C]; invisible entries are -inf.
+    back to the exact LSE (`coarse_everywhere`: a promise that every row sees a coarse key, which
+    saves computing the exact LSE).  `masked_from`: keys below it are visible to every row (a
+    promise that saves masking them).  Returns fp32 [B, H, Tq, C]; invisible entries are -inf.
     """
     scale = 1.0 / math.sqrt(vectors.shape[-1])
     logits = _mask_invisible_(_head_logits(vectors, ckeys, scale), visible, masked_from, NEG_INF)
@@ -139,10 +161,10 @@ def group_softmax_scores(
         # exact LSE: one fused softmax pass (a row seeing no key gives NaN, masked to -inf below)
         probs = torch.softmax(logits, dim=-1)
     else:
-        lse = torch.logsumexp(logits, dim=-1, keepdim=True)
         coarse = _head_logits(vectors, lse_keys, scale).masked_fill_(~lse_visible[:, None, None], NEG_INF)
-        coarse_lse = torch.logsumexp(coarse, dim=-1, keepdim=True)
-        lse = torch.where(torch.isfinite(coarse_lse), coarse_lse, lse)
+        lse = torch.logsumexp(coarse, dim=-1, keepdim=True)
+        if not coarse_everywhere:  # rows seeing no coarse key fall back to the exact LSE
+            lse = torch.where(torch.isfinite(lse), lse, torch.logsumexp(logits, dim=-1, keepdim=True))
         probs = torch.exp(logits - lse.nan_to_num(neginf=0.0))  # exp(-inf) = 0 where invisible
     return _mask_invisible_(probs.sum(dim=2), visible, masked_from, NEG_INF)
 
@@ -270,13 +292,15 @@ def key_scores(
     lag: int | None = None,
     lse_keys: torch.Tensor | None = None,
     masked_from: int = 0,
+    coarse_everywhere: bool = False,
 ) -> torch.Tensor:
     """Stage-1 scores per compressed key, fp32 [B, H, Tq, C] (-inf where invisible).
 
     vectors [B, Tq, H*n, d]: queries (kind "query") or forecast vectors (kind "forecast"; n = 1 uses
     the raw dot product, n > 1 the group-summed softmax); ckeys [B, C, H, d]; positions [B, Tq];
     lag None = the rule of `kind` (`key_visibility`); lse_keys [B, C2, H, d] selects the coarse LSE;
-    masked_from: keys below it are visible to every row (`keys_seen` of the lowest position).
+    masked_from: keys below it are visible to every row (`keys_seen` of the lowest position);
+    coarse_everywhere: every row sees a coarse key (`group_softmax_scores`).
     """
     p, s = sparse.kernel_size, sparse.kernel_stride
     lag = visibility_lag(kind) if lag is None else lag
@@ -287,7 +311,7 @@ def key_scores(
     if lse_keys is not None:
         p2, s2 = sparse.coarse_kernel
         lse_visible = compressed_visibility(positions, lse_keys.shape[1], p2, s2, lag)
-    return group_softmax_scores(vectors, ckeys, visible, lse_keys, lse_visible, masked_from)
+    return group_softmax_scores(vectors, ckeys, visible, lse_keys, lse_visible, masked_from, coarse_everywhere)
 
 
 def score_blocks(
@@ -309,15 +333,16 @@ def score_blocks(
     """
     lag = visibility_lag(kind) if lag is None else lag
     p, s = sparse.kernel_size, sparse.kernel_stride
-    masked_from = 0
+    masked_from, coarse_everywhere = 0, False
     if positions.shape[1] > 1 or not positions.is_cuda:
         # keys no row sees are not scored; keys every row sees are not masked
         first, last = position_range(positions)
         masked_from = keys_seen(first, ckeys.shape[1], p, s, lag)
         ckeys = ckeys[:, : keys_seen(last, ckeys.shape[1], p, s, lag)]
         if lse_keys is not None:
+            coarse_everywhere = keys_seen(first, lse_keys.shape[1], *sparse.coarse_kernel, lag) > 0
             lse_keys = lse_keys[:, : keys_seen(last, lse_keys.shape[1], *sparse.coarse_kernel, lag)]
-    scores = key_scores(vectors, ckeys, positions, sparse, kind, lag, lse_keys, masked_from)
+    scores = key_scores(vectors, ckeys, positions, sparse, kind, lag, lse_keys, masked_from, coarse_everywhere)
     blocks = pool_to_blocks(scores, n_blocks, p, s, sparse.block_size)
     return force_blocks(blocks, positions, sparse.block_size, sparse.init_blocks, sparse.local_blocks)
 

@@ -182,6 +182,11 @@ def test_coarse_lse_matches_brute_force():
     for t in range(length):
         assert ids[0, :, t].tolist() == ref_select(q[0, t], k[0, : t + 1], t, cfg, coarse=True)
     assert not torch.equal(ids, exact)  # the estimate does change choices on these inputs
+    # a chunk whose every row sees a coarse key skips the exact LSE: same choices, same scores
+    p2, s2 = cfg.coarse_kernel
+    late = torch.arange(p2 + 2, length).view(1, -1)
+    assert sel.keys_seen(int(late.min()), length, p2, s2, 0) > 0
+    assert torch.equal(run_select(q[:, late[0]], k, late, cfg, coarse=True), ids[:, :, late[0]])
 
 
 def test_group_scores_equal_brute_force_values():
@@ -363,3 +368,22 @@ def test_pool_to_blocks_edges():
     assert sel.pool_to_blocks(scores, 0, 32, 16, 64).shape == (1, 2, 0)
     assert sel.pool_to_blocks(scores[:, :0], 3, 32, 16, 64).shape == (1, 0, 3)
     assert torch.isneginf(sel.pool_to_blocks(scores[..., :0], 2, 32, 16, 64)).all()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_tensor_core_logits_equal_fp32(dtype):
+    """On CUDA, half-precision queries and keys are scored by a tensor-core matmul with fp32
+    output: the same stage-1 scores as the fp32 upcast (summation order aside), exact and coarse LSE."""
+    cfg = SparseConfig(kernel_size=4, kernel_stride=2, block_size=8, init_blocks=1, window_size=8, topk=3, dense_len=0, lse="coarse")
+    torch.manual_seed(5)
+    q = torch.randn(2, 40, 6, 16).to(dtype)
+    k = torch.randn(2, 64, 2, 16).to(dtype)
+    positions = torch.arange(24, 64).repeat(2, 1)
+    ckeys, lse_keys = sel.compress_keys(k, 4, 2), sel.compress_keys(k, *cfg.coarse_kernel)
+    n_blocks = sel.num_blocks(64, 8)
+    assert sel._tensor_core_logits(q.cuda(), ckeys.cuda())
+    for coarse in (None, lse_keys):
+        on_cpu = sel.score_blocks(q.float(), ckeys.float(), positions, cfg, n_blocks, lse_keys=None if coarse is None else coarse.float())
+        on_gpu = sel.score_blocks(q.cuda(), ckeys.cuda(), positions.cuda(), cfg, n_blocks, lse_keys=None if coarse is None else coarse.cuda())
+        torch.testing.assert_close(on_gpu.cpu(), on_cpu, rtol=1e-5, atol=1e-6)
