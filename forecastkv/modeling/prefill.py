@@ -18,14 +18,20 @@ selected blocks when sparse, with the CIS bias added after the 1/sqrt(d) scaling
     each row's own set from a bit mask, `score_mod` adds the CIS bias).
 
 Cost notes (SmolLM2 at 8K on one CPU thread, benchmarks/prefill.py): of dense prefill's ~40 s,
-~18 s is outside attention (projections, MLP) and stays; causal attention is ~23.5 s.  The sparse
-path spends ~4.6 s in stage-1 selection (scoring only the keys a chunk's rows see) and ~15 s in
-attention: a 64-row tile's union averages ~23 blocks against each row's 16-block budget, and the
-masked SDPA costs about 1.1x causal flash per key (SDPA itself ~10 s, gathers and masks the rest).
-So CPU prefill ends level with dense at 8K (0.99x) and above it at 4K (1.13x); the
-selected-FLOP bound (every row exactly its 16 blocks, selection free) is ~0.57x.  At 128K
-stage 1 ([Hq, T, C] scores, C ~ T / kernel_stride) is the expected GPU bottleneck too: a fused
-prefill stage-1 kernel (score, pool, top-k without materialising the scores) is the next step.
+~18 s is outside attention (projections, MLP) and stays; causal attention is ~22-27 s.  The sparse
+path spends ~3.5-4 s in stage-1 selection and ~12-14 s in attention.  At layer 10 a row attends
+11.5 blocks on average (budget 12) while a 64-row tile's union is 19.0 blocks (6.9 shared by
+every row of the tile), and the masked SDPA over the union runs at about causal flash's cost per
+key.  Two exact alternatives were measured on captured layers and found level with the union,
+not faster: key-block-major attention (each KV block attends only the rows that chose it, merged
+by log-sum-exp) and a hybrid (the tile's shared blocks as one matmul, the rest block-major).
+Their matmuls reach the selected-FLOP floor (~150 ms per layer at ~90 GFLOP/s), but the eager
+per-block ops cost as much as the union saves; floor plus stage 1 is ~0.27 s per layer, so even
+with zero overhead CPU prefill would sit near 0.7x dense.  Beating that needs a fused CPU kernel.
+At 128K on CUDA stage 1 ([Hq, T, C] scores, C ~ T / kernel_stride) is the expected bottleneck:
+half-precision logits go through a tensor-core matmul with fp32 output, chunks whose rows all
+see a coarse key skip the exact LSE, and a fused prefill stage-1 kernel (score, pool, top-k
+without materialising the scores) is the next step.
 """
 
 from __future__ import annotations

@@ -145,16 +145,30 @@ def test_unknown_backend_is_rejected():
             pass
 
 
-def test_benchmark_comparison_runs_on_tiny_models():
-    """benchmarks/prefill.py's comparison (what gpu_check runs at 32K / 128K on CUDA) works end to
-    end on CPU with tiny models: same-weight dense and sparse models, one row per length."""
+def load_benchmark(name: str):
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "prefill.py"
-    spec = importlib.util.spec_from_file_location("bench_prefill", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_key_block_major_variant_matches_reference(with_bias):
+    """The exact per-row alternative that benchmarks/prefill_variants.py times against the union
+    path computes the same attention (padding rows, a row with no block, CIS bias)."""
+    variants = load_benchmark("prefill_variants")
+    case = random_case(5, with_bias=with_bias)
+    assert rel(variants.key_block_major_attention(*case), reference(*case)) < 1e-5
+
+
+def test_benchmark_comparison_runs_on_tiny_models():
+    """benchmarks/prefill.py's comparison (what gpu_check runs at 32K / 128K on CUDA) works end to
+    end on CPU with tiny models: same-weight dense and sparse models, one row per length."""
+    bench = load_benchmark("prefill")
     dense = tiny_model(seed=31)
     sparse = tiny_model({"policy": "infllmv2"}, seed=31)
     sparse.load_state_dict(dense.state_dict(), strict=False)
