@@ -16,6 +16,7 @@ Both modes return only the last position's logits (a prefill needs no more).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -156,11 +157,59 @@ def minicpm_shaped_model(sparse: bool, num_layers: int, device, dtype):
     return model.to(dtype).eval()
 
 
+PHASES = {  # what `phase_times` attributes a call's time to: (owner in modeling.attention, name)
+    "select": ("SparseAttention", "select"),
+    "sparse_attention": (None, "chunked_sparse_attention"),
+    "flex_attention": (None, "flex_sparse_attention"),
+    "dense_attention": (None, "dense_attention"),
+}
+
+
+@contextlib.contextmanager
+def phase_times(device):
+    """Seconds spent in block selection and in each attention back end while the block runs,
+    {phase: seconds}.  Each timed call synchronises CUDA before and after it, so use it on an extra,
+    untimed run: the breakdown, not the total, is what it is for."""
+    import torch
+
+    from forecastkv.modeling import attention
+
+    totals = dict.fromkeys(PHASES, 0.0)
+    originals = []
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    for phase, (owner, name) in PHASES.items():
+        target = getattr(attention, owner) if owner else attention
+        original = getattr(target, name)
+
+        def timed(*args, _original=original, _phase=phase, **kwargs):
+            sync()
+            start = time.perf_counter()
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                sync()
+                totals[_phase] += time.perf_counter() - start
+
+        originals.append((target, name, original))
+        setattr(target, name, timed)
+    try:
+        yield totals
+    finally:
+        for target, name, original in originals:
+            setattr(target, name, original)
+
+
 def prefill_comparison(dense, sparse, lengths, vocab_size: int, repeats: int = 2, warmup_length: int = 16384) -> list[dict]:
     """Time dense vs sparse prefill of random prompts on the models' device (same weights).
 
     Per length: dense_s, sparse_s (best of `repeats`, after a warm-up that also compiles
-    FlexAttention on CUDA), speedup = dense_s / sparse_s, and on CUDA each mode's peak GiB.
+    FlexAttention on CUDA), speedup = dense_s / sparse_s, on CUDA each mode's peak GiB, and
+    `{mode}_phases`: one more run's seconds in selection and attention (`phase_times`), the
+    rest under "other".
     """
     import torch
 
@@ -177,6 +226,10 @@ def prefill_comparison(dense, sparse, lengths, vocab_size: int, repeats: int = 2
             row[f"{name}_s"], _ = timed_prefill(model, ids, repeats)
             if device.type == "cuda":
                 row[f"{name}_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            with phase_times(device) as phases:
+                total, _ = timed_prefill(model, ids)
+            row[f"{name}_phases"] = {k: round(v, 4) for k, v in phases.items() if v > 0}
+            row[f"{name}_phases"]["other"] = round(total - sum(phases.values()), 4)
         row["speedup"] = row["dense_s"] / row["sparse_s"]
         results.append(row)
     return results

@@ -176,3 +176,9 @@ def test_benchmark_comparison_runs_on_tiny_models():
     assert [r["length"] for r in rows] == [64, 96]
     for row in rows:
         assert row["dense_s"] > 0 and row["sparse_s"] > 0 and row["speedup"] == row["dense_s"] / row["sparse_s"]
+        # the breakdown names where each mode spent its time: selection and the chunked back end
+        # for sparse on the CPU, dense attention alone for dense
+        assert set(row["sparse_phases"]) == {"select", "sparse_attention", "other"}
+        assert set(row["dense_phases"]) == {"dense_attention", "other"}
+    from forecastkv.modeling import attention
+    assert attention.SparseAttention.select.__name__ == "select"  # the timers were removed
