@@ -205,14 +205,6 @@ class SparseAttention(nn.Module):
         if not all_dense and not flex:  # K/V (and CIS) by block, once per call: chunks gather whole blocks
             blocks = tuple(None if x is None else block_layout(x, sparse.block_size) for x in (keys, values, cis))
         pending, pending_from = [], 0  # row masks of chunks selected but not yet attended
-
-        def attend_pending(first: int, end: int) -> None:
-            rows = slice(first, end)
-            outputs.append(chunked_sparse_attention(
-                q[:, rows], keys, values, cis, positions[:, rows], torch.cat(pending, dim=2), sparse.block_size, blocks,
-            ))
-            pending.clear()
-
         for start in range(0, q.shape[1], self.config.query_chunk_size):
             rows = slice(start, start + self.config.query_chunk_size)
             pos = positions[:, rows]
@@ -234,8 +226,11 @@ class SparseAttention(nn.Module):
                 pending.append(masks)
                 end = min(start + self.config.query_chunk_size, q.shape[1])
                 if end - pending_from >= CHUNKED_ATTENTION_ROWS or end == q.shape[1]:
-                    attend_pending(pending_from, end)
-                    pending_from = end
+                    group = slice(pending_from, end)
+                    outputs.append(chunked_sparse_attention(
+                        q[:, group], keys, values, cis, positions[:, group], torch.cat(pending, dim=2), sparse.block_size, blocks,
+                    ))
+                    pending, pending_from = [], end
         if selections_out is not None:
             selections_out.update({key: torch.cat(parts, dim=2) for key, parts in records.items()})
         if all_dense:

@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from . import selection as sel
 
 FLEX_Q_TILE = 128  # FlexAttention query tile (rows per BlockMask row)
-CHUNKED_ATTENTION_ROWS = 1024  # rows per chunked_sparse_attention call (~15% faster than 256 on CPU)
+CHUNKED_ATTENTION_ROWS = 1024  # rows per chunked_sparse_attention call: ~15% less attention time than 256 on CPU
 SPARSE_BACKENDS = ("auto", "flex", "chunked")
 _sparse_backend: str | None = None
 

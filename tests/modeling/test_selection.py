@@ -182,7 +182,7 @@ def test_coarse_lse_matches_brute_force():
     for t in range(length):
         assert ids[0, :, t].tolist() == ref_select(q[0, t], k[0, : t + 1], t, cfg, coarse=True)
     assert not torch.equal(ids, exact)  # the estimate does change choices on these inputs
-    # a chunk whose every row sees a coarse key skips the exact LSE: same choices, same scores
+    # a chunk whose every row sees a coarse key skips the exact LSE and chooses the same blocks
     p2, s2 = cfg.coarse_kernel
     late = torch.arange(p2 + 2, length).view(1, -1)
     assert sel.keys_seen(int(late.min()), length, p2, s2, 0) > 0
