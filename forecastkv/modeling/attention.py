@@ -91,24 +91,29 @@ class SparseAttention(nn.Module):
         """NOSA's static per-token bias A * softplus(delta(v)).  values [B, T, H, d] -> [B, T, H]."""
         return self.A * F.softplus(self.delta(values.flatten(-2)))
 
-    def select(self, vectors: torch.Tensor, positions: torch.Tensor, cache_layer, kind: str) -> torch.Tensor:
+    def select(self, vectors: torch.Tensor, positions: torch.Tensor, cache_layer, kind: str,
+               bounds: tuple[int, int] | None = None, key_count: int | None = None) -> torch.Tensor:
         """This layer's selection [B, H, R, budget] from `vectors` against `cache_layer`'s keys.
 
         kind "query": real queries, fresh keys (lag 0).  kind "forecast": forecast vectors scored as
         the prefetching runtime does, before this layer appended the row's own token (lag 1).
+        bounds (lowest, highest entry of positions) and key_count (the longest stored sequence):
+        host ints the caller already holds; a prefill passes them so that its query chunks read
+        nothing back from the device (else each is read here, one CUDA sync each).
         """
         sparse = self.sparse
         lag = 1 if kind == "forecast" else 0
-        n_blocks = sel.num_blocks(int(positions.max()) + 1, sparse.block_size)
+        highest = int(positions.max()) if bounds is None else bounds[1]
+        n_blocks = sel.num_blocks(highest + 1, sparse.block_size)
         scores = sel.score_blocks(
-            vectors, cache_layer.compressed_keys(), positions, sparse, n_blocks, kind=kind, lag=lag,
-            lse_keys=cache_layer.coarse_compressed_keys() if kind == "query" else None,
+            vectors, cache_layer.compressed_keys(key_count), positions, sparse, n_blocks, kind=kind, lag=lag,
+            lse_keys=cache_layer.coarse_compressed_keys(key_count) if kind == "query" else None, bounds=bounds,
         )
         agnostic = None
         if sparse.policy == "nosa":
             # from the CIS the cache pools incrementally: a decode step never re-pools every token,
             # and an offloaded cache keeps the raw CIS on the host
-            agnostic = cache_layer.agnostic_block_scores(positions, sparse, n_blocks, lag=lag)
+            agnostic = cache_layer.agnostic_block_scores(positions, sparse, n_blocks, lag=lag, length=key_count)
         return sel.select_blocks(scores, positions, sparse, agnostic)
 
     # ------------------------------------------------------------------------------------------
@@ -163,13 +168,14 @@ class SparseAttention(nn.Module):
         stored = (positions >= 0).any(dim=1)
         return bool((dense_sequences(positions, self.sparse) & stored).any())
 
-    def _record(self, out: dict | None, q, forecast_in, positions, cache_layer, selection, selector) -> None:
-        """Store both selectors' choices (the one in use is `selection`) for recall measurements."""
+    def _record(self, out: dict | None, q, forecast_in, positions, cache_layer, selection, selector, **host) -> None:
+        """Store both selectors' choices (the one in use is `selection`) for recall measurements;
+        `host`: `select`'s bounds / key_count."""
         if out is None or self.sparse is None:
             return
-        out["query"] = selection if selector == "query" else self.select(q, positions, cache_layer, "query")
+        out["query"] = selection if selector == "query" else self.select(q, positions, cache_layer, "query", **host)
         if forecast_in is not None:
-            out["forecast"] = selection if selector == "forecast" else self.select(forecast_in, positions, cache_layer, "forecast")
+            out["forecast"] = selection if selector == "forecast" else self.select(forecast_in, positions, cache_layer, "forecast", **host)
 
     def _decode_blocks(self, q: torch.Tensor, positions: torch.Tensor, cache_layer, selection: torch.Tensor) -> torch.Tensor:
         """One token per sequence over its selected blocks.  q [B, 1, Hq, d], selection [B, H, K] -> [B, 1, Hq, d]."""
@@ -190,7 +196,8 @@ class SparseAttention(nn.Module):
         q [B, T, Hq, d] -> [B, T, Hq, d].  Each sequence is dense or sparse for the whole call
         (`prefill.dense_sequences`).  Sparse rows are selected in query chunks and attend only
         their blocks (`prefill.chunked_sparse_attention`, or FlexAttention on CUDA), so memory is
-        O(chunk x selected keys); K/V are never repeated per query head.
+        O(chunk x selected keys); K/V are never repeated per query head.  The positions are read
+        to the host once per call, so on CUDA the chunk loop itself never waits for the device.
         """
         keys, values, cis, count = cache_layer.full()
         sparse = self.sparse
@@ -199,7 +206,9 @@ class SparseAttention(nn.Module):
         if sparse is None or (all_dense and selections_out is None):
             return dense_attention(q, keys, values, cis, positions, self.config.query_chunk_size)
         n_blocks = sel.num_blocks(count, sparse.block_size)
-        flex = not all_dense and not bool(dense.any()) and use_flex(q) and can_use_flex(q, positions, count)
+        any_dense = bool(dense.any())
+        flex = not all_dense and not any_dense and use_flex(q) and can_use_flex(q, positions, count)
+        host_positions = positions.cpu()  # one read for the whole call: chunks take their bounds from it
         outputs, bits, records = [], [], {}
         blocks = None
         if not all_dense and not flex:  # K/V (and CIS) by block, once per call: chunks gather whole blocks
@@ -209,15 +218,16 @@ class SparseAttention(nn.Module):
             rows = slice(start, start + self.config.query_chunk_size)
             pos = positions[:, rows]
             f_rows = None if forecast_in is None else forecast_in[:, rows]
-            ids = self.select(q[:, rows] if selector == "query" else f_rows, pos, cache_layer, selector)
+            host = {"bounds": sel.position_range(host_positions[:, rows]), "key_count": count}
+            ids = self.select(q[:, rows] if selector == "query" else f_rows, pos, cache_layer, selector, **host)
             if selections_out is not None:
                 chunk_records: dict = {}
-                self._record(chunk_records, q[:, rows], f_rows, pos, cache_layer, ids, selector)
+                self._record(chunk_records, q[:, rows], f_rows, pos, cache_layer, ids, selector, **host)
                 for key, value in chunk_records.items():
                     records.setdefault(key, []).append(value)
             if all_dense:
                 continue
-            masks = row_block_masks(ids, pos, n_blocks, sparse.block_size, dense if bool(dense.any()) else None)
+            masks = row_block_masks(ids, pos, n_blocks, sparse.block_size, dense if any_dense else None)
             if flex:
                 bits.append(pack_block_bits(masks))
             else:

@@ -279,20 +279,25 @@ class SparseCacheLayer(CacheLayerMixin):
             write_windows(target, ids, valid, compress_windows(source, rows.to(source.device), dtype))
         return target
 
-    def compressed_keys(self) -> torch.Tensor:
-        """[B, C, H, d]: compressed keys up to the longest sequence (visibility masks the rest)."""
-        return self.ckeys[:, : num_compressed(int(self.lengths.max()), *self.kernel)]
+    def _longest(self, length: int | None) -> int:
+        """The longest stored sequence: `length` when the caller read it already (`full()`'s S),
+        else read from the device (one sync)."""
+        return int(self.lengths.max()) if length is None else length
 
-    def coarse_compressed_keys(self) -> torch.Tensor | None:
+    def compressed_keys(self, length: int | None = None) -> torch.Tensor:
+        """[B, C, H, d]: compressed keys up to the longest sequence (visibility masks the rest)."""
+        return self.ckeys[:, : num_compressed(self._longest(length), *self.kernel)]
+
+    def coarse_compressed_keys(self, length: int | None = None) -> torch.Tensor | None:
         if self.coarse is None:
             return None
-        return self.coarse_keys[:, : num_compressed(int(self.lengths.max()), *self.coarse)]
+        return self.coarse_keys[:, : num_compressed(self._longest(length), *self.coarse)]
 
-    def agnostic_block_scores(self, positions: torch.Tensor, sparse, n_blocks: int, lag: int = 0) -> torch.Tensor:
+    def agnostic_block_scores(self, positions: torch.Tensor, sparse, n_blocks: int, lag: int = 0, length: int | None = None) -> torch.Tensor:
         """NOSA's query-agnostic block scores [B, H, Tq, NB] (fp32) from the incrementally pooled CIS."""
         if self.pooled_cis is None:
             raise ValueError("agnostic block scores need CIS: this layer stored none (is the policy nosa?)")
-        count = num_compressed(int(self.lengths.max()), *self.kernel)
+        count = num_compressed(self._longest(length), *self.kernel)
         return pooled_agnostic_scores(self.pooled_cis[:, :count], positions, sparse, n_blocks, lag)
 
     def plan(self, selection: torch.Tensor, block_size: int | None = None) -> None:

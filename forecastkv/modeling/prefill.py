@@ -30,7 +30,8 @@ per-block ops cost as much as the union saves; floor plus stage 1 is ~0.27 s per
 with zero overhead CPU prefill would sit near 0.7x dense.  Beating that needs a fused CPU kernel.
 At 128K on CUDA stage 1 ([Hq, T, C] scores, C ~ T / kernel_stride) is the expected bottleneck:
 half-precision logits go through a tensor-core matmul with fp32 output, chunks whose rows all
-see a coarse key skip the exact LSE, and a fused prefill stage-1 kernel (score, pool, top-k
+see a coarse key skip the exact LSE, query chunks take their position bounds from one host copy
+per call (no CUDA sync per chunk), and a fused prefill stage-1 kernel (score, pool, top-k
 without materialising the scores) is the next step.
 """
 

@@ -323,20 +323,22 @@ def score_blocks(
     kind: str = "query",
     lag: int | None = None,
     lse_keys: torch.Tensor | None = None,
+    bounds: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """Block scores ready for top-k: `key_scores` pooled to blocks, init/local forced to +inf.
 
     Arguments as `key_scores` (lag None: the visibility rule of `kind`).  Returns fp32
     [B, H, Tq, n_blocks].  Multi-row calls (and any call on the CPU) score only the keys some row
-    sees and mask only those not every row sees (`keys_seen`); a CUDA decode step skips that host
-    read.
+    sees and mask only those not every row sees (`keys_seen`), from `bounds` (lowest, highest
+    entry of positions, host ints) or else one read of them; a CUDA decode step without bounds
+    skips that host read.
     """
     lag = visibility_lag(kind) if lag is None else lag
     p, s = sparse.kernel_size, sparse.kernel_stride
     masked_from, coarse_everywhere = 0, False
-    if positions.shape[1] > 1 or not positions.is_cuda:
+    if bounds is not None or positions.shape[1] > 1 or not positions.is_cuda:
         # keys no row sees are not scored; keys every row sees are not masked
-        first, last = position_range(positions)
+        first, last = position_range(positions) if bounds is None else bounds
         masked_from = keys_seen(first, ckeys.shape[1], p, s, lag)
         ckeys = ckeys[:, : keys_seen(last, ckeys.shape[1], p, s, lag)]
         if lse_keys is not None:

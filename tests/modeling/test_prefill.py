@@ -182,3 +182,25 @@ def test_benchmark_comparison_runs_on_tiny_models():
         assert set(row["dense_phases"]) == {"dense_attention", "other"}
     from forecastkv.modeling import attention
     assert attention.SparseAttention.select.__name__ == "select"  # the timers were removed
+
+
+@pytest.mark.parametrize("policy", ["infllmv2", "nosa"])
+def test_select_with_host_bounds_equals_reading_them(policy):
+    """Prefill chunks hand `select` their position bounds and the stored length as host ints (no
+    device read per chunk); the selection equals the one that reads them itself, padding included."""
+    from forecastkv.modeling import selection as sel
+
+    model = tiny_model({"policy": policy}, seed=25)
+    ids = torch.randint(0, 128, (2, 70), generator=torch.Generator().manual_seed(26))
+    with torch.no_grad():
+        cache = model(ids, use_cache=True).past_key_values
+    attn = model.model.layers[1].self_attn
+    q = torch.randn(2, 10, attn.num_heads, attn.head_dim, generator=torch.Generator().manual_seed(27))
+    positions = torch.arange(60, 70).repeat(2, 1)
+    positions[1, :3] = -1
+    for kind in ("query", "forecast"):
+        vectors = q if kind == "query" else q[:, :, :: attn.group]  # forecast: one vector per KV head
+        read = attn.select(vectors, positions, cache.layers[1], kind)
+        given = attn.select(vectors, positions, cache.layers[1], kind, bounds=sel.position_range(positions), key_count=70)
+        assert torch.equal(read, given)
+        assert (read >= 0).any()
