@@ -22,6 +22,8 @@ demo: install
 	$(OFFLINE) $(VENV)/bin/forecastkv demo
 
 test: install
+	@# the linter first (pyflakes + import order, configured in pyproject.toml)
+	$(VENV)/bin/ruff check .
 	@# pytest exits 5 when it collected nothing: say so, and fail
 	$(OFFLINE) TRITON_INTERPRET=1 $(PY) -m pytest -q -x --timeout=900; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc

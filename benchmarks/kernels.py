@@ -95,7 +95,7 @@ def bench_gather(device, batches, programs, heads, dim, block, slots, seq, miss,
             ms = plain_ms if impl == plain_name else timed(fn, device, reps)
             rate = gbps(nbytes, ms)
             rows.append(dict(kernel="block_gather", config=config, impl=impl, programs=n, ms=ms, gbps=rate, vs_copy=rate / plain))
-        del k_host, v_host, b_host, plain_src, plain_dst
+        k_host = v_host = b_host = plain_src = plain_dst = None  # free before the next batch
     return rows
 
 

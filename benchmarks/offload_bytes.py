@@ -68,7 +68,6 @@ def main(argv=None) -> dict:
     with torch.no_grad():
         first = model(ids, **{CACHE_KWARG: prefilled}).logits[:, -1].argmax(-1, keepdim=True)
     print(f"prefill {time.perf_counter() - start:.0f} s", flush=True)
-    reference = None
     for mode in args.modes:
         start = time.perf_counter()
         cache = OffloadedSparseCache.for_model(model, mode=mode, max_length=args.context)

@@ -83,7 +83,7 @@ def run_config(model, mode: str, batch: int, length: int, args, device) -> dict:
             "device_nbytes": stats["device_nbytes"], "host_nbytes": stats["host_nbytes"],
         }
     finally:
-        del cache
+        cache = None  # free before the next config
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()

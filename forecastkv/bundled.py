@@ -111,6 +111,18 @@ def bundled_model_path(name: str = "smollm2-135m", cache_dir: str | os.PathLike 
     return str(target)
 
 
+BUNDLED_PREFIX = "bundled:"
+
+
+def resolve_model_path(path: str | os.PathLike) -> str:
+    """A model path as given, or for ``"bundled:NAME"`` the directory of bundled model NAME
+    (`bundled_model_path`); what every ``--model`` / ``model.path`` / tokenizer setting accepts."""
+    path = str(path)
+    if path.startswith(BUNDLED_PREFIX):
+        return bundled_model_path(path[len(BUNDLED_PREFIX):])
+    return path
+
+
 def _convert(name: str, out: Path) -> None:
     """Dequantize the bundled GGUF into a float32 checkpoint in ``out``; marker last."""
     package, gguf_file = _MODELS[name]

@@ -97,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     convert.set_defaults(run=_convert)
 
     evaluate = commands.add_parser("eval", help="long-context tasks under every mode side by side (see --config)")
-    from .eval.__main__ import add_arguments as eval_arguments, run as eval_run
+    from .eval.__main__ import add_arguments as eval_arguments
+    from .eval.__main__ import run as eval_run
 
     eval_arguments(evaluate)
     evaluate.set_defaults(run=eval_run)

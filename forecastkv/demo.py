@@ -16,12 +16,14 @@ finished eval examples are kept.
 
 from __future__ import annotations
 
-import copy
 import time
 from pathlib import Path
 
 import torch
 import yaml
+
+from .atomic import write_text_atomic
+from .merge import deep_merge
 
 DEMO_DIR = Path(__file__).parent / "presets" / "demo"
 
@@ -38,24 +40,13 @@ def generate_with_cache(model, ids: torch.Tensor, max_new_tokens: int):
     return out[0, ids.shape[1] :], cache, time.perf_counter() - start
 
 
-def _merge(base: dict, overrides: dict | None) -> dict:
-    """A deep copy of `base` with `overrides` merged in, section by section."""
-    merged = copy.deepcopy(base)
-    for key, value in (overrides or {}).items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = _merge(merged[key], value)
-        else:
-            merged[key] = copy.deepcopy(value)
-    return merged
-
-
 def demo_configs(output: Path, train_overrides: dict | None = None, eval_overrides: dict | None = None) -> tuple[dict, dict]:
     """(training recipe, {suite name: eval suite}) for a demo run writing under `output`.  The suites
     evaluate the heads the recipe writes, with the recipe's geometry, so both steps see the same
     selection.  eval_overrides: {suite name: overrides}."""
-    recipe = _merge(yaml.safe_load((DEMO_DIR / "train.yaml").read_text()), train_overrides)
+    recipe = deep_merge(yaml.safe_load((DEMO_DIR / "train.yaml").read_text()), train_overrides)
     recipe["output_dir"] = str(output / "heads")
-    suites = _merge(yaml.safe_load((DEMO_DIR / "eval.yaml").read_text()), eval_overrides)
+    suites = deep_merge(yaml.safe_load((DEMO_DIR / "eval.yaml").read_text()), eval_overrides)
     for name, suite in suites.items():
         suite["model"] = {**suite.get("model", {}), "path": recipe["model"]["path"], "sparse_config": recipe["model"]["sparse_config"],
                           "forecast_weights": recipe["output_dir"], "forecast": None}
@@ -105,20 +96,15 @@ def _fmt(value: float | None, unit: float = 1.0) -> str:
     return "—" if value is None else f"{value / unit:.3f}"
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
-
-
 def run_demo(output: str | Path = "runs/demo", train_overrides: dict | None = None, eval_overrides: dict | None = None,
              prompt_tokens: int = 1024, new_tokens: int = 32, progress: bool = True) -> dict:
     """Run the four steps; returns the numbers of the summary it prints last."""
     from transformers import AutoTokenizer
 
     from . import ForecastKVForCausalLM, bundled_texts
+    from .bundled import resolve_model_path
     from .eval.report import load as load_records
-    from .eval.runner import resolve_model_path, run_eval
+    from .eval.runner import run_eval
     from .inference.report import format_stats, generate_offloaded
     from .training.trainer import train_forecast
 
@@ -179,7 +165,7 @@ def run_demo(output: str | Path = "runs/demo", train_overrides: dict | None = No
         f"## 3. Offloaded generation (forecast-offload, {ids.shape[1]}-token prompt, {seconds:.1f} s)", "",
         "```", continuation.strip(), "```", "", "```", stats_text, "```", "",
     ]
-    _write_atomic(output / "report.md", "\n".join(lines))
+    write_text_atomic(output / "report.md", "\n".join(lines))
     result["report"] = str(output / "report.md")
 
     print("\n== summary", flush=True)

@@ -12,8 +12,9 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
+from ..atomic import write_text_atomic
 from ..modeling.selection import RECALL_FIRST_LAYER
-from .results import MERGED, write_atomic
+from .results import MERGED
 
 MIB = 2**20
 
@@ -257,9 +258,9 @@ def write_report(directory: str | Path) -> Path:
     records = load(directory)
     path = directory / "report.md"
     if not records:
-        write_atomic(path, "# Evaluation report\n\nNo results yet.\n")
+        write_text_atomic(path, "# Evaluation report\n\nNo results yet.\n")
         return path
     images = plots(records, directory)
     text = tables(records) + "\n" + "".join(f"![{p.stem}]({p.name})\n" for p in images)
-    write_atomic(path, text)
+    write_text_atomic(path, text)
     return path

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
+
+from ..atomic import write_text_atomic
 
 MERGED = "results.jsonl"
 
@@ -80,21 +81,6 @@ class ShardWriter:
             os.fsync(f.fileno())
 
 
-def write_atomic(path: str | Path, text: str) -> None:
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp makes it 0600
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def merge(directory: str | Path, order: dict[tuple, int]) -> Path:
     """Write `results.jsonl`: the finished records of this suite (ids in `order`), in that order.
     Records from other settings (another suite or changed options) stay in the shards only."""
@@ -102,5 +88,5 @@ def merge(directory: str | Path, order: dict[tuple, int]) -> Path:
     records = [r for r in read_records(directory) if record_id(r) in order]
     ranked = sorted(records, key=lambda r: order[record_id(r)])
     text = "".join(json.dumps(r, ensure_ascii=False, sort_keys=True) + "\n" for r in ranked)
-    write_atomic(directory / MERGED, text)
+    write_text_atomic(directory / MERGED, text)
     return directory / MERGED

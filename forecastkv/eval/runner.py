@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from ..bundled import resolve_model_path
 from . import longbench
 from .codec import ByteCodec, TextCodec
 from .config import Unit, load_config, max_new_tokens, work_units
@@ -26,7 +27,6 @@ from .evaluate import evaluate_example
 from .modes import attending_with, check_model_supports, parse_mode
 from .results import ShardWriter, merge, read_records, record_id
 from .tasks import generate_example
-
 
 # ----------------------------------------------------------------------------------------------
 # processes
@@ -63,14 +63,6 @@ def _device() -> torch.device:
 # ----------------------------------------------------------------------------------------------
 # model, tokenizer, validation
 # ----------------------------------------------------------------------------------------------
-
-
-def resolve_model_path(path: str) -> str:
-    if path.startswith("bundled:"):
-        from ..bundled import bundled_model_path
-
-        return bundled_model_path(path.split(":", 1)[1])
-    return path
 
 
 def load_model(spec: dict, device: torch.device):

@@ -7,12 +7,12 @@ decode step reads only its selected blocks through `cache_layer.blocks()`.
 
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from . import selection as sel
+from .cache import decode_kernels_enabled
 from .prefill import (
     CHUNKED_ATTENTION_ROWS,
     block_layout,
@@ -25,7 +25,6 @@ from .prefill import (
     row_block_masks,
     use_flex,
 )
-from .cache import decode_kernels_enabled
 from .rope import apply_rope
 
 

@@ -14,11 +14,11 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
 from pathlib import Path
 
 import torch
 
+from ..atomic import write_atomic, write_text_atomic
 from .configuration import ForecastConfig, ForecastKVConfig, resolve_sparse_config
 from .lazy_weights import LazyCheckpoint, LazyCheckpointError, load_into, set_tensor
 
@@ -300,11 +300,8 @@ def save_forecast_weights(model, directory: str | os.PathLike, base_model: str |
     # the heads exist to select blocks: reloading them onto a base turns the forecast selector on
     sparse = None if sparse is None else {**sparse, "selector": "forecast"}
     meta = {"forecast": model.config.forecast, "sparse_config": sparse, "base_model": base_model}
-    for name, write in ((FORECAST_WEIGHTS, lambda p: save_file(tensors, p)), (FORECAST_CONFIG, lambda p: Path(p).write_text(json.dumps(meta, indent=2)))):
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.")
-        os.close(fd)
-        write(tmp)
-        os.replace(tmp, directory / name)
+    write_atomic(directory / FORECAST_WEIGHTS, lambda tmp: save_file(tensors, str(tmp)))
+    write_text_atomic(directory / FORECAST_CONFIG, json.dumps(meta, indent=2))
     return directory
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from forecastkv import SparseCache
-from forecastkv.inference import MODES, OffloadedSparseCache, diff_block_map
+from forecastkv.inference import OffloadedSparseCache, diff_block_map
 from forecastkv.modeling.modeling import CACHE_KWARG
 from tests.modeling.test_model import rel, tiny_model
 
@@ -106,8 +106,9 @@ def test_minicpm_format_coarse_lse_and_dense_len(tmp_path):
 def test_bundled_smollm2_offloaded_matches_sparse_cache(bundled_path):
     """Real weights (InfLLM-v2; the checkpoint has no NOSA parameters), prefetched forecast blocks,
     left padding.  (The query selector and NOSA are covered on the tiny models.)"""
-    from forecastkv import ForecastKVForCausalLM, bundled_texts
     from transformers import AutoTokenizer
+
+    from forecastkv import ForecastKVForCausalLM, bundled_texts
 
     tokenizer = AutoTokenizer.from_pretrained(bundled_path)
     sparse = {"policy": "infllmv2", "selector": "forecast", "block_size": 16, "kernel_size": 8, "kernel_stride": 4, "window_size": 16, "topk": 4, "init_blocks": 1, "dense_len": 0, "query_blocks": 2}

@@ -279,7 +279,7 @@ def test_training_student_is_the_deployed_forecast_score(per_group):
     """The training student is a fixed function of the deployed forecast scores: softmax(score/sqrt(d))
     over the same keys for one vector per group, the group-summed score / n for n > 1.  A change of
     either side's visibility (or scoring) rule breaks the equality."""
-    from forecastkv.training.objective import student_rows, teacher_rows, ObjectiveConfig
+    from forecastkv.training.objective import ObjectiveConfig, student_rows, teacher_rows
 
     cfg = GEOMETRIES[0]
     torch.manual_seed(11 + per_group)
