@@ -6,6 +6,9 @@ through the validated dataclasses `SparseConfig`, `ForecastConfig` and `MupConfi
 
 from __future__ import annotations
 
+import difflib
+import functools
+import inspect
 import json
 from dataclasses import asdict, dataclass, fields
 from importlib import resources
@@ -186,6 +189,41 @@ def resolve_sparse_config(value: str | dict | SparseConfig | None) -> dict | Non
     return SparseConfig.from_dict(dict(value)).to_dict()
 
 
+# How alike an unknown key must be to one of ours to be taken for a misspelling of it (difflib's
+# ratio; "prefill_chunk_size" ~ "query_chunk_size" is 0.71).
+MISSPELT_KEY_RATIO = 0.7
+
+
+def _check_misspelt_keys(extra: dict) -> None:
+    """Raise for a key of `extra` (the kwargs `ForecastKVConfig` does not name) that is close to one
+    of ours and is no config key transformers knows: a misspelt key would otherwise be stored and
+    silently ignored.  The extras of real checkpoints (`layer_norm_eps`, `num_kv_heads`, ... of
+    other architectures, MiniCPM's `scale_emb`) stay accepted."""
+    ours = [name for name in inspect.signature(ForecastKVConfig.__init__).parameters if name not in ("self", "kwargs")]
+    for key in extra:
+        if key.startswith("_"):
+            continue
+        close = difflib.get_close_matches(key, ours, n=1, cutoff=MISSPELT_KEY_RATIO)
+        if close and key not in _transformers_keys():
+            raise ValueError(f"unknown ForecastKVConfig key {key!r}; did you mean {close[0]!r}?")
+
+
+@functools.cache
+def _transformers_keys() -> frozenset[str]:
+    """Every config key some transformers architecture defines (the init arguments of all the
+    registered config classes, ~2K names).  Built once, and only when an unknown key is close to
+    one of ours (a few seconds: it imports every config module)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    keys = set(inspect.signature(PreTrainedConfig.__init__).parameters) | set(PreTrainedConfig().to_dict())
+    for model_type in list(CONFIG_MAPPING.keys()):
+        try:
+            keys |= set(inspect.signature(CONFIG_MAPPING[model_type].__init__).parameters)
+        except Exception:  # noqa: BLE001 - an optional architecture that fails to import has no keys to add
+            continue
+    return frozenset(keys)
+
+
 class ForecastKVConfig(PreTrainedConfig):
     """A Llama-family decoder with block-sparse attention and optional Forecast heads."""
 
@@ -233,6 +271,7 @@ class ForecastKVConfig(PreTrainedConfig):
         self.use_cache = use_cache
         self.attention_bias = attention_bias
         self.mlp_bias = mlp_bias
+        _check_misspelt_keys(kwargs)
         legacy_theta = kwargs.pop("rope_theta", None)
         legacy_scaling = kwargs.pop("rope_scaling", None)
         if rope_parameters is None:

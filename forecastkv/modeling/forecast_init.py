@@ -42,6 +42,8 @@ import math
 
 import torch
 
+from .heads import scoring_head_weight
+
 RATIO_SPREAD = 8.0
 INITS = ("kaiming", "next_query")
 
@@ -129,14 +131,6 @@ def apply_forecast_init(model, init: str, seed: int | None = None) -> None:
             weight.copy_(new.to(device=weight.device, dtype=weight.dtype))
 
 
-def _scoring_head(layers, layer: int) -> torch.Tensor:
-    """The weight [H*n*d, hidden] whose vectors score `layer`: layer 0's current_proj, else layer
-    (layer - 1)'s forecast_proj."""
-    if layer == 0:
-        return layers[0].self_attn.current_proj.weight
-    return layers[layer - 1].self_attn.forecast_proj.weight
-
-
 @torch.no_grad()
 def calibrate_forecast_scale(model, head_sq: torch.Tensor, query_sq: torch.Tensor) -> torch.Tensor:
     """Rescale every head in place so its output norm matches the real queries'.
@@ -160,7 +154,7 @@ def calibrate_forecast_scale(model, head_sq: torch.Tensor, query_sq: torch.Tenso
     target = query_sq if n == group else query_sq.view(len(layers), kv_heads, group).mean(-1).repeat_interleave(n, dim=1)
     factors = (target / head_sq.clamp(min=1e-20)).sqrt()
     for layer in range(len(layers)):
-        weight = _scoring_head(layers, layer)
+        weight = scoring_head_weight(layers, layer)
         scale = factors[layer].repeat_interleave(d).to(device=weight.device, dtype=torch.float32)
         weight.copy_((weight.float() * scale[:, None]).to(weight.dtype))
     return factors
