@@ -16,6 +16,8 @@ from __future__ import annotations
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from ..modeling import routing
+
 ATTENTION_MODES = {
     # name -> (policy, selector); None = dense
     "dense": None,
@@ -115,14 +117,10 @@ def mode_sparse_config(base: dict | None, mode: Mode) -> dict | None:
 
 @contextmanager
 def attending_with(model, mode: Mode):
-    """Run `model` in `mode` inside the block (its config's sparse_config is swapped, then restored)."""
+    """Run `model` in `mode` inside the block (`routing.attending_with`: on a copy of its config)."""
     check_model_supports(model, mode)
-    saved = model.config.sparse_config
-    model.config.sparse_config = mode_sparse_config(saved, mode)
-    try:
-        yield
-    finally:
-        model.config.sparse_config = saved
+    with routing.attending_with(model, mode_sparse_config(model.config.sparse_config, mode)) as config:
+        yield config
 
 
 def make_cache(model, mode: Mode):

@@ -13,6 +13,7 @@ from torch import nn
 
 from . import selection as sel
 from .cache import decode_kernels_enabled
+from .heads import scoring_head
 from .prefill import (
     CHUNKED_ATTENTION_ROWS,
     block_layout,
@@ -21,6 +22,7 @@ from .prefill import (
     dense_attention,
     dense_sequences,
     flex_sparse_attention,
+    masked_attention,
     pack_block_bits,
     row_block_masks,
     use_flex,
@@ -29,20 +31,10 @@ from .rope import apply_rope
 
 
 def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Masked softmax attention with an optional additive per-key bias (NOSA's CIS, after 1/sqrt(d)).
-
-    query [B, H, R, d] (R rows: a query chunk, or a GQA group at decode), keys/values [B, H, L, d],
-    allowed bool [B, H, R, L], bias [B, H, L] or None -> [B, H, R, d].  Rows with no allowed key
-    (padding) return garbage-free zeros.
-    """
-    empty = ~allowed.any(dim=-1, keepdim=True)
-    allowed = allowed | empty
-    if bias is None:
-        mask = allowed
-    else:
-        mask = torch.where(allowed, bias.unsqueeze(2).to(query.dtype), float("-inf"))
-    out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask)
-    return out.masked_fill(empty, 0.0)
+    """`prefill.masked_attention` with a mask per query row: query [B, H, R, d], keys/values
+    [B, H, L, d], allowed bool [B, H, R, L], bias [B, H, L] or None -> [B, H, R, d] (rows with no
+    allowed key: zeros)."""
+    return masked_attention(query, keys, values, allowed, bias, group=1)
 
 
 class SparseAttention(nn.Module):
@@ -100,20 +92,14 @@ class SparseAttention(nn.Module):
         host ints the caller already holds; a prefill passes them so that its query chunks read
         nothing back from the device (else each is read here, one CUDA sync each).
         """
-        sparse = self.sparse
-        lag = 1 if kind == "forecast" else 0
-        highest = int(positions.max()) if bounds is None else bounds[1]
-        n_blocks = sel.num_blocks(highest + 1, sparse.block_size)
-        scores = sel.score_blocks(
-            vectors, cache_layer.compressed_keys(key_count), positions, sparse, n_blocks, kind=kind, lag=lag,
-            lse_keys=cache_layer.coarse_compressed_keys(key_count) if kind == "query" else None, bounds=bounds,
+        # the incrementally pooled CIS: a decode step never re-pools every token, and an
+        # offloaded cache keeps the raw CIS on the host
+        nosa = self.sparse.policy == "nosa"
+        return sel.layer_selection(
+            vectors, cache_layer.compressed_keys(key_count), positions, self.sparse, kind,
+            lse_keys=cache_layer.coarse_compressed_keys(key_count) if kind == "query" else None,
+            pooled_cis=cache_layer.pooled_compressed_cis(key_count) if nosa else None, bounds=bounds,
         )
-        agnostic = None
-        if sparse.policy == "nosa":
-            # from the CIS the cache pools incrementally: a decode step never re-pools every token,
-            # and an offloaded cache keeps the raw CIS on the host
-            agnostic = cache_layer.agnostic_block_scores(positions, sparse, n_blocks, lag=lag, length=key_count)
-        return sel.select_blocks(scores, positions, sparse, agnostic)
 
     # ------------------------------------------------------------------------------------------
     def forward(
@@ -147,9 +133,10 @@ class SparseAttention(nn.Module):
         sparse = self.sparse
         selector = selector or (sparse.selector if sparse is not None else None)
         if selector == "forecast" and forecast_in is None and selection is None:
-            if self.layer_idx != 0:
-                raise ValueError(f"layer {self.layer_idx} got no forecast vectors from layer {self.layer_idx - 1}")
-            forecast_in = self.project_forecast(hidden, cos, sin, "current_proj")
+            owner, projection = scoring_head(self.layer_idx)
+            if owner != self.layer_idx:
+                raise ValueError(f"layer {self.layer_idx} got no forecast vectors from layer {owner}")
+            forecast_in = self.project_forecast(hidden, cos, sin, projection)  # a layer that scores itself
 
         if length == 1 and sparse is not None and not self._any_dense(positions):
             if selection is None:
@@ -184,9 +171,9 @@ class SparseAttention(nn.Module):
             out = cache_layer.decode_attention(q[:, 0], selection, self.sparse.block_size)
             return out.view(batch, 1, self.num_heads, self.head_dim)
         keys, values, key_pos, bias = cache_layer.blocks(selection, self.sparse.block_size)
-        query = q.view(batch, self.num_kv_heads, self.group, self.head_dim)
-        allowed = ((key_pos >= 0) & (key_pos <= positions.view(-1, 1, 1))).unsqueeze(2).expand(-1, -1, self.group, -1)
-        out = attend(query, keys, values, allowed, bias)
+        query = q.view(batch, self.num_kv_heads, self.group, self.head_dim)  # the G heads of a KV head as rows
+        allowed = ((key_pos >= 0) & (key_pos <= positions.view(-1, 1, 1))).unsqueeze(2)  # [B, H, 1, L]: one row, shared
+        out = masked_attention(query, keys, values, allowed, bias, self.group)
         return out.reshape(batch, 1, self.num_heads, self.head_dim)
 
     def _attend_chunks(self, q, forecast_in, positions, cache_layer, selections_out, selector) -> torch.Tensor:

@@ -7,7 +7,7 @@ The attention module talks to a cache layer through four calls (shared/DESIGN.md
     layer.plan(selection)                # the blocks the next attention of this layer will read
     layer.blocks(selection)              # K/V (and bias) of those blocks, ready to attend
 
-plus `agnostic_block_scores(...)` for NOSA (from CIS pooled incrementally, never re-pooled) and
+plus `pooled_compressed_cis()` for NOSA (CIS pooled incrementally, never re-pooled) and
 `full()` for prefill and dense rows.
 
 Storage is indexed by *position*, per sequence: token t of sequence b lives at row t of sequence b,
@@ -23,7 +23,6 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from . import selection as sel
 from .selection import num_compressed
 
 GROWTH_CHUNK = 1024  # rows added per growth when no max_length was given
@@ -80,22 +79,6 @@ def write_windows(target: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, 
     """target[b, ids[b, w]] = windows[b, w] where valid.  target [B, C, ...]."""
     batch_idx, w_idx = valid.nonzero(as_tuple=True)
     target[batch_idx, ids[batch_idx, w_idx]] = windows[batch_idx, w_idx].to(target.device, target.dtype)
-
-
-def pooled_agnostic_scores(pooled_cis: torch.Tensor, positions: torch.Tensor, sparse, n_blocks: int, lag: int = 0) -> torch.Tensor:
-    """NOSA's query-agnostic block score from CIS already mean-pooled into compression windows.
-
-    Equals `selection.agnostic_block_scores(cis, ...)` with pooled_cis = compress_keys(cis.float()):
-    pooled_cis fp32 [B, C, H], positions [B, Tq] -> fp32 [B, H, Tq, NB].  A cache keeps the pooled
-    CIS incrementally, so a decode step costs O(C), not a re-pool of every token.
-    """
-    p, s, bs = sparse.kernel_size, sparse.kernel_stride, sparse.block_size
-    visible = sel.compressed_visibility(positions, pooled_cis.shape[1], p, s, lag)
-    scores = pooled_cis.float().permute(0, 2, 1)[:, :, None, :].expand(-1, -1, positions.shape[1], -1)
-    scores = scores.masked_fill(~visible[:, None], sel.NEG_INF)
-    blocks = sel.force_blocks(sel.pool_to_blocks(scores, n_blocks, p, s, bs), positions, bs, sparse.init_blocks, sparse.local_blocks)
-    future = torch.arange(n_blocks, device=positions.device).view(1, 1, 1, -1) > torch.div(positions, bs, rounding_mode="floor")[:, None, :, None]
-    return blocks.masked_fill(future, sel.NEG_INF)
 
 
 def new_rows(lengths: torch.Tensor, positions: torch.Tensor):
@@ -293,12 +276,12 @@ class SparseCacheLayer(CacheLayerMixin):
             return None
         return self.coarse_keys[:, : num_compressed(self._longest(length), *self.coarse)]
 
-    def agnostic_block_scores(self, positions: torch.Tensor, sparse, n_blocks: int, lag: int = 0, length: int | None = None) -> torch.Tensor:
-        """NOSA's query-agnostic block scores [B, H, Tq, NB] (fp32) from the incrementally pooled CIS."""
+    def pooled_compressed_cis(self, length: int | None = None) -> torch.Tensor:
+        """NOSA's CIS mean-pooled over the compression windows, fp32 [B, C, H], up to the longest
+        sequence (kept incrementally: what `selection.pooled_agnostic_scores` reads)."""
         if self.pooled_cis is None:
             raise ValueError("agnostic block scores need CIS: this layer stored none (is the policy nosa?)")
-        count = num_compressed(self._longest(length), *self.kernel)
-        return pooled_agnostic_scores(self.pooled_cis[:, :count], positions, sparse, n_blocks, lag)
+        return self.pooled_cis[:, : num_compressed(self._longest(length), *self.kernel)]
 
     def plan(self, selection: torch.Tensor, block_size: int | None = None) -> None:
         """Resident cache: nothing to move.  Remembers the plan and, given `block_size`, the share

@@ -20,6 +20,7 @@ from transformers.utils import ModelOutput
 from .attention import SparseAttention
 from .cache import SparseCache
 from .configuration import ForecastKVConfig
+from .heads import scoring_head
 from .rope import RotaryEmbedding
 
 # The cache keyword of this transformers version's generate loop: "cache" (5.24) or "past_key_values" (5.17).
@@ -126,6 +127,13 @@ class ForecastKVModel(ForecastKVPreTrainedModel):
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.embed_tokens = value
 
+    def scoring_vectors(self, scored: int, normed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Forecast vectors [B, T, H*n, d] that score layer `scored`'s blocks (`heads.scoring_head`:
+        layer 0's current_proj, else layer scored-1's forecast_proj), from that head's layer's
+        post-norm input normed [B, T, hidden] and RoPE cos/sin [B, T, d]."""
+        owner, projection = scoring_head(scored)
+        return self.layers[owner].self_attn.project_forecast(normed, cos, sin, projection)
+
     def positions_for(self, batch: int, length: int, cache: SparseCache, attention_mask, position_ids, device) -> torch.Tensor:
         """Positions [B, T] of the new tokens, -1 for padding.  Derived from the cache's stored
         lengths and the 2-D attention mask, so left padding never shifts a sequence."""
@@ -198,8 +206,8 @@ class ForecastKVModel(ForecastKVPreTrainedModel):
                 hidden, positions, cos, sin, forecast, planned = _to_device(layer.input_layernorm.weight.device, hidden, positions, cos, sin, forecast, planned)
             normed = layer.input_layernorm(hidden)
             if want_forecast and idx == 0:
-                forecast = attn.project_forecast(normed, cos, sin, "current_proj")
-            next_forecast = attn.project_forecast(normed, cos, sin) if want_forecast and idx < last else None
+                forecast = self.scoring_vectors(0, normed, cos, sin)
+            next_forecast = self.scoring_vectors(idx + 1, normed, cos, sin) if want_forecast and idx < last else None
             planned_next = None
             if forecast_selector and decode and next_forecast is not None:
                 # plan layer idx+1 before this layer attends, so a runtime can fetch its blocks meanwhile

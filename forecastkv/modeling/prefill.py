@@ -94,11 +94,13 @@ def _unfold_output(out: torch.Tensor, rows: int) -> torch.Tensor:
     return out.view(batch, kv_heads, -1, rows, dim).flatten(1, 2).transpose(1, 2)
 
 
-def _masked_sdpa(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor, bias: torch.Tensor | None, group: int) -> torch.Tensor:
-    """Folded-GQA attention over explicit keys.
+def masked_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor, bias: torch.Tensor | None, group: int) -> torch.Tensor:
+    """Masked softmax attention over explicit keys, the G query heads of a KV head folded into rows:
+    the one masked-SDPA of the package (prefill chunks, decode over gathered blocks).
 
     query [..., G*R, d], keys/values [..., L, d], allowed bool [..., R, L] (shared by the G heads),
-    bias [..., L] (added after scaling) or None -> [..., G*R, d].  Rows with no allowed key -> 0.
+    bias [..., L] (added after the 1/sqrt(d) scaling: NOSA's CIS) or None -> [..., G*R, d].
+    Rows with no allowed key (padding) return zeros, not NaN.
     """
     empty = ~allowed.any(dim=-1, keepdim=True)
     allowed = allowed | empty
@@ -155,7 +157,7 @@ def dense_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, b
         pos = positions[:, start : start + chunk]
         allowed = (key_pos.view(1, 1, -1) <= pos.unsqueeze(-1)).unsqueeze(1)  # [B, 1, R, S]
         query = _fold_queries(q[:, start : start + chunk], kv_heads)
-        out = _masked_sdpa(query, k, v, allowed.expand(-1, kv_heads, -1, -1), None if b_t is None else b_t[:, :, 0], group)
+        out = masked_attention(query, k, v, allowed.expand(-1, kv_heads, -1, -1), None if b_t is None else b_t[:, :, 0], group)
         outputs.append(_unfold_output(out, pos.shape[1]))
     return torch.cat(outputs, dim=1)
 

@@ -349,17 +349,25 @@ def score_blocks(
     return force_blocks(blocks, positions, sparse.block_size, sparse.init_blocks, sparse.local_blocks)
 
 
-def agnostic_block_scores(cis: torch.Tensor, positions: torch.Tensor, sparse, n_blocks: int, lag: int = 0) -> torch.Tensor:
-    """NOSA's query-agnostic score: CIS mean-pooled like the keys, max-pooled to blocks, forced,
-    and -inf for blocks in the future of each row.  cis [B, S, H] -> fp32 [B, H, Tq, NB]."""
+def pooled_agnostic_scores(pooled_cis: torch.Tensor, positions: torch.Tensor, sparse, n_blocks: int, lag: int = 0) -> torch.Tensor:
+    """NOSA's query-agnostic block score from CIS already mean-pooled over the compression windows
+    (what a cache keeps incrementally, so a decode step costs O(C), not a re-pool of every token):
+    max-pooled to blocks, init and local forced, -inf for blocks in the future of each row.
+
+    pooled_cis fp32 [B, C, H] (= compress_keys(cis.float())), positions [B, Tq] -> fp32 [B, H, Tq, NB].
+    """
     p, s, bs = sparse.kernel_size, sparse.kernel_stride, sparse.block_size
-    pooled = compress_keys(cis.float(), p, s)  # [B, C, H]
-    visible = compressed_visibility(positions, pooled.shape[1], p, s, lag)
-    scores = pooled.permute(0, 2, 1)[:, :, None, :].expand(-1, -1, positions.shape[1], -1)
+    visible = compressed_visibility(positions, pooled_cis.shape[1], p, s, lag)
+    scores = pooled_cis.float().permute(0, 2, 1)[:, :, None, :].expand(-1, -1, positions.shape[1], -1)
     scores = scores.masked_fill(~visible[:, None], NEG_INF)
     blocks = force_blocks(pool_to_blocks(scores, n_blocks, p, s, bs), positions, bs, sparse.init_blocks, sparse.local_blocks)
-    future = torch.arange(n_blocks, device=cis.device).view(1, 1, 1, -1) > torch.div(positions, bs, rounding_mode="floor")[:, None, :, None]
+    future = torch.arange(n_blocks, device=positions.device).view(1, 1, 1, -1) > torch.div(positions, bs, rounding_mode="floor")[:, None, :, None]
     return blocks.masked_fill(future, NEG_INF)
+
+
+def agnostic_block_scores(cis: torch.Tensor, positions: torch.Tensor, sparse, n_blocks: int, lag: int = 0) -> torch.Tensor:
+    """`pooled_agnostic_scores` from raw CIS [B, S, H] (mean-pooled like the keys) -> fp32 [B, H, Tq, NB]."""
+    return pooled_agnostic_scores(compress_keys(cis.float(), sparse.kernel_size, sparse.kernel_stride), positions, sparse, n_blocks, lag)
 
 
 def nosa_fill(query_ids: torch.Tensor, agnostic_scores: torch.Tensor, positions: torch.Tensor, k: int, block_size: int) -> torch.Tensor:
@@ -400,21 +408,31 @@ def layer_selection(
     kind: str,
     lse_keys: torch.Tensor | None = None,
     cis: torch.Tensor | None = None,
+    pooled_cis: torch.Tensor | None = None,
+    bounds: tuple[int, int] | None = None,
 ) -> torch.Tensor:
-    """One layer's deployed selection int64 [B, H, Tq, budget_blocks] (what `SparseAttention.select`
-    returns): `score_blocks` with the visibility rule of `kind`, then `select_blocks`.
+    """One layer's deployed selection int64 [B, H, Tq, budget_blocks]: `score_blocks` with the
+    visibility rule of `kind`, then `select_blocks` (what `SparseAttention.select` runs).
 
     vectors [B, Tq, H*n, d]; ckeys [B, C, H, d] (the layer's compressed keys); positions [B, Tq];
-    lse_keys: coarse keys for MiniCPM's LSE estimate (query kind only); cis [B, S, H] (nosa only).
+    lse_keys: coarse keys for MiniCPM's LSE estimate (query kind only); nosa: the layer's raw CIS
+    cis [B, S, H], or pooled_cis fp32 [B, C, H] already pooled over the windows (a cache's).
+    bounds: (lowest, highest) entry of positions when the caller holds them as host ints (else
+    read once from the device).
     """
-    n_blocks = num_blocks(int(positions.max()) + 1, sparse.block_size)
+    lo_hi = position_range(positions) if bounds is None else bounds
+    n_blocks = num_blocks(lo_hi[1] + 1, sparse.block_size)
     coarse = lse_keys if kind == "query" else None
-    scores = score_blocks(vectors, ckeys, positions, sparse, n_blocks, kind=kind, lse_keys=coarse)
+    scores = score_blocks(vectors, ckeys, positions, sparse, n_blocks, kind=kind, lse_keys=coarse, bounds=lo_hi)
     agnostic = None
     if sparse.policy == "nosa":
-        if cis is None:
-            raise ValueError("the nosa policy needs the layer's CIS [B, S, H] to fill the budget")
-        agnostic = agnostic_block_scores(cis, positions, sparse, n_blocks, lag=visibility_lag(kind))
+        if pooled_cis is None and cis is None:
+            raise ValueError("the nosa policy needs the layer's CIS (cis [B, S, H] or pooled_cis [B, C, H]) to fill the budget")
+        lag = visibility_lag(kind)
+        if pooled_cis is not None:
+            agnostic = pooled_agnostic_scores(pooled_cis, positions, sparse, n_blocks, lag)
+        else:
+            agnostic = agnostic_block_scores(cis, positions, sparse, n_blocks, lag)
     return select_blocks(scores, positions, sparse, agnostic)
 
 
