@@ -188,6 +188,8 @@ class SparseAttention(nn.Module):
         keys, values, cis, count = cache_layer.full()
         sparse = self.sparse
         dense = dense_sequences(positions, sparse)
+        if cis is not None and sparse is not None and not sparse.dense_cis_bias:
+            cis = cis.masked_fill(dense.view(-1, 1, 1), 0.0)  # SparDA-NOSA: dense sequences attend without the CIS bias
         all_dense = bool(dense.all())
         if sparse is None or (all_dense and selections_out is None):
             return dense_attention(q, keys, values, cis, positions, self.config.query_chunk_size)

@@ -33,6 +33,10 @@ ARCH_KEYS = (
 )
 RENAMES = ((re.compile(r"\.q_future_proj\."), ".forecast_proj."), (re.compile(r"\.q_curr_proj\."), ".current_proj."))
 IGNORED = re.compile(r"rotary_emb\.|\.inv_freq$")
+SPARDA_NAME = re.compile(r"\.(q_future_proj|q_curr_proj)\.")
+# SparDA's query selector (the teacher its heads were trained against) uses the exact LSE: its
+# stage-1 kernel never reads MiniCPM4.1's coarse keys (plain MiniCPM4.1 runs the coarse one)
+SPARDA_RULES = {"lse": "exact"}
 FORECAST_KEY = re.compile(r"\.(forecast_proj|current_proj)\.weight$")
 
 
@@ -152,6 +156,7 @@ def load_model(
     fmt = detect_format(raw, state)
     settings = config_from_raw(raw, fmt) if config is None else config.to_dict()
     has_heads = any(FORECAST_KEY.search(key) for key in state)
+    sparda = any(SPARDA_NAME.search(key) for key in checkpoint.stored_names)  # heads under SparDA's own names
     if has_heads:
         settings["forecast"] = {**ForecastConfig().to_dict(), **(settings.get("forecast") or {}), "enabled": True}
     if sparse_config is not None:
@@ -169,6 +174,11 @@ def load_model(
         explicit = isinstance(sparse_config, dict) and "selector" in sparse_config
         if settings.get("sparse_config") is not None and not explicit:
             settings["sparse_config"] = {**settings["sparse_config"], "selector": "forecast"}
+        sparda = sparda or side.get("sparda", False)
+    if sparda and settings.get("sparse_config") is not None:
+        # SparDA's rules where the caller's dict does not name them
+        given = sparse_config if isinstance(sparse_config, dict) else {}
+        settings["sparse_config"] = {**settings["sparse_config"], **{k: v for k, v in SPARDA_RULES.items() if k not in given}}
     sparse = settings.get("sparse_config")
     wants_forecast = isinstance(sparse, dict) and sparse.get("selector") == "forecast"
     if wants_forecast and not (settings.get("forecast") or {}).get("enabled"):
@@ -366,5 +376,8 @@ def read_forecast_side(path: str | os.PathLike, settings: dict | None = None) ->
     if rows % (kv_heads * head_dim):
         raise CheckpointError(f"SparDA head weight has {rows} rows, not a multiple of num_key_value_heads x head_dim = {kv_heads} x {head_dim}")
     sparse = {k: v for k, v in meta.items() if k in _SPARSE_KEYS} or None
-    side = {"forecast": {**ForecastConfig().to_dict(), "heads_per_group": rows // (kv_heads * head_dim)}, "sparse_config": sparse}
+    side = {
+        "forecast": {**ForecastConfig().to_dict(), "heads_per_group": rows // (kv_heads * head_dim)}, "sparse_config": sparse,
+        "sparda": True,
+    }
     return found, side

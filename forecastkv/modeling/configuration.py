@@ -47,6 +47,9 @@ class SparseConfig:
     policy: str = "infllmv2"      # "infllmv2" | "nosa"
     query_blocks: int = 16        # NOSA: query-aware blocks besides init + local
     selector: str = "query"       # "query" | "forecast"
+    # NOSA: whether dense attention (below dense_len) adds the CIS bias as sparse attention does;
+    # SparDA-NOSA's dense fallback adds none (its preset sets False)
+    dense_cis_bias: bool = True
 
     def __post_init__(self) -> None:
         for name in ("kernel_size", "kernel_stride", "block_size"):
@@ -77,6 +80,8 @@ class SparseConfig:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"sparse_config.{name}={getattr(self, name)!r} is not one of {allowed}")
+        if not isinstance(self.dense_cis_bias, bool):
+            raise ValueError(f"sparse_config.dense_cis_bias must be true or false, got {self.dense_cis_bias!r}")
         if self.use_nope:
             raise ValueError("sparse_config.use_nope=True is not supported: selection uses post-RoPE keys")
 

@@ -118,6 +118,11 @@ class LazyCheckpoint:
     def names(self) -> dict[str, tuple[int, ...]]:
         return dict(self._shapes)
 
+    @property
+    def stored_names(self) -> list[str]:
+        """The tensor names as the files store them (before `rename`)."""
+        return [stored for _, stored in self._sources.values()]
+
     def nbytes(self) -> int:
         """Bytes of tensor data in the files."""
         total = 0
