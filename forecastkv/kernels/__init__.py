@@ -1,6 +1,7 @@
 """Triton kernels, each beside its plain-PyTorch reference, and the dispatch between them.
 
     block_gather(...)            host KV blocks -> device slots (persistent UVA gather)
+    row_store(...)               one new token row per sequence -> the host store (UVA write-back)
     sparse_decode_slots(...)     decode attention over device slot buffers
     sparse_decode_blocks(...)    decode attention over selected blocks of a resident cache
     block_scores(...)            decode-time block selection scores, ready for top-k
@@ -26,6 +27,7 @@ import torch
 from ._common import interpreting, triton_available
 from .block_gather import block_gather_copy_engine, block_gather_reference, block_gather_triton
 from .block_scores import agnostic_scores_reference, agnostic_scores_triton, block_scores_reference, block_scores_triton
+from .row_store import row_store_reference, row_store_triton
 from .sparse_decode import (
     sparse_decode_blocks_reference,
     sparse_decode_blocks_triton,
@@ -94,6 +96,11 @@ def block_gather(k_host, v_host, load_ids, k_slots, v_slots, block_size, bias_ho
     return fn(k_host, v_host, load_ids, k_slots, v_slots, block_size, bias_host, bias_slots, num_programs, check_ids)
 
 
+def row_store(k_new, v_new, positions, k_host, v_host, bias_new=None, bias_host=None):
+    fn = row_store_triton if use_triton(k_new.device) else row_store_reference
+    return fn(k_new, v_new, positions, k_host, v_host, bias_new, bias_host)
+
+
 def sparse_decode_slots(q, k_slots, v_slots, slot_lens, block_size, scale=None, bias_slots=None, out=None, lse=None, check_ids=True):
     fn = sparse_decode_slots_triton if use_triton(q.device) else sparse_decode_slots_reference
     return fn(q, k_slots, v_slots, slot_lens, block_size, scale, bias_slots, out, lse, check_ids)
@@ -115,6 +122,7 @@ def agnostic_scores(pooled_cis, positions, sparse, n_blocks, lag=0, out=None):
 
 
 block_gather.__doc__ = block_gather_reference.__doc__
+row_store.__doc__ = row_store_reference.__doc__
 sparse_decode_slots.__doc__ = sparse_decode_slots_reference.__doc__
 sparse_decode_blocks.__doc__ = sparse_decode_blocks_reference.__doc__
 block_scores.__doc__ = block_scores_reference.__doc__
@@ -133,6 +141,9 @@ __all__ = [
     "block_scores_reference",
     "block_scores_triton",
     "get_backend",
+    "row_store",
+    "row_store_reference",
+    "row_store_triton",
     "set_backend",
     "sparse_decode_blocks",
     "sparse_decode_blocks_reference",
