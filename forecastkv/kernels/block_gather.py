@@ -110,16 +110,29 @@ def _task_rows(load_ids: torch.Tensor, seq: int, block_size: int, n_host_blocks:
 
 @_doc
 def block_gather_reference(k_host, v_host, load_ids, k_slots, v_slots, block_size, bias_host=None, bias_slots=None, num_programs=16, check_ids=True):
+    # Every task's rows are read and written back (the old value where a task or row is skipped):
+    # fixed shapes and no row selection, so the reference reads nothing back from the device.
     batch, seq, heads, dim, slots, n_host_blocks = validate_block_gather(
         k_host, v_host, load_ids, k_slots, v_slots, block_size, bias_host, bias_slots, num_programs, check_ids
     )
-    b, h, src, dst = _task_rows(load_ids.to(k_host.device), seq, block_size, n_host_blocks)
-    to_dev = lambda x: x.to(k_slots.device)
-    db, dh, ddst = to_dev(b), to_dev(h), to_dev(dst)
-    k_slots[db, ddst, dh] = to_dev(k_host[b, src, h])
-    v_slots[db, ddst, dh] = to_dev(v_host[b, src, h])
-    if bias_host is not None:
-        bias_slots[db, ddst, dh] = to_dev(bias_host[b, src, h])
+    if heads * batch * slots == 0 or seq == 0:
+        return
+    source, target = k_host.device, k_slots.device
+    ids = load_ids.to(source).long()                                        # [H, B, M]
+    offsets = torch.arange(block_size, device=source)
+    src = ids.clamp(min=0).unsqueeze(-1) * block_size + offsets              # [H, B, M, bs] host rows
+    keep = ((ids >= 0) & (ids < n_host_blocks)).unsqueeze(-1) & (src < seq)
+    src = src.clamp(max=seq - 1)
+    h_src, b_src = torch.arange(heads, device=source).view(-1, 1, 1, 1), torch.arange(batch, device=source).view(1, -1, 1, 1)
+    dst = (torch.arange(slots, device=target).view(1, 1, -1, 1) * block_size + torch.arange(block_size, device=target))
+    h_dst, b_dst = torch.arange(heads, device=target).view(-1, 1, 1, 1), torch.arange(batch, device=target).view(1, -1, 1, 1)
+    keep = keep.to(target)
+    for host, dest in ((k_host, k_slots), (v_host, v_slots), (bias_host, bias_slots)):
+        if host is None:
+            continue
+        rows = host[b_src, src, h_src].to(target)                            # [H, B, M, bs, ...]
+        mask = keep.view(*keep.shape, *([1] * (rows.dim() - keep.dim())))
+        dest[b_dst, dst, h_dst] = torch.where(mask, rows, dest[b_dst, dst, h_dst])
 
 
 @_doc
