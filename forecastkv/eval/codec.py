@@ -1,30 +1,17 @@
 """Text <-> token ids for any tokenizer the harness is given.
 
 `TextCodec` wraps a Hugging Face tokenizer (`encode` without special tokens, `decode` skipping
-them); `ByteCodec` maps UTF-8 bytes to ids (mod `vocab_size`) for tiny test models.
+them); `ByteCodec` maps UTF-8 bytes to ids (mod `vocab_size`) for tiny test models (re-exported
+from `forecastkv.bytes_codec`, the implementation training shares).
 """
 
 from __future__ import annotations
 
 from typing import Sequence
 
+from forecastkv.bytes_codec import ByteCodec
 
-class ByteCodec:
-    """UTF-8 bytes as token ids (mod `vocab_size`); ids below 128 decode back to ASCII."""
-
-    def __init__(self, vocab_size: int = 256, eos_token_id: int | None = None) -> None:
-        self.vocab_size = vocab_size
-        self.eos_token_id = eos_token_id
-        self.name = f"bytes-{vocab_size}"
-
-    def encode(self, text: str) -> list[int]:
-        return [b % self.vocab_size for b in text.encode("utf-8")]
-
-    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        return [self.encode(t) for t in texts]
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return bytes(i % 256 for i in ids).decode("utf-8", errors="replace")
+__all__ = ["ByteCodec", "TextCodec", "as_codec"]
 
 
 class TextCodec:

@@ -8,7 +8,8 @@
 
 from .data import PackedSequences, build_sequences, load_documents
 from .objective import ObjectiveConfig, layer_loss
-from .trainer import TrainResult, evaluate, load_recipe, train_forecast
+from .recipe import load_recipe
+from .trainer import TrainResult, evaluate, train_forecast
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,8 +1,16 @@
 """Training checkpoints: only the trainable (Forecast) weights, optimizer, scheduler, RNG states,
-data position and configs, written atomically (temp file in the same directory, then os.replace),
-the last N kept.
+data position and configs, written atomically (`forecastkv.atomic`), the last N kept, loaded
+without unpickling anything.
 
-Layout:  <output_dir>/checkpoints/step-000050.pt   (torch.save of one dict, see `save_checkpoint`)
+Layout:  <output_dir>/checkpoints/step-000050.safetensors
+
+One safetensors file per checkpoint: every tensor of the state (trainable weights, optimizer
+moments, the torch / CUDA RNG states, ...) under its path in the state ("trainable/<name>",
+"optimizer/state/0/exp_avg"), and the rest of the state as JSON in the header's metadata
+(`STATE_KEY`), each tensor replaced by a reference to its name.  JSON has no tuples, no
+non-string keys and no arrays, so those are tagged (`_encode`) and come back as they were
+(`random.setstate` needs its tuples, the optimizer its integer state keys).  Reading parses JSON
+and raw tensor bytes only; a pickled file (older `.pt` checkpoints, or anything else) is refused.
 """
 
 from __future__ import annotations
@@ -12,13 +20,21 @@ import json
 import os
 import random
 import re
-import tempfile
 from pathlib import Path
 
 import torch
 
+from forecastkv.atomic import write_atomic
+
 CHECKPOINT_DIR = "checkpoints"
-NAME = re.compile(r"^step-(\d+)\.pt$")
+SUFFIX = ".safetensors"
+NAME = re.compile(r"^step-(\d+)\.safetensors$")
+STATE_KEY = "forecastkv.checkpoint"   # the metadata entry holding the JSON state
+FORMAT = 1                            # bumped when the layout changes
+
+# JSON tags of what JSON cannot hold as is (a dict with one of these keys is a tagged value)
+TENSOR, TUPLE, ITEMS, NDARRAY = "__tensor__", "__tuple__", "__items__", "__ndarray__"
+TAGS = (TENSOR, TUPLE, ITEMS, NDARRAY)
 
 
 def model_fingerprint(model) -> str:
@@ -38,6 +54,7 @@ def model_fingerprint(model) -> str:
 
 
 def rng_state() -> dict:
+    """Every random stream a step may draw from: torch CPU, python `random`, numpy, CUDA (when present)."""
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -61,6 +78,79 @@ def set_rng_state(state: dict) -> None:
         numpy.random.set_state(state["numpy"])
 
 
+# ----------------------------------------------------------------------------------------------
+# state <-> (JSON, tensors)
+# ----------------------------------------------------------------------------------------------
+
+
+def _join(path: str, key) -> str:
+    return f"{path}/{key}" if path else str(key)
+
+
+def _encode(value, path: str, tensors: dict):
+    """`value` as JSON-able data; its tensors go into `tensors` under their path ("a/b/0")."""
+    if isinstance(value, torch.Tensor):
+        if path in tensors:
+            raise ValueError(f"checkpoint state: two tensors at path {path!r}")
+        tensors[path] = value.detach().cpu().contiguous().clone()  # own storage: safetensors refuses shared ones
+        return {TENSOR: path}
+    if isinstance(value, dict):
+        if all(isinstance(k, str) for k in value):
+            clash = [k for k in value if k in TAGS]
+            if clash:
+                raise ValueError(f"checkpoint state at {path!r} uses the reserved key {clash[0]!r}")
+            return {k: _encode(v, _join(path, k), tensors) for k, v in value.items()}
+        items = [[_encode(k, _join(path, f"key{i}"), tensors), _encode(v, _join(path, k), tensors)] for i, (k, v) in enumerate(value.items())]
+        return {ITEMS: items}
+    if isinstance(value, tuple):
+        return {TUPLE: [_encode(v, _join(path, i), tensors) for i, v in enumerate(value)]}
+    if isinstance(value, list):
+        return [_encode(v, _join(path, i), tensors) for i, v in enumerate(value)]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    kind = type(value)
+    if kind.__module__ == "numpy":
+        if kind.__name__ == "ndarray":
+            return {NDARRAY: value.tolist(), "dtype": str(value.dtype)}
+        if hasattr(value, "item"):  # a numpy scalar
+            return value.item()
+    raise TypeError(
+        f"checkpoint state at {path!r} is a {kind.__module__}.{kind.__qualname__}; a checkpoint holds tensors, "
+        "numbers, strings, None, lists, tuples and dicts only"
+    )
+
+
+def check_storable(value, where: str = "state") -> None:
+    """Raise the TypeError `save_checkpoint` would for `value` (a recipe, say), before a run starts."""
+    _encode(value, where, {})
+
+
+def _decode(value, tensors: dict):
+    """The inverse of `_encode`."""
+    if isinstance(value, list):
+        return [_decode(v, tensors) for v in value]
+    if not isinstance(value, dict):
+        return value
+    if TENSOR in value:
+        return tensors[value[TENSOR]]
+    if TUPLE in value:
+        return tuple(_decode(v, tensors) for v in value[TUPLE])
+    if ITEMS in value:
+        return {_decode(k, tensors): _decode(v, tensors) for k, v in value[ITEMS]}
+    if NDARRAY in value:
+        import numpy
+
+        return numpy.asarray(value[NDARRAY], dtype=value["dtype"])
+    return {k: _decode(v, tensors) for k, v in value.items()}
+
+
+# ----------------------------------------------------------------------------------------------
+# files
+# ----------------------------------------------------------------------------------------------
+
+
 def list_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
     """Checkpoint files of a run, oldest first."""
     folder = Path(output_dir) / CHECKPOINT_DIR
@@ -71,20 +161,14 @@ def list_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
 
 
 def save_checkpoint(output_dir: str | os.PathLike, step: int, state: dict, keep_last: int = 5) -> Path:
-    """Write `state` as checkpoints/step-<step>.pt atomically, then delete all but the last `keep_last`."""
-    folder = Path(output_dir) / CHECKPOINT_DIR
-    folder.mkdir(parents=True, exist_ok=True)
-    target = folder / f"step-{step:06d}.pt"
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    """Write `state` (tensors, numbers, strings, lists, tuples, dicts) as
+    checkpoints/step-<step>.safetensors atomically, then delete all but the last `keep_last`."""
+    from safetensors.torch import save_file
+
+    tensors: dict = {}
+    meta = json.dumps({"format": FORMAT, "state": _encode(state, "", tensors)})
+    target = Path(output_dir) / CHECKPOINT_DIR / f"step-{step:06d}{SUFFIX}"
+    write_atomic(target, lambda tmp: save_file(tensors, str(tmp), metadata={STATE_KEY: meta}))
     if keep_last > 0:
         for old in list_checkpoints(output_dir)[:-keep_last]:
             old.unlink(missing_ok=True)
@@ -101,9 +185,30 @@ def find_checkpoint(resume: str | os.PathLike) -> Path:
     run_dir = path.parent if path.name == CHECKPOINT_DIR else path
     found = list_checkpoints(run_dir)
     if not found:
-        raise FileNotFoundError(f"resume directory {path} holds no checkpoints ({CHECKPOINT_DIR}/step-*.pt)")
+        legacy = sorted((run_dir / CHECKPOINT_DIR).glob("step-*.pt"))
+        note = f"; {len(legacy)} pickled .pt checkpoint(s) of an older version are not loaded (unpickling can run code)" if legacy else ""
+        raise FileNotFoundError(f"resume directory {path} holds no checkpoints ({CHECKPOINT_DIR}/step-*{SUFFIX}){note}")
     return found[-1]
 
 
 def load_checkpoint(path: str | os.PathLike) -> dict:
-    return torch.load(path, map_location="cpu", weights_only=False)
+    """The state `save_checkpoint` wrote (tensors on the CPU).  Reads JSON and tensor bytes only:
+    a file that is not such a checkpoint (a pickle, say) is refused with a ValueError."""
+    from safetensors import SafetensorError, safe_open
+
+    path = Path(path)
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            meta = f.metadata() or {}
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+    except (SafetensorError, OSError) as error:
+        raise ValueError(
+            f"{path} is not a forecastkv checkpoint (a safetensors file): {error}; pickled checkpoints "
+            "(.pt, older versions) are not loaded, since unpickling can run arbitrary code"
+        ) from error
+    if STATE_KEY not in meta:
+        raise ValueError(f"{path} is a safetensors file without a forecastkv checkpoint state ({STATE_KEY!r} metadata)")
+    payload = json.loads(meta[STATE_KEY])
+    if payload.get("format") != FORMAT:
+        raise ValueError(f"{path} has checkpoint format {payload.get('format')!r}; this version reads format {FORMAT}")
+    return _decode(payload["state"], tensors)

@@ -24,18 +24,17 @@ from typing import Iterable, Sequence
 
 import torch
 
+from forecastkv.bytes_codec import ByteCodec
+
 TEXT_SUFFIXES = (".txt", ".jsonl")
 
 
-class ByteTokenizer:
-    """UTF-8 bytes as token ids (mod `vocab_size`): for tiny test models without a tokenizer."""
+class ByteTokenizer(ByteCodec):
+    """`ByteCodec` with id 0 as EOS between packed documents: `data.tokenizer: "bytes"`, for tiny
+    test models without a tokenizer."""
 
-    def __init__(self, vocab_size: int = 256) -> None:
-        self.vocab_size = vocab_size
-        self.eos_token_id = 0
-
-    def encode(self, text: str) -> list[int]:
-        return [b % self.vocab_size for b in text.encode("utf-8")]
+    def __init__(self, vocab_size: int = 256, eos_token_id: int | None = 0) -> None:
+        super().__init__(vocab_size, eos_token_id)
 
 
 def _is_local_source(source) -> bool:
@@ -143,7 +142,7 @@ def tokenize_documents(documents: Sequence, tokenizer, eos_token_id: int | None 
     stream: list[int] = []
     for doc in documents:
         if isinstance(doc, str):
-            ids = tokenizer.encode(doc) if isinstance(tokenizer, ByteTokenizer) else tokenizer(doc, add_special_tokens=False)["input_ids"]
+            ids = tokenizer.encode(doc) if isinstance(tokenizer, ByteCodec) else tokenizer(doc, add_special_tokens=False)["input_ids"]
         else:
             ids = list(doc)
         stream.extend(ids)

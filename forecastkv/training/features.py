@@ -4,11 +4,15 @@ The base is frozen, so everything a head's loss depends on except the head itsel
 the sequence: for every layer m, the post-norm input of the head that scores m (layer m-1's input,
 or layer 0's own for `current_proj`), layer m's deployed compressed keys and the teacher rows.
 `build_features` runs the frozen model once (through `ForecastKVModel.forward(layer_callback=)`,
-the model's own decoder loop) and keeps those for a subset of query rows; a training step then
-costs one projection and one [rows x C] softmax per layer, a small fraction of a forward.
+the model's own decoder loop) and keeps those for a subset of query rows -- with the "topk" loss
+also each row's top-k + rest target (`objective.topk_targets`: the teacher's routed blocks, a
+constant of the row too); a training step then costs one projection and one [rows x C] softmax
+per layer, a small fraction of a forward.
 
 Memory: the model holds one layer's K/V at a time (each layer's cache is dropped once read); the
-cache keeps, per sequence, L x rows x (hidden + H x C) numbers, independent of T^2.
+cache keeps, per sequence, L x rows x (hidden + H x C) numbers, plus for "topk" about 3 x H x M
+per row (M supervised slots: int64 index, bool mask, fp32 target; M is fixed by the budget, not
+by T), independent of T^2.
 """
 
 from __future__ import annotations
@@ -18,9 +22,9 @@ from dataclasses import dataclass
 import torch
 
 from forecastkv.modeling import selection as sel
-from forecastkv.modeling.rope import apply_rope
+from forecastkv.modeling.heads import scoring_head
 
-from .objective import ObjectiveConfig, teacher_rows
+from .objective import ObjectiveConfig, TopkTargets, teacher_rows, topk_targets
 
 
 @dataclass
@@ -30,7 +34,8 @@ class Features:
     positions [B, R] int64, cos / sin [B, R, d] (RoPE at those rows), inputs: L-1 tensors
     [B, R, hidden] (post-norm input of layer l, l = 0..L-2), ckeys: L tensors [B, C, H, d] (layer
     m's deployed compressed keys, fp32), teachers: L tensors [B, H, R, C] (fp32, rows sum to 1),
-    query_sq: fp32 [L, Hq] (mean squared norm of layer m's real queries per query head, for calibration).
+    query_sq: fp32 [L, Hq] (mean squared norm of layer m's real queries per query head, for calibration),
+    targets: L `TopkTargets` of the teacher rows (loss "topk"; None for "full").
     """
 
     positions: torch.Tensor
@@ -40,12 +45,13 @@ class Features:
     ckeys: list
     teachers: list
     query_sq: torch.Tensor
+    targets: list | None = None
 
     def head_input(self, layer: int) -> tuple[torch.Tensor, str, int]:
-        """(input rows [B, R, hidden], projection name, owning layer) of the head scoring `layer`."""
-        if layer == 0:
-            return self.inputs[0], "current_proj", 0
-        return self.inputs[layer - 1], "forecast_proj", layer - 1
+        """(input rows [B, R, hidden], projection name, owning layer) of the head scoring `layer`
+        (`modeling.heads.scoring_head`): the post-norm input of the owning layer."""
+        owner, projection = scoring_head(layer)
+        return self.inputs[owner], projection, owner
 
     def take(self, index: torch.Tensor) -> "Features":
         """The cached rows `index` [B, r] (int64, per sequence, into the R cached rows)."""
@@ -59,6 +65,7 @@ class Features:
         return Features(
             rows(self.positions, 1), rows(self.cos, 1), rows(self.sin, 1), [rows(x, 1) for x in self.inputs],
             self.ckeys, [rows(t, 2) for t in self.teachers], self.query_sq,
+            None if self.targets is None else [t.take(index) for t in self.targets],
         )
 
     @staticmethod
@@ -71,10 +78,13 @@ class Features:
             [cat(lambda p, i=i: p.inputs[i]) for i in range(len(parts[0].inputs))],
             [cat(lambda p, i=i: p.ckeys[i]) for i in layers], [cat(lambda p, i=i: p.teachers[i]) for i in layers],
             torch.stack([p.query_sq for p in parts]).mean(0),
+            None if parts[0].targets is None else [TopkTargets.cat([p.targets[i] for p in parts], dim=0) for i in layers],
         )
 
     def nbytes(self) -> int:
+        """Bytes held by the cached tensors."""
         tensors = [self.positions, self.cos, self.sin, *self.inputs, *self.ckeys, *self.teachers]
+        tensors += [t for targets in self.targets or [] for t in targets]
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
@@ -100,7 +110,8 @@ def build_features(model, ids: torch.Tensor, rows: torch.Tensor, sparse, objecti
     config = inner.config
     last = config.num_hidden_layers - 1
     rows = rows.to(ids.device)
-    store: dict = {"inputs": [], "ckeys": [], "teachers": [], "norms": []}
+    topk = objective.loss == "topk"
+    store: dict = {"inputs": [], "ckeys": [], "teachers": [], "norms": [], "targets": []}
 
     def on_layer(idx, normed, positions, cos, sin, cache_layer):
         attn = inner.layers[idx].self_attn
@@ -114,28 +125,33 @@ def build_features(model, ids: torch.Tensor, rows: torch.Tensor, sparse, objecti
         fine = sel.compress_keys(keys, objective.teacher_kernel, objective.teacher_stride)
         pos = store["positions"]
         queries = sel.post_rope_queries(attn, x, cos[:, rows], sin[:, rows])
-        chunks = []
+        chunks, targets = [], []
         for start in range(0, rows.numel(), objective.chunk_size):
             part = slice(start, start + objective.chunk_size)
             chunks.append(teacher_rows(queries[:, part], fine, pos[:, part], sparse, objective, ckeys.shape[1]))
+            if topk:  # a row's target depends on its teacher row and position only: chunking is exact
+                targets.append(topk_targets(chunks[-1], pos[:, part], sparse))
         store["ckeys"].append(ckeys)
         store["teachers"].append(torch.cat(chunks, dim=2))
+        if topk:
+            store["targets"].append(TopkTargets.cat(targets, dim=2))
         store["norms"].append(queries.float().pow(2).sum(-1).mean(dim=(0, 1)).cpu())  # [Hq]
         cache_layer.reset()  # nothing reads this layer's K/V again
 
     with sel.attending_with(config, backbone, sparse):
         inner(ids, layer_callback=on_layer)
     return Features(
-        store["positions"], store["cos"], store["sin"], store["inputs"], store["ckeys"], store["teachers"], torch.stack(store["norms"])
+        store["positions"], store["cos"], store["sin"], store["inputs"], store["ckeys"], store["teachers"], torch.stack(store["norms"]),
+        store["targets"] if topk else None,
     )
 
 
 def head_vectors(model, features: Features, layer: int) -> torch.Tensor:
     """Forecast vectors [B, R, H*n, d] (post-RoPE) scoring `layer` at the cached rows,
-    differentiable in the head's weight."""
+    differentiable in the head's weight: the owning layer's `SparseAttention.project_forecast` on
+    the cached input rows (cast to the head's dtype, fp32 in training)."""
     inner = getattr(model, "model", model)
-    x, name, owner = features.head_input(layer)
+    x, projection, owner = features.head_input(layer)
     attn = inner.layers[owner].self_attn
-    weight = getattr(attn, name).weight
-    out = torch.nn.functional.linear(x.to(weight.dtype), weight)
-    return apply_rope(out.view(*x.shape[:2], -1, attn.head_dim), features.cos.to(out.dtype), features.sin.to(out.dtype))
+    dtype = getattr(attn, projection).weight.dtype
+    return attn.project_forecast(x.to(dtype), features.cos.to(dtype), features.sin.to(dtype), projection)

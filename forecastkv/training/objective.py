@@ -30,6 +30,7 @@ comes from `forecastkv.modeling.selection`; this module only adds the alignment 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -207,23 +208,53 @@ def _kl_sum(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return F.kl_div(q.log(), p, reduction="sum")
 
 
-def topk_targets(teacher: torch.Tensor, positions: torch.Tensor, sparse) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """SparDA's top-k + rest target of teacher rows [B, H, R, C]: (index, valid, bucketed target)."""
+class TopkTargets(NamedTuple):
+    """SparDA's top-k + rest target of some teacher rows (`topk_targets`), M = K * r supervised
+    slots per row: index int64 / valid bool [B, H, R, M] (`supervised_keys`), target fp32
+    [B, H, R, M + 1] (the teacher bucketed there, `bucket`).  A function of the teacher row and
+    its position only, so computed once per cached row (`features.build_features`)."""
+
+    index: torch.Tensor
+    valid: torch.Tensor
+    target: torch.Tensor
+
+    def take(self, index: torch.Tensor) -> "TopkTargets":
+        """Rows `index` [B, r] (int64, per sequence) of every field (the R axis, dim 2)."""
+        def rows(t: torch.Tensor) -> torch.Tensor:
+            view = index[:, None, :, None].expand(t.shape[0], t.shape[1], index.shape[1], t.shape[3])
+            return torch.gather(t, 2, view)
+
+        return TopkTargets(rows(self.index), rows(self.valid), rows(self.target))
+
+    @staticmethod
+    def cat(parts: list, dim: int) -> "TopkTargets":
+        """Concatenate along `dim` (0: sequences, 2: query rows)."""
+        return TopkTargets(*(torch.cat([getattr(p, f) for p in parts], dim=dim) for f in TopkTargets._fields))
+
+
+@torch.no_grad()
+def topk_targets(teacher: torch.Tensor, positions: torch.Tensor, sparse) -> TopkTargets:
+    """SparDA's top-k + rest target of teacher rows [B, H, R, C] at positions [B, R]."""
     count = teacher.shape[-1]
     n_blocks = sel.num_blocks(int(positions.max()) + 1, sparse.block_size)
     ids = teacher_selection(teacher, positions, sparse, n_blocks)
     index, valid = supervised_keys(ids, positions, sparse, n_blocks, count)
-    return index, valid, bucket(teacher, index, valid)
+    return TopkTargets(index, valid, bucket(teacher, index, valid))
 
 
-def rows_kl(forecast: torch.Tensor, ckeys: torch.Tensor, positions: torch.Tensor, teacher: torch.Tensor, sparse, loss: str) -> torch.Tensor:
+def rows_kl(
+    forecast: torch.Tensor, ckeys: torch.Tensor, positions: torch.Tensor, teacher: torch.Tensor, sparse, loss: str,
+    targets: TopkTargets | None = None,
+) -> torch.Tensor:
     """Summed KL of some query rows: forecast [B, R, H*n, d], ckeys [B, C, H, d], positions [B, R],
     teacher [B, H, R, C] (`teacher_rows`).  loss "full": KL over the whole row; "topk": over the
-    teacher's supervised keys plus the rest bucket.  fp32 scalar, differentiable in `forecast`."""
+    teacher's supervised keys plus the rest bucket, from `targets` (the rows' cached
+    `topk_targets`) or, when None, computed here.  fp32 scalar, differentiable in `forecast`."""
     if loss == "topk":
-        with torch.no_grad():
-            index, valid, target = topk_targets(teacher, positions, sparse)
-        return _kl_sum(target, bucket(student_rows(forecast, ckeys, positions, sparse), index, valid))
+        if targets is None:
+            targets = topk_targets(teacher, positions, sparse)
+        student = bucket(student_rows(forecast, ckeys, positions, sparse), targets.index, targets.valid)
+        return _kl_sum(targets.target, student)
     student = student_rows(forecast, ckeys, positions, sparse).clamp(min=EPS)
     return (teacher * (teacher.clamp(min=EPS).log() - student.log())).sum()
 

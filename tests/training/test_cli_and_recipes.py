@@ -37,14 +37,38 @@ def test_sparda_recipes_match_the_release():
         assert recipe["model"]["sparse_config"] == name
 
 
+def test_recipe_merging_defaults_and_checks(tmp_path):
+    from forecastkv.training import recipe as rc
+
+    assert load_recipe is rc.load_recipe                                    # trainer re-exports it
+    recipe = rc.load_recipe({"model": {"config": {"a": 1, "b": 2}}}, model={"config": {"a": 3}}, max_steps=7)
+    assert recipe["model"]["config"] == {"a": 3}                            # a model config is one value, replaced whole
+    assert recipe["train"]["max_steps"] == 7 and recipe["train"]["steps"] == rc.DEFAULTS["train"]["steps"]
+    assert rc.last_step(recipe["train"]) == 7
+    with pytest.raises(ValueError, match=r"unknown recipe key 'data.seq_lenn'; allowed: \["):
+        rc.load_recipe({"data": {"seq_lenn": 3}})
+    data = rc.load_recipe({"data": {"seq_len": 100, "eval_seq_len": 300}})["data"]
+    assert rc.eval_window(data) == (300, 150) and rc.val_window(data) == (100, 50)
+    with pytest.raises(ValueError, match=r"train.log_every must be a positive integer, got 0"):
+        rc.check_recipe(rc.load_recipe({"train": {"log_every": 0}}), world=1)
+    with pytest.raises(ValueError, match=r"train.eval_every must be an integer >= -1, got -2"):
+        rc.check_recipe(rc.load_recipe({"train": {"eval_every": -2}}), world=1)
+    with pytest.raises(ValueError, match=r"train.global_batch=32 must be a multiple of processes x micro_batch = 3 x 1"):
+        rc.check_recipe(rc.load_recipe({}), world=3)
+    listing = tmp_path / "list.yaml"
+    listing.write_text("- a\n- b\n")
+    with pytest.raises(ValueError, match=r"list.yaml' must be a YAML mapping, got a list"):
+        rc.load_recipe(listing)
+
+
 def test_cli_stop_and_resume(tmp_path):
     config = tmp_path / "tiny.yaml"
     config.write_text(yaml.safe_dump(tiny_recipe(tmp_path / "data", tmp_path / "unused", steps=3)))
     out = tmp_path / "run"
     assert main(["--config", str(config), "--output", str(out), "--max-steps", "1", "--no-progress"]) == 0
-    assert [p.name for p in list_checkpoints(out)] == ["step-000001.pt"]
+    assert [p.name for p in list_checkpoints(out)] == ["step-000001.safetensors"]
     assert main(["--resume", str(out), "--no-progress"]) == 0           # the recipe comes from the checkpoint
-    assert [p.name for p in list_checkpoints(out)][-1] == "step-000003.pt"
+    assert [p.name for p in list_checkpoints(out)][-1] == "step-000003.safetensors"
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3]
     assert (out / "forecast.safetensors").is_file() and (out / "forecast_config.json").is_file()

@@ -24,6 +24,20 @@ def test_txt_jsonl_and_directories(tmp_path):
         load_documents(str(tmp_path / "missing.txt"))
 
 
+def test_one_byte_codec_for_training_and_eval():
+    """`ByteTokenizer` is eval's `ByteCodec` with EOS 0 (what packing puts between documents);
+    the codec itself has no EOS unless given one."""
+    from forecastkv.eval.codec import ByteCodec
+
+    tokenizer = ByteTokenizer(256)
+    assert isinstance(tokenizer, ByteCodec) and tokenizer.eos_token_id == 0 and ByteCodec(256).eos_token_id is None
+    assert tokenizer.decode(tokenizer.encode("héllo")) == "héllo" and ByteTokenizer(128).encode("é") == [67, 41]   # 0xc3, 0xa9 mod 128
+    assert tokenize_documents(["ab", "c"], ByteCodec(128)).tolist() == [97, 98, 99]
+    assert tokenize_documents(["ab", "c"], ByteCodec(128, eos_token_id=5)).tolist() == [97, 98, 5, 99, 5]
+    with pytest.raises(ValueError, match=r"ByteCodec vocab_size must be a positive integer, got 0"):
+        ByteTokenizer(0)
+
+
 def test_packing_order_and_resume():
     tokens = torch.arange(100)
     data = PackedSequences(tokens, seq_len=10, seed=3)
@@ -66,9 +80,9 @@ def test_too_short_and_empty(tmp_path):
 
 
 def test_datasets_is_optional_and_lazy():
-    code = "import sys, forecastkv.training.data, forecastkv.training; print('datasets' in sys.modules)"
+    code = "import sys, forecastkv.training.data, forecastkv.training; print('datasets' in sys.modules, 'forecastkv.eval' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0 and out.stdout.strip() == "False"
+    assert out.returncode == 0 and out.stdout.strip() == "False False"    # nor does training import eval
     if importlib.util.find_spec("datasets") is None:
         with pytest.raises(ImportError, match=r"needs the `datasets` package"):
             load_documents("some-org/some-dataset")

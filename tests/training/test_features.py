@@ -54,6 +54,7 @@ def test_cached_loss_equals_layer_loss_on_the_direct_inputs():
     for objective in (ObjectiveConfig(chunk_size=16), ObjectiveConfig(loss="full", chunk_size=7)):
         rows = cached_rows(48, 0, None, None)
         feats = build_features(model, ids, rows, sparse, objective, backbone="dense")
+        assert (feats.targets is None) == (objective.loss == "full")
         direct = direct_layer_inputs(model, ids)
         positions = torch.arange(48).expand(2, -1)
         for m in range(3):
@@ -64,7 +65,8 @@ def test_cached_loss_equals_layer_loss_on_the_direct_inputs():
             _, q, k, _, _ = direct[m]
             ckeys = sel.compress_keys(k, sparse.kernel_size, sparse.kernel_stride)
             expected = layer_loss(q, k, ckeys, forecast, positions, sparse, objective)
-            cached = rows_kl(head_vectors(model, feats, m), feats.ckeys[m], feats.positions, feats.teachers[m], sparse, objective.loss)
+            targets = None if feats.targets is None else feats.targets[m]   # cached top-k targets ("topk" only)
+            cached = rows_kl(head_vectors(model, feats, m), feats.ckeys[m], feats.positions, feats.teachers[m], sparse, objective.loss, targets)
             assert abs(cached.item() / (2 * 2 * 48) - expected.item()) <= 1e-4 * expected.item(), (m, objective.loss)
 
 

@@ -7,7 +7,7 @@ import torch
 
 from forecastkv.modeling import SparseConfig
 from forecastkv.modeling.selection import compress_keys
-from forecastkv.training.objective import ObjectiveConfig, align_to_grid, layer_loss
+from forecastkv.training.objective import ObjectiveConfig, TopkTargets, align_to_grid, layer_loss, rows_kl, teacher_rows, topk_targets
 
 from .common import TINY_SPARSE
 
@@ -196,6 +196,29 @@ def test_chunking_does_not_change_the_loss():
     q, k, f = random_inputs(3, length=48)
     values = [ours(q, k, f, dict(TINY_SPARSE), ObjectiveConfig(chunk_size=c)).item() for c in (5, 16, 48, 100)]
     assert max(values) - min(values) <= 1e-6 * values[0]
+
+
+def test_topk_targets_are_row_local():
+    """What the feature cache relies on: a row's top-k target depends on its teacher row and
+    position only.  Targets computed once over all rows, in chunks, then taken at a few early rows
+    (fewer blocks exist there) equal those computed on those rows, and `rows_kl` with them is
+    bitwise the loss it computes without them."""
+    sparse, objective = SparseConfig(**TINY_SPARSE), ObjectiveConfig(chunk_size=16)
+    q, k, f = random_inputs(4, length=48)
+    ckeys = compress_keys(k, sparse.kernel_size, sparse.kernel_stride)
+    fine = compress_keys(k, objective.teacher_kernel, objective.teacher_stride)
+    positions = torch.arange(48).expand(2, -1)
+    teacher = teacher_rows(q, fine, positions, sparse, objective, ckeys.shape[1])
+    cached = TopkTargets.cat([topk_targets(teacher[:, :, s : s + 16], positions[:, s : s + 16], sparse) for s in range(0, 48, 16)], dim=2)
+    assert all(torch.equal(a, b) for a, b in zip(cached, topk_targets(teacher, positions, sparse)))
+    index = torch.tensor([[25, 30, 33, 39], [24, 31, 36, 38]])   # rows < 40: 5 blocks, not the 6 of all rows
+    rows_teacher = torch.stack([teacher[b][:, index[b]] for b in range(2)])
+    rows_f, rows_pos = torch.stack([f[b, index[b]] for b in range(2)]), torch.gather(positions, 1, index)
+    taken, direct = cached.take(index), topk_targets(rows_teacher, rows_pos, sparse)
+    assert all(torch.equal(a, b) for a, b in zip(taken, direct))
+    assert taken.valid.any() and not taken.valid.all()
+    with_cache = rows_kl(rows_f, ckeys, rows_pos, rows_teacher, sparse, "topk", taken)
+    assert with_cache.item() > 0 and torch.equal(with_cache, rows_kl(rows_f, ckeys, rows_pos, rows_teacher, sparse, "topk"))
 
 
 def test_align_to_grid_geometry():
