@@ -14,10 +14,15 @@ steps: decode tokens/s, H2D bytes per step, block hit rate, host syncs per step 
 prefetch hides, 1 - (t[forecast-offload] - t[no-offload]) / (t[forecast-sync] - t[no-offload]),
 the forecast-offload speed-up over sparse-offload, and its step time over no-offload; once per run,
 the block-gather bandwidth against a plain pinned copy.
+Order: the decode steps first (per length, shortest first: per batch, every mode, so each
+(length, batch) has its hidden share before the next starts), then the gather bandwidth, then
+the prefill rates last (`--prefill-lengths` / `--prefill-batches` narrow them, `--no-prefill`
+drops them): a run cut short by the budget or killed has the decode numbers.
 Once a batch runs out of memory (device or pinned host) for a (length, mode), larger batches are
 marked OOM and not run; configurations left when the time budget is spent are marked "skipped".
-Writes JSON (atomically) and a PNG beside it: decode tokens/s vs batch per mode, one panel per
-length, and H2D MiB per step.  Random weights: the numbers are speeds and bytes, not quality.
+Writes JSON (atomically, after every measured row, so a killed run keeps what it measured) and,
+at the end, a PNG beside it: decode tokens/s vs batch per mode, one panel per length, and H2D MiB
+per step.  Random weights: the numbers are speeds and bytes, not quality.
 """
 
 from __future__ import annotations
@@ -50,7 +55,8 @@ CONFIGS = {
     "cpu": (SMOLLM2_135M, "smollm2-135m", torch.float32, [1024, 2048, 4096], [1, 2, 4], 480.0),
     "gpu": (MINICPM41_8B, "minicpm4.1-8b", torch.bfloat16, [32768, 65536, 131072], [1, 4, 16, 64], 1800.0),
     "tiny": (TINY, "smollm2-135m", torch.float32, [512, 1024], [1, 2], 120.0),  # a dry run of the script
-    "gpu-short": (MINICPM41_8B, "minicpm4.1-8b", torch.bfloat16, [131072, 32768], [1, 4, 16], 150.0),
+    # what benchmarks/gpu_check.py runs (it also passes --modes, --budget-s and the prefill cells)
+    "gpu-short": (MINICPM41_8B, "minicpm4.1-8b", torch.bfloat16, [32768, 131072], [1, 4], 90.0),
 }
 
 
@@ -88,29 +94,37 @@ def prefill_rate(model, batch: int, length: int, mode: str | None, device: torch
     return {"status": "ok", "seconds": seconds, "tokens_per_s": batch * length / seconds}
 
 
-def sweep(keys, batches, measure, started: float, budget_s: float) -> list[dict]:
-    """For each key (a dict of fixed settings) run `measure(**key, batch=b)` over increasing
-    batches; after an OOM the larger batches are marked, not run; past the budget, "skipped"."""
+def sweep(keys, batches, measure, started: float, budget_s: float, on_row=None) -> list[dict]:
+    """Run `measure(**key, batch=b)` for every key (a dict of fixed settings, with a "length") and
+    batch: per length (in the keys' order), per increasing batch, every key of that length.  After
+    an OOM of a key its larger batches are marked, not run; past the budget, "skipped".
+    `on_row(rows)` runs after every row (the caller saves what it has)."""
     rows = []
-    for key in keys:
-        failed_at = None
+    failed_at = {}
+    lengths = list(dict.fromkeys(key["length"] for key in keys))
+    for length in lengths:
         for batch in sorted(batches):
-            row = {**key, "batch": batch}
-            if failed_at is not None:
-                row["status"] = f"OOM (batch {failed_at} did)"
-            elif time.perf_counter() - started > budget_s:
-                row["status"] = "skipped (time budget)"
-            else:
-                try:
-                    row.update(measure(**key, batch=batch))
-                except Exception as error:  # noqa: BLE001 - OOM of either tier is a result
-                    if not is_oom(error):
-                        raise
-                    failed_at, row["status"] = batch, "OOM"
-                    if torch.cuda.is_available():
-                        torch.cuda.empty_cache()
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+            for index, key in enumerate(keys):
+                if key["length"] != length:
+                    continue
+                row = {**key, "batch": batch}
+                if index in failed_at:
+                    row["status"] = f"OOM (batch {failed_at[index]} did)"
+                elif time.perf_counter() - started > budget_s:
+                    row["status"] = "skipped (time budget)"
+                else:
+                    try:
+                        row.update(measure(**key, batch=batch))
+                    except Exception as error:  # noqa: BLE001 - OOM of either tier is a result
+                        if not is_oom(error):
+                            raise
+                        failed_at[index], row["status"] = batch, "OOM"
+                        if torch.cuda.is_available():
+                            torch.cuda.empty_cache()
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                if on_row is not None:
+                    on_row(rows)
     return rows
 
 
@@ -148,6 +162,37 @@ def plot(results: dict, path: str) -> str:
     return path
 
 
+def tokens_label(length: int) -> str:
+    return f"{length // 1024}K" if length >= 1024 and length % 1024 == 0 else str(length)
+
+
+def summarize(results: dict) -> None:
+    """Fill results' hidden_share and the headline numbers gpu_check shows from what is measured so
+    far: the hidden share and speed-ups at the longest context, gather GB/s, and per decode cell
+    tokens/s and host syncs per step."""
+    results["hidden_share"] = hidden_shares(results.get("decode", []))
+    longest = max(results["lengths"])  # the goals are at the longest context
+    summary = {f"{tokens_label(longest)} b{e['batch']} {k}": round(v, 3) for e in results["hidden_share"]
+               if e["length"] == longest for k, v in e.items() if isinstance(v, float)}
+    summary.update({k: round(v, 2) for k, v in results.get("gather", {}).items() if k.endswith("GBps")})
+    for r in results.get("decode", []):
+        if r.get("status") == "ok":
+            cell = f"{tokens_label(r['length'])} b{r['batch']} {r['mode']}"
+            summary[f"{cell} tok/s"] = round(r["tokens_per_s"], 2)
+            if r.get("syncs_per_step") is not None:
+                summary[f"{cell} syncs/step"] = r["syncs_per_step"]
+    results["summary"] = summary
+
+
+def save(results: dict, out: str, started: float) -> None:
+    """Write results (with the summary so far) to `out`, atomically."""
+    from forecastkv.atomic import write_text_atomic
+
+    summarize(results)
+    results["seconds"] = time.perf_counter() - started
+    write_text_atomic(out, json.dumps(results, indent=1))
+
+
 def main(argv=None) -> dict:
     from forecastkv.inference import MODES
 
@@ -158,8 +203,14 @@ def main(argv=None) -> dict:
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--budget-s", type=float, default=None)
-    parser.add_argument("--no-prefill", action="store_true")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="no new (length, mode, batch) cell starts after this many seconds (default: the config's)")
+    parser.add_argument("--no-prefill", action="store_true", help="do not time prefill (it runs last otherwise)")
+    parser.add_argument("--prefill-lengths", type=int, nargs="+", default=None, help="prefill cells at these lengths (default --lengths)")
+    parser.add_argument("--prefill-batches", type=int, nargs="+", default=None, help="prefill cells at these batches (default --batches)")
+    parser.add_argument("--prefill-budget-s", type=float, default=None,
+                        help="no prefill cell starts after this many seconds (default --budget-s); its first call may compile")
+    parser.add_argument("--no-plot", action="store_true", help="write no PNG")
     parser.add_argument("--out", "--json", dest="out", default=None,
                         help="JSON path (the PNG goes beside it); default benchmarks/results/decode_sweep_<config>.json")
     args = parser.parse_args(argv)
@@ -174,34 +225,44 @@ def main(argv=None) -> dict:
     model = build_model(shape, preset, device, dtype)
     name = f"{ {id(SMOLLM2_135M): 'SmolLM2-135M', id(MINICPM41_8B): 'MiniCPM4.1-8B'}.get(id(shape), 'tiny')}-shaped random {str(dtype).split('.')[-1]}, preset {preset}"
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({os.cpu_count()} cores)"
-    print(f"{name} on {device_name}: lengths {lengths}, batches {batches}, modes {args.modes}", flush=True)
+    print(f"{name} on {device_name}: lengths {lengths}, batches {batches}, modes {args.modes}, budget {budget:.0f} s", flush=True)
     results = {"config": args.config, "model": name, "device": device_name, "lengths": lengths, "batches": batches,
+               "modes": args.modes, "budget_s": budget, "complete": False,
                "command": "python benchmarks/decode_sweep.py " + " ".join(sys.argv[1:] if argv is None else argv)}
     torch.manual_seed(0)
-    if not args.no_prefill:
-        caches = [{"length": n, "cache": c} for n in lengths for c in ("resident", "forecast-offload")]
-        results["prefill"] = sweep(caches, batches, lambda length, cache, batch: prefill_rate(
-            model, batch, length, None if cache == "resident" else cache, device), started, budget)
     grid = [{"length": n, "mode": m} for n in lengths for m in args.modes]
-    results["decode"] = sweep(grid, batches, lambda length, mode, batch: run_config(model, mode, batch, length, args, device), started, budget)
-    results["hidden_share"] = hidden_shares(results["decode"])
+
+    def keep(key):
+        def on_row(rows):
+            results[key] = rows
+            save(results, out, started)
+        return on_row
+
+    results["decode"] = sweep(grid, batches, lambda length, mode, batch: run_config(model, mode, batch, length, args, device),
+                              started, budget, on_row=keep("decode"))
     with torch.no_grad():
         results["gather"] = gather_bandwidth(device, dtype, tiny=device.type != "cuda")
-    longest = max(lengths)  # the headline numbers gpu_check prints: the goals are at the longest context
-    results["summary"] = {f"{longest // 1024}K b{e['batch']} {k}": round(v, 3) for e in results["hidden_share"]
-                          if e["length"] == longest for k, v in e.items() if isinstance(v, float)}
-    results["summary"].update({k: round(v, 2) for k, v in results["gather"].items() if k.endswith("GBps")})
-    results["seconds"] = time.perf_counter() - started
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out + ".tmp", "w") as handle:
-        json.dump(results, handle, indent=1)
-    os.replace(out + ".tmp", out)
-    png = plot(results, os.path.splitext(out)[0] + ".png")
-    print(f"\n{'length':>7} {'mode':<17} {'batch':>5} {'status':<22} {'tok/s':>9} {'H2D MiB/step':>13}")
+    save(results, out, started)
+    if not args.no_prefill:
+        caches = [{"length": n, "cache": c} for n in (args.prefill_lengths or lengths) for c in ("resident", "forecast-offload")]
+        results["prefill"] = sweep(caches, args.prefill_batches or batches, lambda length, cache, batch: prefill_rate(
+            model, batch, length, None if cache == "resident" else cache, device), started,
+            budget if args.prefill_budget_s is None else args.prefill_budget_s, on_row=keep("prefill"))
+    results["complete"] = True
+    save(results, out, started)
+    png = None
+    if not args.no_plot:
+        try:
+            png = plot(results, os.path.splitext(out)[0] + ".png")
+        except ImportError as error:  # the JSON is written; a machine without matplotlib gets no PNG
+            print(f"no PNG: {error}", flush=True)
+    print(f"\n{'length':>7} {'mode':<17} {'batch':>5} {'status':<22} {'tok/s':>9} {'H2D MiB/step':>13} {'syncs/step':>10}")
     for r in results["decode"]:
         ok = r.get("status") == "ok"
+        syncs = r.get("syncs_per_step") if ok else None
         print(f"{r['length']:>7} {r['mode']:<17} {r['batch']:>5} {r['status']:<22} "
-              f"{r['tokens_per_s'] if ok else float('nan'):>9.2f} {r['h2d_bytes_per_step'] / 2**20 if ok else float('nan'):>13.3f}")
+              f"{r['tokens_per_s'] if ok else float('nan'):>9.2f} {r['h2d_bytes_per_step'] / 2**20 if ok else float('nan'):>13.3f} "
+              f"{'-' if syncs is None else syncs:>10}")
     for r in results.get("prefill", []):
         if r.get("status") == "ok":
             print(f"prefill {r['length']:>7} {r['cache']:<17} batch {r['batch']}: {r['tokens_per_s']:.0f} tokens/s")
@@ -210,7 +271,7 @@ def main(argv=None) -> dict:
         print(f"length {entry['length']} batch {entry['batch']}: {', '.join(parts) or 'n/a'}")
     g = results["gather"]
     print(f"block gather {g['gather_GBps']:.2f} GB/s vs pinned copy {g['pinned_copy_GBps']:.2f} GB/s ({g['bytes'] / 2**20:.1f} MiB)")
-    print(f"wrote {out} and {png} ({results['seconds']:.0f} s)")
+    print(f"wrote {out}{'' if png is None else f' and {png}'} ({results['seconds']:.0f} s)", flush=True)
     return results
 
 

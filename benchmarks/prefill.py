@@ -9,8 +9,11 @@ Memory: each (mode, length) in a fresh process, peak RSS minus the RSS held just
 
 GPU: `gpu_prefill_comparison()` runs the same comparison on MiniCPM4.1-8B-shaped random weights
 (bf16, a few layers: per-layer cost is what differs) at 32K and 128K tokens; benchmarks/gpu_check.py
-calls it.  Dense prefill there is flash-attn when installed, else SDPA; sparse is FlexAttention.
-Both modes return only the last position's logits (a prefill needs no more).
+calls it (`--gpu-check --json PATH [--budget-s S]`).  Dense prefill there is flash-attn when
+installed, else SDPA; sparse is FlexAttention.  Both modes return only the last position's logits
+(a prefill needs no more).  `--json` is rewritten (atomically) after every length, so a killed run
+keeps the lengths it finished; with `--budget-s` no length starts after that many seconds.
+`--tiny`: the same comparison on tiny random models on the CPU (a dry run of the GPU path, seconds).
 """
 
 from __future__ import annotations
@@ -203,19 +206,27 @@ def phase_times(device):
             setattr(target, name, original)
 
 
-def prefill_comparison(dense, sparse, lengths, vocab_size: int, repeats: int = 2, warmup_length: int = 16384) -> list[dict]:
+def prefill_comparison(dense, sparse, lengths, vocab_size: int, repeats: int = 2, warmup_length: int = 16384,
+                       on_row=None, budget_s: float | None = None) -> list[dict]:
     """Time dense vs sparse prefill of random prompts on the models' device (same weights).
 
     Per length: dense_s, sparse_s (best of `repeats`, after a warm-up that also compiles
     FlexAttention on CUDA), speedup = dense_s / sparse_s, on CUDA each mode's peak GiB, and
     `{mode}_phases`: one more run's seconds in selection and attention (`phase_times`), the
-    rest under "other".
+    rest under "other".  `on_row(rows)` runs after every length; with `budget_s`, a length not
+    started within that many seconds of the call is a row {"length", "status": "skipped (time budget)"}.
     """
     import torch
 
     device = next(dense.parameters()).device
+    started = time.perf_counter()
     results = []
     for length in lengths:
+        if budget_s is not None and time.perf_counter() - started > budget_s:
+            results.append({"length": length, "status": "skipped (time budget)"})
+            if on_row is not None:
+                on_row(results)
+            continue
         ids = torch.randint(0, vocab_size, (1, length), device=device)
         row = {"length": length, "num_layers": dense.config.num_hidden_layers}
         for name, model in (("dense", dense), ("sparse", sparse)):
@@ -232,10 +243,13 @@ def prefill_comparison(dense, sparse, lengths, vocab_size: int, repeats: int = 2
             row[f"{name}_phases"]["other"] = round(total - sum(phases.values()), 4)
         row["speedup"] = row["dense_s"] / row["sparse_s"]
         results.append(row)
+        if on_row is not None:
+            on_row(results)
     return results
 
 
-def gpu_prefill_comparison(lengths=(32768, 131072), num_layers: int = 4, repeats: int = 2, seed: int = 0) -> list[dict]:
+def gpu_prefill_comparison(lengths=(32768, 131072), num_layers: int = 4, repeats: int = 2, seed: int = 0,
+                           on_row=None, budget_s: float | None = None) -> list[dict]:
     """Dense vs block-sparse prefill on CUDA with MiniCPM4.1-8B-shaped layers (random weights,
     bf16, `num_layers` layers), the `minicpm4.1-8b` preset (96 blocks of 64) against dense.
 
@@ -250,7 +264,38 @@ def gpu_prefill_comparison(lengths=(32768, 131072), num_layers: int = 4, repeats
     dense = minicpm_shaped_model(False, num_layers, "cuda", torch.bfloat16)
     sparse = minicpm_shaped_model(True, num_layers, "cuda", torch.bfloat16)
     sparse.load_state_dict(dense.state_dict())
-    return prefill_comparison(dense, sparse, lengths, MINICPM_SHAPE["vocab_size"], repeats)
+    return prefill_comparison(dense, sparse, lengths, MINICPM_SHAPE["vocab_size"], repeats, on_row=on_row, budget_s=budget_s)
+
+
+TINY_SHAPE = dict(
+    vocab_size=128, hidden_size=96, intermediate_size=128, num_hidden_layers=2, num_attention_heads=6,
+    num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.3, bos_token_id=None, eos_token_id=None,
+)
+TINY_SPARSE = dict(policy="infllmv2", kernel_size=4, kernel_stride=2, block_size=8, init_blocks=1, window_size=8, topk=3, dense_len=0, query_blocks=1)
+
+
+def tiny_prefill_comparison(lengths=(128, 256), on_row=None, budget_s: float | None = None) -> list[dict]:
+    """`prefill_comparison` on tiny random same-weight dense / sparse models on the CPU (a dry run
+    of the GPU path: same rows, seconds)."""
+    import torch
+
+    from forecastkv import ForecastKVConfig, ForecastKVForCausalLM
+
+    torch.manual_seed(0)
+    dense = ForecastKVForCausalLM(ForecastKVConfig(**TINY_SHAPE)).eval()
+    sparse = ForecastKVForCausalLM(ForecastKVConfig(**TINY_SHAPE, sparse_config=TINY_SPARSE)).eval()
+    sparse.load_state_dict(dense.state_dict(), strict=False)
+    return prefill_comparison(dense, sparse, lengths, TINY_SHAPE["vocab_size"], repeats=1, warmup_length=32,
+                              on_row=on_row, budget_s=budget_s)
+
+
+def write_rows(path: str, rows: list[dict], complete: bool) -> None:
+    """{"rows", "summary": speedup per finished length, "complete"} to `path`, atomically."""
+    from forecastkv.atomic import write_text_atomic
+
+    summary = {f"speedup_{row['length'] // 1024}K" if row["length"] >= 1024 else f"speedup_{row['length']}": round(row["speedup"], 3)
+               for row in rows if "speedup" in row}
+    write_text_atomic(path, json.dumps({"rows": rows, "summary": summary, "complete": complete}, indent=1))
 
 
 def main() -> None:
@@ -260,20 +305,28 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="timed runs per mode and length (best kept)")
     parser.add_argument("--gpu", action="store_true", help="run gpu_prefill_comparison at --lengths instead")
     parser.add_argument("--gpu-check", action="store_true", help="gpu_check.py's section: the GPU comparison at 32K and 128K")
-    parser.add_argument("--json", default=None, help="with --gpu / --gpu-check: write rows and a summary here")
+    parser.add_argument("--tiny", action="store_true", help="the comparison on tiny random models on the CPU (a dry run of --gpu-check)")
+    parser.add_argument("--budget-s", type=float, default=None, help="with --gpu / --gpu-check / --tiny: no length starts after this many seconds")
+    parser.add_argument("--json", "--out", dest="json", default=None,
+                        help="with --gpu / --gpu-check / --tiny: write rows and a summary here (after every length)")
     parser.add_argument("--one", nargs=2, metavar=("MODE", "LENGTH"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
         print(json.dumps(cpu_memory(args.one[0], int(args.one[1]), args.threads)))
         return
-    if args.gpu or args.gpu_check:
-        rows = gpu_prefill_comparison((32768, 131072) if args.gpu_check else tuple(args.lengths))
-        for row in rows:
-            print(json.dumps(row), flush=True)
+    if args.gpu or args.gpu_check or args.tiny:
+        def on_row(rows):
+            print(json.dumps(rows[-1]), flush=True)
+            if args.json:
+                write_rows(args.json, rows, complete=False)
+
+        if args.tiny:
+            rows = tiny_prefill_comparison(on_row=on_row, budget_s=args.budget_s)
+        else:
+            lengths = (32768, 131072) if args.gpu_check else tuple(args.lengths)
+            rows = gpu_prefill_comparison(lengths, repeats=args.repeats, on_row=on_row, budget_s=args.budget_s)
         if args.json:
-            summary = {f"speedup_{row['length'] // 1024}K": round(row["speedup"], 3) for row in rows}
-            with open(args.json, "w") as f:
-                json.dump({"rows": rows, "summary": summary}, f, indent=1)
+            write_rows(args.json, rows, complete=True)
         return
     rows = run_cpu(args.lengths, args.threads, args.repeats)
     print("\n| length | dense s | sparse s | sparse/dense time | dense peak MiB | sparse peak MiB | sparse/dense memory |")
