@@ -1,6 +1,6 @@
 """Held-out forecast recall of several head sets side by side, and perplexity forecast vs query.
 
-The recall protocol is `selection.forecast_recall` (rows t >= start, layers >= 1, chance beside);
+The recall protocol is `training.recall.forecast_recall` (rows t >= start, layers >= 1, chance beside);
 every head set runs on the same held-out sequences and geometry.
 
     python benchmarks/forecast_recall.py --heads init:next_query:1 runs/smollm2-135m-forecast \\
@@ -49,8 +49,7 @@ def perplexity(model, sequences: torch.Tensor, selector: str) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from forecastkv.modeling import selection as sel
-    from forecastkv.training.recall import RecallProtocol, heldout_sequences, resolve_geometry
+    from forecastkv.training.recall import BACKBONES, RecallProtocol, forecast_recall, heldout_sequences, resolve_geometry
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--heads", nargs="+", required=True)
@@ -60,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--length", type=int, default=2048)
     parser.add_argument("--start", type=int, default=1024)
     parser.add_argument("--sequences", type=int, default=None)
-    parser.add_argument("--backbone", default="dense", choices=sel.BACKBONES)
+    parser.add_argument("--backbone", default="dense", choices=BACKBONES)
     parser.add_argument("--perplexity", action="store_true", help="instead of recall: perplexity forecast vs query (sparse backbone)")
     parser.add_argument("--out", default=None, help="write the Markdown table (and a .json beside it)")
     args = parser.parse_args(argv)
@@ -79,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
             results[spec] = {"query": query, "forecast": forecast, "sequences": sequences.shape[0], "seconds": time.time() - started}
             lines.append(f"| {spec} | {query:.3f} | {forecast:.3f} | {100 * (forecast / query - 1):+.2f}% |")
         else:
-            report = sel.forecast_recall(model, sequences, args.start, args.backbone)
+            report = forecast_recall(model, sequences, args.start, args.backbone)
             results[spec] = {**report.to_dict(), "seconds": time.time() - started}
         print(f"{spec}: {json.dumps({k: v for k, v in results[spec].items() if not isinstance(v, list)})}", file=sys.stderr)
     if not args.perplexity:

@@ -2,7 +2,7 @@
 same code as the package's commands:
 
 1. fit Forecast heads on the training essays      (`forecastkv train-forecast`: `train_forecast`);
-   the trainer measures held-out forecast recall before and after (`selection.forecast_recall`);
+   the trainer measures held-out forecast recall before and after (`training.recall.forecast_recall`);
 2. evaluate on the held-out essays                 (`forecastkv eval`: `run_eval`): perplexity with the
    query and the forecast selector, H2D bytes per decode step of dense-, sparse- and forecast-offload;
 3. continue a held-out essay with the offloaded runtime in forecast mode

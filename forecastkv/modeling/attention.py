@@ -78,6 +78,11 @@ class SparseAttention(nn.Module):
         out = getattr(self, which)(hidden)
         return apply_rope(out.view(*hidden.shape[:2], -1, self.head_dim), cos, sin)
 
+    def queries(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Post-RoPE queries [B, T, Hq, d] from the post-norm input hidden [B, T, hidden]."""
+        batch, length, _ = hidden.shape
+        return apply_rope(self.q_proj(hidden).view(batch, length, self.num_heads, self.head_dim), cos, sin)
+
     def compute_cis(self, values: torch.Tensor) -> torch.Tensor:
         """NOSA's static per-token bias A * softplus(delta(v)).  values [B, T, H, d] -> [B, T, H]."""
         return self.A * F.softplus(self.delta(values.flatten(-2)))
@@ -124,7 +129,7 @@ class SparseAttention(nn.Module):
         """
         batch, length, _ = hidden.shape
         d = self.head_dim
-        q = apply_rope(self.q_proj(hidden).view(batch, length, self.num_heads, d), cos, sin)
+        q = self.queries(hidden, cos, sin)
         k = apply_rope(self.k_proj(hidden).view(batch, length, self.num_kv_heads, d), cos, sin)
         v = self.v_proj(hidden).view(batch, length, self.num_kv_heads, d)
         cis = self.compute_cis(v) if hasattr(self, "A") else None

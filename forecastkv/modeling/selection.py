@@ -23,7 +23,6 @@ because every visible probability is positive). Positions < 0 mark padding rows:
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
 import torch
@@ -465,11 +464,11 @@ def forecast_recall_counts(
 
 
 # ----------------------------------------------------------------------------------------------
-# the recall protocol (shared/DESIGN.md "Forecast recall"): one definition for training and eval
+# the recall protocol's sums and report (shared/DESIGN.md "Forecast recall"); the runner that
+# measures them on a model is `training.recall.measure_recall_counts`
 # ----------------------------------------------------------------------------------------------
 
 RECALL_FIRST_LAYER = 1  # layer 0 is scored by its own current_proj, not forecast: left out of the mean
-BACKBONES = ("dense", "query", "forecast")
 
 
 @dataclass
@@ -519,91 +518,3 @@ def summarise_recall(counts: torch.Tensor, start: int, length: int, rows: int, b
     tail = slice(RECALL_FIRST_LAYER, None) if len(recall) > RECALL_FIRST_LAYER else slice(None)
     mean = lambda values: sum(values[tail]) / len(values[tail])  # noqa: E731
     return RecallReport(start, length, rows, backbone, recall, chance, mean(recall), mean(chance))
-
-
-@contextmanager
-def attending_with(config, backbone: str, sparse):
-    """Temporarily set what the frozen model attends with: dense (no sparse_config) or `sparse`
-    routed by the query or the forecast selector."""
-    if backbone not in BACKBONES:
-        raise ValueError(f"backbone {backbone!r} is not one of {BACKBONES}")
-    saved = config.sparse_config
-    config.sparse_config = None if backbone == "dense" else {**sparse.to_dict(), "selector": backbone}
-    try:
-        yield
-    finally:
-        config.sparse_config = saved
-
-
-@torch.no_grad()
-def measure_recall_counts(model, input_ids: torch.Tensor, start: int, backbone: str = "dense", sparse=None) -> torch.Tensor:
-    """Per-layer recall sums fp64 [L, 3] (hits, wanted, chance) of `model` on input_ids [B, T].
-
-    model: a ForecastKVForCausalLM (or ForecastKVModel) with forecast heads; sparse: the geometry
-    both selectors use (default: the model's sparse_config).  At every layer l both selections are
-    made for the rows t >= start by `layer_selection` against layer l's keys: the query selector
-    from l's real queries, the forecast selector from layer l-1's forecast vectors (layer 0: its
-    current_proj).  Memory: one layer's K/V at a time.
-    """
-    inner = getattr(model, "model", model)
-    config = inner.config
-    sparse = sparse if sparse is not None else config.sparse
-    if sparse is None:
-        raise ValueError("forecast recall needs a sparse geometry: the model has no sparse_config, pass sparse=")
-    if not config.forecast_config.enabled:
-        raise ValueError("forecast recall needs a model with forecast heads")
-    length = input_ids.shape[1]
-    if not 0 <= start < length:
-        raise ValueError(f"recall start={start} must lie in [0, sequence length {length})")
-    last = config.num_hidden_layers - 1
-    counts = torch.zeros(config.num_hidden_layers, 3, dtype=torch.float64)
-    carried: dict = {}
-
-    def on_layer(idx, normed, positions, cos, sin, cache_layer):
-        attn = inner.layers[idx].self_attn
-        rows = slice(start, None)
-        x, c, s, pos = normed[:, rows], cos[:, rows], sin[:, rows], positions[:, rows]
-        keys, _, cis, _ = cache_layer.full()
-        ckeys = compress_keys(keys, sparse.kernel_size, sparse.kernel_stride)
-        lse_keys = compress_keys(keys, *sparse.coarse_kernel) if sparse.lse == "coarse" else None
-        queries = post_rope_queries(attn, x, c, s)
-        forecast = attn.project_forecast(x, c, s, "current_proj") if idx == 0 else carried.pop("forecast")
-        query_ids = layer_selection(queries, ckeys, pos, sparse, "query", lse_keys, cis)
-        forecast_ids = layer_selection(forecast, ckeys, pos, sparse, "forecast", cis=cis)
-        counts[idx] = recall_row_sums(query_ids, forecast_ids, pos, sparse, start)
-        if idx < last:
-            carried["forecast"] = attn.project_forecast(x, c, s)
-        cache_layer.reset()  # nothing reads this layer's K/V again: keep memory at one layer
-
-    with attending_with(config, backbone, sparse):
-        inner(input_ids, layer_callback=on_layer)
-    return counts
-
-
-def post_rope_queries(attn, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Post-RoPE queries [B, T, Hq, d] of `attn` from its post-norm input hidden [B, T, hidden]."""
-    from .rope import apply_rope
-
-    batch, length, _ = hidden.shape
-    return apply_rope(attn.q_proj(hidden).view(batch, length, attn.num_heads, attn.head_dim), cos, sin)
-
-
-def forecast_recall(model, sequences: torch.Tensor, start: int, backbone: str = "dense", sparse=None, batch_size: int = 1, progress: bool = False) -> RecallReport:
-    """The recall protocol on held-out sequences [N, T] (int64 token ids): per layer and mean over
-    layers >= 1, chance alongside, counting query rows t in [start, T) only.  See
-    `measure_recall_counts` for model / backbone / sparse."""
-    sequences = torch.as_tensor(sequences)
-    if sequences.dim() != 2 or sequences.shape[0] == 0:
-        raise ValueError(f"sequences must be a non-empty [N, T] tensor of token ids, got shape {tuple(sequences.shape)}")
-    device = next(model.parameters()).device
-    config = getattr(model, "model", model).config
-    counts = torch.zeros(config.num_hidden_layers, 3, dtype=torch.float64)
-    starts = range(0, sequences.shape[0], batch_size)
-    if progress:
-        from tqdm.auto import tqdm
-
-        starts = tqdm(starts, desc="recall", dynamic_ncols=True)
-    for first in starts:
-        counts += measure_recall_counts(model, sequences[first : first + batch_size].to(device), start, backbone, sparse)
-    length = sequences.shape[1]
-    return summarise_recall(counts, start, length, sequences.shape[0] * (length - start), backbone)

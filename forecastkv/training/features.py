@@ -23,6 +23,7 @@ import torch
 
 from forecastkv.modeling import selection as sel
 from forecastkv.modeling.heads import scoring_head
+from forecastkv.modeling.routing import attending_with, backbone_sparse_config
 
 from .objective import ObjectiveConfig, TopkTargets, teacher_rows, topk_targets
 
@@ -124,7 +125,7 @@ def build_features(model, ids: torch.Tensor, rows: torch.Tensor, sparse, objecti
         ckeys = sel.compress_keys(keys, sparse.kernel_size, sparse.kernel_stride).float()
         fine = sel.compress_keys(keys, objective.teacher_kernel, objective.teacher_stride)
         pos = store["positions"]
-        queries = sel.post_rope_queries(attn, x, cos[:, rows], sin[:, rows])
+        queries = attn.queries(x, cos[:, rows], sin[:, rows])
         chunks, targets = [], []
         for start in range(0, rows.numel(), objective.chunk_size):
             part = slice(start, start + objective.chunk_size)
@@ -138,7 +139,7 @@ def build_features(model, ids: torch.Tensor, rows: torch.Tensor, sparse, objecti
         store["norms"].append(queries.float().pow(2).sum(-1).mean(dim=(0, 1)).cpu())  # [Hq]
         cache_layer.reset()  # nothing reads this layer's K/V again
 
-    with sel.attending_with(config, backbone, sparse):
+    with attending_with(inner, backbone_sparse_config(backbone, sparse)):
         inner(ids, layer_callback=on_layer)
     return Features(
         store["positions"], store["cos"], store["sin"], store["inputs"], store["ckeys"], store["teachers"], torch.stack(store["norms"]),

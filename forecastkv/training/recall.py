@@ -1,9 +1,9 @@
-"""Forecast recall of saved heads, on held-out text, with the one protocol of `selection.py`.
+"""Forecast recall of saved heads on held-out text: the protocol's runner (its sums and report are `selection.py`'s).
 
     forecastkv forecast-recall --forecast-weights runs/smollm2-135m-forecast --length 2048 --start 1024
     forecastkv forecast-recall --init next_query --heads-per-group 1      # an untrained init
 
-The protocol (`selection.forecast_recall`): a held-out split cut into sequences of T tokens, query
+The protocol (`forecast_recall` below): a held-out split cut into sequences of T tokens, query
 rows t in [start, T) only, both selectors scored at every layer against that layer's keys, recall
 per layer and as the mean over layers >= 1, chance alongside.
 """
@@ -18,9 +18,81 @@ from pathlib import Path
 
 import torch
 
+from forecastkv.bundled import resolve_model_path
 from forecastkv.modeling import selection as sel
+from forecastkv.modeling.routing import BACKBONES, attending_with, backbone_sparse_config
 
 DEFAULT_START = 1024
+
+
+# ----------------------------------------------------------------------------------------------
+# the runner: both selectors at every layer of a frozen forward
+# ----------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def measure_recall_counts(model, input_ids: torch.Tensor, start: int, backbone: str = "dense", sparse=None) -> torch.Tensor:
+    """Per-layer recall sums fp64 [L, 3] (hits, wanted, chance) of `model` on input_ids [B, T].
+
+    model: a ForecastKVForCausalLM (or ForecastKVModel) with forecast heads; sparse: the geometry
+    both selectors use (default: the model's sparse_config).  At every layer l both selections are
+    made for the rows t >= start by `selection.layer_selection` against layer l's keys: the query
+    selector from l's real queries, the forecast selector from the head that scores l
+    (`heads.scoring_head`).  Memory: one layer's K/V at a time.
+    """
+    inner = getattr(model, "model", model)
+    config = inner.config
+    sparse = sparse if sparse is not None else config.sparse
+    if sparse is None:
+        raise ValueError("forecast recall needs a sparse geometry: the model has no sparse_config, pass sparse=")
+    if not config.forecast_config.enabled:
+        raise ValueError("forecast recall needs a model with forecast heads")
+    length = input_ids.shape[1]
+    if not 0 <= start < length:
+        raise ValueError(f"recall start={start} must lie in [0, sequence length {length})")
+    last = config.num_hidden_layers - 1
+    counts = torch.zeros(config.num_hidden_layers, 3, dtype=torch.float64)
+    carried: dict = {}
+
+    def on_layer(idx, normed, positions, cos, sin, cache_layer):
+        attn = inner.layers[idx].self_attn
+        rows = slice(start, None)
+        x, c, s, pos = normed[:, rows], cos[:, rows], sin[:, rows], positions[:, rows]
+        keys, _, cis, _ = cache_layer.full()
+        ckeys = sel.compress_keys(keys, sparse.kernel_size, sparse.kernel_stride)
+        lse_keys = sel.compress_keys(keys, *sparse.coarse_kernel) if sparse.lse == "coarse" else None
+        forecast = inner.scoring_vectors(0, x, c, s) if idx == 0 else carried.pop("forecast")
+        query_ids = sel.layer_selection(attn.queries(x, c, s), ckeys, pos, sparse, "query", lse_keys, cis)
+        forecast_ids = sel.layer_selection(forecast, ckeys, pos, sparse, "forecast", cis=cis)
+        counts[idx] = sel.recall_row_sums(query_ids, forecast_ids, pos, sparse, start)
+        if idx < last:
+            carried["forecast"] = inner.scoring_vectors(idx + 1, x, c, s)
+        cache_layer.reset()  # nothing reads this layer's K/V again: keep memory at one layer
+
+    with attending_with(inner, backbone_sparse_config(backbone, sparse)):
+        inner(input_ids, layer_callback=on_layer)
+    return counts
+
+
+def forecast_recall(model, sequences: torch.Tensor, start: int, backbone: str = "dense", sparse=None, batch_size: int = 1, progress: bool = False) -> sel.RecallReport:
+    """The recall protocol on held-out sequences [N, T] (int64 token ids): per layer and mean over
+    layers >= 1, chance alongside, counting query rows t in [start, T) only.  See
+    `measure_recall_counts` for model / backbone / sparse."""
+    sequences = torch.as_tensor(sequences)
+    if sequences.dim() != 2 or sequences.shape[0] == 0:
+        raise ValueError(f"sequences must be a non-empty [N, T] tensor of token ids, got shape {tuple(sequences.shape)}")
+    device = next(model.parameters()).device
+    config = getattr(model, "model", model).config
+    counts = torch.zeros(config.num_hidden_layers, 3, dtype=torch.float64)
+    starts = range(0, sequences.shape[0], batch_size)
+    if progress:
+        from tqdm.auto import tqdm
+
+        starts = tqdm(starts, desc="recall", dynamic_ncols=True)
+    for first in starts:
+        counts += measure_recall_counts(model, sequences[first : first + batch_size].to(device), start, backbone, sparse)
+    length = sequences.shape[1]
+    return sel.summarise_recall(counts, start, length, sequences.shape[0] * (length - start), backbone)
 
 
 @dataclass(frozen=True)
@@ -38,8 +110,8 @@ class RecallProtocol:
     def __post_init__(self) -> None:
         if not 0 <= self.start < self.length:
             raise ValueError(f"recall start={self.start} must lie in [0, length={self.length})")
-        if self.backbone not in sel.BACKBONES:
-            raise ValueError(f"backbone {self.backbone!r} is not one of {sel.BACKBONES}")
+        if self.backbone not in BACKBONES:
+            raise ValueError(f"backbone {self.backbone!r} is not one of {BACKBONES}")
 
 
 def heldout_sequences(protocol: RecallProtocol, tokenizer) -> torch.Tensor:
@@ -54,7 +126,7 @@ def heldout_sequences(protocol: RecallProtocol, tokenizer) -> torch.Tensor:
 def evaluate_recall(model, tokenizer, protocol: RecallProtocol = RecallProtocol(), sparse=None, progress: bool = False) -> sel.RecallReport:
     """Run the protocol on `model` (forecast heads required).  Returns a `selection.RecallReport`."""
     sequences = heldout_sequences(protocol, tokenizer)
-    return sel.forecast_recall(model, sequences, protocol.start, protocol.backbone, sparse=sparse, progress=progress)
+    return forecast_recall(model, sequences, protocol.start, protocol.backbone, sparse=sparse, progress=progress)
 
 
 def load_for_recall(base: str, forecast_weights: str | None = None, sparse_config=None, init: str = "next_query", heads_per_group: int = 1):
@@ -63,9 +135,7 @@ def load_for_recall(base: str, forecast_weights: str | None = None, sparse_confi
     from transformers import AutoTokenizer
 
     from forecastkv import ForecastKVForCausalLM
-    from forecastkv.bundled import bundled_model_path
-
-    path = bundled_model_path(base.split(":", 1)[1]) if base.startswith("bundled:") else base
+    path = resolve_model_path(base)
     if forecast_weights is not None:
         model = ForecastKVForCausalLM.from_pretrained(path, sparse_config=sparse_config, forecast_weights=forecast_weights)
     else:
@@ -103,7 +173,7 @@ def build_parser(prog: str = "forecastkv forecast-recall") -> argparse.ArgumentP
     parser.add_argument("--length", type=int, default=2048, help="T: tokens per held-out sequence")
     parser.add_argument("--start", type=int, default=DEFAULT_START, help="count query rows t >= start only")
     parser.add_argument("--sequences", type=int, default=None, help="at most this many sequences (default: all)")
-    parser.add_argument("--backbone", default="dense", choices=sel.BACKBONES)
+    parser.add_argument("--backbone", default="dense", choices=BACKBONES)
     parser.add_argument("--json", default=None, help="also write the report as JSON here")
     return parser
 

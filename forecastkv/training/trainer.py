@@ -22,7 +22,7 @@ Read top to bottom:
    measured on validation windows of training text the run never visited
    (`data.unvisited_windows`), with the starting heads and with the trained ones; a layer whose
    trained head scores below its start gets the start back, so no layer ends below its init;
-7. held-out forecast recall with the protocol of `selection.forecast_recall`, checkpoints
+7. held-out forecast recall with the protocol of `recall.forecast_recall`, checkpoints
    (`checkpointing.py`), and at the end `forecast.safetensors` + `forecast_config.json`.
 """
 
@@ -46,6 +46,7 @@ from . import checkpointing as ckpt
 from .data import ByteTokenizer, build_sequences, unvisited_windows
 from .features import Features, build_features, cached_rows, head_vectors
 from .objective import ObjectiveConfig, rows_kl
+from .recall import measure_recall_counts
 from .recipe import (  # noqa: F401  (DEFAULTS, load_recipe, rows_per_sequence: importable from here too)
     DEFAULTS,
     check_against_model,
@@ -252,13 +253,13 @@ def calibrate_from_features(model, parts: list[Features], accelerator) -> None:
 
 
 def evaluate(model, sequences: torch.Tensor, start: int, backbone: str, accelerator) -> dict:
-    """Held-out forecast recall (`selection.measure_recall_counts`), sequences split over
+    """Held-out forecast recall (`recall.measure_recall_counts`), sequences split over
     processes, counts summed; returns `RecallReport.to_dict()`."""
     rank, world = accelerator.process_index, accelerator.num_processes
     counts = torch.zeros(model.config.num_hidden_layers, 3, dtype=torch.float64)
     with accelerator.autocast():
         for row in range(rank, sequences.shape[0], world):
-            counts += sel.measure_recall_counts(model, sequences[row : row + 1].to(accelerator.device), start, backbone)
+            counts += measure_recall_counts(model, sequences[row : row + 1].to(accelerator.device), start, backbone)
     if world > 1:
         counts = accelerator.reduce(counts.to(accelerator.device), reduction="sum").cpu()
     length = sequences.shape[1]

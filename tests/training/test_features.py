@@ -9,6 +9,7 @@ from forecastkv.modeling.forecast_init import apply_forecast_init
 from forecastkv.modeling.rope import apply_rope
 from forecastkv.training.features import build_features, cached_rows, head_vectors
 from forecastkv.training.objective import ObjectiveConfig, layer_loss, rows_kl
+from forecastkv.training.recall import forecast_recall, measure_recall_counts
 
 from .common import TINY_MODEL, TINY_SPARSE
 
@@ -117,12 +118,12 @@ def test_recall_protocol_matches_the_model_recorded_selections():
     sparse = model.config.sparse
     ids = torch.randint(0, 128, (2, 96), generator=torch.Generator().manual_seed(3))
     start = 40
-    counts = sel.measure_recall_counts(model, ids, start, backbone="query")
+    counts = measure_recall_counts(model, ids, start, backbone="query")
     out = model(ids, collect_selections=True)
     positions = torch.arange(96).expand(2, -1)
     for layer, record in enumerate(out.selections):
         expected = sel.recall_row_sums(record["query"], record["forecast"], positions, sparse, start)
         torch.testing.assert_close(counts[layer], expected, rtol=1e-9, atol=1e-6)
     assert counts[:, 1].min() > 0 and (counts[:, 0] < counts[:, 1]).any()   # not trivially perfect
-    report = sel.forecast_recall(model, ids, start, backbone="query")
+    report = forecast_recall(model, ids, start, backbone="query")
     assert report.rows == 2 * (96 - start) and abs(report.mean_recall - sum(report.recall[1:]) / 2) < 1e-12
