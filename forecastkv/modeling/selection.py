@@ -494,10 +494,18 @@ class RecallReport:
 
     def table(self, name: str = "recall") -> str:
         """A Markdown table: one row per layer, then the mean over layers >= 1."""
-        lines = [f"| layer | {name} | chance |", "|---|---|---|"]
-        lines += [f"| {i} | {r:.3f} | {c:.3f} |" for i, (r, c) in enumerate(zip(self.recall, self.chance))]
-        lines.append(f"| mean (>= {RECALL_FIRST_LAYER}) | {self.mean_recall:.3f} | {self.mean_chance:.3f} |")
-        return "\n".join(lines) + "\n"
+        return recall_table({name: (self.recall, self.mean_recall)}, self.chance, self.mean_chance)
+
+
+def recall_table(columns: dict[str, tuple[list[float], float]], chance: list[float], mean_chance: float) -> str:
+    """A Markdown table of recall per layer: one column per named series (per-layer recall, its
+    mean over layers >= RECALL_FIRST_LAYER), chance last, then the row of means."""
+    names = list(columns)
+    lines = ["| layer | " + " | ".join(names) + " | chance |", "|---" * (len(names) + 2) + "|"]
+    for i, c in enumerate(chance):
+        lines.append(f"| {i} | " + " | ".join(f"{columns[n][0][i]:.3f}" for n in names) + f" | {c:.3f} |")
+    lines.append(f"| mean (>= {RECALL_FIRST_LAYER}) | " + " | ".join(f"{columns[n][1]:.3f}" for n in names) + f" | {mean_chance:.3f} |")
+    return "\n".join(lines) + "\n"
 
 
 def recall_row_sums(query_ids: torch.Tensor, forecast_ids: torch.Tensor, positions: torch.Tensor, sparse, start: int = 0) -> torch.Tensor:

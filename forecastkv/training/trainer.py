@@ -402,12 +402,8 @@ def _recall_table(history: list) -> str:
         return ""
     evals = [history[0], history[-1]] if len(history) > 1 else [history[-1]]
     final = history[-1]
-    lines = ["| layer | " + " | ".join(f"recall @ step {e['step']}" for e in evals) + " | chance |", "|---" * (len(evals) + 2) + "|"]
-    for i in range(len(final["recall"])):
-        lines.append(f"| {i} | " + " | ".join(f"{e['recall'][i]:.3f}" for e in evals) + f" | {final['chance'][i]:.3f} |")
-    lines.append("| mean (>= 1) | " + " | ".join(f"{e['mean_recall']:.3f}" for e in evals) + f" | {final['mean_chance']:.3f} |")
-    note = f"\nT = {final['length']}, rows t >= {final['start']}, {final['backbone']} backbone, {final['rows']} rows per layer.\n"
-    return "\n".join(lines) + "\n" + note
+    table = sel.recall_table({f"recall @ step {e['step']}": (e["recall"], e["mean_recall"]) for e in evals}, final["chance"], final["mean_chance"])
+    return table + f"\nT = {final['length']}, rows t >= {final['start']}, {final['backbone']} backbone, {final['rows']} rows per layer.\n"
 
 
 def _guard_note(guard: dict | None) -> str:
