@@ -3,17 +3,46 @@
 On a machine with CUDA the buffers are pinned (page-locked), so the UVA gather kernel can read them
 from the GPU and copies can run asynchronously; on CPU they are plain memory.  Capacity is the
 cache's `max_length` when given, else it grows in fixed chunks (`modeling.cache.GROWTH_CHUNK`).
+
+Only the transfer functions touch host tensors: the H2D block gather and staging, and the D2H
+write-back.  They run inside `host_transfer()`, a thread-local counter (nearly free) that only
+the tests' strict-device harness (tests/strict_device.py) reads: there, host tensors (made by
+`allocate_host`, which the harness wraps) raise when any op outside `host_transfer()` touches them.
 """
 
 from __future__ import annotations
+
+import contextlib
+import threading
 
 import torch
 
 from ..modeling.cache import capacity_for
 
+_transfer_state = threading.local()
+
+
+class host_transfer(contextlib.ContextDecorator):
+    """`with host_transfer(): ...` (or `@host_transfer()`): the enclosed code is a transfer function,
+    allowed to touch host-store tensors.  Re-entrant, per thread; production code never reads it."""
+
+    def __enter__(self) -> "host_transfer":
+        _transfer_state.depth = getattr(_transfer_state, "depth", 0) + 1
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        _transfer_state.depth -= 1
+        return False
+
+
+def in_host_transfer() -> bool:
+    """Whether this thread is inside `host_transfer()`."""
+    return getattr(_transfer_state, "depth", 0) > 0
+
 
 def allocate_host(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    """A zeroed host tensor, pinned if asked; a pinning failure names the bytes and what to do."""
+    """A zeroed host tensor, pinned if asked; a pinning failure names the bytes and what to do.
+    Every host-store buffer comes from here (the one allocation the strict-device harness wraps)."""
     if not pin:
         return torch.zeros(shape, dtype=dtype)
     nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
@@ -46,12 +75,14 @@ class HostKVStore:
         values = allocate_host((batch, capacity, heads, dim), self.dtype, self.pin)
         cis = allocate_host((batch, capacity, heads), self.cis_dtype, self.pin) if self.with_cis else None
         if self.capacity:
-            keys[:, : self.capacity] = self.keys
-            values[:, : self.capacity] = self.values
-            if cis is not None:
-                cis[:, : self.capacity] = self.cis
+            with host_transfer():
+                keys[:, : self.capacity] = self.keys
+                values[:, : self.capacity] = self.values
+                if cis is not None:
+                    cis[:, : self.capacity] = self.cis
         self.keys, self.values, self.cis, self.capacity = keys, values, cis, capacity
 
+    @host_transfer()
     def write(self, batch_idx: torch.Tensor, pos: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cis: torch.Tensor | None) -> int:
         """Store rows: keys/values [N, H, d] (any device) at (batch_idx[N], pos[N]).  Returns bytes moved."""
         batch_idx, pos = batch_idx.cpu(), pos.cpu()
@@ -63,6 +94,7 @@ class HostKVStore:
             moved += cis.numel() * cis.element_size()
         return moved
 
+    @host_transfer()
     def write_span(self, start: int, keys: torch.Tensor, values: torch.Tensor, cis: torch.Tensor | None) -> int:
         """Store keys/values [B, n, H, d] (and cis [B, n, H]) at positions start..start+n-1 of every
         sequence: one slice copy per tensor (a DMA from the device, asynchronous into pinned
@@ -77,6 +109,7 @@ class HostKVStore:
             moved += cis.numel() * cis.element_size()
         return moved
 
+    @host_transfer()
     def rows(self, count: int):
         """Views of the first `count` positions: keys, values [B, count, H, d], cis or None."""
         cis = None if self.cis is None else self.cis[:, :count]

@@ -28,7 +28,7 @@ import torch
 from .. import kernels
 from ..kernels.block_gather import block_gather_reference
 from ..modeling.cache import SparseCache, SparseCacheLayer, gather_blocks, new_rows
-from .host_store import HostKVStore
+from .host_store import HostKVStore, host_transfer
 from .prefetch import make_prefetcher
 from .slots import diff_block_map
 
@@ -191,6 +191,7 @@ class OffloadedLayer(SparseCacheLayer):
             self._extend_compressed(old_lengths, self.host.keys, self.host.cis)
             self._write_tail(batch_idx, pos, new_k, new_v, new_cis)
 
+    @host_transfer()
     def _stage(self, rows, old_rows, batch_idx, pos, new_k, new_v, new_cis):
         """Device copies of positions [0, rows) for the chunked attention of a multi-token call."""
         self.staging.hold(self)
@@ -218,6 +219,7 @@ class OffloadedLayer(SparseCacheLayer):
         tail = torch.div((self.lengths - 1).clamp(min=0), self.block_size, rounding_mode="floor")
         return tail.unsqueeze(1) * self.block_size + torch.arange(self.block_size, device=tail.device)
 
+    @host_transfer()
     def _refill_tail(self, keys, values, cis) -> None:
         """Copy each sequence's tail block from position-indexed storage [B, S, H, ...] to the tail slot."""
         rows = self._tail_rows().to(keys.device).clamp(max=keys.shape[1] - 1)
@@ -271,6 +273,7 @@ class OffloadedLayer(SparseCacheLayer):
             self.pending["done"] = self.prefetcher.launch(lambda: self._gather(load_ids), keep_alive=(load_ids,))
             self.pending["fetched"] = True
 
+    @host_transfer()
     def _gather(self, load_ids: torch.Tensor) -> None:
         """Copy the host blocks named by load_ids [B, H, M] into their slots (tail column skipped)."""
         ids = torch.cat([load_ids, load_ids.new_full((*load_ids.shape[:2], 1), -1)], dim=-1).permute(1, 0, 2).contiguous()
@@ -299,7 +302,8 @@ class OffloadedLayer(SparseCacheLayer):
         """dense-offload: the whole layer copied to the device (counted against this step)."""
         rows = int(self.lengths.max())
         self.log.h2d_extra[-1] += rows * self.host.row_bytes() * self.host.shape[0]
-        return tuple(None if t is None else t.to(self.k_slots.device, non_blocking=True) for t in self.host.rows(rows))
+        with host_transfer():
+            return tuple(None if t is None else t.to(self.k_slots.device, non_blocking=True) for t in self.host.rows(rows))
 
     def _slot_of_selected(self, pending: dict, selection: torch.Tensor) -> torch.Tensor:
         """[B, H, K] slot serving each selected block: its regular slot, the tail slot (M) for the
@@ -342,7 +346,8 @@ class OffloadedLayer(SparseCacheLayer):
             host_k, host_v, host_cis = self.host.rows(rows)
             device = self.k_slots.device
             self.staging.hold(self)
-            self.staged = tuple(None if t is None else t.to(device, non_blocking=True) for t in (host_k, host_v, host_cis))
+            with host_transfer():
+                self.staged = tuple(None if t is None else t.to(device, non_blocking=True) for t in (host_k, host_v, host_cis))
             self.h2d_other += rows * self.host.row_bytes() * self.host.shape[0]
         keys, values, cis = self.staged
         return keys[:, :rows], values[:, :rows], None if cis is None else cis[:, :rows], rows
