@@ -24,23 +24,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-def tiny_config(**overrides):
-    """A small random ForecastKVConfig (G = 3, head_dim 16) with large enough weights that
-    attention choices change the logits."""
-    from forecastkv import ForecastKVConfig
-
-    settings = dict(
-        vocab_size=128, hidden_size=96, intermediate_size=128, num_hidden_layers=3,
-        num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=512,
-        initializer_range=0.3, query_chunk_size=16, bos_token_id=None, eos_token_id=None,
-    )
-    settings.update(overrides)
-    return ForecastKVConfig(**settings)
-
-
-TINY_SPARSE = dict(kernel_size=4, kernel_stride=2, block_size=8, init_blocks=1, window_size=8, topk=3, dense_len=0, query_blocks=1)
-
-
 @pytest.fixture(scope="session")
 def bundled_path():
     """The converted SmolLM2-135M directory (skips when the bundled packages are absent)."""

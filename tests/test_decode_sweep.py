@@ -8,9 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # the benchmark script as a subprocess
 def test_tiny_sweep_writes_json_and_plot(tmp_path):
     out = tmp_path / "sweep.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

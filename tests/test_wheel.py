@@ -5,6 +5,7 @@ and the installed copy is imported from a directory outside the repository, so t
 own `forecastkv/` cannot be picked up by accident.
 """
 
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -14,7 +15,10 @@ from pathlib import Path
 
 import pytest
 
+from forecastkv.modeling.configuration import SparseConfig
+
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow  # pip builds and installs the wheel, and a fresh Python imports it
 
 CHECK = """
 import json, sys
@@ -72,9 +76,12 @@ def test_installed_wheel_loads_every_preset(installed):
     assert Path(report["file"]).resolve().is_relative_to(site.resolve())  # the installed copy, not the checkout
     expected = sorted(p.stem for p in (ROOT / "forecastkv" / "presets").glob("*.json"))
     assert sorted(report["presets"]) == expected
+    defaults = {f.name: f.default for f in dataclasses.fields(SparseConfig)}
     for name, got in report["presets"].items():
         preset = json.loads((ROOT / "forecastkv" / "presets" / f"{name}.json").read_text())["sparse_config"]
-        assert got["sparse_config"] == preset, name
+        loaded = got["sparse_config"]
+        assert {key: loaded[key] for key in preset} == preset, name                      # every key the file sets
+        assert {key: loaded[key] for key in loaded.keys() - preset.keys()} == {key: defaults[key] for key in loaded.keys() - preset.keys()}, name  # the rest: defaults
     # MiniCPM4.1-8B: 64 top-k + 2048 / 64 local = 96 blocks; NOSA-8B: 48 + 16 = 64
     assert report["presets"]["minicpm4.1-8b"]["budget"] == 96
     assert report["presets"]["nosa-8b"]["budget"] == 64

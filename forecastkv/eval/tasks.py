@@ -19,6 +19,7 @@ from __future__ import annotations
 import random
 import re
 import string
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -56,7 +57,32 @@ def example_rng(seed: int, task: str, length: int, index: int) -> random.Random:
 # text sources, tokenised once per codec
 # ----------------------------------------------------------------------------------------------
 
-_UNIT_CACHE: dict = {}
+
+class CodecCache:
+    """Values computed once per (codec, key), held only while the codec lives.
+
+    Keyed by the codec object through a weak reference, never by `id(codec)`: an id is reused
+    once its object is garbage collected, and would hand a new tokenizer another one's token ids.
+    A codec that cannot be weakly referenced is simply not cached.
+    """
+
+    def __init__(self) -> None:
+        self._by_codec: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def get(self, codec, key, compute: Callable[[], object]):
+        try:
+            entries = self._by_codec.setdefault(codec, {})
+        except TypeError:  # not weakly referenceable (or unhashable): compute every time
+            return compute()
+        if key not in entries:
+            entries[key] = compute()
+        return entries[key]
+
+    def clear(self) -> None:
+        self._by_codec.clear()
+
+
+_UNIT_CACHE = CodecCache()
 
 
 def split_sentences(text: str) -> list[str]:
@@ -64,12 +90,12 @@ def split_sentences(text: str) -> list[str]:
     return [" " + s.strip() for s in _SENTENCE_END.split(" ".join(text.split())) if s.strip()]
 
 
-def _units(codec, name: str, texts: Callable[[], list[str]]) -> list[list[int]]:
-    key = (id(codec), name)
-    if key not in _UNIT_CACHE:
+def _units(codec, name, texts: Callable[[], list[str]]) -> list[list[int]]:
+    def compute() -> list[list[int]]:
         sentences = [s for text in texts() for s in split_sentences(text)]
-        _UNIT_CACHE[key] = [ids for ids in codec.encode_batch(sentences) if ids]
-    return _UNIT_CACHE[key]
+        return [ids for ids in codec.encode_batch(sentences) if ids]
+
+    return _UNIT_CACHE.get(codec, name, compute)
 
 
 def essay_units(codec, essays: Sequence[str] | None = None) -> list[list[int]]:
@@ -350,19 +376,20 @@ def frequent_words(codec, task, length, index, seed, depth, max_new_tokens, alph
     return Example(task, length, index, ids, [codes[c] for c in top[:3]], "string_match_all", max_new_tokens, meta)
 
 
-_HELDOUT_CACHE: dict = {}
+_HELDOUT_CACHE = CodecCache()
 
 
 def heldout_stream(codec, essays: Sequence[str] | None = None) -> list[int]:
     """The held-out essays (or `essays`) joined by blank lines, as one id list."""
-    key = (id(codec), None if essays is None else tuple(essays))
-    if key not in _HELDOUT_CACHE:
-        if essays is None:
+    def compute() -> list[int]:
+        texts = essays
+        if texts is None:
             from ..bundled import bundled_texts
 
-            essays = bundled_texts("heldout")
-        _HELDOUT_CACHE[key] = codec.encode("\n\n".join(e.strip() for e in essays))
-    return _HELDOUT_CACHE[key]
+            texts = bundled_texts("heldout")
+        return codec.encode("\n\n".join(e.strip() for e in texts))
+
+    return _HELDOUT_CACHE.get(codec, None if essays is None else tuple(essays), compute)
 
 
 def perplexity(codec, task, length, index, seed, depth, max_new_tokens, essays=None):

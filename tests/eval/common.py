@@ -7,18 +7,17 @@ import json
 import math
 from pathlib import Path
 
-TINY_MODEL = dict(
-    vocab_size=128, hidden_size=96, intermediate_size=128, num_hidden_layers=3, num_attention_heads=6,
-    num_key_value_heads=2, max_position_embeddings=640, initializer_range=0.3, query_chunk_size=64,
-    bos_token_id=None, eos_token_id=None,
-)
-TINY_SPARSE = dict(kernel_size=4, kernel_stride=2, block_size=8, init_blocks=1, window_size=8, topk=3, dense_len=0, query_blocks=1)
+from tests.helpers import TINY_MODEL, TINY_SPARSE
+
+# the tiny model with room for the suites' tasks and their error cases (a 640-token context), in
+# query chunks of 64 (fewer chunk loops on these longer prompts); the geometry is TINY_SPARSE's
+EVAL_MODEL = {**TINY_MODEL, "max_position_embeddings": 640, "query_chunk_size": 64}
 FIXTURES = Path(__file__).parent / "fixtures"
 
 
 def tiny_suite(output_dir, **changes) -> dict:
     suite = {
-        "model": {"config": dict(TINY_MODEL), "sparse_config": dict(TINY_SPARSE), "forecast": {"heads_per_group": 1}, "seed": 0},
+        "model": {"config": dict(EVAL_MODEL), "sparse_config": dict(TINY_SPARSE), "forecast": {"heads_per_group": 1}, "seed": 0},
         "tokenizer": "bytes",
         "modes": ["dense", "infllmv2-query", "infllmv2-forecast"],
         "tasks": [

@@ -14,8 +14,9 @@ from forecastkv.eval.evaluate import evaluate_example
 from forecastkv.eval.modes import attending_with, parse_mode
 from forecastkv.eval.tasks import generate_example
 from forecastkv.modeling import selection as sel
+from tests.helpers import TINY_SPARSE
 
-from .common import TINY_MODEL, TINY_SPARSE
+from .common import EVAL_MODEL
 
 ESSAYS = ["Rivers carry silt to the sea. Farmers plant rice in spring. Markets open early. " * 40]
 
@@ -23,7 +24,7 @@ ESSAYS = ["Rivers carry silt to the sea. Farmers plant rice in spring. Markets o
 @pytest.fixture(scope="module")
 def model():
     torch.manual_seed(0)
-    config = ForecastKVConfig(**TINY_MODEL, sparse_config=dict(TINY_SPARSE), forecast={"enabled": True, "heads_per_group": 1})
+    config = ForecastKVConfig(**EVAL_MODEL, sparse_config=dict(TINY_SPARSE), forecast={"enabled": True, "heads_per_group": 1})
     return ForecastKVForCausalLM(config).eval()
 
 
@@ -89,7 +90,7 @@ def test_switched_modes_match_models_loaded_in_that_mode(model):
     state = model.state_dict()
     saved = dict(model.config.sparse_config)
     for name, sparse in (("dense", None), ("infllmv2-query", {**TINY_SPARSE, "selector": "query"}), ("infllmv2-forecast", {**TINY_SPARSE, "selector": "forecast"})):
-        config = ForecastKVConfig(**TINY_MODEL, sparse_config=sparse, forecast={"enabled": True, "heads_per_group": 1})
+        config = ForecastKVConfig(**EVAL_MODEL, sparse_config=sparse, forecast={"enabled": True, "heads_per_group": 1})
         loaded = ForecastKVForCausalLM(config).eval()
         loaded.load_state_dict(state)
         with torch.no_grad(), attending_with(model, parse_mode(name)):
@@ -143,7 +144,7 @@ def test_dense_offload_moves_the_whole_kv_each_step(model):
 def test_nosa_modes_on_a_model_with_a_delta():
     torch.manual_seed(0)
     nosa = {**TINY_SPARSE, "policy": "nosa"}
-    config = ForecastKVConfig(**TINY_MODEL, sparse_config=nosa, forecast={"enabled": True, "heads_per_group": 1})
+    config = ForecastKVConfig(**EVAL_MODEL, sparse_config=nosa, forecast={"enabled": True, "heads_per_group": 1})
     model = ForecastKVForCausalLM(config).eval()
     with torch.no_grad():
         for layer in model.model.layers:
@@ -153,7 +154,7 @@ def test_nosa_modes_on_a_model_with_a_delta():
     ids = torch.tensor([ex.input_ids])
     for name, selector in (("nosa", "query"), ("nosa-forecast", "forecast")):
         mode = parse_mode(name)
-        loaded = ForecastKVForCausalLM(ForecastKVConfig(**TINY_MODEL, sparse_config={**nosa, "selector": selector},
+        loaded = ForecastKVForCausalLM(ForecastKVConfig(**EVAL_MODEL, sparse_config={**nosa, "selector": selector},
                                                         forecast={"enabled": True, "heads_per_group": 1})).eval()
         loaded.load_state_dict(model.state_dict())
         with torch.no_grad(), attending_with(model, mode):

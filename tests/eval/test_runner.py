@@ -2,7 +2,6 @@
 earlier results, LongBench from the fixture, and the report files."""
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +11,7 @@ import yaml
 
 from forecastkv.eval import runner
 from forecastkv.eval.results import MERGED
+from tests.helpers import free_port
 
 from .common import FIXTURES, read_jsonl, same_records, tiny_suite
 
@@ -67,18 +67,13 @@ def test_kill_and_restart_gives_the_same_jsonl(reference_run, tmp_path, monkeypa
     assert runner.run_eval(tiny_suite(tmp_path))["evaluated"] == 0  # a finished suite does nothing
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
+@pytest.mark.slow  # the eval CLI in two processes (torch.distributed.run)
 def test_two_processes_equal_one(reference_run, tmp_path):
     _, expected = reference_run
     suite = tmp_path / "suite.yaml"
     suite.write_text(yaml.safe_dump(tiny_suite(tmp_path / "out")))
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            "-m", "forecastkv.eval", "--config", str(suite), "--no-progress"]
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]

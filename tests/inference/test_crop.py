@@ -10,7 +10,7 @@ from forecastkv import SparseCache
 from forecastkv.inference import OffloadedSparseCache
 from forecastkv.modeling.cache import SparseCacheLayer
 from forecastkv.modeling.modeling import CACHE_KWARG
-from tests.modeling.test_model import rel, tiny_model
+from tests.helpers import rel, tiny_model
 
 CACHES = {
     "sparse-cache": lambda model: SparseCache(model.config),

@@ -10,8 +10,8 @@ import torch
 from forecastkv import SparseCache
 from forecastkv.inference import OffloadedSparseCache
 from forecastkv.kernels._common import interpreting, triton_available
-from tests.inference.test_offloaded import generate, left_padded
-from tests.modeling.test_model import rel, tiny_model
+from tests.helpers import left_padded, rel, tiny_model
+from tests.inference.test_offloaded import generate
 
 needs_interpreter = pytest.mark.skipif(not (triton_available() and (interpreting() or torch.cuda.is_available())), reason="needs triton (CUDA or TRITON_INTERPRET=1)")
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 from forecastkv.cli import OFFLOAD_MODES, build_parser
 from forecastkv.inference import MODES
 from forecastkv.inference.report import format_stats, generate_offloaded
-from tests.inference.test_offloaded import left_padded
-from tests.modeling.test_model import tiny_model
+from tests.helpers import left_padded, rel, tiny_model
 
 
 def test_cli_offload_option_lists_the_runtime_modes():
@@ -36,7 +35,6 @@ def test_copied_prefill_decodes_like_generate():
     from forecastkv.inference.fill import copy_into, greedy_steps
     from forecastkv.modeling.modeling import CACHE_KWARG
     from tests.inference.test_offloaded import generate
-    from tests.modeling.test_model import rel
 
     model = tiny_model({"policy": "nosa", "selector": "forecast"}, seed=9)
     ids, mask = left_padded([52])

@@ -17,6 +17,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from forecastkv.kernels._common import interpreting, triton_available  # noqa: E402
+from tests.helpers import rel  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -41,12 +42,6 @@ def host(x: torch.Tensor) -> torch.Tensor:
     return x.pin_memory() if CUDA else x
 
 
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    denom = b.norm().item()
-    return (a - b).norm().item() / (denom if denom > 0 else 1.0)
-
-
 def assert_close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> None:
     """Non-finite entries must match exactly, finite ones to the dtype's relative tolerance."""
     assert a.shape == b.shape, (a.shape, b.shape)
@@ -54,7 +49,7 @@ def assert_close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> None:
     assert torch.equal(fa, fb), "finite patterns differ"
     assert torch.equal(a[~fa], b[~fb]), "non-finite entries differ"
     if fa.any():
-        err = rel_err(a[fa], b[fb])
+        err = rel(a[fa], b[fb])
         assert err < TOL[dtype], f"relative error {err:.3g} >= {TOL[dtype]}"
 
 

@@ -11,8 +11,9 @@ import torch
 import forecastkv.kernels as K
 from forecastkv.modeling.attention import attend
 from forecastkv.modeling.cache import SparseCacheLayer
+from tests.helpers import rel
 
-from .conftest import CUDA, DEVICE, aot_sm90, assert_close, compile_sm90, needs_triton, rel_err
+from .conftest import CUDA, DEVICE, aot_sm90, assert_close, compile_sm90, needs_triton
 
 
 def rand(*shape, dtype=torch.float32):
@@ -155,7 +156,7 @@ def test_split_slots_combine_to_the_reference(splits):
     assert (got[0][1, 3:6] == 0).all() and (got[1][1, 3:6] == float("-inf")).all()
     finite = torch.isfinite(ref[1])
     assert_close(got[0].float(), ref[0].float(), torch.float32)
-    assert torch.equal(finite, torch.isfinite(got[1])) and rel_err(got[1][finite], ref[1][finite]) < 1e-5
+    assert torch.equal(finite, torch.isfinite(got[1])) and rel(got[1][finite], ref[1][finite]) < 1e-5
 
 
 def test_split_choice_fills_the_gpu_only_on_cuda():
@@ -196,13 +197,13 @@ def test_reference_equals_cache_blocks_and_attend(with_cis, group):
     # the kernel reference on the raw cache
     full_k, full_v, cis, _ = layer.full()
     out, lse = K.sparse_decode_blocks_reference(q, full_k, full_v, selection, layer.lengths, block, bias=cis)
-    assert rel_err(out, expected) < 1e-5
+    assert rel(out, expected) < 1e-5
     # lse is the log-sum-exp of the scaled (+ biased) logits over the same keys
     logits = torch.einsum("bhgd,bhld->bhgl", q.view(batch, heads, group, dim), keys) / math.sqrt(dim)
     if bias is not None:
         logits = logits + bias.unsqueeze(2)
     expected_lse = logits.masked_fill(~allowed, float("-inf")).logsumexp(-1).reshape(batch, -1)
-    assert rel_err(lse, expected_lse) < 1e-5
+    assert rel(lse, expected_lse) < 1e-5
 
 
 @pytest.mark.parametrize("impl", [pytest.param("triton", marks=needs_triton), "reference"])

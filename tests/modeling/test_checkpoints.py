@@ -12,13 +12,9 @@ import forecastkv  # noqa: F401  (registers the Auto classes)
 from forecastkv import ForecastKVForCausalLM
 from forecastkv.modeling.checkpoints import CheckpointError
 from forecastkv.modeling.rope import RotaryEmbedding
-from tests.conftest import TINY_SPARSE, tiny_config
+from tests.helpers import TINY_SPARSE, rel, tiny_config
 
 HEAD_DIM = 16
-
-
-def rel(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 def random_llama(seed=0, **overrides):
@@ -72,7 +68,9 @@ def minicpm_dir(tmp_path, sparse_config, extra_state=None):
     return directory, twin
 
 
-DENSE_MINICPM = {"kernel_size": 4, "kernel_stride": 2, "init_blocks": 1, "block_size": 8, "window_size": 8, "topk": 3, "use_nope": False, "dense_len": 100000}
+# TINY_SPARSE's geometry in the keys of MiniCPM4.1's config.json (query_blocks is NOSA's, not MiniCPM's)
+MINICPM_SPARSE = {key: TINY_SPARSE[key] for key in ("kernel_size", "kernel_stride", "init_blocks", "block_size", "window_size", "topk", "dense_len")}
+DENSE_MINICPM = {**MINICPM_SPARSE, "use_nope": False, "dense_len": 100000}
 
 
 @pytest.mark.parametrize("length", [20, 60])  # below and above original_max_position_embeddings (LongRoPE switch)

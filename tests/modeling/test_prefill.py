@@ -5,8 +5,7 @@ import pytest
 import torch
 
 from forecastkv.modeling import prefill
-from tests.conftest import TINY_SPARSE
-from tests.modeling.test_model import rel, tiny_model
+from tests.helpers import TINY_SPARSE, rel, tiny_model
 
 
 def reference(q, keys, values, bias, positions, masks, block_size):

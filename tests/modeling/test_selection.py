@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from forecastkv.modeling import selection as sel
 from forecastkv.modeling.configuration import SparseConfig, load_preset
+from tests.helpers import TINY_SPARSE, tiny_model, tiny_sparse
 
 INF = float("inf")
 
@@ -96,7 +97,7 @@ def run_select(q, k, positions, cfg, kind="query", lag=0, coarse=False):
 
 
 GEOMETRIES = [
-    SparseConfig(kernel_size=4, kernel_stride=2, block_size=8, init_blocks=1, window_size=8, topk=3, dense_len=0),
+    SparseConfig(**TINY_SPARSE),
     SparseConfig(kernel_size=6, kernel_stride=2, block_size=4, init_blocks=2, window_size=4, topk=2, dense_len=0),
     SparseConfig(kernel_size=3, kernel_stride=3, block_size=6, init_blocks=0, window_size=0, topk=4, dense_len=0),
 ]
@@ -205,7 +206,7 @@ def test_group_scores_equal_brute_force_values():
 
 
 def test_nosa_fill_matches_brute_force():
-    cfg = SparseConfig(kernel_size=4, kernel_stride=2, block_size=8, init_blocks=1, window_size=8, topk=4, dense_len=0, policy="nosa", query_blocks=1)
+    cfg = SparseConfig(**tiny_sparse(topk=4, policy="nosa"))
     torch.manual_seed(5)
     length, heads, d = 60, 2, 8
     q = torch.randn(1, length, heads * 3, d)
@@ -260,7 +261,7 @@ def test_selection_handles_padding_rows_and_short_sequences():
 
 
 def test_forecast_recall_counts_exclude_forced_blocks():
-    cfg = SparseConfig(kernel_size=4, kernel_stride=2, block_size=8, init_blocks=1, window_size=8, topk=3, dense_len=0)
+    cfg = SparseConfig(**TINY_SPARSE)
     positions = torch.tensor([[79]])  # qb = 9, forced = {0, 8, 9}
     query = torch.tensor([[[[0, 2, 4, 8, 9, -1]]]])
     forecast = torch.tensor([[[[0, 2, 5, 8, 9, -1]]]])
@@ -307,14 +308,71 @@ def test_training_student_is_the_deployed_forecast_score(per_group):
         fine = sel.compress_keys(k, objective.teacher_kernel, objective.teacher_stride)
         teacher = teacher_rows(q, fine, positions, cfg, objective, ckeys.shape[1])
         assert not (teacher[~visible] != 0).any()
-    # and the deployed module path uses the same scoring: SparseAttention.select == layer_selection
-    ids = sel.layer_selection(f, ckeys, positions, cfg, "forecast")
-    n_blocks = sel.num_blocks(length, cfg.block_size)
-    assert torch.equal(ids, sel.select_blocks(sel.score_blocks(f, ckeys, positions, cfg, n_blocks, kind="forecast", lag=1), positions, cfg))
+    # the deployed module path (SparseAttention.select) is layer_selection: test_module_select_is_layer_selection
+
+
+@pytest.mark.parametrize("lse", ["exact", "coarse"])
+@pytest.mark.parametrize("kind", ["query", "forecast"])
+@pytest.mark.parametrize("policy", ["infllmv2", "nosa"])
+def test_module_select_is_layer_selection(policy, kind, lse):
+    """`SparseAttention.select` of a tiny model's attention module, reading a SparseCache layer that
+    was filled incrementally (a left-padded prompt, then single-token steps), returns
+    `layer_selection` of the raw keys compressed here (and the raw CIS), for prefill chunks (with
+    and without the host bounds a prefill passes) and decode rows.  Positions a sequence never
+    stored hold large random keys in the reference's buffer: a selection that saw them would differ.
+    No local window (window_size 0), so that the windows ending at a row's own token, which only
+    the forecast kind's lag hides, overlap a block that is not forced and can change the choice."""
+    from forecastkv import SparseCache
+
+    model = tiny_model({"policy": policy, "lse": lse, "window_size": 0, "topk": 4, "query_blocks": 2}, heads_per_group=2)
+    sparse, attn = model.config.sparse, model.model.layers[1].self_attn
+    layer = SparseCache(model.config).layers[1]
+    heads, d = attn.num_kv_heads, attn.head_dim
+    width = attn.num_heads if kind == "query" else heads * 2
+    gen = torch.Generator().manual_seed(17)
+    lengths, steps, pad = [45, 30], 6, [0, 15]   # the steps cross a block boundary in both rows
+    total = max(lengths) + steps
+    keys = torch.randn(2, total, heads, d, generator=gen) * 3      # by position; unstored ones stay as garbage
+    cis = torch.randn(2, total, heads, generator=gen)
+    for b, n in enumerate(lengths):
+        keys[b, n + steps :] = 100 * torch.randn(total - n - steps, heads, d, generator=gen)
+        cis[b, n + steps :] = 100.0
+    prompt = torch.arange(max(lengths)).expand(2, -1) - torch.tensor(pad).view(-1, 1)   # [2, 45], -1 = padding
+    prompt = prompt.masked_fill(prompt < 0, -1)
+    columns = prompt.clamp(min=0)
+    gather = lambda x, pos: x[torch.arange(2).view(-1, 1), pos]                         # noqa: E731
+    values = torch.randn(2, prompt.shape[1], heads, d, generator=gen)
+    layer.append(gather(keys, columns), values, gather(cis, columns) if policy == "nosa" else None, prompt)
+
+    def reference(vectors, positions):
+        ckeys = sel.compress_keys(keys, sparse.kernel_size, sparse.kernel_stride)
+        coarse = sel.compress_keys(keys, *sparse.coarse_kernel) if lse == "coarse" else None
+        ids = sel.layer_selection(vectors, ckeys, positions, sparse, kind, lse_keys=coarse, cis=cis if policy == "nosa" else None)
+        if policy == "infllmv2" and lse == "exact":  # and layer_selection is the brute force (the forecast kind: lag 1)
+            for b, t in ((b, t) for b in range(2) for t in range(positions.shape[1]) if positions[b, t] >= 0):
+                pos = int(positions[b, t])
+                expected = ref_select(vectors[b, t], keys[b, : pos + 1], pos, sparse, kind, lag=int(kind == "forecast"))
+                assert ids[b, :, t].tolist() == expected, (b, pos)
+        return ids
+
+    for rows in (slice(0, 16), slice(16, 32), slice(32, 45)):   # prefill chunks: padding rows in the first
+        positions = prompt[:, rows]
+        vectors = torch.randn(2, positions.shape[1], width, d, generator=gen)
+        expected = reference(vectors, positions)
+        assert expected.shape == (2, heads, positions.shape[1], sparse.budget_blocks)
+        assert torch.equal(attn.select(vectors, positions, layer, kind), expected), rows
+        host = {"bounds": sel.position_range(positions), "key_count": int(layer.lengths.max())}
+        assert torch.equal(attn.select(vectors, positions, layer, kind, **host), expected), rows
+    for step in range(steps):                                   # decode rows after single-token appends
+        positions = (torch.tensor(lengths) + step).view(-1, 1)
+        one = gather(keys, positions)
+        layer.append(one, torch.randn(2, 1, heads, d, generator=gen), gather(cis, positions) if policy == "nosa" else None, positions)
+        vectors = torch.randn(2, 1, width, d, generator=gen)
+        assert torch.equal(attn.select(vectors, positions, layer, kind), reference(vectors, positions)), step
 
 
 def test_recall_protocol_counts_rows_from_start_and_summarises_layers():
-    cfg = SparseConfig(kernel_size=4, kernel_stride=2, block_size=8, init_blocks=1, window_size=8, topk=3, dense_len=0)
+    cfg = SparseConfig(**TINY_SPARSE)
     positions = torch.tensor([[40, 79]])  # qb = 5 (forced 0, 4, 5) and qb = 9 (forced 0, 8, 9)
     query = torch.tensor([[[[0, 1, 2, 4, 5, -1], [0, 2, 4, 8, 9, -1]]]])
     forecast = torch.tensor([[[[0, 1, 3, 4, 5, -1], [0, 2, 5, 8, 9, -1]]]])
@@ -375,7 +433,7 @@ def test_pool_to_blocks_edges():
 def test_tensor_core_logits_equal_fp32(dtype):
     """On CUDA, half-precision queries and keys are scored by a tensor-core matmul with fp32
     output: the same stage-1 scores as the fp32 upcast (summation order aside), exact and coarse LSE."""
-    cfg = SparseConfig(kernel_size=4, kernel_stride=2, block_size=8, init_blocks=1, window_size=8, topk=3, dense_len=0, lse="coarse")
+    cfg = SparseConfig(**tiny_sparse(lse="coarse"))
     torch.manual_seed(5)
     q = torch.randn(2, 40, 6, 16).to(dtype)
     k = torch.randn(2, 64, 2, 16).to(dtype)

@@ -5,11 +5,11 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-TINY_MODEL = dict(
-    vocab_size=128, hidden_size=96, intermediate_size=128, num_hidden_layers=3, num_attention_heads=6,
-    num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.3, prefill_chunk_size=16,
-)
-TINY_SPARSE = dict(kernel_size=4, kernel_stride=2, block_size=8, init_blocks=1, window_size=8, topk=4, dense_len=0, query_blocks=1)
+from tests.helpers import TINY_MODEL, TRAINING_SPARSE
+
+# test_features.py and test_objective.py import the training geometry by this name from here:
+# it is tests.helpers.TRAINING_SPARSE (topk 4), not tests.helpers.TINY_SPARSE (topk 3)
+TINY_SPARSE = TRAINING_SPARSE
 WORDS = "the of and to in is was for on that with by as at from his her it an were are which this be or".split()
 
 
@@ -30,7 +30,7 @@ def write_texts(folder: Path, docs: int = 6, words: int = 400, seed: int = 0) ->
 def tiny_recipe(folder: Path, output: Path, steps: int = 4, seed: int = 0, **train) -> dict:
     paths, held = write_texts(folder)
     return {
-        "model": {"config": dict(TINY_MODEL), "seed": seed, "sparse_config": dict(TINY_SPARSE), "forecast": {"heads_per_group": 1, "init": "kaiming"}},
+        "model": {"config": dict(TINY_MODEL), "seed": seed, "sparse_config": dict(TRAINING_SPARSE), "forecast": {"heads_per_group": 1, "init": "kaiming"}},
         "data": {"source": paths, "tokenizer": "bytes", "seq_len": 64, "eval_source": held, "eval_sequences": 2},
         "objective": {"chunk_size": 24},
         "train": {"steps": steps, "global_batch": 4, "micro_batch": 1, "lr": 1e-2, "eval_every": 0, "save_every": 2, "progress": False, **train},

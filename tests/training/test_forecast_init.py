@@ -7,13 +7,12 @@ import torch
 
 from forecastkv import ForecastKVConfig, ForecastKVForCausalLM
 from forecastkv.modeling.forecast_init import RATIO_SPREAD, apply_forecast_init, head_averaged_query
-
-from .common import TINY_MODEL, TINY_SPARSE
+from tests.helpers import TINY_MODEL, TRAINING_SPARSE
 
 
 def tiny(heads_per_group=1, seed=0, forecast=True):
     torch.manual_seed(seed)
-    config = ForecastKVConfig(**TINY_MODEL, sparse_config=TINY_SPARSE, forecast={"enabled": forecast, "heads_per_group": heads_per_group})
+    config = ForecastKVConfig(**TINY_MODEL, sparse_config=TRAINING_SPARSE, forecast={"enabled": forecast, "heads_per_group": heads_per_group})
     return ForecastKVForCausalLM(config)
 
 

@@ -6,8 +6,8 @@ import torch
 
 from forecastkv import ForecastKVForCausalLM
 from forecastkv.modeling.checkpoints import CheckpointError
-from tests.conftest import TINY_SPARSE
-from tests.modeling.test_checkpoints import HEAD_DIM, minicpm_dir, nosa_dir, random_llama
+from tests.helpers import TINY_SPARSE
+from tests.modeling.test_checkpoints import HEAD_DIM, MINICPM_SPARSE, minicpm_dir, nosa_dir, random_llama
 
 IDS = torch.randint(0, 128, (1, 64), generator=torch.Generator().manual_seed(5))
 
@@ -37,7 +37,7 @@ def logits(model):
 @pytest.mark.parametrize("kind", ["minicpm", "nosa", "llama"])
 def test_loaded_heads_turn_the_forecast_selector_on_and_route(tmp_path, kind):
     if kind == "minicpm":
-        base = minicpm_dir(tmp_path, {"kernel_size": 4, "kernel_stride": 2, "init_blocks": 1, "block_size": 8, "window_size": 8, "topk": 3, "dense_len": 0})[0]
+        base = minicpm_dir(tmp_path, MINICPM_SPARSE)[0]
         load = {}
     elif kind == "nosa":
         base, load = nosa_dir(tmp_path)[0], {"sparse_config": {**TINY_SPARSE, "policy": "nosa", "topk": 4, "query_blocks": 2}}
