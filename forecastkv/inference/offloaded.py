@@ -26,8 +26,8 @@ from __future__ import annotations
 import torch
 
 from .. import kernels
-from ..kernels.block_gather import block_gather_reference
-from ..modeling.cache import SparseCache, SparseCacheLayer, gather_blocks, new_rows
+from ..modeling.cache import Plan, SparseCache, SparseCacheLayer, gather_blocks, new_rows
+from ..modeling.step import CallInfo
 from .host_store import HostKVStore, host_transfer
 from .prefetch import make_prefetcher
 from .slots import diff_block_map
@@ -89,12 +89,13 @@ class ResidentLayer(SparseCacheLayer):
         super().reset()
         self.log, self.d2h_bytes, self.h2d_other = StepLog(), 0, 0
 
-    def plan(self, selection: torch.Tensor, block_size: int | None = None) -> None:
-        super().plan(selection, block_size)
+    def plan(self, selection: torch.Tensor, block_size: int | None = None) -> Plan:
+        plan = super().plan(selection, block_size)
         wanted = (selection >= 0).sum()
         self.log.add(torch.stack([wanted, wanted, torch.zeros_like(wanted)]))
         if self.log.selections is not None:
             self.log.selections.append((selection.clone(), torch.div(self.lengths, block_size, rounding_mode="floor").clone()))
+        return plan
 
     def device_tensors(self) -> dict:
         names = ("keys", "values", "cis")
@@ -109,21 +110,31 @@ class ResidentLayer(SparseCacheLayer):
 
 
 class OffloadedLayer(SparseCacheLayer):
-    """One offloaded layer: host store, device slots + block map, the fetch of its misses."""
+    """One offloaded layer: host store, device slots + block map, a ring of the latest rows, the
+    fetch of its misses.
+
+    Device state: slots [B, (M + 1) * bs, H, d] (M = budget regular slots, then the tail slot of
+    the block being written), block map [B, H, M], and a ring [B, R, H, d] (+ CIS [B, R, H]) of
+    the latest R = the widest compression window's rows, from which a decode step pools the
+    windows it completes: nothing in a decode step reads the host store, and nothing reads the
+    device back (`host_lengths` decides every number).
+    """
 
     offloaded = True
 
-    def __init__(self, kernel_size, kernel_stride, coarse, max_length, *, block_size: int, budget: int, fetch: str, staging: Staging) -> None:
+    def __init__(self, kernel_size, kernel_stride, coarse, max_length, *, block_size: int, budget: int, fetch: str, staging: Staging,
+                 gather_programs: int | None = None) -> None:
         super().__init__(kernel_size, kernel_stride, coarse=coarse, max_length=max_length)
         self.block_size, self.budget, self.fetch = block_size, budget, fetch
         self.staging = staging
+        self.gather_programs = gather_programs
         self._fresh()
 
     def _fresh(self) -> None:
         self.host: HostKVStore | None = None
         self.k_slots = self.v_slots = self.bias_slots = self.block_map = None
+        self.k_ring = self.cis_ring = None
         self.staged = None  # (keys, values, cis) on the device during a multi-token call
-        self.pending = None  # the last plan: dict(selection, slot_of, load_ids, done, fetched)
         self.prefetcher = None
         self.log = StepLog()
         self.d2h_bytes = 0
@@ -139,6 +150,13 @@ class OffloadedLayer(SparseCacheLayer):
         raise NotImplementedError("OffloadedSparseCache does not support beam search (reorder_cache)")
 
     # -- allocation ---------------------------------------------------------------------------
+    @property
+    def ring_rows(self) -> int:
+        """R: rows of the widest compression window (kernel, or MiniCPM4.1's coarse one)."""
+        if self.kernel is None:
+            return 1
+        return max(self.kernel[0], self.coarse[0] if self.coarse else 0)
+
     def _allocate(self, keys: torch.Tensor, cis: torch.Tensor | None) -> None:
         batch, _, heads, dim = keys.shape
         device = keys.device
@@ -147,96 +165,116 @@ class OffloadedLayer(SparseCacheLayer):
         self.host = HostKVStore(batch, heads, dim, keys.dtype, cis is not None, cis_dtype, self.max_length, pin)
         rows = (self.budget + 1) * self.block_size
         # NaN, not zeros: a slot row read before it was written shows up at once in tests
-        fill = float("nan")
-        self.k_slots = torch.full((batch, rows, heads, dim), fill, dtype=keys.dtype, device=device)
-        self.v_slots = torch.full((batch, rows, heads, dim), fill, dtype=keys.dtype, device=device)
+        nan = float("nan")
+        self.k_slots = torch.full((batch, rows, heads, dim), nan, dtype=keys.dtype, device=device)
+        self.v_slots = torch.full((batch, rows, heads, dim), nan, dtype=keys.dtype, device=device)
+        self.k_ring = torch.full((batch, self.ring_rows, heads, dim), nan, dtype=keys.dtype, device=device)
         if cis is not None:
-            self.bias_slots = torch.full((batch, rows, heads), fill, dtype=cis.dtype, device=device)
+            self.bias_slots = torch.full((batch, rows, heads), nan, dtype=cis.dtype, device=device)
+            self.cis_ring = torch.full((batch, self.ring_rows, heads), nan, dtype=cis.dtype, device=device)
         self.block_map = torch.full((batch, heads, self.budget), -1, dtype=torch.long, device=device)
         self.prefetcher = make_prefetcher(device, overlap=self.fetch == "prefetch")
+        if self.gather_programs is None:
+            self.gather_programs = gather_programs_for(device, batch)
 
     def _check_batch(self, keys: torch.Tensor) -> None:
         if keys.shape[0] != self.k_slots.shape[0]:
             raise ValueError(f"this cache holds a batch of {self.k_slots.shape[0]} sequences, got {keys.shape[0]}; build a new cache per batch")
 
     # -- append -------------------------------------------------------------------------------
-    def append(self, keys: torch.Tensor, values: torch.Tensor, cis: torch.Tensor | None, positions: torch.Tensor) -> None:
-        """Store new tokens on the host (write-through) and in the tail slot; keys/values [B, n, H, d],
-        cis [B, n, H] or None, positions [B, n] (-1 = padding)."""
+    def append(self, keys: torch.Tensor, values: torch.Tensor, cis: torch.Tensor | None, positions: torch.Tensor, step: CallInfo | None = None) -> None:
+        """Store new tokens on the host (write-through), in the tail slot and the ring;
+        keys/values [B, n, H, d], cis [B, n, H] or None, positions [B, n] (-1 = padding)."""
         if not self.is_initialized:
             self.lazy_initialization(keys, values)
             self._allocate(keys, cis)
         self._check_batch(keys)
+        step = self.step_for(positions) if step is None else step
         self.columns += positions.shape[1]
+        self.host_lengths = list(step.lengths_after)
+        self.host.ensure(step.key_count)
+        if step.decode:
+            self._append_token(keys[:, 0], values[:, 0], None if cis is None else cis[:, 0], positions[:, 0])
+        else:
+            self._append_tokens(keys, values, cis, positions, step)
+
+    def _append_token(self, keys: torch.Tensor, values: torch.Tensor, cis: torch.Tensor | None, pos: torch.Tensor) -> None:
+        """A decode step: keys/values [B, H, d], cis [B, H] or None, pos [B].  The row goes to the
+        host through the `row_store` kernel; the tail slot, the ring and the compressed keys are
+        updated on the device from the ring.  Fixed shapes, no host read, no host-store read."""
+        self.staging.release()
+        self.d2h_bytes += self.host.write_rows(pos, keys, values, cis)
+        valid = pos >= 0
+        index = pos.clamp(min=0)
+        tail = self.budget * self.block_size + index % self.block_size
+        ring = index % self.ring_rows
+        for buffer, rows, new in ((self.k_slots, tail, keys), (self.v_slots, tail, values), (self.bias_slots, tail, cis),
+                                  (self.k_ring, ring, keys), (self.cis_ring, ring, cis)):
+            if new is not None:
+                _put_rows(buffer, rows, new, valid)
+        old_lengths = self.lengths
+        self.lengths = torch.where(valid, torch.maximum(old_lengths, pos + 1), old_lengths)
+        if self.kernel is None:
+            return
+        self.ckeys = self._extend_one(self.ckeys, self.kernel, old_lengths, self.k_ring, ring=True)
+        if cis is not None:
+            self.pooled_cis = self._extend_one(self.pooled_cis, self.kernel, old_lengths, self.cis_ring, torch.float32, ring=True)
+        if self.coarse is not None:
+            self.coarse_keys = self._extend_one(self.coarse_keys, self.coarse, old_lengths, self.k_ring, ring=True)
+
+    def _append_tokens(self, keys, values, cis, positions, step: CallInfo) -> None:
+        """A multi-token call (prefill, draft verification): the positions were read once
+        (`step.positions`); the layer's rows so far are staged on the device for its attention."""
         new = new_rows(self.lengths, positions)
         if new is None:
             return
         batch_idx, col_idx, pos, new_lengths, rows = new
-        self.host.ensure(rows)
         new_k, new_v = keys[batch_idx, col_idx], values[batch_idx, col_idx]
         new_cis = None if cis is None else cis[batch_idx, col_idx]
-        span = positions.shape[1] > 1 and pos.numel() == positions.numel() and bool((positions == positions[:1]).all())
-        if span and int(positions[0, -1] - positions[0, 0]) == positions.shape[1] - 1:
+        host_pos = step.positions
+        start = int(host_pos[0, 0])
+        if start >= 0 and torch.equal(host_pos, (start + torch.arange(host_pos.shape[1])).expand_as(host_pos)):
             # every sequence stores the same contiguous positions (an unpadded prompt): slice copies
-            self.d2h_bytes += self.host.write_span(int(positions[0, 0]), keys, values, cis)
+            self.d2h_bytes += self.host.write_span(start, keys, values, cis)
         else:
             self.d2h_bytes += self.host.write(batch_idx, pos, new_k, new_v, new_cis)
         old_lengths, self.lengths = self.lengths, new_lengths
-        if positions.shape[1] > 1:
-            source = self._stage(rows, int(old_lengths.max()), batch_idx, pos, new_k, new_v, new_cis)
-            self._extend_compressed(old_lengths, source[0], source[2])
-            self._refill_tail(*source)
-        else:
-            self.staging.release()
-            self._extend_compressed(old_lengths, self.host.keys, self.host.cis)
-            self._write_tail(batch_idx, pos, new_k, new_v, new_cis)
+        source = self._stage(rows, max(step.lengths_before, default=0), old_lengths, batch_idx, pos, new_k, new_v, new_cis)
+        self._extend_compressed(old_lengths, source[0], source[2])
+        self._refill_from(source[0], source[1], source[2])
 
-    @host_transfer()
-    def _stage(self, rows, old_rows, batch_idx, pos, new_k, new_v, new_cis):
-        """Device copies of positions [0, rows) for the chunked attention of a multi-token call."""
+    def _stage(self, rows, old_rows, old_lengths, batch_idx, pos, new_k, new_v, new_cis):
+        """Device copies of positions [0, rows) for the chunked attention of a multi-token call:
+        the stored rows from the host (old_lengths [B] of them, <= old_rows), the call's new rows
+        (at batch_idx [N], pos [N]) from the device."""
         self.staging.hold(self)
-        host_k, host_v, host_cis = self.host.rows(rows)
-        if self.k_slots.device.type == "cpu":
-            self.staged = (host_k, host_v, host_cis)  # host and device are one memory
-        else:
-            def stage(host, new):
-                buffer = torch.empty((host.shape[0], rows, *host.shape[2:]), dtype=host.dtype, device=self.k_slots.device)
-                if old_rows:
-                    buffer[:, :old_rows].copy_(host[:, :old_rows], non_blocking=True)
+        staged = self.host.device_rows(old_rows, old_lengths, self.k_slots.device, rows=rows)
+        for buffer, new in zip(staged, (new_k, new_v, new_cis)):
+            if buffer is not None:
                 buffer[batch_idx, pos] = new.to(buffer.dtype)
-                return buffer
-
-            cis_buffer = None if host_cis is None else stage(host_cis, new_cis)
-            self.staged = (stage(host_k, new_k), stage(host_v, new_v), cis_buffer)
+        self.staged = staged
         self.h2d_other += old_rows * self.host.row_bytes() * self.host.shape[0]
         return self.staged
 
     def release_staged(self) -> None:
         self.staged = None
 
-    def _tail_rows(self) -> torch.Tensor:
-        """[B, bs] positions of the tail block of each sequence (the block of its last stored token)."""
-        tail = torch.div((self.lengths - 1).clamp(min=0), self.block_size, rounding_mode="floor")
-        return tail.unsqueeze(1) * self.block_size + torch.arange(self.block_size, device=tail.device)
-
-    @host_transfer()
-    def _refill_tail(self, keys, values, cis) -> None:
-        """Copy each sequence's tail block from position-indexed storage [B, S, H, ...] to the tail slot."""
-        rows = self._tail_rows().to(keys.device).clamp(max=keys.shape[1] - 1)
+    def _refill_from(self, keys: torch.Tensor, values: torch.Tensor, cis: torch.Tensor | None) -> None:
+        """Tail slot and ring from device rows by position [B, S, H, ...] (a staged layer)."""
         batch = torch.arange(keys.shape[0], device=keys.device).view(-1, 1)
+        last = (self.lengths - 1).clamp(min=0).view(-1, 1)
+        tail_rows = torch.div(last, self.block_size, rounding_mode="floor") * self.block_size + torch.arange(self.block_size, device=keys.device)
+        # ring slot r holds the latest position p <= last with p % R == r
+        ring_rows = last - (last - torch.arange(self.ring_rows, device=keys.device)) % self.ring_rows
         start = self.budget * self.block_size
-        device = self.k_slots.device
-        self.k_slots[:, start:] = keys[batch, rows].to(device)
-        self.v_slots[:, start:] = values[batch, rows].to(device)
-        if cis is not None:
-            self.bias_slots[:, start:] = cis[batch, rows].to(device)
-
-    def _write_tail(self, batch_idx, pos, keys, values, cis) -> None:
-        row = self.budget * self.block_size + pos % self.block_size
-        self.k_slots[batch_idx, row] = keys
-        self.v_slots[batch_idx, row] = values
-        if cis is not None:
-            self.bias_slots[batch_idx, row] = cis
+        for rows, targets in ((tail_rows, (self.k_slots[:, start:], self.v_slots[:, start:], None if cis is None else self.bias_slots[:, start:])),
+                              (ring_rows, (self.k_ring, None, self.cis_ring))):
+            keep = (rows >= 0) & (rows < self.lengths.view(-1, 1))
+            index = rows.clamp(0, keys.shape[1] - 1)
+            for source, target in zip((keys, values, cis), targets):
+                if source is not None and target is not None:
+                    picked = source[batch, index]
+                    target.copy_(picked.masked_fill(~keep.view(*keep.shape, *([1] * (picked.dim() - 2))), 0))
 
     # -- crop ---------------------------------------------------------------------------------
     def crop(self, tokens: int) -> None:
@@ -244,18 +282,36 @@ class OffloadedLayer(SparseCacheLayer):
         super().crop(tokens)
         if not self.is_initialized or self.columns == before:
             return
-        self.pending = None
         self.staging.release()
         complete = torch.div(self.lengths, self.block_size, rounding_mode="floor").view(-1, 1, 1)
         self.block_map = self.block_map.masked_fill(self.block_map >= complete, -1)  # now partial blocks
-        self._refill_tail(self.host.keys, self.host.values, self.host.cis)
-        self.h2d_other += self.block_size * self.host.row_bytes() * self.host.shape[0]
+        self._refill_from_host()
+
+    def _refill_from_host(self) -> None:
+        """Tail slot and ring from the host store after a crop: per sequence, slice copies of its
+        tail block and latest rows (host counters give the bounds: no read), the rest zeroed."""
+        start, ring = self.budget * self.block_size, self.ring_rows
+        slots = (self.k_slots, self.v_slots, self.bias_slots)
+        for buffer in (*(None if t is None else t[:, start:] for t in slots), self.k_ring, self.cis_ring):
+            if buffer is not None:
+                buffer.zero_()  # the tail slot and the ring only: regular slots keep their blocks
+        for b, length in enumerate(self.host_lengths):
+            if length == 0:
+                continue
+            first = (length - 1) // self.block_size * self.block_size
+            self.host.copy_span_to(b, first, length, slots, start)
+            low = max(0, length - ring)
+            # positions low..length-1 land at p % R: at most two contiguous runs of the ring
+            split = min(length, (low // ring + 1) * ring)
+            for lo, hi in ((low, split), (split, length)):
+                self.host.copy_span_to(b, lo, hi, (self.k_ring, None, self.cis_ring), lo % ring)
+            self.h2d_other += (length - first + length - low) * self.host.row_bytes()
 
     # -- plan and blocks ----------------------------------------------------------------------
-    def plan(self, selection: torch.Tensor, block_size: int | None = None) -> None:
-        """Diff `selection` [B, H, K] against the block map; fetch the misses now (sync) or on the
-        side stream (prefetch).  Blocks not complete on the host (the current one) come from the
-        tail slot and are not fetched."""
+    def plan(self, selection: torch.Tensor, block_size: int | None = None) -> Plan:
+        """Diff `selection` [B, H, K] against the block map and return the `Plan`; fetch the misses
+        now (prefetch, on the side stream) or when the layer reads them (sync modes).  Blocks not
+        complete on the host (the current one) come from the tail slot and are not fetched."""
         self.planned = selection
         complete = torch.div(self.lengths, self.block_size, rounding_mode="floor")
         if self.log.selections is not None:
@@ -264,72 +320,70 @@ class OffloadedLayer(SparseCacheLayer):
         if self.fetch == "dense":
             count = (wanted >= 0).sum()
             self.log.add(torch.stack([count, torch.zeros_like(count), torch.zeros_like(count)]))
-            self.pending = {"selection": selection, "dense": True}
-            return
+            return Plan(selection, dense=True)
         self.block_map, load_ids, slot_of, hits, misses = diff_block_map(self.block_map, wanted)
         self.log.add(torch.stack([(wanted >= 0).sum(), hits.sum(), misses.sum()]))
-        self.pending = {"selection": selection, "slot_of": slot_of, "load_ids": load_ids, "done": None, "fetched": False}
+        plan = Plan(selection, slot_of=slot_of, load_ids=load_ids, fetched=False)
         if self.fetch == "prefetch":
-            self.pending["done"] = self.prefetcher.launch(lambda: self._gather(load_ids), keep_alive=(load_ids,))
-            self.pending["fetched"] = True
+            plan.done = self.prefetcher.launch(lambda: self._gather(load_ids), keep_alive=(load_ids,))
+            plan.fetched = True
+        return plan
 
     @host_transfer()
     def _gather(self, load_ids: torch.Tensor) -> None:
-        """Copy the host blocks named by load_ids [B, H, M] into their slots (tail column skipped)."""
+        """Copy the host blocks named by load_ids [B, H, M] into their slots (tail column skipped):
+        the UVA kernel on CUDA (no sync, skips bad ids), its reference elsewhere."""
         ids = torch.cat([load_ids, load_ids.new_full((*load_ids.shape[:2], 1), -1)], dim=-1).permute(1, 0, 2).contiguous()
         host = self.host
-        args = (host.keys, host.values, ids, self.k_slots, self.v_slots, self.block_size, host.cis, self.bias_slots)
-        if self.k_slots.device.type == "cuda":
-            kernels.block_gather(*args, check_ids=False)  # the UVA kernel: no sync, skips bad ids
-        else:
-            block_gather_reference(*args, check_ids=False)
+        kernels.block_gather(host.keys, host.values, ids, self.k_slots, self.v_slots, self.block_size, host.cis, self.bias_slots,
+                             num_programs=self.gather_programs, check_ids=False)
 
-    def _ready(self, selection: torch.Tensor, block_size: int) -> dict:
-        """The plan for `selection` with its blocks in place (waits for this layer's fetch only)."""
-        if self.pending is None or not same_tensor(self.pending["selection"], selection):
-            self.plan(selection, block_size)
-        pending = self.pending
-        if pending.get("dense"):
-            return pending
-        if pending["fetched"]:
-            self.prefetcher.wait(pending["done"])
+    def _ready(self, plan: "Plan | torch.Tensor", block_size: int) -> Plan:
+        """`plan` with its blocks in place (waits for this layer's fetch only); a bare selection
+        (a direct caller) is planned here."""
+        if not isinstance(plan, Plan):
+            plan = self.plan(plan, block_size)
+        if plan.dense:
+            return plan
+        if plan.fetched:
+            self.prefetcher.wait(plan.done)
         else:
-            self._gather(pending["load_ids"])
-            pending["fetched"] = True
-        return pending
+            self._gather(plan.load_ids)
+            plan.fetched = True
+        return plan
 
     def _dense_copy(self):
         """dense-offload: the whole layer copied to the device (counted against this step)."""
-        rows = int(self.lengths.max())
+        rows = self._longest(None)
         self.log.h2d_extra[-1] += rows * self.host.row_bytes() * self.host.shape[0]
-        with host_transfer():
-            return tuple(None if t is None else t.to(self.k_slots.device, non_blocking=True) for t in self.host.rows(rows))
+        return self.host.device_rows(rows, self.lengths, self.k_slots.device)
 
-    def _slot_of_selected(self, pending: dict, selection: torch.Tensor) -> torch.Tensor:
+    def _slot_of_selected(self, plan: Plan) -> torch.Tensor:
         """[B, H, K] slot serving each selected block: its regular slot, the tail slot (M) for the
         block being written, -1 for none."""
         current = torch.div((self.lengths - 1).clamp(min=0), self.block_size, rounding_mode="floor").view(-1, 1, 1)
-        tail = (selection == current) & (selection >= 0)
-        return torch.where(pending["slot_of"] >= 0, pending["slot_of"], torch.where(tail, self.budget, -1))
+        tail = (plan.selection == current) & (plan.selection >= 0)
+        return torch.where(plan.slot_of >= 0, plan.slot_of, torch.where(tail, self.budget, -1))
 
-    def blocks(self, selection: torch.Tensor, block_size: int):
-        """The selected blocks from the slots (same layout and values as `SparseCacheLayer.blocks`)."""
-        pending = self._ready(selection, block_size)
-        if pending.get("dense"):
-            return gather_blocks(*self._dense_copy(), selection, self.lengths, block_size)
-        slot = self._slot_of_selected(pending, selection)
+    def blocks(self, plan: "Plan | torch.Tensor", block_size: int):
+        """The planned blocks from the slots (same layout and values as `SparseCacheLayer.blocks`)."""
+        plan = self._ready(plan, block_size)
+        if plan.dense:
+            return gather_blocks(*self._dense_copy(), plan.selection, self.lengths, block_size)
+        slot = self._slot_of_selected(plan)
         offsets = torch.arange(block_size, device=slot.device)
         rows = (slot.clamp(min=0).unsqueeze(-1) * block_size + offsets).flatten(-2)
-        return gather_blocks(self.k_slots, self.v_slots, self.bias_slots, selection, self.lengths, block_size, rows=rows)
+        return gather_blocks(self.k_slots, self.v_slots, self.bias_slots, plan.selection, self.lengths, block_size, rows=rows)
 
-    def decode_attention(self, q: torch.Tensor, selection: torch.Tensor, block_size: int) -> torch.Tensor:
+    def decode_attention(self, q: torch.Tensor, plan: "Plan | torch.Tensor", block_size: int) -> torch.Tensor:
         """Decode attention straight over the slots with the `sparse_decode_slots` kernel.
-        q [B, Hq, d], selection [B, H, K] -> [B, Hq, d]."""
-        pending = self._ready(selection, block_size)
-        if pending.get("dense"):
+        q [B, Hq, d] -> [B, Hq, d]."""
+        plan = self._ready(plan, block_size)
+        selection = plan.selection
+        if plan.dense:
             keys, values, cis = self._dense_copy()
             return kernels.sparse_decode_blocks(q, keys, values, selection, self.lengths, block_size, bias=cis, check_ids=False)[0]
-        slot = self._slot_of_selected(pending, selection)
+        slot = self._slot_of_selected(plan)
         batch, heads, _ = selection.shape
         slot_lens = torch.zeros((batch, heads, self.budget + 2), dtype=torch.long, device=slot.device)
         # rows of each selected block that are stored keys (a full block, or the tail's filled part)
@@ -341,21 +395,19 @@ class OffloadedLayer(SparseCacheLayer):
     def full(self):
         """K, V [B, S, H, d], CIS or None on the device, S = the longest sequence: the staged copy
         of this call, else (a dense decode row) a fresh copy of the whole layer."""
-        rows = int(self.lengths.max())
+        rows = self._longest(None)
         if self.staged is None or self.staged[0].shape[1] < rows:
-            host_k, host_v, host_cis = self.host.rows(rows)
-            device = self.k_slots.device
             self.staging.hold(self)
-            with host_transfer():
-                self.staged = tuple(None if t is None else t.to(device, non_blocking=True) for t in (host_k, host_v, host_cis))
+            self.staged = self.host.device_rows(rows, self.lengths, self.k_slots.device)
             self.h2d_other += rows * self.host.row_bytes() * self.host.shape[0]
         keys, values, cis = self.staged
         return keys[:, :rows], values[:, :rows], None if cis is None else cis[:, :rows], rows
 
     # -- bytes --------------------------------------------------------------------------------
     def device_tensors(self) -> dict:
-        tensors = {"k_slots": self.k_slots, "v_slots": self.v_slots, "bias_slots": self.bias_slots, "block_map": self.block_map}
-        if self.staged is not None and self.k_slots is not None and self.k_slots.device.type != "cpu":
+        tensors = {"k_slots": self.k_slots, "v_slots": self.v_slots, "bias_slots": self.bias_slots, "block_map": self.block_map,
+                   "k_ring": self.k_ring, "cis_ring": self.cis_ring}
+        if self.staged is not None:
             tensors.update(staged_keys=self.staged[0], staged_values=self.staged[1], staged_cis=self.staged[2])
         return {name: t for name, t in tensors.items() if t is not None}
 
@@ -373,11 +425,22 @@ class OffloadedLayer(SparseCacheLayer):
         return self.block_size * self.host.row_bytes() // self.host.shape[1]
 
 
-def same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two tensors are views of the same memory with the same layout (the plan a layer
-    received, passed again as a fresh `selection[:, :, 0]` view).  The plan holds a reference, so
-    its memory cannot be reused by another tensor meanwhile."""
-    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.device == b.device
+def _put_rows(buffer: torch.Tensor, rows: torch.Tensor, new: torch.Tensor, valid: torch.Tensor) -> None:
+    """buffer[b, rows[b]] = new[b] where valid[b] (else the row keeps its value): one row per
+    sequence, so no two writes meet.  buffer [B, R, ...], rows [B], new [B, ...], valid bool [B]."""
+    batch = torch.arange(buffer.shape[0], device=buffer.device)
+    keep = valid.view(-1, *([1] * (new.dim() - 1)))
+    buffer[batch, rows] = torch.where(keep, new.to(buffer.dtype), buffer[batch, rows])
+
+
+def gather_programs_for(device: torch.device, batch: int) -> int:
+    """Persistent programs of the block gather: about one per 8 SMs (16 on an H100/H200, what
+    SparDA runs for batch <= 16), twice that above batch 16; 16 where there is no CUDA."""
+    device = torch.device(device)
+    base = 16
+    if device.type == "cuda" and torch.cuda.is_available():
+        base = max(1, torch.cuda.get_device_properties(device).multi_processor_count // 8)
+    return base if batch <= 16 else 2 * base
 
 
 def _nbytes(tensors: dict) -> int:

@@ -12,22 +12,23 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import selection as sel
-from .cache import decode_kernels_enabled
+from .cache import Plan, decode_kernels_enabled
 from .heads import scoring_head
 from .prefill import (
     CHUNKED_ATTENTION_ROWS,
     block_layout,
-    can_use_flex,
     chunked_sparse_attention,
     dense_attention,
     dense_sequences,
     flex_sparse_attention,
     masked_attention,
+    masked_decode_attention,
     pack_block_bits,
     row_block_masks,
     use_flex,
 )
 from .rope import apply_rope
+from .step import CallInfo
 
 
 def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -115,49 +116,53 @@ class SparseAttention(nn.Module):
         sin: torch.Tensor,
         cache_layer,
         forecast_in: torch.Tensor | None = None,
-        selection: torch.Tensor | None = None,
+        plan: Plan | None = None,
         selections_out: dict | None = None,
         selector: str | None = None,
+        step: CallInfo | None = None,
     ) -> torch.Tensor:
         """hidden [B, T, hidden] (post-norm), positions [B, T] (-1 = padding), cos/sin [B, T, d].
 
         forecast_in: the previous layer's forecast vectors [B, T, H*n, d] (forecast selector).
-        selection: a decode selection [B, H, 1, K] already planned by the previous layer.
+        plan: this layer's decode `Plan`, made one layer ahead by the model (forecast selector).
         selections_out: if a dict, receives {"query": ids, "forecast": ids} for recall measurements.
         selector: overrides `sparse_config.selector` (training routes the frozen backbone with "query").
-        Returns the attention output [B, T, hidden].
+        step: the call's host-side facts (`CallInfo`, the model passes them); a direct call without
+        them reads the positions once.  Returns the attention output [B, T, hidden].
         """
         batch, length, _ = hidden.shape
         d = self.head_dim
+        sparse = self.sparse
+        if step is None:
+            step = CallInfo.from_positions(positions, cache_layer.host_lengths, sparse)
         q = self.queries(hidden, cos, sin)
         k = apply_rope(self.k_proj(hidden).view(batch, length, self.num_kv_heads, d), cos, sin)
         v = self.v_proj(hidden).view(batch, length, self.num_kv_heads, d)
         cis = self.compute_cis(v) if hasattr(self, "A") else None
-        cache_layer.append(k, v, cis, positions)
+        cache_layer.append(k, v, cis, positions, step)
 
-        sparse = self.sparse
         selector = selector or (sparse.selector if sparse is not None else None)
-        if selector == "forecast" and forecast_in is None and selection is None:
+        if selector == "forecast" and forecast_in is None and plan is None:
             owner, projection = scoring_head(self.layer_idx)
             if owner != self.layer_idx:
                 raise ValueError(f"layer {self.layer_idx} got no forecast vectors from layer {owner}")
             forecast_in = self.project_forecast(hidden, cos, sin, projection)  # a layer that scores itself
 
-        if length == 1 and sparse is not None and not self._any_dense(positions):
-            if selection is None:
-                vectors = q if selector == "query" else forecast_in
-                selection = self.select(vectors, positions, cache_layer, selector)
-                cache_layer.plan(selection[:, :, 0], sparse.block_size)
-            self._record(selections_out, q, forecast_in, positions, cache_layer, selection, selector)
-            out = self._decode_blocks(q, positions, cache_layer, selection[:, :, 0])
+        if step.decode and sparse is not None and not step.any_dense:
+            if plan is None:
+                plan = self.plan_decode(q if selector == "query" else forecast_in, positions, cache_layer, selector, step)
+            self._record(selections_out, q, forecast_in, positions, cache_layer, plan.selection.unsqueeze(2), selector, bounds=step.bounds())
+            out = self._decode_blocks(q, positions, cache_layer, plan)
         else:
-            out = self._attend_chunks(q, forecast_in, positions, cache_layer, selections_out, selector)
+            out = self._attend_chunks(q, forecast_in, positions, cache_layer, selections_out, selector, step)
         return self.o_proj(out.reshape(batch, length, self.num_heads * d))
 
-    def _any_dense(self, positions: torch.Tensor) -> bool:
-        """Whether a sequence of this call attends densely (MiniCPM's rule: `prefill.dense_sequences`)."""
-        stored = (positions >= 0).any(dim=1)
-        return bool((dense_sequences(positions, self.sparse) & stored).any())
+    def plan_decode(self, vectors: torch.Tensor, positions: torch.Tensor, cache_layer, kind: str, step: CallInfo) -> Plan:
+        """Select this layer's blocks for a decode step and plan their fetch: the one place both
+        selectors make a `Plan` (the model calls it one layer ahead for the forecast selector,
+        `forward` at the layer itself for the query selector).  vectors [B, 1, H*n, d]."""
+        selection = self.select(vectors, positions, cache_layer, kind, bounds=step.bounds())
+        return cache_layer.plan(selection[:, :, 0], self.sparse.block_size)
 
     def _record(self, out: dict | None, q, forecast_in, positions, cache_layer, selection, selector, **host) -> None:
         """Store both selectors' choices (the one in use is `selection`) for recall measurements;
@@ -168,40 +173,44 @@ class SparseAttention(nn.Module):
         if forecast_in is not None:
             out["forecast"] = selection if selector == "forecast" else self.select(forecast_in, positions, cache_layer, "forecast", **host)
 
-    def _decode_blocks(self, q: torch.Tensor, positions: torch.Tensor, cache_layer, selection: torch.Tensor) -> torch.Tensor:
-        """One token per sequence over its selected blocks.  q [B, 1, Hq, d], selection [B, H, K] -> [B, 1, Hq, d]."""
+    def _decode_blocks(self, q: torch.Tensor, positions: torch.Tensor, cache_layer, plan: Plan) -> torch.Tensor:
+        """One token per sequence over its planned blocks.  q [B, 1, Hq, d] -> [B, 1, Hq, d]."""
         batch = q.shape[0]
         if decode_kernels_enabled(q.device) and hasattr(cache_layer, "decode_attention"):
             # the sparse_decode kernel reads the blocks in place: no gather copy, no host sync
-            out = cache_layer.decode_attention(q[:, 0], selection, self.sparse.block_size)
+            out = cache_layer.decode_attention(q[:, 0], plan, self.sparse.block_size)
             return out.view(batch, 1, self.num_heads, self.head_dim)
-        keys, values, key_pos, bias = cache_layer.blocks(selection, self.sparse.block_size)
+        keys, values, key_pos, bias = cache_layer.blocks(plan, self.sparse.block_size)
         query = q.view(batch, self.num_kv_heads, self.group, self.head_dim)  # the G heads of a KV head as rows
         allowed = ((key_pos >= 0) & (key_pos <= positions.view(-1, 1, 1))).unsqueeze(2)  # [B, H, 1, L]: one row, shared
         out = masked_attention(query, keys, values, allowed, bias, self.group)
         return out.reshape(batch, 1, self.num_heads, self.head_dim)
 
-    def _attend_chunks(self, q, forecast_in, positions, cache_layer, selections_out, selector) -> torch.Tensor:
+    def _attend_chunks(self, q, forecast_in, positions, cache_layer, selections_out, selector, step: CallInfo) -> torch.Tensor:
         """All rows of a multi-token call (and decode steps of a batch holding a dense sequence).
 
         q [B, T, Hq, d] -> [B, T, Hq, d].  Each sequence is dense or sparse for the whole call
         (`prefill.dense_sequences`).  Sparse rows are selected in query chunks and attend only
         their blocks (`prefill.chunked_sparse_attention`, or FlexAttention on CUDA), so memory is
-        O(chunk x selected keys); K/V are never repeated per query head.  The positions are read
-        to the host once per call, so on CUDA the chunk loop itself never waits for the device.
+        O(chunk x selected keys); K/V are never repeated per query head.  Every host-side number
+        comes from `step` (one read of the positions per call, none at a decode step), so on CUDA
+        the chunk loop itself never waits for the device.
         """
         keys, values, cis, count = cache_layer.full()
         sparse = self.sparse
         dense = dense_sequences(positions, sparse)
         if cis is not None and sparse is not None and not sparse.dense_cis_bias:
             cis = cis.masked_fill(dense.view(-1, 1, 1), 0.0)  # SparDA-NOSA: dense sequences attend without the CIS bias
-        all_dense = bool(dense.all())
+        all_dense, any_dense = step.all_dense, any(step.dense)
         if sparse is None or (all_dense and selections_out is None):
             return dense_attention(q, keys, values, cis, positions, self.config.query_chunk_size)
         n_blocks = sel.num_blocks(count, sparse.block_size)
-        any_dense = bool(dense.any())
-        flex = not all_dense and not any_dense and use_flex(q) and can_use_flex(q, positions, count)
-        host_positions = positions.cpu()  # one read for the whole call: chunks take their bounds from it
+        if step.decode:  # a decode step of a batch holding a dense sequence
+            ids = self.select(q if selector == "query" else forecast_in, positions, cache_layer, selector, bounds=step.bounds(), key_count=count)
+            self._record(selections_out, q, forecast_in, positions, cache_layer, ids, selector, bounds=step.bounds(), key_count=count)
+            masks = row_block_masks(ids, positions, n_blocks, sparse.block_size, dense if any_dense else None)
+            return masked_decode_attention(q, keys, values, cis, positions, masks, sparse.block_size)
+        flex = not all_dense and not any_dense and use_flex(q) and step.contiguous()
         outputs, bits, records = [], [], {}
         blocks = None
         if not all_dense and not flex:  # K/V (and CIS) by block, once per call: chunks gather whole blocks
@@ -211,7 +220,7 @@ class SparseAttention(nn.Module):
             rows = slice(start, start + self.config.query_chunk_size)
             pos = positions[:, rows]
             f_rows = None if forecast_in is None else forecast_in[:, rows]
-            host = {"bounds": sel.position_range(host_positions[:, rows]), "key_count": count}
+            host = {"bounds": step.bounds(start, start + self.config.query_chunk_size), "key_count": count}
             ids = self.select(q[:, rows] if selector == "query" else f_rows, pos, cache_layer, selector, **host)
             if selections_out is not None:
                 chunk_records: dict = {}

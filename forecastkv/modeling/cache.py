@@ -20,10 +20,13 @@ does not copy every layer's KV each time a power of two is crossed.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .selection import num_compressed
+from .step import CallInfo
 
 GROWTH_CHUNK = 1024  # rows added per growth when no max_length was given
 
@@ -67,11 +70,13 @@ def window_rows(old_lengths: torch.Tensor, new_lengths: torch.Tensor, size: int,
     return ids, valid, rows
 
 
-def compress_windows(source: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+def compress_windows(source: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype | None = None, ring: bool = False) -> torch.Tensor:
     """Mean of the key rows of each window.  source [B, S, H, ...], rows [B, W, size] -> [B, W, H, ...]
-    (fp32 mean, cast to `dtype`, by default the source's, as `selection.compress_keys`)."""
+    (fp32 mean, cast to `dtype`, by default the source's, as `selection.compress_keys`).
+    ring: source holds the latest S rows, row r at r % S (an offloaded layer's device ring)."""
     batch = torch.arange(source.shape[0], device=rows.device).view(-1, 1, 1)
-    windows = source[batch, rows.clamp(max=source.shape[1] - 1)]          # [B, W, size, H, ...]
+    index = rows % source.shape[1] if ring else rows.clamp(max=source.shape[1] - 1)
+    windows = source[batch, index]                                         # [B, W, size, H, ...]
     return windows.movedim(2, -1).float().mean(dim=-1).to(dtype or source.dtype)
 
 
@@ -92,6 +97,30 @@ def new_rows(lengths: torch.Tensor, positions: torch.Tensor):
     return batch_idx, col_idx, positions[batch_idx, col_idx], new_lengths, int(new_lengths.max())
 
 
+@dataclass
+class Plan:
+    """What one layer's next decode attention reads, made once per layer and step by `plan()` and
+    handed to the layer that consumes it (nothing is matched by tensor address).
+
+    selection [B, H, K] int64 block ids (-1 = none).  An offloaded layer adds its slot map:
+    slot_of [B, H, K] (the slot serving each selected block, -1 none), load_ids [B, H, M] (the
+    host block fetched into each slot, -1 nothing), `done` (the side stream's event, or None),
+    `fetched` (the fetch was launched), `dense` (dense-offload: the whole layer is copied instead).
+    """
+
+    selection: torch.Tensor
+    slot_of: torch.Tensor | None = None
+    load_ids: torch.Tensor | None = None
+    done: object = None
+    fetched: bool = True
+    dense: bool = False
+
+
+def selection_of(plan: "Plan | torch.Tensor") -> torch.Tensor:
+    """The selection [B, H, K] of a `Plan`, or a bare selection as given (direct callers)."""
+    return plan.selection if isinstance(plan, Plan) else plan
+
+
 def columns_to_remove(tokens: int, columns: int) -> int:
     """transformers' crop argument -> columns to drop.  Negative: drop that many (5.24); positive:
     keep that many (the legacy absolute form); 0: nothing."""
@@ -106,7 +135,9 @@ class SparseCacheLayer(CacheLayerMixin):
     """One layer: K/V [B, S, H, d] (and NOSA's CIS [B, S, H]) by position, plus compressed keys
     [B, C, H, d] and, with CIS, the CIS pooled over the same windows [B, C, H] (fp32).
 
-    `lengths` [B] counts the stored positions of each sequence (they are contiguous from 0).
+    `lengths` [B] counts the stored positions of each sequence (they are contiguous from 0), on the
+    device; `host_lengths` is the same count on the host, kept from each call's `CallInfo`, so
+    decisions that need a number (rows, keys, blocks) never read it back from the device.
     """
 
     is_compileable = False
@@ -123,6 +154,7 @@ class SparseCacheLayer(CacheLayerMixin):
         self.coarse_keys: torch.Tensor | None = None
         self.pooled_cis: torch.Tensor | None = None
         self.lengths: torch.Tensor | None = None
+        self.host_lengths: list[int] | None = None
         self.planned: torch.Tensor | None = None
         self.block_shares: list[torch.Tensor] = []  # per planned decode step: blocks read / blocks stored
         self.columns = 0  # input columns seen, padding included (what generate() slices by)
@@ -149,6 +181,8 @@ class SparseCacheLayer(CacheLayerMixin):
         self.__init__(*(self.kernel or (None, None)), coarse=self.coarse, max_length=self.max_length)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        # beams of one prompt share its length, and beam_idx only permutes within a prompt's
+        # beams, so host_lengths stay as they are (reading beam_idx would cost a sync per step)
         for name in ("keys", "values", "cis", "ckeys", "coarse_keys", "pooled_cis", "lengths"):
             tensor = getattr(self, name, None)
             if tensor is not None:
@@ -168,15 +202,22 @@ class SparseCacheLayer(CacheLayerMixin):
             return
         self.columns -= drop
         self.lengths = (self.lengths - drop).clamp(min=0)
+        self.host_lengths = [max(n - drop, 0) for n in self.host_lengths]
         self.planned = None
 
     # -- the four calls --------------------------------------------------------------------------
-    def append(self, keys: torch.Tensor, values: torch.Tensor, cis: torch.Tensor | None, positions: torch.Tensor) -> None:
-        """Store new tokens.  keys/values [B, n, H, d], cis [B, n, H] or None, positions [B, n] (-1 = padding)."""
+    def append(self, keys: torch.Tensor, values: torch.Tensor, cis: torch.Tensor | None, positions: torch.Tensor, step: CallInfo | None = None) -> None:
+        """Store new tokens.  keys/values [B, n, H, d], cis [B, n, H] or None, positions [B, n] (-1 = padding).
+
+        step: the call's host-side facts (the model passes them); without it the positions are
+        read to the host once here (a direct call, not a decode step of the model).
+        """
         if not self.is_initialized:
             self.lazy_initialization(keys, values)
+        step = self.step_for(positions) if step is None else step
         self.columns += positions.shape[1]
-        if positions.shape[1] == 1 and self.keys is not None:
+        self.host_lengths = list(step.lengths_after)
+        if step.decode and self.keys is not None:
             self._append_one(keys[:, 0], values[:, 0], None if cis is None else cis[:, 0], positions[:, 0])
             return
         new = new_rows(self.lengths, positions)
@@ -222,14 +263,15 @@ class SparseCacheLayer(CacheLayerMixin):
         if self.coarse is not None:
             self.coarse_keys = self._extend_one(self.coarse_keys, self.coarse, old_lengths, self.keys)
 
-    def _extend_one(self, target, kernel, old_lengths, source, dtype=None):
-        """`_extend` for a one-token step: each sequence completes at most one window."""
+    def _extend_one(self, target, kernel, old_lengths, source, dtype=None, ring: bool = False):
+        """`_extend` for a one-token step: each sequence completes at most one window.  Fixed
+        shapes, no host read; source is the layer's rows by position, or a ring (`compress_windows`)."""
         size, stride = kernel
         first, last = (torch.where(n >= size, torch.div(n - size, stride, rounding_mode="floor") + 1, torch.zeros_like(n)) for n in (old_lengths, self.lengths))
         capacity = None if self.max_length is None else max(num_compressed(self.max_length, size, stride), 1)
         target = grow_rows(target, max(num_compressed(self.columns, size, stride), 1), target, capacity, max(GROWTH_CHUNK // stride, 1))
         rows = (first.unsqueeze(-1) * stride + torch.arange(size, device=first.device)).unsqueeze(1)  # [B, 1, size]
-        window = compress_windows(source, rows, dtype)[:, 0]
+        window = compress_windows(source, rows, dtype, ring)[:, 0]
         index = first.clamp(max=target.shape[1] - 1)
         batch = torch.arange(first.shape[0], device=first.device)
         done = (last > first).view(-1, *([1] * (window.dim() - 1)))
@@ -257,15 +299,18 @@ class SparseCacheLayer(CacheLayerMixin):
         like = source[:, :1].to(self.lengths.device, dtype or source.dtype)
         capacity = None if self.max_length is None else max(num_compressed(self.max_length, size, stride), 1)
         # windows grow in chunks worth GROWTH_CHUNK positions, not GROWTH_CHUNK windows
-        target = grow_rows(target, max(num_compressed(int(self.lengths.max()), size, stride), 1), like, capacity, max(GROWTH_CHUNK // stride, 1))
+        target = grow_rows(target, max(num_compressed(self._longest(None), size, stride), 1), like, capacity, max(GROWTH_CHUNK // stride, 1))
         if ids.shape[1]:
             write_windows(target, ids, valid, compress_windows(source, rows.to(source.device), dtype))
         return target
 
+    def step_for(self, positions: torch.Tensor) -> CallInfo:
+        """The `CallInfo` of a direct call storing `positions` [B, n] (one read of them)."""
+        return CallInfo.from_positions(positions, self.host_lengths, None)
+
     def _longest(self, length: int | None) -> int:
-        """The longest stored sequence: `length` when the caller read it already (`full()`'s S),
-        else read from the device (one sync)."""
-        return int(self.lengths.max()) if length is None else length
+        """The longest stored sequence: `length` when given, else the host counter (no read)."""
+        return max(self.host_lengths, default=0) if length is None else length
 
     def compressed_keys(self, length: int | None = None) -> torch.Tensor:
         """[B, C, H, d]: compressed keys up to the longest sequence (visibility masks the rest)."""
@@ -283,31 +328,32 @@ class SparseCacheLayer(CacheLayerMixin):
             raise ValueError("agnostic block scores need CIS: this layer stored none (is the policy nosa?)")
         return self.pooled_cis[:, : num_compressed(self._longest(length), *self.kernel)]
 
-    def plan(self, selection: torch.Tensor, block_size: int | None = None) -> None:
-        """Resident cache: nothing to move.  Remembers the plan and, given `block_size`, the share
-        of this step's stored blocks it reads.  selection [B, H, K] (-1 = none)."""
+    def plan(self, selection: torch.Tensor, block_size: int | None = None) -> Plan:
+        """Resident cache: nothing to move.  Returns the `Plan` and, given `block_size`, records the
+        share of this step's stored blocks it reads.  selection [B, H, K] (-1 = none)."""
         self.planned = selection
         if block_size is not None and self.lengths is not None:
             stored = (-(-self.lengths.clamp(min=1) // block_size)).sum() * selection.shape[1]
             self.block_shares.append((selection >= 0).sum() / stored)  # a device scalar: no sync while decoding
+        return Plan(selection)
 
-    def blocks(self, selection: torch.Tensor, block_size: int):
-        """Gather selected blocks.  selection [B, H, K] (-1 = none) ->
+    def blocks(self, plan: "Plan | torch.Tensor", block_size: int):
+        """Gather the planned blocks.  plan: a `Plan` or a selection [B, H, K] (-1 = none) ->
         keys, values [B, H, K*bs, d], key positions [B, H, K*bs] (-1 = not a key), bias [B, H, K*bs] or None."""
-        return gather_blocks(self.keys, self.values, self.cis, selection, self.lengths, block_size)
+        return gather_blocks(self.keys, self.values, self.cis, selection_of(plan), self.lengths, block_size)
 
-    def decode_attention(self, q: torch.Tensor, selection: torch.Tensor, block_size: int) -> torch.Tensor:
+    def decode_attention(self, q: torch.Tensor, plan: "Plan | torch.Tensor", block_size: int) -> torch.Tensor:
         """One decode token per sequence over its selected blocks through the `sparse_decode`
         kernel (no gather copy, no host sync).  q [B, Hq, d], selection [B, H, K] -> [B, Hq, d].
         Keys are those stored (position < length), which at decode is every key up to the token."""
         from .. import kernels
 
-        return kernels.sparse_decode_blocks(q, self.keys, self.values, selection, self.lengths, block_size, bias=self.cis, check_ids=False)[0]
+        return kernels.sparse_decode_blocks(q, self.keys, self.values, selection_of(plan), self.lengths, block_size, bias=self.cis, check_ids=False)[0]
 
     # -- full views (prefill and dense paths) ----------------------------------------------------
     def full(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
         """K, V [B, S, H, d], CIS [B, S, H] or None, and S = the longest stored sequence."""
-        rows = int(self.lengths.max())
+        rows = self._longest(None)
         cis = None if self.cis is None else self.cis[:, :rows]
         return self.keys[:, :rows], self.values[:, :rows], cis, rows
 
@@ -402,8 +448,21 @@ class SparseCache(Cache):
             raise ValueError(f"this {type(self).__name__} was built for another model ({detail}); build one with the model that uses it")
 
     def sequence_lengths(self) -> torch.Tensor | None:
-        """[B] stored positions per sequence (None before the first token)."""
+        """[B] stored positions per sequence on the device (None before the first token)."""
         return self.layers[0].lengths
+
+    def host_lengths(self) -> list[int] | None:
+        """The same count on the host (None before the first token): what decode steps decide by."""
+        return self.layers[0].host_lengths
+
+    def call_info(self, positions: torch.Tensor, sparse) -> CallInfo:
+        """The host-side facts of a forward call storing `positions` [B, T]: from the host
+        counters for a decode step (one token per sequence, on a cache that holds tokens), else
+        from one read of the positions."""
+        stored = self.host_lengths()
+        if positions.shape[1] == 1 and stored is not None:
+            return CallInfo.for_decode(stored, sparse)
+        return CallInfo.from_positions(positions, stored, sparse)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.layers[layer_idx].get_seq_length()

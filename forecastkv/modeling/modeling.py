@@ -136,8 +136,19 @@ class ForecastKVModel(ForecastKVPreTrainedModel):
 
     def positions_for(self, batch: int, length: int, cache: SparseCache, attention_mask, position_ids, device) -> torch.Tensor:
         """Positions [B, T] of the new tokens, -1 for padding.  Derived from the cache's stored
-        lengths and the 2-D attention mask, so left padding never shifts a sequence."""
+        lengths and the 2-D attention mask, so left padding never shifts a sequence.
+
+        A decode step (one token on a cache that holds tokens) stores one token per sequence at
+        its stored length, what generate() does: the mask's new column is not read, and the
+        length limit is checked on the host counters, so the step reads nothing back.
+        """
         stored = cache.sequence_lengths()
+        host = cache.host_lengths()
+        limit = self.config.max_position_embeddings
+        if length == 1 and host is not None and stored is not None:
+            if max(host, default=0) >= limit:
+                raise ValueError(f"sequence length {max(host) + 1} exceeds max_position_embeddings={limit}")
+            return stored.view(-1, 1).to(device)
         if stored is None:
             stored = torch.zeros(batch, dtype=torch.long, device=device)
         if attention_mask is not None:
@@ -150,8 +161,7 @@ class ForecastKVModel(ForecastKVPreTrainedModel):
             positions = position_ids.to(device).long().expand(batch, -1)
         else:
             positions = stored.view(-1, 1) + torch.arange(length, device=device)
-        limit = self.config.max_position_embeddings
-        if int(positions.max()) >= limit:
+        if int(positions.max()) >= limit:  # a multi-token call reads its positions once anyway
             raise ValueError(
                 f"sequence length {int(positions.max()) + 1} exceeds max_position_embeddings={limit}"
             )
@@ -183,6 +193,7 @@ class ForecastKVModel(ForecastKVPreTrainedModel):
             raise TypeError(f"forecastkv models need a SparseCache (or a subclass), got {type(cache).__name__}")
         cache.check_model(self.config)
         positions = self.positions_for(batch, length, cache, attention_mask, position_ids, hidden.device)
+        step = cache.call_info(positions, self.config.sparse)  # the call's host-side facts, once
         cos, sin = self.rotary_emb(positions, hidden.dtype)
 
         mup = self.config.mup_config
@@ -196,27 +207,26 @@ class ForecastKVModel(ForecastKVPreTrainedModel):
         selector = (getattr(cache, "selector", None) or sparse.selector) if sparse is not None else None
         forecast_selector = selector == "forecast"
         want_forecast = self.config.forecast_config.enabled and (forecast_selector or collect_selections)
-        decode = length == 1
         selections = [] if collect_selections else None
         forecast, planned = None, None
         last = len(self.layers) - 1
         for idx, layer in enumerate(self.layers):
             attn = layer.self_attn
             if hidden.device != layer.input_layernorm.weight.device:  # device_map: layers on several devices
-                hidden, positions, cos, sin, forecast, planned = _to_device(layer.input_layernorm.weight.device, hidden, positions, cos, sin, forecast, planned)
+                hidden, positions, cos, sin, forecast = _to_device(layer.input_layernorm.weight.device, hidden, positions, cos, sin, forecast)
             normed = layer.input_layernorm(hidden)
             if want_forecast and idx == 0:
                 forecast = self.scoring_vectors(0, normed, cos, sin)
             next_forecast = self.scoring_vectors(idx + 1, normed, cos, sin) if want_forecast and idx < last else None
             planned_next = None
-            if forecast_selector and decode and next_forecast is not None:
-                # plan layer idx+1 before this layer attends, so a runtime can fetch its blocks meanwhile
-                nxt = self.layers[idx + 1].self_attn
-                if cache.layers[idx + 1].is_initialized and not nxt._any_dense(positions):
-                    planned_next = nxt.select(next_forecast, positions, cache.layers[idx + 1], "forecast")
-                    cache.layers[idx + 1].plan(planned_next[:, :, 0], sparse.block_size)
+            if forecast_selector and step.decode and not step.any_dense and next_forecast is not None and cache.layers[idx + 1].is_initialized:
+                # plan layer idx+1 before this layer attends, so a runtime can fetch its blocks
+                # meanwhile; the plan lives where layer idx+1 and its cache live
+                nxt = self.layers[idx + 1]
+                vectors, pos = _to_device(nxt.input_layernorm.weight.device, next_forecast, positions)
+                planned_next = nxt.self_attn.plan_decode(vectors, pos, cache.layers[idx + 1], "forecast", step)
             record = {} if collect_selections else None
-            out = attn(normed, positions, cos, sin, cache.layers[idx], forecast_in=forecast, selection=planned, selections_out=record, selector=selector)
+            out = attn(normed, positions, cos, sin, cache.layers[idx], forecast_in=forecast, plan=planned, selections_out=record, selector=selector, step=step)
             if layer_callback is not None:
                 layer_callback(idx, normed, positions, cos, sin, cache.layers[idx])
             planned = planned_next

@@ -162,6 +162,25 @@ def dense_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, b
     return torch.cat(outputs, dim=1)
 
 
+def masked_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor | None,
+                            positions: torch.Tensor, masks: torch.Tensor, block_size: int) -> torch.Tensor:
+    """A decode step over every stored key, each row allowed only the keys of its blocks (a dense
+    sequence's masks hold every block up to its own): the decode path of a batch that mixes dense
+    and sparse sequences.  Fixed shapes, nothing read back from the device.
+
+    q [B, 1, Hq, d], keys/values [B, S, H, d], bias [B, S, H] or None, positions [B, 1],
+    masks bool [B, H, 1, NB] (`row_block_masks`, NB * block_size >= S) -> [B, 1, Hq, d].
+    """
+    batch, _, heads, dim = q.shape
+    kv_heads, count = keys.shape[2], keys.shape[1]
+    key_pos = torch.arange(count, device=q.device)
+    allowed = masks.repeat_interleave(block_size, dim=-1)[..., :count] & (key_pos <= positions.view(-1, 1, 1, 1))
+    query = q.view(batch, kv_heads, heads // kv_heads, dim)  # the G heads of a KV head as rows
+    b_t = None if bias is None else bias.transpose(1, 2)
+    out = masked_attention(query, keys.transpose(1, 2), values.transpose(1, 2), allowed, b_t, heads // kv_heads)
+    return out.reshape(batch, 1, heads, dim)
+
+
 # ----------------------------------------------------------------------------------------------
 # block-sparse, chunked (reference and CPU path)
 # ----------------------------------------------------------------------------------------------
@@ -171,7 +190,7 @@ def row_block_masks(ids: torch.Tensor, positions: torch.Tensor, n_blocks: int, b
     """bool [B, H, R, NB]: the blocks each row attends.  ids [B, H, R, K] (-1 = none), positions
     [B, R]; rows of sequences marked in `dense_rows` [B] attend every block up to their own."""
     masks = sel.selection_mask(ids, n_blocks)
-    if dense_rows is not None and bool(dense_rows.any()):
+    if dense_rows is not None:  # the caller passes it only when some sequence is dense
         visible = torch.arange(n_blocks, device=ids.device).view(1, 1, -1) <= torch.div(positions, block_size, rounding_mode="floor").unsqueeze(-1)
         masks = torch.where(dense_rows.view(-1, 1, 1, 1), visible.unsqueeze(1) & (positions >= 0)[:, None, :, None], masks)
     return masks
@@ -437,10 +456,3 @@ def use_flex(q: torch.Tensor) -> bool:
             raise RuntimeError("sparse prefill backend 'flex' was forced but this torch has no FlexAttention")
         return True
     return q.is_cuda and flex_available()
-
-
-def can_use_flex(q: torch.Tensor, positions: torch.Tensor, key_count: int) -> bool:
-    """FlexAttention needs every sequence at the same positions (no padding) ending at the last key."""
-    rows = positions.shape[1]
-    start = key_count - rows
-    return start >= 0 and bool((positions == torch.arange(start, key_count, device=positions.device)).all())

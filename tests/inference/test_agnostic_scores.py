@@ -11,9 +11,8 @@ from forecastkv.inference import OffloadedSparseCache
 from forecastkv.modeling import selection as sel
 from forecastkv.modeling.cache import SparseCacheLayer
 from forecastkv.modeling.configuration import SparseConfig
-from tests.conftest import TINY_SPARSE
-from tests.inference.test_offloaded import generate, left_padded
-from tests.modeling.test_model import tiny_model
+from tests.helpers import TINY_SPARSE, left_padded, tiny_model
+from tests.inference.test_offloaded import generate
 
 
 @pytest.mark.parametrize("lag", [0, 1])
@@ -33,7 +32,7 @@ def test_pooled_cis_scores_equal_the_reference(lag):
         n_blocks = sel.num_blocks(int(query_pos.max()) + 1, sparse.block_size)
         cis = layer.full()[2]
         expected = sel.agnostic_block_scores(cis, query_pos, sparse, n_blocks, lag=lag)
-        got = layer.agnostic_block_scores(query_pos, sparse, n_blocks, lag=lag)
+        got = sel.pooled_agnostic_scores(layer.pooled_compressed_cis(), query_pos, sparse, n_blocks, lag=lag)
         assert torch.equal(got, expected), step
 
 

@@ -137,11 +137,12 @@ def test_device_bytes_are_o_budget():
         generate(model, ids, mask, cache, new_tokens=4)
         # the device-role tensors, summed here from their shapes
         d, heads, rows = config.head_dim, config.num_key_value_heads, (sparse.budget_blocks + 1) * sparse.block_size
-        per_layer = 2 * 2 * rows * heads * d * 4 + 2 * rows * heads * 4 + 2 * heads * sparse.budget_blocks * 8
+        ring = sparse.kernel_size  # the ring of the latest rows: the widest window (exact LSE)
+        per_layer = 2 * 2 * rows * heads * d * 4 + 2 * rows * heads * 4 + 2 * heads * sparse.budget_blocks * 8 + 2 * ring * heads * (d + 1) * 4
         own_sum = 0
         for layer in cache.layers:
-            assert layer.k_slots.shape == (2, rows, heads, d) and layer.staged is None
-            own_sum += sum(t.numel() * t.element_size() for t in (layer.k_slots, layer.v_slots, layer.bias_slots, layer.block_map))
+            assert layer.k_slots.shape == (2, rows, heads, d) and layer.k_ring.shape == (2, ring, heads, d) and layer.staged is None
+            own_sum += sum(t.numel() * t.element_size() for t in (layer.k_slots, layer.v_slots, layer.bias_slots, layer.block_map, layer.k_ring, layer.cis_ring))
         assert own_sum == per_layer * config.num_hidden_layers == cache.device_nbytes()
         assert cache.host_nbytes() >= 2 * length * heads * d * 2 * 4 * config.num_hidden_layers
         measured.append(cache.device_nbytes())

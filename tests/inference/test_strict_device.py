@@ -182,7 +182,7 @@ def test_harness_restores_allocate_host():
 
 
 def test_host_store_transfer_functions_run_strict():
-    """HostKVStore's own transfer functions (write, write_span, ensure's regrowth copy, rows) are
+    """HostKVStore's own transfer functions (write, write_span, ensure's regrowth copy, device_rows) are
     allowed; anything else that reads its buffers raises."""
     with strict_host():
         store = HostKVStore(2, 2, 4, torch.float32, True, torch.float32, None, False)
@@ -196,7 +196,7 @@ def test_host_store_transfer_functions_run_strict():
     with pytest.raises(HostTensorTouched):
         store.keys[:, :3] + 0
     with host_transfer():
-        stored_k, _, stored_cis = (t.to("cpu") for t in store.rows(4))
+        stored_k, _, stored_cis = store.device_rows(4, torch.tensor([3, 4]), torch.device("cpu"))
     assert torch.equal(stored_k[:, :3], keys) and torch.equal(stored_k[1, 3], keys[1, 0]) and torch.equal(stored_cis[1, 3], cis[1, 0])
 
 

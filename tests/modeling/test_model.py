@@ -9,29 +9,12 @@ from transformers.masking_utils import sdpa_mask
 
 from forecastkv import ForecastKVForCausalLM, SparseCache
 from forecastkv.modeling import selection as sel
-from tests.conftest import TINY_SPARSE, tiny_config
+from tests.helpers import TINY_SPARSE, left_padded, rel, tiny_config, tiny_model
 
 MODES = [
     dict(policy=policy, selector=selector, lse=lse)
     for policy, selector, lse in itertools.product(("infllmv2", "nosa"), ("query", "forecast"), ("exact", "coarse"))
 ]
-
-
-def rel(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
-
-
-def tiny_model(mode=None, seed=0, heads_per_group=1, **overrides):
-    sparse = None if mode is None else {**TINY_SPARSE, **mode}
-    forecast = {"enabled": True, "heads_per_group": heads_per_group}
-    config = tiny_config(sparse_config=sparse, forecast=forecast, **overrides)
-    torch.manual_seed(seed)
-    model = ForecastKVForCausalLM(config).eval()
-    if mode is not None and mode.get("policy") == "nosa":
-        with torch.no_grad():
-            for layer in model.model.layers:  # A = 0 at init would make CIS a no-op
-                layer.self_attn.A.normal_()
-    return model
 
 
 def llama_twin(model):
@@ -143,7 +126,7 @@ def test_forecast_decode_uses_plan_from_previous_layer():
         assert order.index(("plan", idx)) < order.index(("append", idx - 1)), idx
         planned = next(sel for kind, i, sel in events if kind == "plan" and i == idx)
         read = next(sel for kind, i, sel in events if kind == "blocks" and i == idx)
-        assert planned.data_ptr() == read.data_ptr() and planned.shape == read.shape == (1, 2, model.config.sparse.budget_blocks)
+        assert read.selection is planned and planned.shape == (1, 2, model.config.sparse.budget_blocks)  # the Plan handed over
 
 
 def test_multiple_forecast_vectors_per_group_run():
@@ -188,17 +171,12 @@ def test_dense_len_is_decided_per_sequence_per_call():
 def test_dense_len_batch_decides_per_sequence():
     """A left-padded batch with one sequence below dense_len and one above: each row as alone."""
     mixed = tiny_model({"policy": "infllmv2", "dense_len": 40}, seed=11)
-    gen = torch.Generator().manual_seed(12)
-    prompts = [torch.randint(3, 128, (n,), generator=gen) for n in (30, 60)]
-    ids = torch.zeros(2, 60, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, prompt in enumerate(prompts):
-        ids[row, 60 - len(prompt) :], mask[row, 60 - len(prompt) :] = prompt, 1
+    ids, mask = left_padded([30, 60], seed=12)
     with torch.no_grad():
         batched = mixed(ids, attention_mask=mask).logits
-        for row, prompt in enumerate(prompts):
-            alone = mixed(prompt[None]).logits[0]
-            assert rel(batched[row, 60 - len(prompt) :], alone) < 1e-5, row
+        for row, n in enumerate((30, 60)):
+            alone = mixed(ids[row : row + 1, 60 - n :]).logits[0]
+            assert rel(batched[row, 60 - n :], alone) < 1e-5, row
 
 
 def reference_sparse_attention(sparse, dense_row=lambda positions: torch.zeros_like(positions, dtype=torch.bool)):
@@ -284,19 +262,14 @@ def test_nosa_cis_bias_matches_reference():
 @pytest.mark.parametrize("mode", [None] + MODES[::2], ids=lambda m: "dense" if m is None else "-".join(m.values()))
 def test_left_padded_batch_matches_each_sequence_alone(mode):
     model = tiny_model(mode, seed=8)
-    gen = torch.Generator().manual_seed(9)
-    prompts = [torch.randint(3, 128, (n,), generator=gen) for n in (37, 22, 30)]
-    width = max(len(p) for p in prompts)
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, prompt in enumerate(prompts):
-        ids[row, width - len(prompt) :] = prompt
-        mask[row, width - len(prompt) :] = 1
+    lengths = (37, 22, 30)
+    ids, mask = left_padded(lengths, seed=9)
+    width = max(lengths)
     with torch.no_grad():
         batched = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
-        for row, prompt in enumerate(prompts):
-            alone = model.generate(prompt[None], max_new_tokens=10, do_sample=False, pad_token_id=0)
-            assert batched[row, width:].tolist() == alone[0, len(prompt) :].tolist(), row
+        for row, n in enumerate(lengths):
+            alone = model.generate(ids[row : row + 1, width - n :], max_new_tokens=10, do_sample=False, pad_token_id=0)
+            assert batched[row, width:].tolist() == alone[0, n:].tolist(), row
 
 
 def test_sampled_generation_is_seeded():
