@@ -7,6 +7,7 @@ device-index error or a silent CPU op), and a host read of a device tensor (on C
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import pytest
@@ -210,11 +211,11 @@ def strict_model(policy: str):
     return tiny_model({"policy": policy, "selector": "forecast"}, seed=3)
 
 
-def reference_tokens(model, mode: str, ids, mask) -> torch.Tensor:
+def reference_tokens(model, mode: str, ids, mask, new_tokens: int = NEW_TOKENS) -> torch.Tensor:
     """What SparseCache (same selector, no harness) generates."""
     cache = SparseCache(model.config, selector=MODE_SELECTOR.get(mode))
     with torch.no_grad():
-        return model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0, **{CACHE_KWARG: cache})
+        return model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0, **{CACHE_KWARG: cache})
 
 
 def assert_windows_completed_while_decoding(model, cache, shortest_prompt: int) -> None:
@@ -281,3 +282,56 @@ def test_decode_step_has_no_host_reads(mode, monkeypatch):
     later = steps[1:]
     per_step = [step.reads for step in later]
     assert per_step == [0] * len(later), f"{mode}: host reads per decode step {per_step}\n{later[-1].report()}"
+
+
+# -- the decode step at MiniCPM4.1's geometry: zero host reads, strict host store -----------------
+
+MINICPM_WIDTHS = dict(num_hidden_layers=32, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=1024, query_chunk_size=256)
+GEOMETRY = {"infllmv2": "minicpm4.1-8b", "nosa": "nosa-8b"}
+# Prompts of 254, 253, 252 tokens reach 256 at decode steps 2, 3, 4: a kernel window (32/16) and a
+# coarse one (128/64) complete in every sequence within the counted steps (2..5).
+DECODE_STEPS = 5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lengths, dense_len", [([254], 0), ([254, 253, 252], 0), ([254, 253, 252], 256)], ids=["batch1", "padded3", "padded3-dense-to-sparse"])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_decode_steps_read_nothing_back_at_minicpm_geometry(policy, lengths, dense_len):
+    """A 32-layer model with MiniCPM4.1's block geometry (NOSA-8B's for nosa; coarse LSE for
+    infllmv2) and tiny widths, every offload mode: no decode step after the first reads anything
+    back from the device, across compression-window completions (and, with dense_len 256, while
+    the sequences of the batch go from dense to sparse one by one), with every host-store tensor strict; the
+    tokens equal SparseCache's.  Kernels run as their references (the CPU path)."""
+    from forecastkv import kernels
+    from forecastkv.modeling.configuration import load_preset
+
+    sparse = {**load_preset(GEOMETRY[policy])["sparse_config"], "dense_len": dense_len, "selector": "forecast"}
+    model = tiny_model(sparse, seed=2, **MINICPM_WIDTHS)
+    assert model.config.sparse.lse == ("coarse" if policy == "infllmv2" else "exact")
+    ids, mask = left_padded(lengths, seed=1)
+    references = {}
+    for mode in MODES:
+        selector = MODE_SELECTOR.get(mode)
+        if selector not in references:
+            references[selector] = reference_tokens(model, mode, ids, mask, DECODE_STEPS + 1)[:, ids.shape[1]:]
+        expected = references[selector]
+        reads = []
+        with kernels.use_backend("reference"), strict_host(), torch.no_grad():  # strict_host registers the host store
+            cache = OffloadedSparseCache.for_model(model, mode=mode)
+            tokens = [model(input_ids=ids, attention_mask=mask, **{CACHE_KWARG: cache}).logits[:, -1].argmax(-1, keepdim=True)]
+            for step in range(DECODE_STEPS):
+                mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+                # every step after the first is counted (the first may size buffers)
+                with count_host_reads() if step else contextlib.nullcontext() as counter:
+                    logits = model(input_ids=tokens[-1], attention_mask=mask, **{CACHE_KWARG: cache}).logits
+                tokens.append(logits[:, -1].argmax(-1, keepdim=True))
+                if step:
+                    reads.append(counter)
+        mask = mask[:, : ids.shape[1]]
+        per_step = [step.reads for step in reads]
+        assert per_step == [0] * len(per_step), f"{mode}: host reads per decode step {per_step}\n{reads[-1].report()}"
+        assert torch.equal(torch.cat(tokens, 1), expected), mode
+    stored = cache.layers[-1].lengths.tolist()
+    for size, stride in (model.config.sparse.kernel_size, model.config.sparse.kernel_stride), model.config.sparse.coarse_kernel:
+        assert all(num_compressed(n, size, stride) > num_compressed(n - DECODE_STEPS + 1, size, stride) for n in stored), (size, stored)
