@@ -7,11 +7,20 @@
     block_scores(...)            decode-time block selection scores, ready for top-k
     agnostic_scores(...)         NOSA's query-agnostic block scores from the pooled CIS
 
-Backend choice, per call: the Triton kernel when the tensors are on CUDA, or anywhere when
-`TRITON_INTERPRET=1` (Triton's CPU interpreter, used by the tests); the reference otherwise.
-`FORECASTKV_KERNELS=triton|reference|auto` (environment) or `set_backend(...)` /
-`with use_backend(...)` force one side.  Triton is imported guarded: without it every call runs
-the reference (and forcing "triton" is an error).
+The backend setting, one for the whole package, with three parts (each "auto" by default):
+
+    kernels   triton | reference   which implementation a kernel call runs; auto: Triton when the
+                                   tensors are on CUDA, or anywhere under TRITON_INTERPRET=1 (the
+                                   tests), the reference otherwise
+    decode    kernels | gather     decode attention through the sparse_decode kernels (reading the
+                                   blocks in place) or a gather + SDPA; auto: kernels on CUDA
+    prefill   flex | chunked       block-sparse prefill through FlexAttention or the chunked
+                                   PyTorch path; auto: flex on CUDA (where torch has it)
+
+Set it with `FORECASTKV_BACKEND="kernels=reference,decode=gather"` (the environment, read at each
+call), `set_backend(...)`, or `with use_backend(decode="kernels"): ...` (restores the previous
+choice); a positional name sets the kernels part.  Triton is imported guarded: without it every
+call runs the reference (and forcing "triton" is an error).
 
 The `*_reference`, `*_triton` and `block_gather_copy_engine` variants are exported too, with the
 same signatures, for tests and benchmarks.
@@ -35,41 +44,73 @@ from .sparse_decode import (
     sparse_decode_slots_triton,
 )
 
-BACKENDS = ("auto", "triton", "reference")
-ENV_VAR = "FORECASTKV_KERNELS"
-_override: str | None = None
+BACKEND_CHOICES = {
+    "kernels": ("auto", "triton", "reference"),
+    "decode": ("auto", "kernels", "gather"),
+    "prefill": ("auto", "flex", "chunked"),
+}
+BACKENDS = BACKEND_CHOICES["kernels"]
+ENV_VAR = "FORECASTKV_BACKEND"
+_overrides: dict[str, str] = {}
 
 
-def _checked(name: str, source: str) -> str:
+def _checked(part: str, name, source: str) -> str:
+    if part not in BACKEND_CHOICES:
+        raise ValueError(f"unknown backend part {part!r} ({source}); the parts are {tuple(BACKEND_CHOICES)}")
     name = (name or "auto").strip().lower()
-    if name not in BACKENDS:
-        raise ValueError(f"unknown kernel backend {name!r} ({source}); choose one of {BACKENDS}")
+    if name not in BACKEND_CHOICES[part]:
+        raise ValueError(f"unknown {part} backend {name!r} ({source}); choose one of {BACKEND_CHOICES[part]}")
     return name
 
 
-def get_backend() -> str:
-    """The forced backend: `set_backend`'s value if any, else $FORECASTKV_KERNELS, else "auto"."""
-    if _override is not None:
-        return _override
-    return _checked(os.environ.get(ENV_VAR, "auto"), f"${ENV_VAR}")
+def _from_environment() -> dict[str, str]:
+    """$FORECASTKV_BACKEND as {part: choice}: comma-separated `part=choice` items."""
+    text = os.environ.get(ENV_VAR, "").strip()
+    parts = {}
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        part, sep, name = item.partition("=")
+        if not sep:
+            raise ValueError(f"${ENV_VAR} item {item!r} is not part=choice (parts: {tuple(BACKEND_CHOICES)})")
+        parts[part.strip()] = _checked(part.strip(), name, f"${ENV_VAR}")
+    return parts
 
 
-def set_backend(name: str | None) -> None:
-    """Force "triton" or "reference", or "auto"; None goes back to $FORECASTKV_KERNELS."""
-    global _override
-    _override = None if name is None else _checked(name, "set_backend")
+def get_backend(part: str = "kernels") -> str:
+    """The choice for `part`: `set_backend` / `use_backend`'s if any, else $FORECASTKV_BACKEND's,
+    else "auto"."""
+    _checked(part, "auto", "get_backend")
+    if part in _overrides:
+        return _overrides[part]
+    return _from_environment().get(part, "auto")
+
+
+_NOT_GIVEN = object()
+
+
+def set_backend(name=_NOT_GIVEN, **parts: str | None) -> None:
+    """Force choices: `set_backend("reference")` (the kernels part), `set_backend(decode="gather")`;
+    None for a part (`set_backend(None)`: the kernels part) goes back to the environment's choice."""
+    if name is not _NOT_GIVEN:
+        parts = {"kernels": name, **parts}
+    for part, choice in parts.items():
+        if choice is None:
+            _checked(part, "auto", "set_backend")
+            _overrides.pop(part, None)
+        else:
+            _overrides[part] = _checked(part, choice, "set_backend")
 
 
 @contextlib.contextmanager
-def use_backend(name: str):
-    """Context manager: `with use_backend("reference"): ...` (restores the previous choice)."""
-    global _override
-    previous = _override
-    set_backend(name)
+def use_backend(name=_NOT_GIVEN, **parts: str):
+    """`with use_backend("reference"): ...`, `with use_backend(prefill="flex"): ...`: force choices
+    inside the block, restore the previous ones after."""
+    previous = dict(_overrides)
+    set_backend(name, **parts)
     try:
         yield
     finally:
-        _override = previous
+        _overrides.clear()
+        _overrides.update(previous)
 
 
 def use_triton(device: torch.device | str) -> bool:
@@ -130,6 +171,7 @@ agnostic_scores.__doc__ = agnostic_scores_reference.__doc__
 
 __all__ = [
     "BACKENDS",
+    "BACKEND_CHOICES",
     "agnostic_scores",
     "agnostic_scores_reference",
     "agnostic_scores_triton",

@@ -50,7 +50,7 @@ class LazyKernel:
 
     def __getitem__(self, grid):
         if triton is None:
-            raise RuntimeError("triton is not installed; use the reference backend (FORECASTKV_KERNELS=reference)")
+            raise RuntimeError("triton is not installed; use the reference backend (FORECASTKV_BACKEND=kernels=reference)")
         mode = interpreting()
         if mode not in self._jitted:
             self._jitted[mode] = triton.jit(self.fn)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from .. import kernels
 from .selection import num_compressed
 from .step import CallInfo
 
@@ -346,8 +347,6 @@ class SparseCacheLayer(CacheLayerMixin):
         """One decode token per sequence over its selected blocks through the `sparse_decode`
         kernel (no gather copy, no host sync).  q [B, Hq, d], selection [B, H, K] -> [B, Hq, d].
         Keys are those stored (position < length), which at decode is every key up to the token."""
-        from .. import kernels
-
         return kernels.sparse_decode_blocks(q, self.keys, self.values, selection_of(plan), self.lengths, block_size, bias=self.cis, check_ids=False)[0]
 
     # -- full views (prefill and dense paths) ----------------------------------------------------
@@ -358,18 +357,11 @@ class SparseCacheLayer(CacheLayerMixin):
         return self.keys[:, :rows], self.values[:, :rows], cis, rows
 
 
-DECODE_KERNELS_ENV = "FORECASTKV_DECODE_KERNELS"
-
-
 def decode_kernels_enabled(device: torch.device) -> bool:
-    """Whether decode attention runs through the kernels: on CUDA, or anywhere with
-    $FORECASTKV_DECODE_KERNELS=1 (the interpreter tests); the gather + SDPA path otherwise."""
-    import os
-
-    flag = os.environ.get(DECODE_KERNELS_ENV, "").strip().lower()
-    if flag in ("0", "false", "off"):
-        return False
-    return torch.device(device).type == "cuda" or flag in ("1", "true", "on")
+    """Whether decode attention runs through the sparse_decode kernels: the backend setting's
+    decode part (`kernels.get_backend("decode")`); auto: on CUDA.  Else a gather + SDPA."""
+    choice = kernels.get_backend("decode")
+    return choice == "kernels" or (choice == "auto" and torch.device(device).type == "cuda")
 
 
 def block_rows(selection: torch.Tensor, block_size: int, lengths: torch.Tensor):

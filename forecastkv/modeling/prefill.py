@@ -37,21 +37,18 @@ without materialising the scores) is the next step.
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import math
-import os
 import warnings
 
 import torch
 import torch.nn.functional as F
 
+from .. import kernels
 from . import selection as sel
 
 FLEX_Q_TILE = 128  # FlexAttention query tile (rows per BlockMask row)
 CHUNKED_ATTENTION_ROWS = 1024  # rows per chunked_sparse_attention call: ~15% less attention time than 256 on CPU
-SPARSE_BACKENDS = ("auto", "flex", "chunked")
-_sparse_backend: str | None = None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -424,31 +421,9 @@ def flex_sparse_attention(
     return out.transpose(1, 2)
 
 
-def sparse_backend() -> str:
-    """"auto" (FlexAttention on CUDA, chunked elsewhere), "flex" or "chunked": `use_sparse_backend`'s
-    choice, else $FORECASTKV_SPARSE_PREFILL, else "auto"."""
-    name = _sparse_backend or os.environ.get("FORECASTKV_SPARSE_PREFILL", "auto").strip().lower()
-    if name not in SPARSE_BACKENDS:
-        raise ValueError(f"unknown sparse prefill backend {name!r}; choose one of {SPARSE_BACKENDS}")
-    return name
-
-
-@contextlib.contextmanager
-def use_sparse_backend(name: str):
-    """`with use_sparse_backend("flex"): ...` forces a back end (tests run FlexAttention eagerly on CPU)."""
-    global _sparse_backend
-    if name not in SPARSE_BACKENDS:
-        raise ValueError(f"unknown sparse prefill backend {name!r}; choose one of {SPARSE_BACKENDS}")
-    previous, _sparse_backend = _sparse_backend, name
-    try:
-        yield
-    finally:
-        _sparse_backend = previous
-
-
 def use_flex(q: torch.Tensor) -> bool:
     """Whether block-sparse prefill of `q` runs through FlexAttention."""
-    backend = sparse_backend()
+    backend = kernels.get_backend("prefill")  # the backend setting's prefill part
     if backend == "chunked":
         return False
     if backend == "flex":

@@ -1,6 +1,6 @@
 """Decode through the kernels (what CUDA runs): `sparse_decode_blocks` on the resident cache and
 `sparse_decode_slots` on the offloaded slots give the tokens and logits of the gather + SDPA path.
-Here the kernels run in Triton's interpreter ($FORECASTKV_DECODE_KERNELS=1)."""
+Here the kernels run in Triton's interpreter (the backend setting's decode part forced to "kernels")."""
 
 from __future__ import annotations
 
@@ -25,9 +25,9 @@ def test_kernel_decode_matches_gather_decode(monkeypatch):
         "sparse-cache": lambda: SparseCache(model.config),
         "forecast-offload": lambda: OffloadedSparseCache.for_model(model, mode="forecast-offload"),
     }
-    monkeypatch.setenv("FORECASTKV_DECODE_KERNELS", "0")
+    monkeypatch.setenv("FORECASTKV_BACKEND", "decode=gather")
     ref = generate(model, ids, mask, SparseCache(model.config), new_tokens=4)
-    monkeypatch.setenv("FORECASTKV_DECODE_KERNELS", "1")
+    monkeypatch.setenv("FORECASTKV_BACKEND", "decode=kernels")
     calls = []
     for name, make in makers.items():
         cache = make()

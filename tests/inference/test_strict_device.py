@@ -232,8 +232,8 @@ def test_decode_runs_under_strict_host(mode, policy, monkeypatch):
     `append` pooled new compression windows from host rows, then indexed them with device indices,
     a crash each time a window completed).  The prefill runs inside `host_transfer()` so this test
     isolates the decode step (see the next test for the prefill); the decode attention runs through
-    the kernels (FORECASTKV_DECODE_KERNELS=1), the path CUDA takes."""
-    monkeypatch.setenv("FORECASTKV_DECODE_KERNELS", "1")
+    the kernels (the backend's decode part "kernels"), the path CUDA takes."""
+    monkeypatch.setenv("FORECASTKV_BACKEND", "decode=kernels")
     model = strict_model(policy)
     ids, mask = left_padded([PROMPT])
     expected = reference_tokens(model, mode, ids, mask)[:, PROMPT:]
@@ -268,7 +268,7 @@ def test_generate_runs_under_strict_host(mode, policy):
 def test_decode_step_has_no_host_reads(mode, monkeypatch):
     """DESIGN: "Zero host reads" in the decode step.  Counts every step after the first (the first
     may size buffers); the failure message has the per-op and per-site breakdown."""
-    monkeypatch.setenv("FORECASTKV_DECODE_KERNELS", "1")
+    monkeypatch.setenv("FORECASTKV_BACKEND", "decode=kernels")
     model = tiny_model({"policy": "infllmv2", "selector": "forecast"}, seed=3)
     ids, _ = left_padded([PROMPT])
     steps = []

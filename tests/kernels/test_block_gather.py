@@ -233,31 +233,39 @@ def test_realistic_sizes_cuda(num_programs):
 
 
 def test_backend_switches(monkeypatch):
-    monkeypatch.delenv("FORECASTKV_KERNELS", raising=False)
-    assert K.get_backend() == "auto"
+    """One setting, three parts: the environment ($FORECASTKV_BACKEND), set_backend and
+    use_backend (nested, restored), with clear errors for a bad part or choice."""
+    monkeypatch.delenv("FORECASTKV_BACKEND", raising=False)
+    assert [K.get_backend(part) for part in K.BACKEND_CHOICES] == ["auto", "auto", "auto"]
     with K.use_backend("reference"):
         assert K.get_backend() == "reference" and not K.use_triton(DEVICE)
-        with K.use_backend("triton"):
-            assert K.get_backend() == "triton"
-        assert K.get_backend() == "reference"
+        with K.use_backend("triton", decode="gather"):
+            assert K.get_backend() == "triton" and K.get_backend("decode") == "gather"
+        assert K.get_backend() == "reference" and K.get_backend("decode") == "auto"
     assert K.get_backend() == "auto"
-    monkeypatch.setenv("FORECASTKV_KERNELS", "reference")
-    assert K.get_backend() == "reference"
-    K.set_backend("auto")
+    monkeypatch.setenv("FORECASTKV_BACKEND", "kernels=reference, prefill=chunked")
+    assert K.get_backend() == "reference" and K.get_backend("prefill") == "chunked" and K.get_backend("decode") == "auto"
+    K.set_backend("auto", prefill="flex")
     try:
-        assert K.get_backend() == "auto"
+        assert K.get_backend() == "auto" and K.get_backend("prefill") == "flex"
     finally:
-        K.set_backend(None)
-    assert K.get_backend() == "reference"
-    monkeypatch.setenv("FORECASTKV_KERNELS", "cuda")
-    with pytest.raises(ValueError, match=r"unknown kernel backend 'cuda'"):
+        K.set_backend(None, prefill=None)
+    assert K.get_backend() == "reference" and K.get_backend("prefill") == "chunked"
+    monkeypatch.setenv("FORECASTKV_BACKEND", "kernels=cuda")
+    with pytest.raises(ValueError, match=r"unknown kernels backend 'cuda' \(\$FORECASTKV_BACKEND\)"):
         K.get_backend()
-    with pytest.raises(ValueError, match=r"unknown kernel backend 'fast'"):
+    monkeypatch.setenv("FORECASTKV_BACKEND", "reference")
+    with pytest.raises(ValueError, match=r"item 'reference' is not part=choice"):
+        K.get_backend()
+    monkeypatch.delenv("FORECASTKV_BACKEND")
+    with pytest.raises(ValueError, match=r"unknown kernels backend 'fast'"):
         K.set_backend("fast")
+    with pytest.raises(ValueError, match=r"unknown backend part 'attention'"):
+        K.set_backend(attention="flex")
 
 
 def test_auto_backend_choice(monkeypatch):
-    monkeypatch.delenv("FORECASTKV_KERNELS", raising=False)
+    monkeypatch.delenv("FORECASTKV_BACKEND", raising=False)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert not K.use_triton("cpu")
     with K.use_backend("triton"):

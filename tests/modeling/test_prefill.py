@@ -4,6 +4,7 @@ FlexAttention back end (run eagerly on CPU) against the chunked one."""
 import pytest
 import torch
 
+from forecastkv import kernels
 from forecastkv.modeling import prefill
 from tests.helpers import TINY_SPARSE, rel, tiny_model
 
@@ -115,9 +116,9 @@ def test_model_flex_prefill_equals_chunked(policy):
     model = tiny_model({"policy": policy}, seed=21)
     ids = torch.randint(0, 128, (2, 70), generator=torch.Generator().manual_seed(22))
     with torch.no_grad():
-        with prefill.use_sparse_backend("chunked"):
+        with kernels.use_backend(prefill="chunked"):
             chunked = model(ids).logits
-        with prefill.use_sparse_backend("flex"):
+        with kernels.use_backend(prefill="flex"):
             flex = model(ids).logits
     assert rel(flex, chunked) < 1e-5
 
@@ -131,7 +132,7 @@ def test_attention_groups_of_chunks_equal_one_group(policy, monkeypatch):
     model = tiny_model({"policy": policy}, seed=23)
     ids = torch.randint(0, 128, (2, 70), generator=torch.Generator().manual_seed(24))
     outputs = []
-    with torch.no_grad(), prefill.use_sparse_backend("chunked"):
+    with torch.no_grad(), kernels.use_backend(prefill="chunked"):
         for rows in (1, 20, 10_000):  # every chunk alone, groups of 2 chunks (ragged end), one group
             monkeypatch.setattr(attention, "CHUNKED_ATTENTION_ROWS", rows)
             outputs.append(model(ids).logits)
@@ -139,8 +140,8 @@ def test_attention_groups_of_chunks_equal_one_group(policy, monkeypatch):
 
 
 def test_unknown_backend_is_rejected():
-    with pytest.raises(ValueError, match="unknown sparse prefill backend 'fast'"):
-        with prefill.use_sparse_backend("fast"):
+    with pytest.raises(ValueError, match="unknown prefill backend 'fast'"):
+        with kernels.use_backend(prefill="fast"):
             pass
 
 
