@@ -120,6 +120,29 @@ def check_pinned(name: str, host: torch.Tensor, target: torch.Tensor) -> None:
         raise ValueError(f"{name} is on {host.device} but the destination is on {target.device}")
 
 
+def check_bias_pair(names: tuple[str, str], tensors: tuple, shapes: tuple[tuple, tuple], whats: tuple[str, str]) -> bool:
+    """An optional pair of bias tensors (one per side of a transfer): both or neither, each of its
+    shape, one dtype.  Returns whether the pair is given."""
+    if (tensors[0] is None) != (tensors[1] is None):
+        raise ValueError(f"{names[0]} and {names[1]} must be given together (or both None)")
+    if tensors[0] is None:
+        return False
+    for name, tensor, shape, what in zip(names, tensors, shapes, whats):
+        check_tensor(name, tensor, ndim=len(shape), dtypes=FLOAT_DTYPES)
+        check_shape(name, tensor, shape, what)
+    check_same_dtype(names, tensors)
+    return True
+
+
+def check_transfer_sides(device_side: list, host_side: list, target: torch.Tensor) -> None:
+    """(name, tensor) lists of a host <-> device transfer: each side on one device, and host-side
+    tensors pinned where a CUDA kernel reads or writes them through UVA."""
+    check_same_device(*zip(*device_side))
+    check_same_device(*zip(*host_side))
+    for name, tensor in host_side:
+        check_pinned(name, tensor, target)
+
+
 def cuda_device_guard(tensor: torch.Tensor):
     """`torch.cuda.device(tensor.device)` for CUDA tensors, a no-op otherwise."""
     if tensor.device.type == "cuda":

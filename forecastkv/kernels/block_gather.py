@@ -23,13 +23,13 @@ from ._common import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
     LazyKernel,
-    check_pinned,
+    check_bias_pair,
     check_positive_int,
     check_range,
-    check_same_device,
     check_same_dtype,
     check_shape,
     check_tensor,
+    check_transfer_sides,
     cuda_device_guard,
     next_pow2,
     tl,
@@ -74,22 +74,13 @@ def validate_block_gather(k_host, v_host, load_ids, k_slots, v_slots, block_size
     check_shape("k_slots", k_slots, (batch, slots * block_size, heads, dim), f"[B, M*block_size, H_kv, d] with M={slots}, block_size={block_size}")
     check_shape("v_slots", v_slots, k_slots.shape, "must match k_slots")
     check_same_dtype(("k_host", "v_host", "k_slots", "v_slots"), (k_host, v_host, k_slots, v_slots))
-    if (bias_host is None) != (bias_slots is None):
-        raise ValueError("bias_host and bias_slots must be given together (or both None)")
     device_side = [("k_slots", k_slots), ("v_slots", v_slots), ("load_ids", load_ids)]
     host_side = [("k_host", k_host), ("v_host", v_host)]
-    if bias_host is not None:
-        check_tensor("bias_host", bias_host, ndim=3, dtypes=FLOAT_DTYPES)
-        check_tensor("bias_slots", bias_slots, ndim=3, dtypes=FLOAT_DTYPES)
-        check_shape("bias_host", bias_host, (batch, seq, heads), "[B, S, H_kv] from k_host")
-        check_shape("bias_slots", bias_slots, (batch, slots * block_size, heads), "[B, M*block_size, H_kv]")
-        check_same_dtype(("bias_host", "bias_slots"), (bias_host, bias_slots))
+    if check_bias_pair(("bias_host", "bias_slots"), (bias_host, bias_slots), ((batch, seq, heads), (batch, slots * block_size, heads)),
+                       ("[B, S, H_kv] from k_host", "[B, M*block_size, H_kv]")):
         device_side.append(("bias_slots", bias_slots))
         host_side.append(("bias_host", bias_host))
-    check_same_device(*zip(*device_side))
-    check_same_device(*zip(*host_side))
-    for name, t in host_side:
-        check_pinned(name, t, k_slots)
+    check_transfer_sides(device_side, host_side, k_slots)
     n_host_blocks = -(-seq // block_size)
     if check_ids:
         check_range("load_ids", load_ids, -1, n_host_blocks, f"ceil(S / block_size) with S={seq}, block_size={block_size}")

@@ -18,11 +18,11 @@ from ._common import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
     LazyKernel,
-    check_pinned,
-    check_same_device,
+    check_bias_pair,
     check_same_dtype,
     check_shape,
     check_tensor,
+    check_transfer_sides,
     cuda_device_guard,
     next_pow2,
     tl,
@@ -60,22 +60,12 @@ def validate_row_store(k_new, v_new, positions, k_host, v_host, bias_new, bias_h
     check_shape("v_new", v_new, k_new.shape, "must match k_new")
     check_shape("positions", positions, (batch,), "[B]")
     check_same_dtype(("k_new", "v_new", "k_host", "v_host"), (k_new, v_new, k_host, v_host))
-    if (bias_new is None) != (bias_host is None):
-        raise ValueError("bias_new and bias_host must be given together (or both None)")
     device_side = [("k_new", k_new), ("v_new", v_new), ("positions", positions)]
     host_side = [("k_host", k_host), ("v_host", v_host)]
-    if bias_new is not None:
-        check_tensor("bias_new", bias_new, ndim=2, dtypes=FLOAT_DTYPES)
-        check_tensor("bias_host", bias_host, ndim=3, dtypes=FLOAT_DTYPES)
-        check_shape("bias_new", bias_new, (batch, heads), "[B, H_kv]")
-        check_shape("bias_host", bias_host, (batch, seq, heads), "[B, S, H_kv] from k_host")
-        check_same_dtype(("bias_new", "bias_host"), (bias_new, bias_host))
+    if check_bias_pair(("bias_new", "bias_host"), (bias_new, bias_host), ((batch, heads), (batch, seq, heads)), ("[B, H_kv]", "[B, S, H_kv] from k_host")):
         device_side.append(("bias_new", bias_new))
         host_side.append(("bias_host", bias_host))
-    check_same_device(*zip(*device_side))
-    check_same_device(*zip(*host_side))
-    for name, t in host_side:
-        check_pinned(name, t, k_new)
+    check_transfer_sides(device_side, host_side, k_new)
     return batch, seq, heads, dim
 
 
