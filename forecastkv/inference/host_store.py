@@ -81,8 +81,10 @@ class HostKVStore:
     uninitialised): readers mask them by length (`device_rows` zeroes them on the way in).
     """
 
-    def __init__(self, batch: int, heads: int, dim: int, dtype: torch.dtype, with_cis: bool, cis_dtype: torch.dtype | None, max_length: int | None, pin: bool) -> None:
+    def __init__(self, batch: int, heads: int, dim: int, dtype: torch.dtype, with_cis: bool, cis_dtype: torch.dtype | None, max_length: int | None, pin: bool,
+                 reserved: int | None = None) -> None:
         self.shape = (batch, heads, dim)
+        self.reserved = reserved  # rows to allocate at once while they fit (`capacity_for`)
         self.dtype, self.cis_dtype = dtype, cis_dtype
         self.with_cis, self.max_length, self.pin = with_cis, max_length, pin
         self.keys = self.values = self.cis = None
@@ -99,7 +101,7 @@ class HostKVStore:
         after the device's pending writes to them."""
         if rows <= self.capacity:
             return
-        capacity = capacity_for(rows, self.max_length)
+        capacity = capacity_for(rows, self.max_length, reserved=self.reserved)
         batch, heads, dim = self.shape
         keys = allocate_host((batch, capacity, heads, dim), self.dtype, self.pin)
         values = allocate_host((batch, capacity, heads, dim), self.dtype, self.pin)

@@ -141,8 +141,9 @@ class OffloadedLayer(SparseCacheLayer):
         self.h2d_other = 0  # staging and tail refills (prefill, verification, crop)
 
     def reset(self) -> None:
-        recording = self.log.selections is not None
+        recording, reserved = self.log.selections is not None, self.reserved
         SparseCacheLayer.__init__(self, *(self.kernel or (None, None)), coarse=self.coarse, max_length=self.max_length)
+        self.reserved = reserved
         self._fresh()
         self.log.selections = [] if recording else None
 
@@ -162,7 +163,7 @@ class OffloadedLayer(SparseCacheLayer):
         device = keys.device
         pin = device.type == "cuda"
         cis_dtype = None if cis is None else cis.dtype
-        self.host = HostKVStore(batch, heads, dim, keys.dtype, cis is not None, cis_dtype, self.max_length, pin)
+        self.host = HostKVStore(batch, heads, dim, keys.dtype, cis is not None, cis_dtype, self.max_length, pin, self.reserved)
         rows = (self.budget + 1) * self.block_size
         # NaN, not zeros: a slot row read before it was written shows up at once in tests
         nan = float("nan")
@@ -212,8 +213,8 @@ class OffloadedLayer(SparseCacheLayer):
                                   (self.k_ring, ring, keys), (self.cis_ring, ring, cis)):
             if new is not None:
                 _put_rows(buffer, rows, new, valid)
-        old_lengths = self.lengths
-        self.lengths = torch.where(valid, torch.maximum(old_lengths, pos + 1), old_lengths)
+        old_lengths = self.lengths.clone()
+        self.lengths.copy_(torch.where(valid, torch.maximum(old_lengths, pos + 1), old_lengths))  # in place: a fixed address
         if self.kernel is None:
             return
         self.ckeys = self._extend_one(self.ckeys, self.kernel, old_lengths, self.k_ring, ring=True)
@@ -307,6 +308,9 @@ class OffloadedLayer(SparseCacheLayer):
                 self.host.copy_span_to(b, lo, hi, (self.k_ring, None, self.cis_ring), lo % ring)
             self.h2d_other += (length - first + length - low) * self.host.row_bytes()
 
+    def capacity_rows(self) -> int:
+        return 0 if self.host is None else self.host.capacity
+
     # -- plan and blocks ----------------------------------------------------------------------
     def plan(self, selection: torch.Tensor, block_size: int | None = None) -> Plan:
         """Diff `selection` [B, H, K] against the block map and return the `Plan`; fetch the misses
@@ -321,7 +325,8 @@ class OffloadedLayer(SparseCacheLayer):
             count = (wanted >= 0).sum()
             self.log.add(torch.stack([count, torch.zeros_like(count), torch.zeros_like(count)]))
             return Plan(selection, dense=True)
-        self.block_map, load_ids, slot_of, hits, misses = diff_block_map(self.block_map, wanted)
+        new_map, load_ids, slot_of, hits, misses = diff_block_map(self.block_map, wanted)
+        self.block_map.copy_(new_map)  # in place: a fixed address
         self.log.add(torch.stack([(wanted >= 0).sum(), hits.sum(), misses.sum()]))
         plan = Plan(selection, slot_of=slot_of, load_ids=load_ids, fetched=False)
         if self.fetch == "prefetch":

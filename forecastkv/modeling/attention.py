@@ -161,7 +161,14 @@ class SparseAttention(nn.Module):
         """Select this layer's blocks for a decode step and plan their fetch: the one place both
         selectors make a `Plan` (the model calls it one layer ahead for the forecast selector,
         `forward` at the layer itself for the query selector).  vectors [B, 1, H*n, d]."""
-        selection = self.select(vectors, positions, cache_layer, kind, bounds=step.bounds())
+        # every key and block the buffers hold, masked by visibility: the same selection as the
+        # current length's, at shapes that stay fixed from step to step
+        ckeys, coarse, pooled, rows = cache_layer.decode_index()
+        nosa = self.sparse.policy == "nosa"
+        selection = sel.layer_selection(
+            vectors, ckeys, positions, self.sparse, kind, lse_keys=coarse if kind == "query" else None,
+            pooled_cis=pooled if nosa else None, n_blocks=sel.num_blocks(rows, self.sparse.block_size),
+        )
         return cache_layer.plan(selection[:, :, 0], self.sparse.block_size)
 
     def _record(self, out: dict | None, q, forecast_in, positions, cache_layer, selection, selector, **host) -> None:

@@ -32,22 +32,25 @@ from .step import CallInfo
 GROWTH_CHUNK = 1024  # rows added per growth when no max_length was given
 
 
-def capacity_for(rows: int, max_length: int | None, chunk: int = GROWTH_CHUNK) -> int:
+def capacity_for(rows: int, max_length: int | None, chunk: int = GROWTH_CHUNK, reserved: int | None = None) -> int:
     """Rows to allocate for `rows` stored rows: `max_length` if given (an error past it), else
+    `reserved` (what generate() will store at most) while the rows fit in it, else
     `rows` rounded up to the next multiple of `chunk`."""
     if max_length is not None:
         if rows > max_length:
             raise ValueError(f"sequence of {rows} tokens exceeds this cache's max_length={max_length}; build the cache with a larger max_length")
         return max_length
+    if reserved is not None and rows <= reserved:
+        return reserved
     return -(-rows // chunk) * chunk
 
 
-def grow_rows(buffer: torch.Tensor | None, rows: int, like: torch.Tensor, max_length: int | None = None, chunk: int = GROWTH_CHUNK) -> torch.Tensor:
+def grow_rows(buffer: torch.Tensor | None, rows: int, like: torch.Tensor, max_length: int | None = None, chunk: int = GROWTH_CHUNK, reserved: int | None = None) -> torch.Tensor:
     """Return `buffer` with at least `rows` rows along dim 1, zero-filled; a new buffer is sized by
     `capacity_for` and shaped like `like` [B, *, ...] (its dtype and device)."""
     if buffer is not None and buffer.shape[1] >= rows:
         return buffer
-    capacity = capacity_for(rows, max_length, chunk)
+    capacity = capacity_for(rows, max_length, chunk, reserved)
     grown = torch.zeros((like.shape[0], capacity, *like.shape[2:]), dtype=like.dtype, device=like.device)
     if buffer is not None:
         grown[:, : buffer.shape[1]] = buffer
@@ -150,6 +153,7 @@ class SparseCacheLayer(CacheLayerMixin):
         self.kernel = (kernel_size, kernel_stride) if kernel_size else None
         self.coarse = coarse
         self.max_length = max_length
+        self.reserved: int | None = None  # rows generate() will store at most (`SparseCache.reserve`)
         self.cis: torch.Tensor | None = None
         self.ckeys: torch.Tensor | None = None
         self.coarse_keys: torch.Tensor | None = None
@@ -179,7 +183,9 @@ class SparseCacheLayer(CacheLayerMixin):
         return self.columns + query_length, 0
 
     def reset(self) -> None:
+        reserved = self.reserved
         self.__init__(*(self.kernel or (None, None)), coarse=self.coarse, max_length=self.max_length)
+        self.reserved = reserved
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         # beams of one prompt share its length, and beam_idx only permutes within a prompt's
@@ -225,12 +231,12 @@ class SparseCacheLayer(CacheLayerMixin):
         if new is None:
             return
         batch_idx, col_idx, pos, new_lengths, rows = new
-        self.keys = grow_rows(self.keys, rows, keys, self.max_length)
-        self.values = grow_rows(self.values, rows, values, self.max_length)
+        self.keys = grow_rows(self.keys, rows, keys, self.max_length, reserved=self.reserved)
+        self.values = grow_rows(self.values, rows, values, self.max_length, reserved=self.reserved)
         self.keys[batch_idx, pos] = keys[batch_idx, col_idx]
         self.values[batch_idx, pos] = values[batch_idx, col_idx]
         if cis is not None:
-            self.cis = grow_rows(self.cis, rows, cis, self.max_length)
+            self.cis = grow_rows(self.cis, rows, cis, self.max_length, reserved=self.reserved)
             self.cis[batch_idx, pos] = cis[batch_idx, col_idx]
         old_lengths, self.lengths = self.lengths, new_lengths
         self._extend_compressed(old_lengths, self.keys, self.cis)
@@ -247,15 +253,15 @@ class SparseCacheLayer(CacheLayerMixin):
             keep = valid.view(-1, *([1] * (new.dim() - 1)))
             buffer[batch, index] = torch.where(keep, new.to(buffer.dtype), buffer[batch, index])
 
-        self.keys = grow_rows(self.keys, self.columns, self.keys, self.max_length)
-        self.values = grow_rows(self.values, self.columns, self.values, self.max_length)
+        self.keys = grow_rows(self.keys, self.columns, self.keys, self.max_length, reserved=self.reserved)
+        self.values = grow_rows(self.values, self.columns, self.values, self.max_length, reserved=self.reserved)
         put(self.keys, keys)
         put(self.values, values)
         if cis is not None:
-            self.cis = grow_rows(self.cis, self.columns, self.cis, self.max_length)
+            self.cis = grow_rows(self.cis, self.columns, self.cis, self.max_length, reserved=self.reserved)
             put(self.cis, cis)
-        old_lengths = self.lengths
-        self.lengths = torch.where(valid, torch.maximum(old_lengths, pos + 1), old_lengths)
+        old_lengths = self.lengths.clone()
+        self.lengths.copy_(torch.where(valid, torch.maximum(old_lengths, pos + 1), old_lengths))  # in place: a fixed address
         if self.kernel is None:
             return
         self.ckeys = self._extend_one(self.ckeys, self.kernel, old_lengths, self.keys)
@@ -264,13 +270,18 @@ class SparseCacheLayer(CacheLayerMixin):
         if self.coarse is not None:
             self.coarse_keys = self._extend_one(self.coarse_keys, self.coarse, old_lengths, self.keys)
 
+    def _window_capacity(self, size: int, stride: int) -> tuple[int | None, int | None]:
+        """(max_length, reserved) counted in compression windows of `size` / `stride`."""
+        windows = lambda rows: None if rows is None else max(num_compressed(rows, size, stride), 1)  # noqa: E731
+        return windows(self.max_length), windows(self.reserved)
+
     def _extend_one(self, target, kernel, old_lengths, source, dtype=None, ring: bool = False):
         """`_extend` for a one-token step: each sequence completes at most one window.  Fixed
         shapes, no host read; source is the layer's rows by position, or a ring (`compress_windows`)."""
         size, stride = kernel
         first, last = (torch.where(n >= size, torch.div(n - size, stride, rounding_mode="floor") + 1, torch.zeros_like(n)) for n in (old_lengths, self.lengths))
-        capacity = None if self.max_length is None else max(num_compressed(self.max_length, size, stride), 1)
-        target = grow_rows(target, max(num_compressed(self.columns, size, stride), 1), target, capacity, max(GROWTH_CHUNK // stride, 1))
+        capacity, reserved = self._window_capacity(size, stride)
+        target = grow_rows(target, max(num_compressed(self.columns, size, stride), 1), target, capacity, max(GROWTH_CHUNK // stride, 1), reserved)
         rows = (first.unsqueeze(-1) * stride + torch.arange(size, device=first.device)).unsqueeze(1)  # [B, 1, size]
         window = compress_windows(source, rows, dtype, ring)[:, 0]
         index = first.clamp(max=target.shape[1] - 1)
@@ -298,9 +309,9 @@ class SparseCacheLayer(CacheLayerMixin):
         size, stride = kernel
         ids, valid, rows = window_rows(old_lengths, self.lengths, size, stride)
         like = source[:, :1].to(self.lengths.device, dtype or source.dtype)
-        capacity = None if self.max_length is None else max(num_compressed(self.max_length, size, stride), 1)
+        capacity, reserved = self._window_capacity(size, stride)
         # windows grow in chunks worth GROWTH_CHUNK positions, not GROWTH_CHUNK windows
-        target = grow_rows(target, max(num_compressed(self._longest(None), size, stride), 1), like, capacity, max(GROWTH_CHUNK // stride, 1))
+        target = grow_rows(target, max(num_compressed(self._longest(None), size, stride), 1), like, capacity, max(GROWTH_CHUNK // stride, 1), reserved)
         if ids.shape[1]:
             write_windows(target, ids, valid, compress_windows(source, rows.to(source.device), dtype))
         return target
@@ -321,6 +332,17 @@ class SparseCacheLayer(CacheLayerMixin):
         if self.coarse is None:
             return None
         return self.coarse_keys[:, : num_compressed(self._longest(length), *self.coarse)]
+
+    def capacity_rows(self) -> int:
+        """Positions per sequence the layer's buffers hold now (what a decode step may score)."""
+        return 0 if self.keys is None else self.keys.shape[1]
+
+    def decode_index(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, int]:
+        """What a decode step scores, at fixed shapes: the compressed keys [B, C, H, d], the coarse
+        keys or None and the pooled CIS or None, whole as allocated (visibility masks the windows
+        not yet complete), and the rows they span (`capacity_rows`).  Changes only when a buffer
+        grows, which a reserved or max_length cache never does while decoding."""
+        return self.ckeys, self.coarse_keys, self.pooled_cis, self.capacity_rows()
 
     def pooled_compressed_cis(self, length: int | None = None) -> torch.Tensor:
         """NOSA's CIS mean-pooled over the compression windows, fp32 [B, C, H], up to the longest
@@ -442,6 +464,13 @@ class SparseCache(Cache):
     def sequence_lengths(self) -> torch.Tensor | None:
         """[B] stored positions per sequence on the device (None before the first token)."""
         return self.layers[0].lengths
+
+    def reserve(self, rows: int) -> None:
+        """Allocate `rows` positions per sequence when the first tokens come (what generate() will
+        store at most: its max_length), so decoding never regrows a buffer; more rows still fit
+        (they grow in chunks).  A cache built with max_length keeps it."""
+        for layer in self.layers:
+            layer.reserved = rows
 
     def host_lengths(self) -> list[int] | None:
         """The same count on the host (None before the first token): what decode steps decide by."""

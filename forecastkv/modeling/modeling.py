@@ -148,7 +148,7 @@ class ForecastKVModel(ForecastKVPreTrainedModel):
         if length == 1 and host is not None and stored is not None:
             if max(host, default=0) >= limit:
                 raise ValueError(f"sequence length {max(host) + 1} exceeds max_position_embeddings={limit}")
-            return stored.view(-1, 1).to(device)
+            return stored.view(-1, 1).to(device, copy=True)  # a copy: the layers update their lengths in place
         if stored is None:
             stored = torch.zeros(batch, dtype=torch.long, device=device)
         if attention_mask is not None:
@@ -319,12 +319,20 @@ class ForecastKVForCausalLM(ForecastKVPreTrainedModel, GenerationMixin):
         return ForecastKVOutput(loss=loss, logits=logits, selections=selections, **kept)
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
-        """generate() gets a SparseCache unless the caller passed a cache of their own."""
+        """generate() gets a SparseCache unless the caller passed a cache of their own; either way
+        the cache reserves generate()'s max_length (prompt + new tokens) so that no buffer is
+        regrown, and no buffer changes shape or address, while decoding."""
         user_cache = model_kwargs.get("cache") or model_kwargs.get("past_key_values")
+        rows = generation_config.max_length
         if user_cache is not None:
             user_cache._is_user_defined = True
+            if rows is not None and hasattr(user_cache, "reserve"):
+                user_cache.reserve(rows)
             return None
         if generation_config.use_cache is False:
             return None
-        model_kwargs[CACHE_KWARG] = SparseCache(self.config)
+        cache = SparseCache(self.config)
+        if rows is not None:
+            cache.reserve(rows)
+        model_kwargs[CACHE_KWARG] = cache
         return None

@@ -327,17 +327,17 @@ def score_blocks(
     """Block scores ready for top-k: `key_scores` pooled to blocks, init/local forced to +inf.
 
     Arguments as `key_scores` (lag None: the visibility rule of `kind`).  Returns fp32
-    [B, H, Tq, n_blocks].  Multi-row calls (and any call on the CPU) score only the keys some row
-    sees and mask only those not every row sees (`keys_seen`), from `bounds` (lowest, highest
-    entry of positions, host ints) or else one read of them; a CUDA decode step without bounds
-    skips that host read.
+    [B, H, Tq, n_blocks].  Given `bounds` (lowest, highest entry of positions, host ints), only
+    the keys some row sees are scored and only those not every row sees are masked (`keys_seen`),
+    what keeps a prefill chunk cheap; without them every key is scored and masked (fixed shapes,
+    nothing read back: a decode step).  The scores are the same either way.
     """
     lag = visibility_lag(kind) if lag is None else lag
     p, s = sparse.kernel_size, sparse.kernel_stride
     masked_from, coarse_everywhere = 0, False
-    if bounds is not None or positions.shape[1] > 1 or not positions.is_cuda:
+    if bounds is not None:
         # keys no row sees are not scored; keys every row sees are not masked
-        first, last = position_range(positions) if bounds is None else bounds
+        first, last = bounds
         masked_from = keys_seen(first, ckeys.shape[1], p, s, lag)
         ckeys = ckeys[:, : keys_seen(last, ckeys.shape[1], p, s, lag)]
         if lse_keys is not None:
@@ -409,6 +409,7 @@ def layer_selection(
     cis: torch.Tensor | None = None,
     pooled_cis: torch.Tensor | None = None,
     bounds: tuple[int, int] | None = None,
+    n_blocks: int | None = None,
 ) -> torch.Tensor:
     """One layer's deployed selection int64 [B, H, Tq, budget_blocks]: `score_blocks` with the
     visibility rule of `kind`, then `select_blocks` (what `SparseAttention.select` runs).
@@ -416,13 +417,16 @@ def layer_selection(
     vectors [B, Tq, H*n, d]; ckeys [B, C, H, d] (the layer's compressed keys); positions [B, Tq];
     lse_keys: coarse keys for MiniCPM's LSE estimate (query kind only); nosa: the layer's raw CIS
     cis [B, S, H], or pooled_cis fp32 [B, C, H] already pooled over the windows (a cache's).
-    bounds: (lowest, highest) entry of positions when the caller holds them as host ints (else
-    read once from the device).
+    bounds: (lowest, highest) entry of positions as host ints: only the keys some row sees are
+    scored.  n_blocks: the blocks to score, fixed by the caller (a decode step scores every key
+    and block its buffers hold, so its shapes never change); without either the positions are
+    read once.  The selection is the same whichever is given.
     """
-    lo_hi = position_range(positions) if bounds is None else bounds
-    n_blocks = num_blocks(lo_hi[1] + 1, sparse.block_size)
+    if n_blocks is None:
+        bounds = position_range(positions) if bounds is None else bounds
+        n_blocks = num_blocks(bounds[1] + 1, sparse.block_size)
     coarse = lse_keys if kind == "query" else None
-    scores = score_blocks(vectors, ckeys, positions, sparse, n_blocks, kind=kind, lse_keys=coarse, bounds=lo_hi)
+    scores = score_blocks(vectors, ckeys, positions, sparse, n_blocks, kind=kind, lse_keys=coarse, bounds=bounds)
     agnostic = None
     if sparse.policy == "nosa":
         if pooled_cis is None and cis is None:
