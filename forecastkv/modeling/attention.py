@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import kernels
 from . import selection as sel
 from .cache import Plan, decode_kernels_enabled
 from .heads import scoring_head
@@ -163,13 +164,20 @@ class SparseAttention(nn.Module):
         `forward` at the layer itself for the query selector).  vectors [B, 1, H*n, d]."""
         # every key and block the buffers hold, masked by visibility: the same selection as the
         # current length's, at shapes that stay fixed from step to step
+        sparse = self.sparse
         ckeys, coarse, pooled, rows = cache_layer.decode_index()
-        nosa = self.sparse.policy == "nosa"
-        selection = sel.layer_selection(
-            vectors, ckeys, positions, self.sparse, kind, lse_keys=coarse if kind == "query" else None,
-            pooled_cis=pooled if nosa else None, n_blocks=sel.num_blocks(rows, self.sparse.block_size),
-        )
-        return cache_layer.plan(selection[:, :, 0], self.sparse.block_size)
+        coarse = coarse if kind == "query" else None
+        pooled = pooled if sparse.policy == "nosa" else None
+        n_blocks = sel.num_blocks(rows, sparse.block_size)
+        if decode_kernels_enabled(vectors.device):
+            # the decode-time scoring kernels (Triton on CUDA), equal to score_blocks at one row
+            lag, pos = sel.visibility_lag(kind), positions[:, 0]
+            scores = kernels.block_scores(vectors[:, 0], ckeys, pos, sparse, n_blocks, kind, lag, lse_keys=coarse).unsqueeze(2)
+            agnostic = None if pooled is None else kernels.agnostic_scores(pooled, pos, sparse, n_blocks, lag).unsqueeze(2)
+            selection = sel.select_blocks(scores, positions, sparse, agnostic)
+        else:
+            selection = sel.layer_selection(vectors, ckeys, positions, sparse, kind, lse_keys=coarse, pooled_cis=pooled, n_blocks=n_blocks)
+        return cache_layer.plan(selection[:, :, 0], sparse.block_size)
 
     def _record(self, out: dict | None, q, forecast_in, positions, cache_layer, selection, selector, **host) -> None:
         """Store both selectors' choices (the one in use is `selection`) for recall measurements;

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from forecastkv import SparseCache
+from forecastkv import SparseCache, kernels
 from forecastkv.inference import OffloadedSparseCache
 from forecastkv.kernels._common import interpreting, triton_available
 from tests.helpers import left_padded, rel, tiny_model
@@ -28,6 +28,10 @@ def test_kernel_decode_matches_gather_decode(monkeypatch):
     monkeypatch.setenv("FORECASTKV_BACKEND", "decode=gather")
     ref = generate(model, ids, mask, SparseCache(model.config), new_tokens=4)
     monkeypatch.setenv("FORECASTKV_BACKEND", "decode=kernels")
+    scored = []
+    for name in ("block_scores", "agnostic_scores"):  # the decode-time scoring kernels select the blocks
+        original = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda *a, _f=original, _n=name, **k: (scored.append(_n), _f(*a, **k))[1])
     calls = []
     for name, make in makers.items():
         cache = make()
@@ -38,3 +42,4 @@ def test_kernel_decode_matches_gather_decode(monkeypatch):
         assert torch.equal(out.sequences, ref.sequences), name
         assert rel(torch.stack(out.logits, 1), torch.stack(ref.logits, 1)) < 1e-5, name
     assert len(calls) == 2 * 3 * model.config.num_hidden_layers  # every decode step of every layer
+    assert scored.count("block_scores") == scored.count("agnostic_scores") == len(calls)  # NOSA: both, once per layer and step
