@@ -459,9 +459,13 @@ class OffloadedSparseCache(SparseCache):
     `model.generate(ids, cache=cache)` (`past_key_values=` on transformers 5.17).
     """
 
-    def __init__(self, config, mode: str = "forecast-offload", max_length: int | None = None, first_layer_resident: bool = True, record_selections: bool = False) -> None:
+    def __init__(self, config, mode: str = "forecast-offload", max_length: int | None = None, first_layer_resident: bool = True, record_selections: bool = False,
+                 gather_programs: int | None = None) -> None:
         if mode not in MODES:
             raise ValueError(f"unknown offload mode {mode!r}; choose one of {MODES}")
+        if gather_programs is not None and (isinstance(gather_programs, bool) or not isinstance(gather_programs, int) or gather_programs < 1):
+            raise ValueError(f"gather_programs must be a positive integer or None (sized from the SM count and batch), got {gather_programs!r}")
+        self.gather_programs = gather_programs
         if max_length is not None and (not isinstance(max_length, int) or max_length <= 0):
             raise ValueError(f"max_length must be a positive integer or None, got {max_length!r}")
         sparse = config.sparse
@@ -487,14 +491,17 @@ class OffloadedSparseCache(SparseCache):
             return ResidentLayer(*kernel, coarse=coarse, max_length=max_length)
         block_size = sparse.block_size if sparse is not None else 64
         budget = sparse.budget_blocks if sparse is not None else 1
-        return OffloadedLayer(*kernel, coarse, max_length, block_size=block_size, budget=budget, fetch=MODE_FETCH.get(mode, "sync"), staging=self.staging)
+        return OffloadedLayer(*kernel, coarse, max_length, block_size=block_size, budget=budget, fetch=MODE_FETCH.get(mode, "sync"), staging=self.staging,
+                              gather_programs=self.gather_programs)
 
     @classmethod
     def for_model(cls, model, mode: str | None = None, max_length: int | None = None, **options) -> "OffloadedSparseCache":
         """A cache for `model`.  mode: one of `MODES`; None picks forecast-offload for a model whose
         selector is forecast, else sparse-offload.  max_length preallocates that many positions per
-        sequence (prompt + new tokens); past it the cache raises.  options: first_layer_resident
-        (default True), record_selections (default False: keep every plan for replay tests)."""
+        sequence (prompt + new tokens); past it the cache raises (None: generate() reserves its own
+        length).  options: first_layer_resident (default True), record_selections (default False:
+        keep every plan for replay tests), gather_programs (persistent programs of the block gather;
+        default: about one per 8 SMs, twice that above batch 16)."""
         config = model.config
         if mode is None:
             sparse = config.sparse

@@ -103,3 +103,17 @@ def test_generate_reserves_its_length(make):
         out = model.generate(ids, attention_mask=mask, max_new_tokens=9, do_sample=False, pad_token_id=0, return_dict_in_generate=True, **kwargs)
     cache = out.past_key_values if cache is None else cache
     assert all(layer.capacity_rows() == ids.shape[1] + 9 for layer in cache.layers)
+
+
+def test_gather_programs_default_and_override():
+    from forecastkv.inference.offloaded import gather_programs_for
+
+    assert gather_programs_for("cpu", 4) == 16 and gather_programs_for("cpu", 17) == 32
+    model = tiny_model({"policy": "infllmv2", "selector": "forecast"}, seed=4)
+    ids, mask = left_padded([29, 23])
+    cache = OffloadedSparseCache.for_model(model, mode="forecast-offload", gather_programs=3)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, **{CACHE_KWARG: cache})
+    assert {layer.gather_programs for layer in cache.layers if layer.offloaded} == {3}
+    with pytest.raises(ValueError, match=r"gather_programs must be a positive integer or None .* got 0"):
+        OffloadedSparseCache.for_model(model, gather_programs=0)
