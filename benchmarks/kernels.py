@@ -128,7 +128,7 @@ def bench_scores(device, batches, heads, group, dim, seq, dtype, reps, run_trito
             vectors = torch.randn(batch, heads * n, dim, dtype=dtype, device=device)
             ckeys = torch.randn(batch, count, heads, dim, dtype=dtype, device=device)
             pos = torch.full((batch,), seq - 1, device=device)
-            args = (vectors, ckeys, pos, sparse, n_blocks, kind)
+            args = (vectors, ckeys, pos, sparse, n_blocks, kind, 0 if kind == "query" else 1)  # selection.visibility_lag
             nbytes = ckeys.numel() * ckeys.element_size()
             config = f"{kind} B={batch} Hkv={heads} n={n} C={count} NB={n_blocks} d={dim}"
             ref_ms = timed(lambda: K.block_scores_reference(*args), device, reps)

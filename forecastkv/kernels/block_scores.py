@@ -101,7 +101,8 @@ def validate_block_scores(vectors, ckeys, positions, sparse, n_blocks, kind="que
     for name in ("kernel_size", "kernel_stride", "block_size", "init_blocks", "local_blocks"):
         if not isinstance(getattr(sparse, name, None), int):
             raise TypeError(f"sparse.{name} must be an int, got {getattr(sparse, name, None)!r}")
-    lag = (0 if kind == "query" else 1) if lag is None else lag
+    if lag is None:  # the visibility rule lives in modeling.selection, which kernels do not import
+        raise ValueError(f"lag is required for kind {kind!r}: pass selection.visibility_lag(kind)")
     if isinstance(lag, bool) or not isinstance(lag, int) or lag < 0:
         raise ValueError(f"lag must be a non-negative integer, got {lag!r}")
     if lse_keys is not None:

@@ -72,23 +72,17 @@ def compressed_visibility(
     return ends.view(1, 1, -1) <= positions.unsqueeze(-1)
 
 
-# The one visibility rule per selector kind (window end + lag).  The query selector scores the keys
-# of its own layer after the row's token was appended (lag 0); the forecast selector scores the next
-# layer's keys before that layer appends token t (lag 1), which is what the prefetching runtime sees.
-# Deployed scoring (`score_blocks`), the decode kernel and the training teacher and student all
-# take their mask from `key_visibility`, so training optimises exactly what is deployed.
-VISIBILITY_LAG = {"query": 0, "forecast": 1}
-
-
 def visibility_lag(kind: str) -> int:
-    if kind not in VISIBILITY_LAG:
-        raise ValueError(f"score kind {kind!r} is not one of {tuple(VISIBILITY_LAG)}")
-    return VISIBILITY_LAG[kind]
-
-
-def key_visibility(positions: torch.Tensor, num_keys: int, kernel_size: int, kernel_stride: int, kind: str = "query") -> torch.Tensor:
-    """The visibility rule of selector `kind`: positions [B, Tq] -> bool [B, Tq, num_keys]."""
-    return compressed_visibility(positions, num_keys, kernel_size, kernel_stride, visibility_lag(kind))
+    """The visibility rule of selector `kind`, the one place it is written: the query selector
+    scores its own layer's keys after the row's token was appended (lag 0); the forecast selector
+    scores the next layer's keys before that layer appends token t (lag 1), what the prefetching
+    runtime sees.  Deployed scoring, the decode kernels' callers and the training teacher and
+    student all take it from here (with `compressed_visibility`), so training optimises exactly
+    what is deployed."""
+    lags = {"query": 0, "forecast": 1}
+    if kind not in lags:
+        raise ValueError(f"score kind {kind!r} is not one of {tuple(lags)}")
+    return lags[kind]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -297,7 +291,7 @@ def key_scores(
 
     vectors [B, Tq, H*n, d]: queries (kind "query") or forecast vectors (kind "forecast"; n = 1 uses
     the raw dot product, n > 1 the group-summed softmax); ckeys [B, C, H, d]; positions [B, Tq];
-    lag None = the rule of `kind` (`key_visibility`); lse_keys [B, C2, H, d] selects the coarse LSE;
+    lag None = the rule of `kind` (`visibility_lag`); lse_keys [B, C2, H, d] selects the coarse LSE;
     masked_from: keys below it are visible to every row (`keys_seen` of the lowest position);
     coarse_everywhere: every row sees a coarse key (`group_softmax_scores`).
     """

@@ -3,7 +3,7 @@
 For one layer l and every KV group g and query row t:
 
 Visibility: teacher and student see exactly the keys the deployed forecast selector scores,
-`selection.key_visibility(..., kind="forecast")` (window end + 1 <= t), on whichever grid.
+`selection.compressed_visibility` with `selection.visibility_lag("forecast")` (window end + 1 <= t), on whichever grid.
 
 * teacher P: the group-summed softmax of layer l's real (post-RoPE) queries over a *fine* grid of
   compressed keys (default kernel 2, stride 1), fine keys masked by the forecast rule;
@@ -91,8 +91,8 @@ class ObjectiveConfig:
 
 
 def forecast_visibility(positions: torch.Tensor, num_keys: int, kernel_size: int, kernel_stride: int) -> torch.Tensor:
-    """The deployed forecast selector's rule (`selection.key_visibility`): [B, R] -> bool [B, R, num_keys]."""
-    return sel.key_visibility(positions, num_keys, kernel_size, kernel_stride, "forecast")
+    """The deployed forecast selector's rule (`selection.visibility_lag`): [B, R] -> bool [B, R, num_keys]."""
+    return sel.compressed_visibility(positions, num_keys, kernel_size, kernel_stride, sel.visibility_lag("forecast"))
 
 
 def align_to_grid(probs: torch.Tensor, ratio: int, count: int, pooling: str = "max") -> torch.Tensor:

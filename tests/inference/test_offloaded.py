@@ -11,7 +11,7 @@ import torch
 from forecastkv import SparseCache
 from forecastkv.inference import OffloadedSparseCache, diff_block_map
 from forecastkv.modeling.modeling import CACHE_KWARG
-from tests.modeling.test_model import rel, tiny_model
+from tests.helpers import left_padded, rel, tiny_model
 
 POLICIES = ("infllmv2", "nosa")
 SELECTORS = ("query", "forecast")
@@ -21,17 +21,6 @@ def modes_for(selector: str) -> list[str]:
     """The modes whose selector is `selector` (no-offload and dense-offload keep the model's)."""
     own = {"query": ["sparse-offload"], "forecast": ["forecast-sync", "forecast-offload"]}[selector]
     return ["no-offload", "dense-offload", *own]
-
-
-def left_padded(lengths, seed=9):
-    gen = torch.Generator().manual_seed(seed)
-    width = max(lengths)
-    ids = torch.zeros(len(lengths), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, n in enumerate(lengths):
-        ids[row, width - n :] = torch.randint(3, 128, (n,), generator=gen)
-        mask[row, width - n :] = 1
-    return ids, mask
 
 
 def generate(model, ids, mask, cache, new_tokens=10):

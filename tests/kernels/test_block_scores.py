@@ -44,9 +44,9 @@ def poisoned_out(vectors, ckeys, n_blocks):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_matches_reference(kind, group, dtype):
     vectors, ckeys, pos, n_blocks = case(kind, group, dtype)
-    ref = K.block_scores_reference(vectors, ckeys, pos, SPARSE, n_blocks, kind)
+    ref = K.block_scores_reference(vectors, ckeys, pos, SPARSE, n_blocks, kind, sel.visibility_lag(kind))
     out = poisoned_out(vectors, ckeys, n_blocks)
-    got = K.block_scores_triton(vectors, ckeys, pos, SPARSE, n_blocks, kind, out=out)
+    got = K.block_scores_triton(vectors, ckeys, pos, SPARSE, n_blocks, kind, sel.visibility_lag(kind), out=out)
     assert got is out and not out.isnan().any()
     assert_close(got, ref, dtype)
     # the case covers every kind of entry: forced, pooled, invisible / padding
@@ -68,7 +68,7 @@ def test_no_compressed_keys_yet(impl):
     """Early decode: C = 0, only forced blocks are finite (+inf)."""
     vectors, _, pos, _ = case("query", 3, positions=(9, 0, -1))
     ckeys = torch.randn(3, 0, 2, 16, device=DEVICE)
-    got = impl(vectors, ckeys, pos, SPARSE, 2, "query")
+    got = impl(vectors, ckeys, pos, SPARSE, 2, "query", 0)
     expected = torch.tensor([[float("inf")] * 2, [float("inf"), float("-inf")], [float("-inf")] * 2], device=DEVICE)
     assert torch.equal(got, expected.unsqueeze(1).expand(-1, 2, -1))
 
@@ -94,7 +94,7 @@ def test_matches_selection(impl, kind, group, coarse):
     expected = sel.score_blocks(vectors[:, None], ckeys, pos[:, None], SPARSE, n_blocks, kind=kind,
                                 lag=0 if kind == "query" else 1, lse_keys=lse_keys)[:, :, 0]
     out = poisoned_out(vectors, ckeys, n_blocks)
-    got = impl(vectors, ckeys, pos, SPARSE, n_blocks, kind, out=out, lse_keys=lse_keys)
+    got = impl(vectors, ckeys, pos, SPARSE, n_blocks, kind, sel.visibility_lag(kind), out=out, lse_keys=lse_keys)
     assert got is out and not out.isnan().any()
     assert_close(got, expected, torch.float32)
     if coarse:  # the coarse LSE is a different normalisation: it must change the scores
@@ -140,8 +140,8 @@ def test_kernels_are_leaves():
 def test_topk_on_kernel_scores_matches():
     """Selections built from kernel scores equal the reference selections (the point of the scores)."""
     vectors, ckeys, pos, n_blocks = case("query", 3, positions=(45, 30, 20))
-    ref = K.block_scores_reference(vectors, ckeys, pos, SPARSE, n_blocks, "query")
-    got = K.block_scores_triton(vectors, ckeys, pos, SPARSE, n_blocks, "query")
+    ref = K.block_scores_reference(vectors, ckeys, pos, SPARSE, n_blocks, "query", 0)
+    got = K.block_scores_triton(vectors, ckeys, pos, SPARSE, n_blocks, "query", 0)
     pick = lambda s: sel.topk_blocks(s[:, :, None], pos[:, None], 4, SPARSE.block_size)
     assert torch.equal(pick(got), pick(ref))
 
@@ -152,10 +152,10 @@ def aot_launches():
     sparse = SparseConfig()
     for kind, group in (("query", 4), ("forecast", 1), ("forecast", 2)):
         vectors, ckeys, pos, n_blocks = case(kind, group, torch.bfloat16, batch=2, dim=128, sparse=sparse, positions=(1000, 500))
-        K.block_scores_triton(vectors, ckeys, pos, sparse, n_blocks, kind)
+        K.block_scores_triton(vectors, ckeys, pos, sparse, n_blocks, kind, sel.visibility_lag(kind))
     # MiniCPM4.1's coarse LSE (G = 16) and NOSA's agnostic score
     vectors, ckeys, pos, n_blocks = case("query", 16, torch.bfloat16, batch=2, dim=128, sparse=sparse, positions=(1000, 500))
-    K.block_scores_triton(vectors, ckeys, pos, sparse, n_blocks, "query", lse_keys=coarse_keys_for(ckeys, pos, sparse, 128, torch.bfloat16))
+    K.block_scores_triton(vectors, ckeys, pos, sparse, n_blocks, "query", 0, lse_keys=coarse_keys_for(ckeys, pos, sparse, 128, torch.bfloat16))
     K.agnostic_scores_triton(torch.randn(2, 61, 2, device=DEVICE).to(torch.bfloat16), pos, sparse, n_blocks)
 
 
@@ -183,11 +183,12 @@ def test_compiles_for_sm90():
         (lambda a: {"n_blocks": -1}, ValueError, r"n_blocks must be a non-negative integer, got -1"),
         (lambda a: {"out": torch.zeros(3, 2, 1, device=DEVICE)}, ValueError, r"out has shape \(3, 2, 1\), expected \(3, 2, 6\)"),
         (lambda a: {"lag": -1}, ValueError, r"lag must be a non-negative integer, got -1"),
+        (lambda a: {"lag": None}, ValueError, r"lag is required for kind 'query': pass selection.visibility_lag\(kind\)"),
     ],
 )
 def test_rejects_bad_inputs(fn, change, error, match):
     vectors, ckeys, pos, n_blocks = case("query", 3)
-    args = dict(vectors=vectors, ckeys=ckeys, positions=pos, sparse=SPARSE, n_blocks=n_blocks, kind="query")
+    args = dict(vectors=vectors, ckeys=ckeys, positions=pos, sparse=SPARSE, n_blocks=n_blocks, kind="query", lag=0)
     args.update(change(args))
     with pytest.raises(error, match=match):
         fn(**args)
@@ -201,5 +202,5 @@ def test_realistic_sizes_cuda(kind, group, dtype):
     """MiniCPM4.1 geometry (p 32, s 16, bs 64, window 2048) at 16K tokens, compiled."""
     sparse = SparseConfig()
     vectors, ckeys, pos, n_blocks = case(kind, group, dtype, batch=4, heads=8, dim=128, sparse=sparse, positions=(16383, 9000, 100, -1))
-    ref = K.block_scores_reference(vectors, ckeys, pos, sparse, n_blocks, kind)
-    assert_close(K.block_scores_triton(vectors, ckeys, pos, sparse, n_blocks, kind), ref, dtype)
+    ref = K.block_scores_reference(vectors, ckeys, pos, sparse, n_blocks, kind, sel.visibility_lag(kind))
+    assert_close(K.block_scores_triton(vectors, ckeys, pos, sparse, n_blocks, kind, sel.visibility_lag(kind)), ref, dtype)

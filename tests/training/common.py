@@ -7,9 +7,6 @@ from pathlib import Path
 
 from tests.helpers import TINY_MODEL, TRAINING_SPARSE
 
-# test_features.py and test_objective.py import the training geometry by this name from here:
-# it is tests.helpers.TRAINING_SPARSE (topk 4), not tests.helpers.TINY_SPARSE (topk 3)
-TINY_SPARSE = TRAINING_SPARSE
 WORDS = "the of and to in is was for on that with by as at from his her it an were are which this be or".split()
 
 

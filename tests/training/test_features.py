@@ -10,8 +10,8 @@ from forecastkv.modeling.rope import apply_rope
 from forecastkv.training.features import build_features, cached_rows, head_vectors
 from forecastkv.training.objective import ObjectiveConfig, layer_loss, rows_kl
 from forecastkv.training.recall import forecast_recall, measure_recall_counts
-
-from .common import TINY_MODEL, TINY_SPARSE
+from tests.helpers import TINY_MODEL
+from tests.helpers import TRAINING_SPARSE as TINY_SPARSE
 
 
 def tiny(per_group=1, sparse=None, seed=0):

@@ -8,8 +8,7 @@ import torch
 from forecastkv.modeling import SparseConfig
 from forecastkv.modeling.selection import compress_keys
 from forecastkv.training.objective import ObjectiveConfig, TopkTargets, align_to_grid, layer_loss, rows_kl, teacher_rows, topk_targets
-
-from .common import TINY_SPARSE
+from tests.helpers import TRAINING_SPARSE as TINY_SPARSE
 
 EPS = 1e-8
 

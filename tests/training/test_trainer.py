@@ -6,7 +6,6 @@ import math
 import os
 import pathlib
 import random
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ from safetensors.torch import load_file
 from forecastkv.modeling.forecast_init import apply_forecast_init
 from forecastkv.training import train_forecast
 from forecastkv.training.checkpointing import find_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
+from tests.helpers import free_port
 
 from .common import tiny_recipe
 
@@ -155,12 +155,6 @@ def test_checkpoint_state_round_trips(tmp_path):
 # ----------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _cli_run(tmp_path: Path, processes: int) -> Path:
     """Train the 3-step tiny recipe through the CLI under torch.distributed.run with `processes`
     CPU processes, one thread each whatever the caller's OMP_NUM_THREADS; returns the run directory."""
@@ -168,7 +162,7 @@ def _cli_run(tmp_path: Path, processes: int) -> Path:
     config = tmp_path / f"procs{processes}.yaml"
     config.write_text(yaml.safe_dump(tiny_recipe(tmp_path / "data", out, steps=3, threads=1)))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_port", str(_free_port()),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_port", str(free_port()),
            "-m", "forecastkv.training.cli", "--config", str(config), "--no-progress"]
     run = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
