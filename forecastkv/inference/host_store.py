@@ -64,8 +64,9 @@ def allocate_host(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torc
     if not pin or tensor.numel() == 0:
         return tensor
     nbytes = tensor.numel() * tensor.element_size()
-    error = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 0)
-    if int(getattr(error, "value", error)) != 0:
+    # cudaHostRegisterPortable (1): pinned for every CUDA context (a device_map over several GPUs)
+    error = int(torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 1))
+    if error != 0:
         raise MemoryError(
             f"could not pin {nbytes / 2**30:.2f} GiB of host memory for the offloaded KV cache (cudaHostRegister: {error}); "
             f"lower max_length or the batch, raise the locked-memory limit (ulimit -l), or free host memory"
