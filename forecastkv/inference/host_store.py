@@ -16,6 +16,7 @@ Every CPU touch of host rows that the GPU may still be writing waits on the stor
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import weakref
 
@@ -38,6 +39,21 @@ class host_transfer(contextlib.ContextDecorator):
     def __exit__(self, *exc) -> bool:
         _transfer_state.depth -= 1
         return False
+
+
+def transfer_function(fn):
+    """Mark `fn` as a transfer function: it runs inside `host_transfer()`.  Under torch.compile the
+    marker is skipped (Dynamo cannot enter a user context manager, and the harness that reads it
+    never runs compiled), so a compiled step traces straight through."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            return fn(*args, **kwargs)
+        with host_transfer():
+            return fn(*args, **kwargs)
+
+    return wrapper
 
 
 def in_host_transfer() -> bool:
@@ -109,12 +125,16 @@ class HostKVStore:
         cis = allocate_host((batch, capacity, heads), self.cis_dtype, self.pin) if self.with_cis else None
         if self.capacity:
             self.wait_writes()
-            with host_transfer():
-                keys[:, : self.capacity] = self.keys
-                values[:, : self.capacity] = self.values
-                if cis is not None:
-                    cis[:, : self.capacity] = self.cis
+            self._copy_stored(keys, values, cis)
         self.keys, self.values, self.cis, self.capacity = keys, values, cis, capacity
+
+    @transfer_function
+    def _copy_stored(self, keys: torch.Tensor, values: torch.Tensor, cis: torch.Tensor | None) -> None:
+        """Growth: the stored rows into the new, larger buffers (a CPU copy)."""
+        keys[:, : self.capacity] = self.keys
+        values[:, : self.capacity] = self.values
+        if cis is not None:
+            cis[:, : self.capacity] = self.cis
 
     def wait_writes(self) -> None:
         """Block the CPU until the device's writes into these buffers are done (a CPU touch)."""
@@ -128,7 +148,7 @@ class HostKVStore:
             self.written.record(torch.cuda.current_stream(device))
 
     # -- D2H write-back -----------------------------------------------------------------------
-    @host_transfer()
+    @transfer_function
     def write_rows(self, positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cis: torch.Tensor | None) -> int:
         """A decode step's write-back: row b of keys/values [B, H, d] (cis [B, H]) at position
         positions[b] (device int64 [B], -1 = skip), through the `row_store` kernel (UVA writes into
@@ -139,7 +159,7 @@ class HostKVStore:
         moved = keys.numel() * keys.element_size() * 2
         return moved + (0 if cis is None else cis.numel() * cis.element_size())
 
-    @host_transfer()
+    @transfer_function
     def write(self, batch_idx: torch.Tensor, pos: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cis: torch.Tensor | None) -> int:
         """A multi-token call's write-back of scattered rows (a padded prompt, draft tokens):
         keys/values [N, H, d] (any device) at (batch_idx[N], pos[N]).  Reads the indices and rows
@@ -153,7 +173,7 @@ class HostKVStore:
             moved += cis.numel() * cis.element_size()
         return moved
 
-    @host_transfer()
+    @transfer_function
     def write_span(self, start: int, keys: torch.Tensor, values: torch.Tensor, cis: torch.Tensor | None) -> int:
         """Store keys/values [B, n, H, d] (and cis [B, n, H]) at positions start..start+n-1 of every
         sequence: one slice copy per tensor (a DMA from the device, asynchronous into pinned
@@ -170,7 +190,7 @@ class HostKVStore:
         return moved
 
     # -- H2D ----------------------------------------------------------------------------------
-    @host_transfer()
+    @transfer_function
     def device_rows(self, count: int, lengths: torch.Tensor, device: torch.device, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Device copies of positions [0, count) of every sequence in buffers of `rows` (>= count,
         default count) rows: keys, values [B, rows, H, d], cis [B, rows, H] or None.  Rows at or
@@ -190,7 +210,7 @@ class HostKVStore:
             out.append(buffer.masked_fill_(~keep.view(*keep.shape, *([1] * (buffer.dim() - 2))), 0))
         return out[0], out[1], out[2]
 
-    @host_transfer()
+    @transfer_function
     def copy_span_to(self, batch: int, start: int, stop: int, targets: tuple, offset: int) -> None:
         """Copy host rows [start, stop) of sequence `batch` into rows offset.. of each target
         (device tensors [B, R, ...], in key / value / cis order, None to skip).  H2D, async."""

@@ -28,7 +28,7 @@ import torch
 from .. import kernels
 from ..modeling.cache import Plan, SparseCache, SparseCacheLayer, gather_blocks, new_rows
 from ..modeling.step import CallInfo
-from .host_store import HostKVStore, host_transfer
+from .host_store import HostKVStore, transfer_function
 from .prefetch import make_prefetcher
 from .slots import diff_block_map
 
@@ -334,7 +334,7 @@ class OffloadedLayer(SparseCacheLayer):
             plan.fetched = True
         return plan
 
-    @host_transfer()
+    @transfer_function
     def _gather(self, load_ids: torch.Tensor) -> None:
         """Copy the host blocks named by load_ids [B, H, M] into their slots (tail column skipped):
         the UVA kernel on CUDA (no sync, skips bad ids), its reference elsewhere."""

@@ -117,3 +117,25 @@ def test_gather_programs_default_and_override():
     assert {layer.gather_programs for layer in cache.layers if layer.offloaded} == {3}
     with pytest.raises(ValueError, match=r"gather_programs must be a positive integer or None .* got 0"):
         OffloadedSparseCache.for_model(model, gather_programs=0)
+
+
+@pytest.mark.parametrize("mode", ["forecast-offload", "sparse-offload", "resident"])
+def test_a_decode_step_traces_as_one_graph(mode):
+    """torch.compile(fullgraph=True) traces a whole decode step, offloaded runtime included, without
+    a graph break (backend "eager": the trace is what is checked), and gives the eager logits.
+    Kernels as their references (the CPU path; the interpreter cannot be traced).  Later steps
+    still recompile on the Python-side step logs and host counters."""
+    from forecastkv import kernels
+
+    torch._dynamo.reset()
+    model = tiny_model({"policy": "nosa", "selector": "forecast"}, seed=4)
+    ids, mask = left_padded([29])
+    logits = []
+    for compiled in (False, True):
+        cache = SparseCache(model.config) if mode == "resident" else OffloadedSparseCache.for_model(model, mode=mode)
+        cache.reserve(40)
+        with torch.no_grad(), kernels.use_backend("reference"):
+            token = model(input_ids=ids, **{CACHE_KWARG: cache}).logits[:, -1:].argmax(-1)
+            forward = torch.compile(model, fullgraph=True, backend="eager") if compiled else model
+            logits.append(forward(input_ids=token, **{CACHE_KWARG: cache}).logits)
+    assert torch.equal(logits[0], logits[1])
