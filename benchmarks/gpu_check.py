@@ -441,13 +441,14 @@ class Recorder:
                                  "log": f"{base}.log", "json": f"{base}.json", "notes": NOTES.get(name, {})})
 
     def save(self, record: dict | None = None, state: str = "running") -> dict:
-        if record is not None:
-            write_atomic(os.path.join(self.out_dir, record["json"]), json.dumps(record, indent=1) + "\n")
+        # the summary first: whoever sees a section's JSON finished finds the summary saying so too
         ran = [r for r in self.records if r["status"] in DONE]
         summary = {**self.head, "elapsed_s": round(time.monotonic() - self.started, 1), "state": state,
                    "ok": all(r["status"] == "passed" for r in ran), "sections": self.records}
         write_atomic(os.path.join(self.out_dir, "summary.json"), json.dumps(summary, indent=1) + "\n")
         write_atomic(os.path.join(self.out_dir, "summary.md"), summary_markdown(summary))
+        if record is not None:
+            write_atomic(os.path.join(self.out_dir, record["json"]), json.dumps(record, indent=1) + "\n")
         return summary
 
 
