@@ -2,16 +2,23 @@
 
 Per offloaded layer (shared/DESIGN.md, "The cache and the runtime"):
 
-* a `HostKVStore` holds every position's K/V (and NOSA's CIS); new tokens are written through to it;
+* a `HostKVStore` holds every position's K/V (and NOSA's CIS); new tokens are written through to it
+  (a decode step's row by the `row_store` kernel, straight into pinned memory);
 * a device slot buffer [B, (M + 1) * bs, H, d] holds M = budget regular slots (complete blocks)
-  and one tail slot (the block being written), with a block map [B, H, M];
-* `plan(selection)` diffs the selection against the map (`slots.diff_block_map`): hits stay, misses
-  are fetched into free slots by the block gather, at once (sync modes) or on a side stream
-  (forecast-offload, CUDA); `blocks(selection)` waits for this layer's fetch only and reads the slots;
+  and one tail slot (the block being written), with a block map [B, H, M], and a ring of the
+  latest rows from which a decode step pools the compression windows it completes;
+* `plan(selection)` diffs the selection against the map (`slots.diff_block_map`) and returns the
+  step's `Plan`: hits stay, misses are fetched into free slots by the block gather, at once (sync
+  modes) or on a side stream (forecast-offload, CUDA); `blocks(plan)` waits for this layer's fetch
+  only and reads the slots;
 * a multi-token call (prefill, draft verification) stages one layer's KV on the device for the
   chunked attention and drops it when the next layer stages, so peak device memory is one layer's
   KV plus the slots;
 * compressed keys (and NOSA's pooled CIS) stay on the device: they are what selection scores.
+
+A decode step reads nothing back from the device (the host counters of `CallInfo` decide every
+number) and touches host memory only through the transfer functions (`transfer_function`: the
+gather, the staging, the write-back); tests/strict_device.py checks both on the CPU.
 
 Modes (`MODES`): `no-offload` (every layer resident, the `SparseCache` behaviour), `sparse-offload`
 (query selector, fetched at the consuming layer), `forecast-sync` (forecast selector, fetched at the
