@@ -14,19 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ._common import (
-    FLOAT_DTYPES,
-    INDEX_DTYPES,
-    LazyKernel,
-    check_bias_pair,
-    check_same_dtype,
-    check_shape,
-    check_tensor,
-    check_transfer_sides,
-    cuda_device_guard,
-    next_pow2,
-    tl,
-)
+from ._common import FLOAT_DTYPES, INDEX_DTYPES, LazyKernel, check_bias_pair, check_same_dtype, check_shape, check_tensor, check_transfer_sides, cuda_device_guard, next_pow2, tl
 
 _DOC = """Store row b of the new tokens at host position positions[b], for every sequence b.
 
