@@ -53,9 +53,9 @@ class StepLog:
         self.h2d_extra: list[int] = []  # bytes outside the block gather (dense-offload's whole-layer copy)
         self.selections: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # (selection, complete blocks) if recording
 
-    def add(self, counts: torch.Tensor) -> None:
+    def add(self, counts: torch.Tensor, h2d_extra: int = 0) -> None:
         self.counts.append(counts)
-        self.h2d_extra.append(0)
+        self.h2d_extra.append(h2d_extra)
 
     def table(self) -> torch.Tensor:
         """int64 [steps, 3] on the CPU (one sync)."""
@@ -99,7 +99,7 @@ class ResidentLayer(SparseCacheLayer):
     def plan(self, selection: torch.Tensor, block_size: int | None = None) -> Plan:
         plan = super().plan(selection, block_size)
         wanted = (selection >= 0).sum()
-        self.log.add(torch.stack([wanted, wanted, torch.zeros_like(wanted)]))
+        plan.counts = torch.stack([wanted, wanted, torch.zeros_like(wanted)])
         if self.log.selections is not None:
             self.log.selections.append((selection.clone(), torch.div(self.lengths, block_size, rounding_mode="floor").clone()))
         return plan
@@ -198,20 +198,31 @@ class OffloadedLayer(SparseCacheLayer):
             self._allocate(keys, cis)
         self._check_batch(keys)
         step = self.step_for(positions) if step is None else step
-        self.columns += positions.shape[1]
-        self.host_lengths = list(step.lengths_after)
-        self.host.ensure(step.key_count)
+        if not step.prepared:
+            self.prepare(step, positions.shape[1])
         if step.decode:
             self._append_token(keys[:, 0], values[:, 0], None if cis is None else cis[:, 0], positions[:, 0])
         else:
             self._append_tokens(keys, values, cis, positions, step)
 
+    def prepare(self, step: CallInfo, columns: int) -> None:
+        """The host side of a call (`SparseCacheLayer.prepare`): counters, host capacity, and for a
+        decode step room for its compression windows and its write-back's bytes."""
+        if not self.is_initialized:
+            return
+        self.columns += columns
+        self.host_lengths = list(step.lengths_after)
+        self.host.ensure(step.key_count)
+        if step.decode:
+            self.staging.release()  # a decode step reads no staged layer
+            self._grow_windows_for(self.columns)
+            self.d2h_bytes += self.host.shape[0] * self.host.row_bytes()
+
     def _append_token(self, keys: torch.Tensor, values: torch.Tensor, cis: torch.Tensor | None, pos: torch.Tensor) -> None:
         """A decode step: keys/values [B, H, d], cis [B, H] or None, pos [B].  The row goes to the
         host through the `row_store` kernel; the tail slot, the ring and the compressed keys are
         updated on the device from the ring.  Fixed shapes, no host read, no host-store read."""
-        self.staging.release()
-        self.d2h_bytes += self.host.write_rows(pos, keys, values, cis)
+        self.host.write_rows(pos, keys, values, cis)  # its bytes were counted by `prepare`
         valid = pos >= 0
         index = pos.clamp(min=0)
         tail = self.budget * self.block_size + index % self.block_size
@@ -330,12 +341,12 @@ class OffloadedLayer(SparseCacheLayer):
         wanted = selection.masked_fill((selection < 0) | (selection >= complete.view(-1, 1, 1)), -1)
         if self.fetch == "dense":
             count = (wanted >= 0).sum()
-            self.log.add(torch.stack([count, torch.zeros_like(count), torch.zeros_like(count)]))
-            return Plan(selection, dense=True)
+            self.last_plan = Plan(selection, dense=True, counts=torch.stack([count, torch.zeros_like(count), torch.zeros_like(count)]))
+            return self.last_plan
         new_map, load_ids, slot_of, hits, misses = diff_block_map(self.block_map, wanted)
         self.block_map.copy_(new_map)  # in place: a fixed address
-        self.log.add(torch.stack([(wanted >= 0).sum(), hits.sum(), misses.sum()]))
-        plan = Plan(selection, slot_of=slot_of, load_ids=load_ids, fetched=False)
+        plan = Plan(selection, slot_of=slot_of, load_ids=load_ids, fetched=False, counts=torch.stack([(wanted >= 0).sum(), hits.sum(), misses.sum()]))
+        self.last_plan = plan
         if self.fetch == "prefetch":
             plan.done = self.prefetcher.launch(lambda: self._gather(load_ids), keep_alive=(load_ids,))
             plan.fetched = True
@@ -364,10 +375,10 @@ class OffloadedLayer(SparseCacheLayer):
             plan.fetched = True
         return plan
 
-    def _dense_copy(self):
+    def _dense_copy(self, plan: Plan):
         """dense-offload: the whole layer copied to the device (counted against this step)."""
         rows = self._longest(None)
-        self.log.h2d_extra[-1] += rows * self.host.row_bytes() * self.host.shape[0]
+        plan.h2d_extra += rows * self.host.row_bytes() * self.host.shape[0]
         return self.host.device_rows(rows, self.lengths, self.k_slots.device)
 
     def _slot_of_selected(self, plan: Plan) -> torch.Tensor:
@@ -381,7 +392,7 @@ class OffloadedLayer(SparseCacheLayer):
         """The planned blocks from the slots (same layout and values as `SparseCacheLayer.blocks`)."""
         plan = self._ready(plan, block_size)
         if plan.dense:
-            return gather_blocks(*self._dense_copy(), plan.selection, self.lengths, block_size)
+            return gather_blocks(*self._dense_copy(plan), plan.selection, self.lengths, block_size)
         slot = self._slot_of_selected(plan)
         offsets = torch.arange(block_size, device=slot.device)
         rows = (slot.clamp(min=0).unsqueeze(-1) * block_size + offsets).flatten(-2)
@@ -393,7 +404,7 @@ class OffloadedLayer(SparseCacheLayer):
         plan = self._ready(plan, block_size)
         selection = plan.selection
         if plan.dense:
-            keys, values, cis = self._dense_copy()
+            keys, values, cis = self._dense_copy(plan)
             return kernels.sparse_decode_blocks(q, keys, values, selection, self.lengths, block_size, bias=cis, check_ids=False)[0]
         slot = self._slot_of_selected(plan)
         batch, heads, _ = selection.shape

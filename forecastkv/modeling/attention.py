@@ -152,7 +152,8 @@ class SparseAttention(nn.Module):
         if step.decode and sparse is not None and not step.any_dense:
             if plan is None:
                 plan = self.plan_decode(q if selector == "query" else forecast_in, positions, cache_layer, selector, step)
-            self._record(selections_out, q, forecast_in, positions, cache_layer, plan.selection.unsqueeze(2), selector, bounds=step.bounds())
+            if selections_out is not None:
+                self._record(selections_out, q, forecast_in, positions, cache_layer, plan.selection.unsqueeze(2), selector, bounds=step.bounds())
             out = self._decode_blocks(q, positions, cache_layer, plan)
         else:
             out = self._attend_chunks(q, forecast_in, positions, cache_layer, selections_out, selector, step)

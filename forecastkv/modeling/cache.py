@@ -20,6 +20,7 @@ does not copy every layer's KV each time a power of two is crossed.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -118,6 +119,9 @@ class Plan:
     done: object = None
     fetched: bool = True
     dense: bool = False
+    counts: torch.Tensor | None = None  # device int64 [3]: blocks wanted / hit / missed (the step log's row)
+    share: torch.Tensor | None = None   # device scalar: blocks read / blocks stored (resident layers)
+    h2d_extra: int = 0                  # bytes moved outside the gather (dense-offload's whole-layer copy)
 
 
 def selection_of(plan: "Plan | torch.Tensor") -> torch.Tensor:
@@ -161,6 +165,7 @@ class SparseCacheLayer(CacheLayerMixin):
         self.lengths: torch.Tensor | None = None
         self.host_lengths: list[int] | None = None
         self.planned: torch.Tensor | None = None
+        self.last_plan: Plan | None = None  # recorded into the step logs after the call (`record_plan`)
         self.block_shares: list[torch.Tensor] = []  # per planned decode step: blocks read / blocks stored
         self.columns = 0  # input columns seen, padding included (what generate() slices by)
 
@@ -222,8 +227,8 @@ class SparseCacheLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(keys, values)
         step = self.step_for(positions) if step is None else step
-        self.columns += positions.shape[1]
-        self.host_lengths = list(step.lengths_after)
+        if not step.prepared:
+            self.prepare(step, positions.shape[1])
         if step.decode and self.keys is not None:
             self._append_one(keys[:, 0], values[:, 0], None if cis is None else cis[:, 0], positions[:, 0])
             return
@@ -241,10 +246,41 @@ class SparseCacheLayer(CacheLayerMixin):
         old_lengths, self.lengths = self.lengths, new_lengths
         self._extend_compressed(old_lengths, self.keys, self.cis)
 
+    def prepare(self, step: CallInfo, columns: int) -> None:
+        """The host side of a call storing `columns` columns, done before the layer runs: the
+        counters, and for a decode step room for its token in every buffer, so that the step
+        itself reads no Python number that changes from step to step (what a compiled or
+        captured step needs).  The model's cache does it for every layer (`begin_call`)."""
+        if not self.is_initialized:
+            return
+        self.columns += columns
+        self.host_lengths = list(step.lengths_after)
+        if step.decode and self.keys is not None:
+            self._grow_for(self.columns)
+
+    def _grow_for(self, rows: int) -> None:
+        """Room for `rows` positions per sequence in every buffer (a decode step's token)."""
+        self.keys = grow_rows(self.keys, rows, self.keys, self.max_length, reserved=self.reserved)
+        self.values = grow_rows(self.values, rows, self.values, self.max_length, reserved=self.reserved)
+        if self.cis is not None:
+            self.cis = grow_rows(self.cis, rows, self.cis, self.max_length, reserved=self.reserved)
+        self._grow_windows_for(rows)
+
+    def _grow_windows_for(self, rows: int) -> None:
+        """Room for the compression windows of `rows` positions (compressed keys, pooled CIS)."""
+        if self.kernel is None:
+            return
+        for name, kernel in (("ckeys", self.kernel), ("pooled_cis", self.kernel), ("coarse_keys", self.coarse)):
+            target = getattr(self, name)
+            if target is not None and kernel is not None:
+                size, stride = kernel
+                capacity, reserved = self._window_capacity(size, stride)
+                setattr(self, name, grow_rows(target, max(num_compressed(rows, size, stride), 1), target, capacity, max(GROWTH_CHUNK // stride, 1), reserved))
+
     def _append_one(self, keys: torch.Tensor, values: torch.Tensor, cis: torch.Tensor | None, pos: torch.Tensor) -> None:
         """A decode step without host syncs: keys/values [B, H, d], cis [B, H] or None, pos [B]
-        (-1 = padding).  Capacity is bounded by the columns seen (every position is below it);
-        a padding row writes back what it read, so no row selection is needed."""
+        (-1 = padding).  `prepare` made room for the token; a padding row writes back what it
+        read, so no row selection is needed."""
         valid = pos >= 0
         index = pos.clamp(min=0)
         batch = torch.arange(pos.shape[0], device=pos.device)
@@ -253,12 +289,9 @@ class SparseCacheLayer(CacheLayerMixin):
             keep = valid.view(-1, *([1] * (new.dim() - 1)))
             buffer[batch, index] = torch.where(keep, new.to(buffer.dtype), buffer[batch, index])
 
-        self.keys = grow_rows(self.keys, self.columns, self.keys, self.max_length, reserved=self.reserved)
-        self.values = grow_rows(self.values, self.columns, self.values, self.max_length, reserved=self.reserved)
         put(self.keys, keys)
         put(self.values, values)
         if cis is not None:
-            self.cis = grow_rows(self.cis, self.columns, self.cis, self.max_length, reserved=self.reserved)
             put(self.cis, cis)
         old_lengths = self.lengths.clone()
         self.lengths.copy_(torch.where(valid, torch.maximum(old_lengths, pos + 1), old_lengths))  # in place: a fixed address
@@ -280,8 +313,6 @@ class SparseCacheLayer(CacheLayerMixin):
         shapes, no host read; source is the layer's rows by position, or a ring (`compress_windows`)."""
         size, stride = kernel
         first, last = (torch.where(n >= size, torch.div(n - size, stride, rounding_mode="floor") + 1, torch.zeros_like(n)) for n in (old_lengths, self.lengths))
-        capacity, reserved = self._window_capacity(size, stride)
-        target = grow_rows(target, max(num_compressed(self.columns, size, stride), 1), target, capacity, max(GROWTH_CHUNK // stride, 1), reserved)
         rows = (first.unsqueeze(-1) * stride + torch.arange(size, device=first.device)).unsqueeze(1)  # [B, 1, size]
         window = compress_windows(source, rows, dtype, ring)[:, 0]
         index = first.clamp(max=target.shape[1] - 1)
@@ -352,13 +383,26 @@ class SparseCacheLayer(CacheLayerMixin):
         return self.pooled_cis[:, : num_compressed(self._longest(length), *self.kernel)]
 
     def plan(self, selection: torch.Tensor, block_size: int | None = None) -> Plan:
-        """Resident cache: nothing to move.  Returns the `Plan` and, given `block_size`, records the
+        """Resident cache: nothing to move.  Returns the `Plan`, with (given `block_size`) the
         share of this step's stored blocks it reads.  selection [B, H, K] (-1 = none)."""
         self.planned = selection
+        plan = Plan(selection)
         if block_size is not None and self.lengths is not None:
             stored = (-(-self.lengths.clamp(min=1) // block_size)).sum() * selection.shape[1]
-            self.block_shares.append((selection >= 0).sum() / stored)  # a device scalar: no sync while decoding
-        return Plan(selection)
+            plan.share = (selection >= 0).sum() / stored  # a device scalar: no sync while decoding
+        self.last_plan = plan
+        return plan
+
+    def record_plan(self) -> None:
+        """Move the last plan's counters into the step logs (after the call, on the host side)."""
+        plan, self.last_plan = self.last_plan, None
+        if plan is None:
+            return
+        if plan.share is not None:
+            self.block_shares.append(plan.share)
+        log = getattr(self, "log", None)  # the offloaded runtime's layers keep a step log
+        if log is not None and plan.counts is not None:
+            log.add(plan.counts, plan.h2d_extra)
 
     def blocks(self, plan: "Plan | torch.Tensor", block_size: int):
         """Gather the planned blocks.  plan: a `Plan` or a selection [B, H, K] (-1 = none) ->
@@ -484,6 +528,22 @@ class SparseCache(Cache):
         if positions.shape[1] == 1 and stored is not None:
             return CallInfo.for_decode(stored, sparse)
         return CallInfo.from_positions(positions, stored, sparse)
+
+    def begin_call(self, positions: torch.Tensor, sparse) -> CallInfo:
+        """`call_info`, then every layer's host bookkeeping for the call (`prepare`): what the
+        model does before its layers run, so the layers' part of a decode step reads no Python
+        number that changes from step to step."""
+        step = call = self.call_info(positions, sparse)
+        if all(layer.is_initialized for layer in self.layers):
+            for layer in self.layers:
+                layer.prepare(call, positions.shape[1])
+            step = dataclasses.replace(call, prepared=True)
+        return step
+
+    def finish_call(self) -> None:
+        """After the layers ran: each layer's plan counters into its step logs."""
+        for layer in self.layers:
+            layer.record_plan()
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.layers[layer_idx].get_seq_length()

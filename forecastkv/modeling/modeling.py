@@ -193,7 +193,7 @@ class ForecastKVModel(ForecastKVPreTrainedModel):
             raise TypeError(f"forecastkv models need a SparseCache (or a subclass), got {type(cache).__name__}")
         cache.check_model(self.config)
         positions = self.positions_for(batch, length, cache, attention_mask, position_ids, hidden.device)
-        step = cache.call_info(positions, self.config.sparse)  # the call's host-side facts, once
+        step = cache.begin_call(positions, self.config.sparse)  # the call's host-side facts and bookkeeping, once
         cos, sin = self.rotary_emb(positions, hidden.dtype)
 
         mup = self.config.mup_config
@@ -205,6 +205,16 @@ class ForecastKVModel(ForecastKVPreTrainedModel):
         sparse = self.config.sparse
         # a cache may carry a selector of its own (the runtime's modes compare selectors on one model)
         selector = (getattr(cache, "selector", None) or sparse.selector) if sparse is not None else None
+        hidden, selections = self.decode_layers(hidden, positions, cos, sin, cache, step, selector, residual_scale, collect_selections, layer_callback)
+        cache.finish_call()
+        return self.norm(hidden.to(self.norm.weight.device)), cache, selections
+
+    def decode_layers(self, hidden, positions, cos, sin, cache, step, selector, residual_scale, collect_selections=False, layer_callback=None):
+        """The decoder layers over hidden [B, T, hidden] at positions [B, T] with RoPE cos/sin:
+        the part of a call that runs on the device.  The host side (positions, the `CallInfo`
+        and the cache's bookkeeping, the step logs) happens around it in `forward`, so a decode
+        step's layers read no Python number that changes from step to step: this is what
+        `torch.compile(fullgraph=True)` can take whole.  Returns (hidden, selections or None)."""
         forecast_selector = selector == "forecast"
         want_forecast = self.config.forecast_config.enabled and (forecast_selector or collect_selections)
         selections = [] if collect_selections else None
@@ -235,7 +245,7 @@ class ForecastKVModel(ForecastKVPreTrainedModel):
             hidden = hidden + out * residual_scale
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden)) * residual_scale
             forecast = next_forecast
-        return self.norm(hidden.to(self.norm.weight.device)), cache, selections
+        return hidden, selections
 
 
 def _to_device(device, *tensors):

@@ -26,6 +26,7 @@ class CallInfo:
     positions: torch.Tensor | None
     dense: tuple[bool, ...]
     stores: tuple[bool, ...]
+    prepared: bool = False  # the cache did this call's host bookkeeping already (`SparseCache.begin_call`)
 
     @classmethod
     def for_decode(cls, lengths: list[int] | tuple[int, ...], sparse) -> "CallInfo":

@@ -119,23 +119,33 @@ def test_gather_programs_default_and_override():
         OffloadedSparseCache.for_model(model, gather_programs=0)
 
 
-@pytest.mark.parametrize("mode", ["forecast-offload", "sparse-offload", "resident"])
-def test_a_decode_step_traces_as_one_graph(mode):
-    """torch.compile(fullgraph=True) traces a whole decode step, offloaded runtime included, without
-    a graph break (backend "eager": the trace is what is checked), and gives the eager logits.
-    Kernels as their references (the CPU path; the interpreter cannot be traced).  Later steps
-    still recompile on the Python-side step logs and host counters."""
+@pytest.mark.parametrize("policy", ["infllmv2", "nosa"])
+@pytest.mark.parametrize("mode", FIXED_MODES + ["resident"])
+def test_decode_layers_compile_once_for_every_step(mode, policy):
+    """torch.compile(fullgraph=True) takes a decode step's layers whole (the offloaded runtime
+    included: no graph break), and 12 consecutive steps across window and block completions run
+    that one graph (error_on_recompile), with the eager path's tokens.  Backend "eager": the trace
+    and its guards are what is checked; kernels as their references (the CPU path)."""
     from forecastkv import kernels
 
-    torch._dynamo.reset()
-    model = tiny_model({"policy": "nosa", "selector": "forecast"}, seed=4)
-    ids, mask = left_padded([29])
-    logits = []
+    model = tiny_model({"policy": policy, "selector": "forecast"}, seed=4)
+    ids, mask = left_padded([29, 23])
+    tokens = []
     for compiled in (False, True):
+        torch._dynamo.reset()
         cache = SparseCache(model.config) if mode == "resident" else OffloadedSparseCache.for_model(model, mode=mode)
-        cache.reserve(40)
-        with torch.no_grad(), kernels.use_backend("reference"):
-            token = model(input_ids=ids, **{CACHE_KWARG: cache}).logits[:, -1:].argmax(-1)
-            forward = torch.compile(model, fullgraph=True, backend="eager") if compiled else model
-            logits.append(forward(input_ids=token, **{CACHE_KWARG: cache}).logits)
-    assert torch.equal(logits[0], logits[1])
+        cache.reserve(ids.shape[1] + 13)
+        original, steps, step_mask = model.model.decode_layers, [], mask
+        with torch.no_grad(), kernels.use_backend("reference"), torch._dynamo.config.patch(error_on_recompile=True):
+            token = model(input_ids=ids, attention_mask=step_mask, **{CACHE_KWARG: cache}).logits[:, -1:].argmax(-1)
+            if compiled:
+                model.model.decode_layers = torch.compile(original, fullgraph=True, backend="eager")
+            try:
+                for _ in range(12):
+                    step_mask = torch.cat([step_mask, step_mask.new_ones(2, 1)], dim=1)
+                    token = model(input_ids=token, attention_mask=step_mask, **{CACHE_KWARG: cache}).logits[:, -1:].argmax(-1)
+                    steps.append(token)
+            finally:
+                model.model.decode_layers = original
+        tokens.append(torch.cat(steps, 1))
+    assert torch.equal(tokens[0], tokens[1])
