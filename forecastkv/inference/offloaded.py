@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 
 from .. import kernels
-from ..modeling.cache import Plan, SparseCache, SparseCacheLayer, gather_blocks, new_rows
+from ..modeling.cache import Plan, SparseCache, SparseCacheLayer, gather_blocks, new_rows, put_rows
 from ..modeling.step import CallInfo
 from .host_store import HostKVStore, transfer_function
 from .prefetch import make_prefetcher
@@ -205,13 +205,9 @@ class OffloadedLayer(SparseCacheLayer):
         else:
             self._append_tokens(keys, values, cis, positions, step)
 
-    def prepare(self, step: CallInfo, columns: int) -> None:
-        """The host side of a call (`SparseCacheLayer.prepare`): counters, host capacity, and for a
-        decode step room for its compression windows and its write-back's bytes."""
-        if not self.is_initialized:
-            return
-        self.columns += columns
-        self.host_lengths = list(step.lengths_after)
+    def _make_room(self, step: CallInfo) -> None:
+        """Host capacity for the call; for a decode step room for its compression windows, and
+        its write-back's bytes (`SparseCacheLayer.prepare`)."""
         self.host.ensure(step.key_count)
         if step.decode:
             self.staging.release()  # a decode step reads no staged layer
@@ -223,23 +219,14 @@ class OffloadedLayer(SparseCacheLayer):
         host through the `row_store` kernel; the tail slot, the ring and the compressed keys are
         updated on the device from the ring.  Fixed shapes, no host read, no host-store read."""
         self.host.write_rows(pos, keys, values, cis)  # its bytes were counted by `prepare`
-        valid = pos >= 0
-        index = pos.clamp(min=0)
+        valid, index = pos >= 0, pos.clamp(min=0)
         tail = self.budget * self.block_size + index % self.block_size
         ring = index % self.ring_rows
         for buffer, rows, new in ((self.k_slots, tail, keys), (self.v_slots, tail, values), (self.bias_slots, tail, cis),
                                   (self.k_ring, ring, keys), (self.cis_ring, ring, cis)):
             if new is not None:
-                _put_rows(buffer, rows, new, valid)
-        old_lengths = self.lengths.clone()
-        self.lengths.copy_(torch.where(valid, torch.maximum(old_lengths, pos + 1), old_lengths))  # in place: a fixed address
-        if self.kernel is None:
-            return
-        self.ckeys = self._extend_one(self.ckeys, self.kernel, old_lengths, self.k_ring, ring=True)
-        if cis is not None:
-            self.pooled_cis = self._extend_one(self.pooled_cis, self.kernel, old_lengths, self.cis_ring, torch.float32, ring=True)
-        if self.coarse is not None:
-            self.coarse_keys = self._extend_one(self.coarse_keys, self.coarse, old_lengths, self.k_ring, ring=True)
+                put_rows(buffer, rows, new, valid)
+        self._advance(pos, self.k_ring, self.cis_ring, ring=True)
 
     def _append_tokens(self, keys, values, cis, positions, step: CallInfo) -> None:
         """A multi-token call (prefill, draft verification): the positions were read once
@@ -446,14 +433,6 @@ class OffloadedLayer(SparseCacheLayer):
         if self.host is None:
             return 0
         return self.block_size * self.host.row_bytes() // self.host.shape[1]
-
-
-def _put_rows(buffer: torch.Tensor, rows: torch.Tensor, new: torch.Tensor, valid: torch.Tensor) -> None:
-    """buffer[b, rows[b]] = new[b] where valid[b] (else the row keeps its value): one row per
-    sequence, so no two writes meet.  buffer [B, R, ...], rows [B], new [B, ...], valid bool [B]."""
-    batch = torch.arange(buffer.shape[0], device=buffer.device)
-    keep = valid.view(-1, *([1] * (new.dim() - 1)))
-    buffer[batch, rows] = torch.where(keep, new.to(buffer.dtype), buffer[batch, rows])
 
 
 def gather_programs_for(device: torch.device, batch: int) -> int:

@@ -129,6 +129,14 @@ def selection_of(plan: "Plan | torch.Tensor") -> torch.Tensor:
     return plan.selection if isinstance(plan, Plan) else plan
 
 
+def put_rows(buffer: torch.Tensor, rows: torch.Tensor, new: torch.Tensor, valid: torch.Tensor) -> None:
+    """buffer[b, rows[b]] = new[b] where valid[b] (else the row keeps its value): one row per
+    sequence, so no two writes meet.  buffer [B, R, ...], rows [B], new [B, ...], valid bool [B]."""
+    batch = torch.arange(buffer.shape[0], device=buffer.device)
+    keep = valid.view(-1, *([1] * (new.dim() - 1)))
+    buffer[batch, rows] = torch.where(keep, new.to(buffer.dtype), buffer[batch, rows])
+
+
 def columns_to_remove(tokens: int, columns: int) -> int:
     """transformers' crop argument -> columns to drop.  Negative: drop that many (5.24); positive:
     keep that many (the legacy absolute form); 0: nothing."""
@@ -255,6 +263,10 @@ class SparseCacheLayer(CacheLayerMixin):
             return
         self.columns += columns
         self.host_lengths = list(step.lengths_after)
+        self._make_room(step)
+
+    def _make_room(self, step: CallInfo) -> None:
+        """Room for a decode step's token in every buffer (a multi-token call grows its own)."""
         if step.decode and self.keys is not None:
             self._grow_for(self.columns)
 
@@ -281,27 +293,25 @@ class SparseCacheLayer(CacheLayerMixin):
         """A decode step without host syncs: keys/values [B, H, d], cis [B, H] or None, pos [B]
         (-1 = padding).  `prepare` made room for the token; a padding row writes back what it
         read, so no row selection is needed."""
-        valid = pos >= 0
-        index = pos.clamp(min=0)
-        batch = torch.arange(pos.shape[0], device=pos.device)
+        valid, index = pos >= 0, pos.clamp(min=0)
+        for buffer, new in ((self.keys, keys), (self.values, values), (self.cis, cis)):
+            if new is not None:
+                put_rows(buffer, index, new, valid)
+        self._advance(pos, self.keys, self.cis)
 
-        def put(buffer, new):
-            keep = valid.view(-1, *([1] * (new.dim() - 1)))
-            buffer[batch, index] = torch.where(keep, new.to(buffer.dtype), buffer[batch, index])
-
-        put(self.keys, keys)
-        put(self.values, values)
-        if cis is not None:
-            put(self.cis, cis)
+    def _advance(self, pos: torch.Tensor, key_source: torch.Tensor, cis_source: torch.Tensor | None, ring: bool = False) -> None:
+        """After a decode step stored its token at pos [B] (-1 = padding): the lengths (in place:
+        a fixed address) and the windows it completed, pooled from key_source / cis_source (the
+        layer's rows by position, or an offloaded layer's ring)."""
         old_lengths = self.lengths.clone()
-        self.lengths.copy_(torch.where(valid, torch.maximum(old_lengths, pos + 1), old_lengths))  # in place: a fixed address
+        self.lengths.copy_(torch.where(pos >= 0, torch.maximum(old_lengths, pos + 1), old_lengths))
         if self.kernel is None:
             return
-        self.ckeys = self._extend_one(self.ckeys, self.kernel, old_lengths, self.keys)
-        if cis is not None:
-            self.pooled_cis = self._extend_one(self.pooled_cis, self.kernel, old_lengths, self.cis, torch.float32)
+        self.ckeys = self._extend_one(self.ckeys, self.kernel, old_lengths, key_source, ring=ring)
+        if cis_source is not None:
+            self.pooled_cis = self._extend_one(self.pooled_cis, self.kernel, old_lengths, cis_source, torch.float32, ring=ring)
         if self.coarse is not None:
-            self.coarse_keys = self._extend_one(self.coarse_keys, self.coarse, old_lengths, self.keys)
+            self.coarse_keys = self._extend_one(self.coarse_keys, self.coarse, old_lengths, key_source, ring=ring)
 
     def _window_capacity(self, size: int, stride: int) -> tuple[int | None, int | None]:
         """(max_length, reserved) counted in compression windows of `size` / `stride`."""
