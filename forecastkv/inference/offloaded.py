@@ -226,7 +226,7 @@ class OffloadedLayer(SparseCacheLayer):
                                   (self.k_ring, ring, keys), (self.cis_ring, ring, cis)):
             if new is not None:
                 put_rows(buffer, rows, new, valid)
-        self._advance(pos, self.k_ring, self.cis_ring, ring=True)
+        self._advance(pos, valid, self.k_ring, self.cis_ring, ring=True)
 
     def _append_tokens(self, keys, values, cis, positions, step: CallInfo) -> None:
         """A multi-token call (prefill, draft verification): the positions were read once

@@ -297,14 +297,14 @@ class SparseCacheLayer(CacheLayerMixin):
         for buffer, new in ((self.keys, keys), (self.values, values), (self.cis, cis)):
             if new is not None:
                 put_rows(buffer, index, new, valid)
-        self._advance(pos, self.keys, self.cis)
+        self._advance(pos, valid, self.keys, self.cis)
 
-    def _advance(self, pos: torch.Tensor, key_source: torch.Tensor, cis_source: torch.Tensor | None, ring: bool = False) -> None:
-        """After a decode step stored its token at pos [B] (-1 = padding): the lengths (in place:
+    def _advance(self, pos: torch.Tensor, valid: torch.Tensor, key_source: torch.Tensor, cis_source: torch.Tensor | None, ring: bool = False) -> None:
+        """After a decode step stored its token at pos [B] (valid: pos >= 0): the lengths (in place:
         a fixed address) and the windows it completed, pooled from key_source / cis_source (the
         layer's rows by position, or an offloaded layer's ring)."""
         old_lengths = self.lengths.clone()
-        self.lengths.copy_(torch.where(pos >= 0, torch.maximum(old_lengths, pos + 1), old_lengths))
+        self.lengths.copy_(torch.where(valid, torch.maximum(old_lengths, pos + 1), old_lengths))
         if self.kernel is None:
             return
         self.ckeys = self._extend_one(self.ckeys, self.kernel, old_lengths, key_source, ring=ring)
