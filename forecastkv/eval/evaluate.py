@@ -60,12 +60,10 @@ def _offload_stats(cache) -> dict | None:
     return {k: stats.get(k) for k in OFFLOAD_FIELDS}
 
 
-def _h2d_per_step(cache, other_before: int, steps: int) -> float:
-    """All bytes moved host -> device during the decode steps, per step: the runtime's per-step
-    counters plus what it books as "other" H2D meanwhile (a dense model's decode reads each
-    offloaded layer through the multi-token staging path, which the runtime counts there)."""
-    stats = cache.stats()
-    return (sum(stats["h2d_bytes_per_step"]) + stats["h2d_other_bytes"] - other_before) / steps
+def _h2d_per_step(cache, steps: int) -> float:
+    """All bytes moved host -> device during the decode steps, per step (the runtime's per-step
+    counters: block fetches, and whole-layer copies of dense rows)."""
+    return sum(cache.stats()["h2d_bytes_per_step"]) / steps
 
 
 @torch.no_grad()
@@ -105,7 +103,6 @@ def evaluate_example(model, example, mode: Mode, codec, prefill_chunk: int = 102
                     counts[idx] += sel.recall_row_sums(record["query"], record["forecast"], positions, sparse, start_row)
         del out
     prefill_s = time.perf_counter() - began
-    other_before = cache.stats()["h2d_other_bytes"] if hasattr(cache, "host_nbytes") else None
 
     generated: list[int] = []
     step_bytes: list[int] = []
@@ -130,7 +127,7 @@ def evaluate_example(model, example, mode: Mode, codec, prefill_chunk: int = 102
     offload = _offload_stats(cache)
     result = {"prompt_tokens": length, "decode_steps": len(step_bytes),
               "kv_read_bytes_per_step": (sum(step_bytes) / len(step_bytes)) if step_bytes else None,
-              "h2d_bytes_per_step": _h2d_per_step(cache, other_before, len(step_bytes)) if offload and step_bytes else None,
+              "h2d_bytes_per_step": _h2d_per_step(cache, len(step_bytes)) if offload and step_bytes else None,
               "offload_stats": offload,
               "time": {"prefill_s": round(prefill_s, 4), "decode_s": round(decode_s, 4),
                        "decode_ms_per_step": round(1000 * decode_s / len(step_bytes), 3) if step_bytes else None}}

@@ -146,6 +146,8 @@ class OffloadedLayer(SparseCacheLayer):
         self.log = StepLog()
         self.d2h_bytes = 0
         self.h2d_other = 0  # staging and tail refills (prefill, verification, crop)
+        self.decoding = False  # the current call is a decode step (set by `prepare`)
+        self.step_h2d = 0  # this decode step's whole-layer copies (a dense row), booked by `record_plan`
 
     def reset(self) -> None:
         recording, reserved = self.log.selections is not None, self.reserved
@@ -209,6 +211,7 @@ class OffloadedLayer(SparseCacheLayer):
         """Host capacity for the call; for a decode step room for its compression windows, and
         its write-back's bytes (`SparseCacheLayer.prepare`)."""
         self.host.ensure(step.key_count)
+        self.decoding = step.decode
         if step.decode:
             self.staging.release()  # a decode step reads no staged layer
             self._grow_windows_for(self.columns)
@@ -409,9 +412,23 @@ class OffloadedLayer(SparseCacheLayer):
         if self.staged is None or self.staged[0].shape[1] < rows:
             self.staging.hold(self)
             self.staged = self.host.device_rows(rows, self.lengths, self.k_slots.device)
-            self.h2d_other += rows * self.host.row_bytes() * self.host.shape[0]
+            copied = rows * self.host.row_bytes() * self.host.shape[0]
+            if self.decoding:  # a decode step's dense row (a dense model, or below dense_len): its step's bytes
+                self.step_h2d += copied
+            else:
+                self.h2d_other += copied
         keys, values, cis = self.staged
         return keys[:, :rows], values[:, :rows], None if cis is None else cis[:, :rows], rows
+
+    def record_plan(self) -> None:
+        """The step's plan counters into the step log, plus the whole-layer copies of a dense row
+        (a step with no plan, e.g. a dense model's, is logged with zero blocks and those bytes)."""
+        copied, self.step_h2d = self.step_h2d, 0
+        if copied and (self.last_plan is None or self.last_plan.counts is None):
+            self.log.add(torch.zeros(3, dtype=torch.long, device=self.k_slots.device), copied)
+        elif copied:
+            self.last_plan.h2d_extra += copied
+        super().record_plan()
 
     # -- bytes --------------------------------------------------------------------------------
     def device_tensors(self) -> dict:
