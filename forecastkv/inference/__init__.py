@@ -7,13 +7,14 @@
 `MODES` lists the mode names, in a stable order.
 """
 
-from .host_store import HostKVStore
+from .host_store import HostBlockPool, HostKVStore
 from .offloaded import MODES, OffloadedLayer, OffloadedSparseCache, ResidentLayer
 from .prefetch import StreamPrefetcher, SyncPrefetcher, make_prefetcher
 from .slots import diff_block_map
 
 __all__ = [
     "MODES",
+    "HostBlockPool",
     "HostKVStore",
     "OffloadedLayer",
     "OffloadedSparseCache",

@@ -1,10 +1,23 @@
-"""`HostKVStore`: one layer's full K/V (and NOSA's CIS) in host memory, indexed by position.
+"""The paged host tier: one layer's K/V (and NOSA's CIS) in a pool of fixed-size physical blocks.
 
-On a machine with CUDA the buffers are page-locked with `cudaHostRegister` at their exact size (the
-caching pinned allocator would round each up to a power of two and keep it after the cache is
-gone), so the UVA kernels can read and write them from the GPU and copies run asynchronously; on
-CPU they are plain memory.  `nbytes()` is what is pinned.  Capacity is the cache's `max_length`
-(derived inside `generate()`), else it grows in chunks (`modeling.cache.GROWTH_CHUNK`).
+* `HostBlockPool` (per layer, shared by every cache built on it: forks, a batch over one prefix,
+  a ContextStore) holds keys, values [P, block, H, d] and cis [P, block, H] in host memory, and a
+  reference count per physical block.  A full block is immutable, so caches share it; a block is
+  free again when its last holder lets go.
+* `HostKVStore` (per cache and layer) is a batch of sequences over a pool: a block table per
+  sequence (logical block -> physical block, vLLM's layout), on the host (lists, what multi-token
+  calls and forks decide by) and on the device (`block_table` [B, NB], what the decode step's
+  kernels read: the block gather and the row write-back go through it, no host sync).  A sequence
+  writes only its own blocks: forking copies its tail block, and a crop that makes a shared block
+  writable again copies it first (copy on write).
+
+On a machine with CUDA the pool's buffers are page-locked with `cudaHostRegister` at their exact
+size (the caching pinned allocator would round each up to a power of two and keep it after the
+cache is gone), so the UVA kernels can read and write them from the GPU and copies run
+asynchronously; on CPU they are plain memory.  `nbytes()` is what is pinned.  A sequence's
+capacity is the cache's `max_length` (derived inside `generate()`), else it grows in chunks
+(`modeling.cache.GROWTH_CHUNK`); its blocks up to the capacity are assigned when the capacity is
+set (so a decode step never changes the table), and the pool grows by exactly the blocks assigned.
 
 Only the transfer functions touch host tensors: the H2D block gather and staging, and the D2H
 write-back.  They run inside `host_transfer()`, a thread-local counter (nearly free) that only
@@ -15,8 +28,10 @@ Every CPU touch of host rows that the GPU may still be writing waits on the stor
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
+import heapq
 import threading
 import weakref
 
@@ -91,71 +106,369 @@ def allocate_host(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torc
     return tensor
 
 
-class HostKVStore:
-    """keys, values [B, capacity, H, d] and cis [B, capacity, H] (or None) on the host.
+def _kernel(name: str, device: torch.device):
+    """The Triton or reference variant of kernel `name` for outputs on `device` (the backend's choice)."""
+    return getattr(kernels, f"{name}_triton" if kernels.use_triton(device) else f"{name}_reference")
 
-    Rows past a sequence's stored length hold whatever the memory held (the store is allocated
-    uninitialised): readers mask them by length (`device_rows` zeroes them on the way in).
+
+def _dtype_bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+class HostBlockPool:
+    """Physical blocks of one layer's host tier, reference-counted.
+
+    keys, values [P, block_size, H, d] (dtype) and cis [P, block_size, H] (cis_dtype) or None,
+    allocated by `allocate_host` (pinned at their exact size if `pin`); P = `capacity` grows by
+    exactly the blocks asked for (`reserve`), copying the stored blocks.  Block ids are indices
+    into dim 0.  Rows of a block past what its holder stored hold whatever the memory held.
     """
 
-    def __init__(self, batch: int, heads: int, dim: int, dtype: torch.dtype, with_cis: bool, cis_dtype: torch.dtype | None, max_length: int | None, pin: bool,
-                 reserved: int | None = None) -> None:
-        self.shape = (batch, heads, dim)
-        self.reserved = reserved  # rows to allocate at once while they fit (`capacity_for`)
-        self.dtype, self.cis_dtype = dtype, cis_dtype
-        self.with_cis, self.max_length, self.pin = with_cis, max_length, pin
+    def __init__(self, block_size: int, heads: int, dim: int, dtype: torch.dtype, with_cis: bool, cis_dtype: torch.dtype | None, pin: bool) -> None:
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+        self.block_size, self.heads, self.dim = block_size, heads, dim
+        self.dtype, self.with_cis, self.cis_dtype, self.pin = dtype, with_cis, cis_dtype if with_cis else None, pin
         self.keys = self.values = self.cis = None
-        self.capacity = 0
-        self.written = None  # CUDA event after the last asynchronous write from the device
+        self.refs: list[int] = []     # holders per physical block (0 = free)
+        self._free: list[int] = []    # a min-heap: fresh blocks come in ascending order (long contiguous runs)
+        self.written = None           # CUDA event after the last asynchronous write from the device
+
+    # -- geometry -----------------------------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        """P: physical blocks allocated."""
+        return len(self.refs)
+
+    def matches(self, block_size: int, heads: int, dim: int, dtype: torch.dtype, cis_dtype: torch.dtype | None) -> str | None:
+        """None if a layer of this geometry can use the pool, else what differs."""
+        mine = dict(block_size=self.block_size, heads=self.heads, dim=self.dim, dtype=self.dtype, cis_dtype=self.cis_dtype)
+        theirs = dict(block_size=block_size, heads=heads, dim=dim, dtype=dtype, cis_dtype=cis_dtype)
+        diff = [f"{key}: pool {mine[key]} vs layer {theirs[key]}" for key in mine if mine[key] != theirs[key]]
+        return "; ".join(diff) or None
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return tuple(t for t in (self.keys, self.values, self.cis) if t is not None)
 
-    # -- capacity -----------------------------------------------------------------------------
-    def ensure(self, rows: int) -> None:
-        """Make room for `rows` positions per sequence (raises past max_length).  With max_length
-        known this allocates once; growth (no max_length) copies the stored rows on the CPU,
-        after the device's pending writes to them."""
-        if rows <= self.capacity:
+    def row_bytes(self) -> int:
+        """Bytes of one row of one block, all heads (K + V + CIS)."""
+        size = self.heads * self.dim * 2 * _dtype_bytes(self.dtype)
+        return size + (self.heads * _dtype_bytes(self.cis_dtype) if self.with_cis else 0)
+
+    def block_nbytes(self) -> int:
+        """Bytes of one physical block (K + V + CIS)."""
+        return self.block_size * self.row_bytes()
+
+    def nbytes(self) -> int:
+        """Bytes allocated (and, with CUDA, pinned) for the pool: exactly its buffers."""
+        return sum(t.untyped_storage().nbytes() for t in self.tensors())
+
+    # -- reference counts ---------------------------------------------------------------------
+    def free_blocks(self) -> int:
+        return len(self._free)
+
+    def used_blocks(self) -> int:
+        return self.capacity - len(self._free)
+
+    def refcount(self, block: int) -> int:
+        """Holders of physical block `block` (0 = free)."""
+        self._check_ids([block])
+        return self.refs[block]
+
+    def reserve(self, free: int) -> None:
+        """Grow the pool (exactly) until `free` blocks are free; a growth copies the stored blocks
+        on the CPU after the device's pending writes to them."""
+        missing = free - len(self._free)
+        if missing <= 0:
             return
-        capacity = capacity_for(rows, self.max_length, reserved=self.reserved)
-        batch, heads, dim = self.shape
-        keys = allocate_host((batch, capacity, heads, dim), self.dtype, self.pin)
-        values = allocate_host((batch, capacity, heads, dim), self.dtype, self.pin)
-        cis = allocate_host((batch, capacity, heads), self.cis_dtype, self.pin) if self.with_cis else None
-        if self.capacity:
+        old, capacity = self.capacity, self.capacity + missing
+        shape = (capacity, self.block_size, self.heads, self.dim)
+        keys = allocate_host(shape, self.dtype, self.pin)
+        values = allocate_host(shape, self.dtype, self.pin)
+        cis = allocate_host(shape[:3], self.cis_dtype, self.pin) if self.with_cis else None
+        if old:
             self.wait_writes()
             self._copy_stored(keys, values, cis)
-        self.keys, self.values, self.cis, self.capacity = keys, values, cis, capacity
+        self.keys, self.values, self.cis = keys, values, cis
+        self.refs.extend([0] * missing)
+        for block in range(old, capacity):
+            heapq.heappush(self._free, block)
 
     @transfer_function
     def _copy_stored(self, keys: torch.Tensor, values: torch.Tensor, cis: torch.Tensor | None) -> None:
-        """Growth: the stored rows into the new, larger buffers (a CPU copy)."""
-        keys[:, : self.capacity] = self.keys
-        values[:, : self.capacity] = self.values
+        """Growth: the stored blocks into the new, larger buffers (a CPU copy)."""
+        old = self.capacity
+        keys[:old] = self.keys
+        values[:old] = self.values
         if cis is not None:
-            cis[:, : self.capacity] = self.cis
+            cis[:old] = self.cis
 
+    def allocate(self, count: int) -> list[int]:
+        """`count` free blocks (lowest ids first), each with one holder: the caller."""
+        self.reserve(count)
+        blocks = [heapq.heappop(self._free) for _ in range(count)]
+        for block in blocks:
+            self.refs[block] = 1
+        return blocks
+
+    def retain(self, blocks) -> None:
+        """One more holder for each of `blocks` (allocated ones)."""
+        blocks = [int(b) for b in blocks]
+        self._check_ids(blocks)
+        for block in blocks:
+            if self.refs[block] <= 0:
+                raise ValueError(f"block {block} is free; only an allocated block can be retained")
+        for block in blocks:
+            self.refs[block] += 1
+
+    def release(self, blocks) -> None:
+        """One holder fewer for each of `blocks`; a block with none left is free again."""
+        blocks = [int(b) for b in blocks]
+        self._check_ids(blocks)
+        for block, count in collections.Counter(blocks).items():
+            if self.refs[block] < count:
+                raise ValueError(f"block {block} is already free" if self.refs[block] == 0 else
+                                 f"block {block} has {self.refs[block]} holders, fewer than the {count} releases asked")
+        for block in blocks:
+            self.refs[block] -= 1
+            if self.refs[block] == 0:
+                heapq.heappush(self._free, block)
+
+    def _check_ids(self, blocks) -> None:
+        for block in blocks:
+            if not 0 <= block < self.capacity:
+                raise ValueError(f"block id {block} is outside the pool's {self.capacity} blocks")
+
+    # -- data ---------------------------------------------------------------------------------
     def wait_writes(self) -> None:
-        """Block the CPU until the device's writes into these buffers are done (a CPU touch)."""
+        """Block the CPU until the device's writes into the pool are done (a CPU touch)."""
         if self.written is not None:
             self.written.synchronize()
             self.written = None
 
-    def _record_write(self, device: torch.device) -> None:
-        if self.pin and device.type == "cuda":
+    def record_write(self, device: torch.device) -> None:
+        if self.pin and torch.device(device).type == "cuda":
             self.written = torch.cuda.Event()
             self.written.record(torch.cuda.current_stream(device))
+
+    def block(self, block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Views (no copy) of physical block `block`: keys, values [block_size, H, d], cis
+        [block_size, H] or None.  Host tensors: touch them inside `host_transfer()`, after
+        `wait_writes()`."""
+        self._check_ids([block])
+        return self.keys[block], self.values[block], None if self.cis is None else self.cis[block]
+
+    @transfer_function
+    def copy_block(self, source: int, target: int, rows: int | None = None) -> None:
+        """Rows [0, rows) (default all) of block `source` into block `target` (a CPU copy, after
+        the device's pending writes)."""
+        self.wait_writes()
+        rows = self.block_size if rows is None else rows
+        for tensor in self.tensors():
+            tensor[target, :rows] = tensor[source, :rows]
+
+    def flat(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` (one of the pool's) as [P * block_size, ...] rows (a view)."""
+        return tensor.view(self.capacity * self.block_size, *tensor.shape[2:])
+
+    def release_tables(self, tables: list[list[int]]) -> None:
+        """A holder's finalizer: release every block named in `tables` (lists of ids, -1 = none)."""
+        held = [block for table in tables for block in table if block >= 0]
+        if held:
+            self.release(held)
+        for table in tables:
+            table.clear()
+
+
+class HostKVStore:
+    """One layer of a batch on the paged host tier: sequence b's position t is row t % block of
+    physical block tables[b][t // block] of the pool.
+
+    keys, values [P, block, H, d] and cis [P, block, H] (or None) are the pool's buffers.
+    block_table [B, NB] int64 (on `device`, -1 = none) is the same table for the kernels.  Rows past
+    a sequence's stored length hold whatever the memory held (the pool is allocated
+    uninitialised): readers mask them by length (`device_rows` zeroes them on the way in).
+    `pool`: build on an existing pool (shared with other caches), else a new one.
+    """
+
+    def __init__(self, batch: int, heads: int, dim: int, dtype: torch.dtype, with_cis: bool, cis_dtype: torch.dtype | None, max_length: int | None, pin: bool,
+                 reserved: int | None = None, block_size: int = 64, device: torch.device | str = "cpu", pool: HostBlockPool | None = None) -> None:
+        self.shape = (batch, heads, dim)
+        self.reserved = reserved  # rows to allocate at once while they fit (`capacity_for`)
+        self.dtype, self.cis_dtype = dtype, cis_dtype if with_cis else None
+        self.with_cis, self.max_length, self.pin = with_cis, max_length, pin
+        self.block_size, self.device = block_size, torch.device(device)
+        if pool is None:
+            pool = HostBlockPool(block_size, heads, dim, dtype, with_cis, self.cis_dtype, pin)
+        problem = pool.matches(block_size, heads, dim, dtype, self.cis_dtype)
+        if problem:
+            raise ValueError(f"this host block pool holds blocks of another geometry ({problem})")
+        self.pool = pool
+        self.tables: list[list[int]] = [[] for _ in range(batch)]
+        self.capacity = 0          # positions per sequence with blocks assigned (the rows limit)
+        self.complete = True       # every logical block below the capacity has a block (a fast path per step)
+        self.block_table: torch.Tensor | None = None
+        self._finalizer = weakref.finalize(self, pool.release_tables, self.tables)
+
+    # -- the pool's buffers -------------------------------------------------------------------
+    keys = property(lambda self: self.pool.keys)
+    values = property(lambda self: self.pool.values)
+    cis = property(lambda self: self.pool.cis)
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.pool.tensors()
+
+    def wait_writes(self) -> None:
+        self.pool.wait_writes()
+
+    # -- capacity and block assignment --------------------------------------------------------
+    def blocks_for(self, rows: int) -> int:
+        return -(-rows // self.block_size)
+
+    def ensure(self, rows: int) -> None:
+        """Make room for `rows` positions per sequence (raises past max_length): the capacity
+        (max_length, reserved or GROWTH_CHUNK multiples, `capacity_for`), and a private block for
+        every logical block below it that has none, from the pool (which grows by exactly those)."""
+        if rows <= self.capacity and self.complete:
+            return
+        if rows > self.capacity:
+            self.capacity = capacity_for(rows, self.max_length, reserved=self.reserved)
+        self._assign(self.blocks_for(self.capacity))
+
+    def _assign(self, count: int) -> None:
+        """Blocks for logical blocks [0, count) of every sequence; the device table follows."""
+        width = max(count, *(len(table) for table in self.tables)) if self.tables else count
+        for table in self.tables:
+            table.extend([-1] * (width - len(table)))
+        missing = [(b, i) for b, table in enumerate(self.tables) for i in range(count) if table[i] < 0]
+        for (b, i), block in zip(missing, self.pool.allocate(len(missing))):
+            self.tables[b][i] = block
+        self.complete = True
+        self._push_table()
+
+    def _push_table(self) -> None:
+        """The host tables to the device table (in place while its shape holds: a fixed address)."""
+        width = max((len(table) for table in self.tables), default=0)
+        rows = [table + [-1] * (width - len(table)) for table in self.tables]
+        host = torch.tensor(rows, dtype=torch.long).view(len(self.tables), width)
+        if self.block_table is not None and self.block_table.shape == host.shape:
+            self.block_table.copy_(host)
+        else:
+            self.block_table = host.to(self.device)
+
+    # -- sharing ------------------------------------------------------------------------------
+    def forked(self, lengths: list[int], repeats: int = 1) -> "HostKVStore":
+        """A new store over the same pool with each sequence b (lengths[b] positions stored)
+        repeated `repeats` times (sequence b*repeats + j): its full blocks shared (one more
+        holder each), its partial tail block copied; blocks past the tail are assigned at the
+        next `ensure`.  Neither store's later writes reach the other."""
+        batch, heads, dim = self.shape
+        other = HostKVStore(batch * repeats, heads, dim, self.dtype, self.with_cis, self.cis_dtype, self.max_length, self.pin, self.reserved,
+                            self.block_size, self.device, self.pool)
+        for b, length in enumerate(lengths):
+            full, partial = divmod(length, self.block_size)
+            shared = self.tables[b][:full]
+            for j in range(repeats):
+                table = other.tables[b * repeats + j]
+                self.pool.retain(shared)
+                table.extend(shared)
+                if partial:
+                    (copy,) = self.pool.allocate(1)
+                    self.pool.copy_block(self.tables[b][full], copy, partial)
+                    table.append(copy)
+        other.capacity = max(lengths, default=0)  # recomputed (max_length / reserved) at the next ensure
+        other.complete = False
+        other._push_table()
+        return other
+
+    def adopt(self, batch: int, blocks: list[int], length: int) -> None:
+        """Sequence `batch` (holding nothing yet) holds `length` positions stored in the pool's
+        `blocks` (ceil(length / block) of them, in order): one more holder for each full one, a
+        copy of a partial last one (it will be written).  The blocks stay their owner's too."""
+        full, partial = divmod(length, self.block_size)
+        if len(blocks) != full + (1 if partial else 0):
+            raise ValueError(f"{length} positions in blocks of {self.block_size} need {full + (1 if partial else 0)} blocks, got {len(blocks)}")
+        if any(block >= 0 for block in self.tables[batch]):
+            raise ValueError(f"sequence {batch} holds blocks already; adopt() fills an empty sequence")
+        self.pool.retain(blocks[:full])
+        table = list(blocks[:full])
+        if partial:
+            (copy,) = self.pool.allocate(1)
+            self.pool.copy_block(blocks[full], copy, partial)
+            table.append(copy)
+        self.tables[batch][:] = table
+        self.capacity = max(self.capacity, length)
+        self.complete = False
+        self._push_table()
+
+    def make_writable(self, lengths: list[int]) -> None:
+        """After a crop to lengths[b] positions: every block a sequence will write again (its tail
+        block and those past it) becomes private: a shared tail is copied, shared blocks past it
+        are let go (assigned afresh at the next `ensure`)."""
+        changed = False
+        for table, length in zip(self.tables, lengths):
+            full, partial = divmod(length, self.block_size)
+            for i in range(full, len(table)):
+                block = table[i]
+                if block < 0 or self.pool.refs[block] == 1:
+                    continue
+                if i == full and partial:
+                    (copy,) = self.pool.allocate(1)
+                    self.pool.copy_block(block, copy, partial)
+                    table[i] = copy
+                else:
+                    table[i] = -1
+                self.pool.release([block])
+                changed = True
+        if changed:
+            self.complete = False
+            self._push_table()
+
+    def sequence_blocks(self, batch: int, length: int | None = None) -> list[int]:
+        """Physical ids of sequence `batch`'s logical blocks (the first ceil(length / block) of
+        them if `length` is given: its stored blocks).  Read them with `pool.block(id)`."""
+        table = self.tables[batch]
+        return list(table if length is None else table[: self.blocks_for(length)])
+
+    def distinct_blocks(self) -> set[int]:
+        """Physical blocks this store holds (each counted once)."""
+        return {block for table in self.tables for block in table if block >= 0}
+
+    # -- where positions live -----------------------------------------------------------------
+    def _runs(self, batch: int, start: int, stop: int) -> list[tuple[int, int, int]]:
+        """Positions [start, stop) of sequence `batch` as contiguous runs of pool rows:
+        (first position, end position, first flat row of the pool), unassigned blocks skipped."""
+        runs: list[list[int]] = []
+        table, size = self.tables[batch], self.block_size
+        pos = start
+        while pos < stop:
+            index = pos // size
+            end = min(stop, (index + 1) * size)
+            block = table[index] if index < len(table) else -1
+            if block >= 0:
+                row = block * size + pos % size
+                if runs and runs[-1][1] == pos and runs[-1][2] + (pos - runs[-1][0]) == row:
+                    runs[-1][1] = end
+                else:
+                    runs.append([pos, end, row])
+            pos = end
+        return [tuple(run) for run in runs]
+
+    def _flat_rows(self, batch_idx: list[int], pos: list[int]) -> torch.Tensor:
+        size = self.block_size
+        return torch.tensor([self.tables[b][p // size] * size + p % size for b, p in zip(batch_idx, pos)], dtype=torch.long)
 
     # -- D2H write-back -----------------------------------------------------------------------
     @transfer_function
     def write_rows(self, positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cis: torch.Tensor | None) -> int:
         """A decode step's write-back: row b of keys/values [B, H, d] (cis [B, H]) at position
-        positions[b] (device int64 [B], -1 = skip), through the `row_store` kernel (UVA writes into
-        pinned memory on CUDA: no host index, no sync).  Returns bytes moved."""
-        kernels.row_store(keys.to(self.dtype), values.to(self.dtype), positions, self.keys, self.values,
-                          None if cis is None else cis.to(self.cis_dtype), self.cis)
-        self._record_write(keys.device)
+        positions[b] (device int64 [B], -1 = skip), through the `row_store` kernel and the device
+        block table (UVA writes into pinned memory on CUDA: no host index, no sync).  Returns
+        bytes moved."""
+        store = _kernel("row_store", keys.device)
+        store(keys.to(self.dtype), values.to(self.dtype), positions, self.keys, self.values,
+              None if cis is None else cis.to(self.cis_dtype), self.cis, block_table=self.block_table)
+        self.pool.record_write(keys.device)
         moved = keys.numel() * keys.element_size() * 2
         return moved + (0 if cis is None else cis.numel() * cis.element_size())
 
@@ -164,29 +477,34 @@ class HostKVStore:
         """A multi-token call's write-back of scattered rows (a padded prompt, draft tokens):
         keys/values [N, H, d] (any device) at (batch_idx[N], pos[N]).  Reads the indices and rows
         to the host (one sync, outside the decode step).  Returns bytes moved."""
-        batch_idx, pos = batch_idx.cpu(), pos.cpu()
-        self.keys[batch_idx, pos] = keys.to("cpu", self.dtype)
-        self.values[batch_idx, pos] = values.to("cpu", self.dtype)
+        rows = self._flat_rows(batch_idx.cpu().tolist(), pos.cpu().tolist())
+        pool = self.pool
+        pool.flat(pool.keys)[rows] = keys.to("cpu", self.dtype)
+        pool.flat(pool.values)[rows] = values.to("cpu", self.dtype)
         moved = keys.numel() * keys.element_size() * 2
         if cis is not None:
-            self.cis[batch_idx, pos] = cis.to("cpu", self.cis_dtype)
+            pool.flat(pool.cis)[rows] = cis.to("cpu", self.cis_dtype)
             moved += cis.numel() * cis.element_size()
         return moved
 
     @transfer_function
     def write_span(self, start: int, keys: torch.Tensor, values: torch.Tensor, cis: torch.Tensor | None) -> int:
         """Store keys/values [B, n, H, d] (and cis [B, n, H]) at positions start..start+n-1 of every
-        sequence: one slice copy per tensor (a DMA from the device, asynchronous into pinned
-        memory, ordered before later work on the same stream).  Returns bytes moved."""
+        sequence: one slice copy per tensor and contiguous run of blocks (a DMA from the device,
+        asynchronous into pinned memory, ordered before later work on the same stream).  Returns
+        bytes moved."""
         count = keys.shape[1]
         pinned = self.pin and keys.device.type == "cuda"
-        self.keys[:, start : start + count].copy_(keys, non_blocking=pinned)
-        self.values[:, start : start + count].copy_(values, non_blocking=pinned)
-        moved = keys.numel() * keys.element_size() * 2
+        pool = self.pool
+        targets = [(pool.flat(pool.keys), keys), (pool.flat(pool.values), values)]
         if cis is not None:
-            self.cis[:, start : start + count].copy_(cis, non_blocking=pinned)
-            moved += cis.numel() * cis.element_size()
-        self._record_write(keys.device)
+            targets.append((pool.flat(pool.cis), cis))
+        for b in range(keys.shape[0]):
+            for first, end, row in self._runs(b, start, start + count):
+                for flat, source in targets:
+                    flat[row : row + end - first].copy_(source[b, first - start : end - start], non_blocking=pinned)
+        moved = keys.numel() * keys.element_size() * 2 + (0 if cis is None else cis.numel() * cis.element_size())
+        pool.record_write(keys.device)
         return moved
 
     # -- H2D ----------------------------------------------------------------------------------
@@ -195,18 +513,22 @@ class HostKVStore:
         """Device copies of positions [0, count) of every sequence in buffers of `rows` (>= count,
         default count) rows: keys, values [B, rows, H, d], cis [B, rows, H] or None.  Rows at or
         past a sequence's length (device lengths [B], <= count) are zeros, not whatever the host
-        memory held.  Asynchronous H2D copies from pinned memory."""
+        memory held.  Asynchronous H2D copies from pinned memory, one per contiguous run."""
         rows = count if rows is None else rows
         pinned = self.pin and torch.device(device).type == "cuda"
         keep = torch.arange(rows, device=lengths.device).view(1, -1) < lengths.view(-1, 1)  # [B, rows]
+        batch = len(self.tables)
+        runs = [self._runs(b, 0, count) for b in range(batch)]
         out = []
         for host in (self.keys, self.values, self.cis):
             if host is None:
                 out.append(None)
                 continue
-            buffer = torch.empty((host.shape[0], rows, *host.shape[2:]), dtype=host.dtype, device=device)
-            if count:
-                buffer[:, :count].copy_(host[:, :count], non_blocking=pinned)
+            buffer = torch.empty((batch, rows, *host.shape[2:]), dtype=host.dtype, device=device)
+            flat = self.pool.flat(host)
+            for b, sequence_runs in enumerate(runs):
+                for first, end, row in sequence_runs:
+                    buffer[b, first:end].copy_(flat[row : row + end - first], non_blocking=pinned)
             out.append(buffer.masked_fill_(~keep.view(*keep.shape, *([1] * (buffer.dim() - 2))), 0))
         return out[0], out[1], out[2]
 
@@ -217,17 +539,25 @@ class HostKVStore:
         for host, target in zip((self.keys, self.values, self.cis), targets):
             if host is None or target is None or stop <= start:
                 continue
-            target[batch, offset : offset + stop - start].copy_(host[batch, start:stop], non_blocking=self.pin and target.is_cuda)
+            flat = self.pool.flat(host)
+            for first, end, row in self._runs(batch, start, stop):
+                target[batch, offset + first - start : offset + end - start].copy_(flat[row : row + end - first], non_blocking=self.pin and target.is_cuda)
+
+    @transfer_function
+    def gather(self, load_ids: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor, bias_slots: torch.Tensor | None, num_programs: int) -> None:
+        """The block gather through the device block table: load_ids [H, B, M] logical block ids
+        (-1 = skip) into slots [B, M*block, H, d] (`kernels.block_gather`; the UVA kernel on CUDA,
+        no sync; ids not checked: the kernel skips bad ones)."""
+        fetch = _kernel("block_gather", k_slots.device)
+        fetch(self.keys, self.values, load_ids, k_slots, v_slots, self.block_size, self.cis, bias_slots,
+              num_programs=num_programs, check_ids=False, block_table=self.block_table)
 
     # -- sizes --------------------------------------------------------------------------------
     def row_bytes(self) -> int:
         """Bytes of one position of one sequence, all heads (K + V + CIS)."""
-        batch, heads, dim = self.shape
-        size = heads * dim * 2 * torch.empty((), dtype=self.dtype).element_size()
-        if self.with_cis:
-            size += heads * torch.empty((), dtype=self.cis_dtype).element_size()
-        return size
+        return self.pool.row_bytes()
 
     def nbytes(self) -> int:
-        """Bytes allocated (and, with CUDA, pinned) for this store: exactly its buffers."""
-        return sum(t.untyped_storage().nbytes() for t in self.tensors())
+        """Bytes allocated (and, with CUDA, pinned) for the pool this store lives in: exactly its
+        buffers (shared blocks once, other holders' blocks included)."""
+        return self.pool.nbytes()

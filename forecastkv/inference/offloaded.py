@@ -2,8 +2,9 @@
 
 Per offloaded layer (shared/DESIGN.md, "The cache and the runtime"):
 
-* a `HostKVStore` holds every position's K/V (and NOSA's CIS); new tokens are written through to it
-  (a decode step's row by the `row_store` kernel, straight into pinned memory);
+* a `HostKVStore` holds every position's K/V (and NOSA's CIS) in blocks of a shared, paged
+  `HostBlockPool` through a block table; new tokens are written through to it (a decode step's row
+  by the `row_store` kernel through the device block table, straight into pinned memory);
 * a device slot buffer [B, (M + 1) * bs, H, d] holds M = budget regular slots (complete blocks)
   and one tail slot (the block being written), with a block map [B, H, M], and a ring of the
   latest rows from which a decode step pools the compression windows it completes;
@@ -15,6 +16,9 @@ Per offloaded layer (shared/DESIGN.md, "The cache and the runtime"):
   chunked attention and drops it when the next layer stages, so peak device memory is one layer's
   KV plus the slots;
 * compressed keys (and NOSA's pooled CIS) stay on the device: they are what selection scores.
+
+`fork()` / `copy.deepcopy` / `fork_batch(n)` make independent caches (or one batch of n per
+sequence) that share every full host block and copy only the tail blocks and the device state.
 
 A decode step reads nothing back from the device (the host counters of `CallInfo` decide every
 number) and touches host memory only through the transfer functions (`transfer_function`: the
@@ -35,7 +39,7 @@ import torch
 from .. import kernels
 from ..modeling.cache import Plan, SparseCache, SparseCacheLayer, gather_blocks, new_rows, put_rows
 from ..modeling.step import CallInfo
-from .host_store import HostKVStore, transfer_function
+from .host_store import HostBlockPool, HostKVStore, host_transfer
 from .prefetch import make_prefetcher
 from .slots import diff_block_map
 
@@ -115,6 +119,17 @@ class ResidentLayer(SparseCacheLayer):
     def host_nbytes(self) -> int:
         return 0
 
+    def host_pool(self) -> None:
+        return None
+
+    def forked(self, repeats: int = 1) -> "ResidentLayer":
+        """`SparseCacheLayer.forked` with fresh counters."""
+        other = super().forked(repeats)
+        recording = self.log.selections is not None
+        other.log, other.d2h_bytes, other.h2d_other = StepLog(), 0, 0
+        other.log.selections = [] if recording else None
+        return other
+
 
 class OffloadedLayer(SparseCacheLayer):
     """One offloaded layer: host store, device slots + block map, a ring of the latest rows, the
@@ -135,6 +150,7 @@ class OffloadedLayer(SparseCacheLayer):
         self.block_size, self.budget, self.fetch = block_size, budget, fetch
         self.staging = staging
         self.gather_programs = gather_programs
+        self.given_pool: HostBlockPool | None = None  # build the host store on this pool (shared), else a new one
         self._fresh()
 
     def _fresh(self) -> None:
@@ -172,7 +188,8 @@ class OffloadedLayer(SparseCacheLayer):
         device = keys.device
         pin = device.type == "cuda"
         cis_dtype = None if cis is None else cis.dtype
-        self.host = HostKVStore(batch, heads, dim, keys.dtype, cis is not None, cis_dtype, self.max_length, pin, self.reserved)
+        self.host = HostKVStore(batch, heads, dim, keys.dtype, cis is not None, cis_dtype, self.max_length, pin, self.reserved,
+                                block_size=self.block_size, device=device, pool=self.given_pool)
         rows = (self.budget + 1) * self.block_size
         # NaN, not zeros: a slot row read before it was written shows up at once in tests
         nan = float("nan")
@@ -294,6 +311,7 @@ class OffloadedLayer(SparseCacheLayer):
         self.staging.release()
         complete = torch.div(self.lengths, self.block_size, rounding_mode="floor").view(-1, 1, 1)
         self.block_map = self.block_map.masked_fill(self.block_map >= complete, -1)  # now partial blocks
+        self.host.make_writable(self.host_lengths)  # copy on write: blocks this cache writes again are its own
         self._refill_from_host()
 
     def _refill_from_host(self) -> None:
@@ -342,14 +360,11 @@ class OffloadedLayer(SparseCacheLayer):
             plan.fetched = True
         return plan
 
-    @transfer_function
     def _gather(self, load_ids: torch.Tensor) -> None:
-        """Copy the host blocks named by load_ids [B, H, M] into their slots (tail column skipped):
-        the UVA kernel on CUDA (no sync, skips bad ids), its reference elsewhere."""
+        """Copy the host blocks named by load_ids [B, H, M] into their slots (tail column skipped)
+        through the block table: the UVA kernel on CUDA (no sync, skips bad ids), its reference elsewhere."""
         ids = torch.cat([load_ids, load_ids.new_full((*load_ids.shape[:2], 1), -1)], dim=-1).permute(1, 0, 2).contiguous()
-        host = self.host
-        kernels.block_gather(host.keys, host.values, ids, self.k_slots, self.v_slots, self.block_size, host.cis, self.bias_slots,
-                             num_programs=self.gather_programs, check_ids=False)
+        self.host.gather(ids, self.k_slots, self.v_slots, self.bias_slots, self.gather_programs)
 
     def _ready(self, plan: "Plan | torch.Tensor", block_size: int) -> Plan:
         """`plan` with its blocks in place (waits for this layer's fetch only); a bare selection
@@ -445,6 +460,48 @@ class OffloadedLayer(SparseCacheLayer):
     def host_nbytes(self) -> int:
         return 0 if self.host is None else self.host.nbytes()
 
+    def host_pool(self) -> HostBlockPool | None:
+        """The pool this layer's host blocks live in (None before the first token without a given pool)."""
+        return self.given_pool if self.host is None else self.host.pool
+
+    # -- sharing ------------------------------------------------------------------------------
+    def attach(self, pool: HostBlockPool, blocks: list[int], length: int, device: torch.device | str) -> None:
+        """An empty layer holds one sequence of `length` positions whose rows are in `pool`'s
+        `blocks` (ceil(length / block_size) of them, in order; another owner's, e.g. a
+        ContextStore's): its block table points at them (one more holder each, a partial last
+        block copied), and its device state (compressed keys, pooled CIS, tail slot, ring) is
+        built from one staging of those rows on `device`: what a prefill of them would leave."""
+        if self.is_initialized:
+            raise ValueError("attach() fills an empty layer; this one holds tokens already")
+        with host_transfer():
+            pool.wait_writes()
+            picked = torch.tensor(blocks, dtype=torch.long)
+            rows = [None if t is None else t[picked].flatten(0, 1)[:length].unsqueeze(0).to(device) for t in (pool.keys, pool.values, pool.cis)]
+        keys, values, cis = rows
+        self.given_pool = pool
+        self.lazy_initialization(keys, values)
+        self._allocate(keys, cis)
+        self.host.adopt(0, blocks, length)
+        self.columns, self.host_lengths = length, [length]
+        self.host.ensure(length)
+        old_lengths, self.lengths = self.lengths, torch.full_like(self.lengths, length)
+        self.h2d_other += length * self.host.row_bytes()
+        self._extend_compressed(old_lengths, keys, cis)
+        self._refill_from(keys, values, cis)
+
+    def forked(self, repeats: int = 1) -> "OffloadedLayer":
+        """`SparseCacheLayer.forked`: the device state copied (or repeated), the host store forked
+        (full blocks shared, tail blocks copied), fresh counters; the caller sets `staging`."""
+        other = super().forked(repeats)
+        if self.host is not None:
+            other.host = self.host.forked(self.host_lengths, repeats)
+            other.prefetcher = make_prefetcher(self.k_slots.device, overlap=self.fetch == "prefetch")
+        other.staged = None
+        other.log = StepLog()
+        other.log.selections = None if self.log.selections is None else []
+        other.d2h_bytes = other.h2d_other = 0
+        return other
+
     def block_bytes(self) -> int:
         """Bytes one (sequence, head) block moves: K + V (+ CIS) rows of one head."""
         if self.host is None:
@@ -474,7 +531,7 @@ class OffloadedSparseCache(SparseCache):
     """
 
     def __init__(self, config, mode: str = "forecast-offload", max_length: int | None = None, first_layer_resident: bool = True, record_selections: bool = False,
-                 gather_programs: int | None = None) -> None:
+                 gather_programs: int | None = None, pools: "list[HostBlockPool | None] | None" = None) -> None:
         if mode not in MODES:
             raise ValueError(f"unknown offload mode {mode!r}; choose one of {MODES}")
         if gather_programs is not None and (isinstance(gather_programs, bool) or not isinstance(gather_programs, int) or gather_programs < 1):
@@ -496,6 +553,60 @@ class OffloadedSparseCache(SparseCache):
         if record_selections:
             for layer in self.layers:
                 layer.log.selections = []
+        if pools is not None:
+            self.use_pools(pools)
+
+    # -- the paged host tier, forks -----------------------------------------------------------
+    def use_pools(self, pools: "list[HostBlockPool | None]") -> None:
+        """Build each offloaded layer's host store on pools[layer] (one per layer, None for a
+        resident layer or to keep a new pool): the blocks live in pools shared with other caches
+        (a ContextStore, other forks).  Only before the first token."""
+        if len(pools) != len(self.layers):
+            raise ValueError(f"pools has {len(pools)} entries, expected one per layer ({len(self.layers)})")
+        for idx, (layer, pool) in enumerate(zip(self.layers, pools)):
+            if pool is None:
+                continue
+            if not layer.offloaded:
+                raise ValueError(f"layer {idx} is resident in mode {self.mode!r}: it has no host pool (give None)")
+            if layer.is_initialized:
+                raise ValueError("use_pools() must come before the first token is stored")
+            layer.given_pool = pool
+
+    def attach(self, layers: list, length: int) -> None:
+        """An empty cache of one sequence holding `length` stored positions, per layer either
+        layers[l] = (pool, block ids): an offloaded layer's host blocks, held where they are
+        (shared with their owner, `OffloadedLayer.attach`), or layers[l] = (keys, values, cis):
+        a resident layer's rows [1, length, H, d] (cis [1, length, H] or None), appended to it.
+        Device state goes where each layer's tensors are (the rows' device, or `device` of the
+        pool entry: (pool, ids, device))."""
+        if len(layers) != len(self.layers):
+            raise ValueError(f"attach() takes one entry per layer ({len(self.layers)}), got {len(layers)}")
+        for idx, (layer, entry) in enumerate(zip(self.layers, layers)):
+            if layer.offloaded:
+                if not isinstance(entry[0], HostBlockPool):
+                    raise ValueError(f"layer {idx} is offloaded: give (pool, block ids, device), not rows")
+                pool, blocks, device = entry
+                layer.attach(pool, list(blocks), length, device)
+            else:
+                keys, values, cis = entry
+                if keys.shape[:2] != (1, length):
+                    raise ValueError(f"layer {idx} is resident: rows must be [1, {length}, H, d], got {tuple(keys.shape)}")
+                layer.append(keys, values, cis, torch.arange(length, device=keys.device).unsqueeze(0))
+
+    def host_pools(self) -> "list[HostBlockPool | None]":
+        """Per layer, the `HostBlockPool` its host blocks live in (None: resident, or no token yet)."""
+        return [layer.host_pool() for layer in self.layers]
+
+    def _forked(self, repeats: int) -> "OffloadedSparseCache":
+        self.staging.release()  # a staged layer is this cache's, and device memory
+        other = super()._forked(repeats)
+        other.staging = Staging()
+        for layer in other.layers:
+            if layer.offloaded:
+                layer.staging = other.staging
+                if self.gather_programs is None and layer.k_slots is not None:
+                    layer.gather_programs = gather_programs_for(layer.k_slots.device, layer.k_slots.shape[0])
+        return other
 
     def _make_layer(self, config, sparse, idx: int, max_length: int | None):
         kernel = (sparse.kernel_size, sparse.kernel_stride) if sparse is not None else (None, None)
@@ -533,8 +644,22 @@ class OffloadedSparseCache(SparseCache):
         return sum(_nbytes(layer.index_tensors()) for layer in self.layers)
 
     def host_nbytes(self) -> int:
-        """Bytes of the host tier (every offloaded layer's K/V/CIS store)."""
-        return sum(layer.host_nbytes() for layer in self.layers)
+        """Bytes of the host tier: what the pools of the offloaded layers pin (each pool once; a
+        pool shared with forks or a ContextStore counts every block in it once, whoever holds it)."""
+        pools = {id(pool): pool for pool in self.host_pools() if pool is not None}
+        return sum(pool.nbytes() for pool in pools.values())
+
+    def host_blocks(self) -> dict:
+        """Physical host blocks this cache holds, all layers: `held` (distinct), `shared` (held by
+        another cache or store too), and the pools' `allocated` / `free` blocks."""
+        held = shared = 0
+        for layer in self.layers:
+            if layer.offloaded and layer.host is not None:
+                blocks = layer.host.distinct_blocks()
+                held += len(blocks)
+                shared += sum(1 for block in blocks if layer.host.pool.refs[block] > 1)
+        pools = {id(pool): pool for pool in self.host_pools() if pool is not None}.values()
+        return {"held": held, "shared": shared, "allocated": sum(p.capacity for p in pools), "free": sum(p.free_blocks() for p in pools)}
 
     def stats(self) -> dict:
         """Counters per layer and decode step (one host sync here, none while decoding).

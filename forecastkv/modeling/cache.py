@@ -20,6 +20,7 @@ does not copy every layer's KV each time a power of two is crossed.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass
 
@@ -207,6 +208,19 @@ class SparseCacheLayer(CacheLayerMixin):
             tensor = getattr(self, name, None)
             if tensor is not None:
                 setattr(self, name, tensor.index_select(0, beam_idx.to(tensor.device)))
+
+    def forked(self, repeats: int = 1) -> "SparseCacheLayer":
+        """An independent copy of this layer with each sequence repeated `repeats` times (sequence
+        b*repeats + j is copy j of sequence b): every tensor (all batch-major) copied, the host
+        counters and settings kept, the per-step logs fresh."""
+        other = copy.copy(self)
+        for name, value in vars(self).items():
+            if isinstance(value, torch.Tensor):
+                setattr(other, name, value.repeat_interleave(repeats, dim=0) if repeats > 1 else value.clone())
+        if self.host_lengths is not None:
+            other.host_lengths = [n for n in self.host_lengths for _ in range(repeats)]
+        other.planned, other.last_plan, other.block_shares = None, None, []
+        return other
 
     def crop(self, tokens: int) -> None:
         """Drop the last columns (transformers' crop: negative = how many, positive = how many to keep).
@@ -557,6 +571,32 @@ class SparseCache(Cache):
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.layers[layer_idx].get_seq_length()
+
+    # -- fork -------------------------------------------------------------------------------------
+    def fork(self, n: int | None = None):
+        """An independent cache holding what this one holds (`fork()`), or a list of `n` of them:
+        later calls on one never change another.  The resident cache copies its tensors; the
+        offloaded one shares its full host blocks.  `copy.deepcopy(cache)` is `cache.fork()`."""
+        if n is None:
+            return self._forked(1)
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"fork(n): n must be a positive integer or None, got {n!r}")
+        return [self._forked(1) for _ in range(n)]
+
+    def fork_batch(self, n: int) -> "SparseCache":
+        """One cache of batch B*n over this cache's B sequences: sequence b*n + j continues copy j
+        of sequence b (the same document with n questions as one batch).  This cache is unchanged."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"fork_batch(n): n must be a positive integer, got {n!r}")
+        return self._forked(n)
+
+    def _forked(self, repeats: int) -> "SparseCache":
+        other = copy.copy(self)
+        other.layers = [layer.forked(repeats) for layer in self.layers]
+        return other
+
+    def __deepcopy__(self, memo) -> "SparseCache":
+        return self.fork()
 
     def crop(self, max_length: int) -> None:
         """Drop trailing columns of every layer (negative: that many; positive: keep that many)."""

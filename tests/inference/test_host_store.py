@@ -1,6 +1,8 @@
-"""`HostKVStore`: rows land where they are written and nowhere else (buffers filled with NaN first),
-bytes moved and held as computed from the shapes by hand, growth keeps what was stored, and a
-sequence past max_length is a clear error."""
+"""The paged host tier.  `HostKVStore`: rows land where they are written and nowhere else (buffers
+filled with NaN first, read back by position through the block tables), bytes moved and held as
+computed from the shapes by hand, growth keeps what was stored, and a sequence past max_length is a
+clear error.  `HostBlockPool`: reference counts, reuse of freed blocks.  Forks share full blocks,
+copy the tail, and a crop makes shared blocks private before they are written again."""
 
 from __future__ import annotations
 
@@ -8,22 +10,42 @@ import pytest
 import torch
 
 from forecastkv.inference import host_store as hs
-from forecastkv.inference.host_store import HostKVStore
+from forecastkv.inference.host_store import HostBlockPool, HostKVStore
 from forecastkv.modeling.cache import GROWTH_CHUNK
 
 NAN = float("nan")
 BATCH, HEADS, DIM = 3, 2, 5
+BLOCK = 4  # GROWTH_CHUNK and the max_lengths below are not all multiples: partial last blocks too
 
 
-def store(dtype=torch.float32, with_cis=True, cis_dtype=torch.float32, max_length=None, rows=16):
+def store(dtype=torch.float32, with_cis=True, cis_dtype=torch.float32, max_length=None, rows=16, block=BLOCK):
     """A CPU store with room for `rows` positions (capacity: a GROWTH_CHUNK multiple, or max_length),
     every buffer element NaN."""
-    s = HostKVStore(BATCH, HEADS, DIM, dtype, with_cis, cis_dtype if with_cis else None, max_length, pin=False)
+    s = HostKVStore(BATCH, HEADS, DIM, dtype, with_cis, cis_dtype if with_cis else None, max_length, pin=False, block_size=block)
     s.ensure(rows)
-    for t in (s.keys, s.values, s.cis):
-        if t is not None:
-            t.fill_(NAN)
+    for t in s.tensors():
+        t.fill_(NAN)
     return s
+
+
+def by_position(s, tensor):
+    """One of the pool's buffers as [B, capacity, ...] by position: a copy, read through the host
+    tables row by row (an independent reading of the layout)."""
+    size = s.block_size
+    rows = [[s.tables[b][t // size] * size + t % size for t in range(s.capacity)] for b in range(len(s.tables))]
+    return tensor.reshape(-1, *tensor.shape[2:])[torch.tensor(rows)]
+
+
+def K(s):
+    return by_position(s, s.keys)
+
+
+def V(s):
+    return by_position(s, s.values)
+
+
+def C(s):
+    return by_position(s, s.cis)
 
 
 def equal_nan(a, b):
@@ -42,7 +64,7 @@ def test_write_stores_exactly_the_given_rows():
     expected_v, expected_c = expected_k.clone(), torch.full((BATCH, s.capacity, HEADS), NAN)
     for i, (b, t) in enumerate(zip(batch_idx.tolist(), pos.tolist())):
         expected_k[b, t], expected_v[b, t], expected_c[b, t] = keys[i], values[i], cis[i]
-    assert equal_nan(s.keys, expected_k) and equal_nan(s.values, expected_v) and equal_nan(s.cis, expected_c)
+    assert equal_nan(K(s), expected_k) and equal_nan(V(s), expected_v) and equal_nan(C(s), expected_c)
 
 
 def test_write_converts_to_the_store_dtype():
@@ -54,9 +76,9 @@ def test_write_converts_to_the_store_dtype():
     moved = s.write(torch.tensor([1, 0]), torch.tensor([4, 9]), keys, values, cis)
     assert moved == 2 * 2 * HEADS * DIM * 4 + 2 * HEADS * 4
     assert s.keys.dtype == torch.bfloat16 and s.cis.dtype == torch.float32
-    assert torch.equal(s.keys[1, 4], keys[0].bfloat16()) and torch.equal(s.values[0, 9], values[1].bfloat16())
-    assert torch.equal(s.cis[0, 9], cis[1])
-    assert s.keys.isnan().sum() == s.keys.numel() - 2 * HEADS * DIM
+    assert torch.equal(K(s)[1, 4], keys[0].bfloat16()) and torch.equal(V(s)[0, 9], values[1].bfloat16())
+    assert torch.equal(C(s)[0, 9], cis[1])
+    assert K(s).isnan().sum() == K(s).numel() - 2 * HEADS * DIM
 
 
 def test_write_span_fills_positions_of_every_sequence():
@@ -66,12 +88,12 @@ def test_write_span_fills_positions_of_every_sequence():
     cis = torch.randn(BATCH, 4, HEADS, generator=gen)
     moved = s.write_span(5, keys, values, cis)
     assert moved == 2 * BATCH * 4 * HEADS * DIM * 4 + BATCH * 4 * HEADS * 4
-    assert torch.equal(s.keys[:, 5:9], keys) and torch.equal(s.values[:, 5:9], values) and torch.equal(s.cis[:, 5:9], cis)
-    for t in (s.keys, s.values, s.cis):
+    assert torch.equal(K(s)[:, 5:9], keys) and torch.equal(V(s)[:, 5:9], values) and torch.equal(C(s)[:, 5:9], cis)
+    for t in (K(s), V(s), C(s)):
         assert t[:, :5].isnan().all() and t[:, 9:].isnan().all()
     # without CIS: nothing else written, bytes of K and V only
     assert s.write_span(0, keys[:, :1], values[:, :1], None) == 2 * BATCH * HEADS * DIM * 4
-    assert s.cis[:, 0].isnan().all()
+    assert C(s)[:, 0].isnan().all()
 
 
 def test_device_rows_are_copies_with_rows_past_each_length_zeroed():
@@ -96,8 +118,8 @@ def test_write_rows_stores_one_row_per_sequence():
     keys, values, cis = torch.randn(BATCH, HEADS, DIM), torch.randn(BATCH, HEADS, DIM), torch.randn(BATCH, HEADS)
     moved = s.write_rows(torch.tensor([4, -1, 0]), keys, values, cis)
     assert moved == BATCH * HEADS * DIM * 4 * 2 + BATCH * HEADS * 4
-    assert torch.equal(s.keys[0, 4], keys[0]) and torch.equal(s.values[2, 0], values[2]) and torch.equal(s.cis[0, 4], cis[0])
-    assert s.keys[1].isnan().all() and s.keys[0, :4].isnan().all() and s.cis[2, 1:].isnan().all()
+    assert torch.equal(K(s)[0, 4], keys[0]) and torch.equal(V(s)[2, 0], values[2]) and torch.equal(C(s)[0, 4], cis[0])
+    assert K(s)[1].isnan().all() and K(s)[0, :4].isnan().all() and C(s)[2, 1:].isnan().all()
 
 
 class FakeCudart:
@@ -119,15 +141,16 @@ class FakeCudart:
 
 
 def test_pinned_bytes_are_exactly_what_is_allocated_and_freed_with_the_store(monkeypatch):
-    """Pinned memory is registered at the buffers' exact size (no power-of-two rounding), nbytes()
-    reports exactly that, and it is unpinned when the store lets go of it."""
+    """Pinned memory is registered at the buffers' exact size (no power-of-two rounding: whole
+    blocks of 4 for max_length 37), nbytes() reports exactly that, and it is unpinned when the
+    store (and with it the pool) is let go."""
     import gc
 
     fake = FakeCudart()
     monkeypatch.setattr(hs.torch.cuda, "cudart", lambda: fake)
-    s = HostKVStore(BATCH, HEADS, DIM, torch.bfloat16, True, torch.float32, 37, pin=True)
+    s = HostKVStore(BATCH, HEADS, DIM, torch.bfloat16, True, torch.float32, 37, pin=True, block_size=BLOCK)
     s.ensure(5)
-    expected = BATCH * 37 * (HEADS * DIM * 2 * 2 + HEADS * 4)
+    expected = BATCH * 40 * (HEADS * DIM * 2 * 2 + HEADS * 4)
     assert sum(fake.registered.values()) == s.nbytes() == expected
     assert sorted(fake.registered) == sorted(t.data_ptr() for t in (s.keys, s.values, s.cis))
     del s
@@ -141,7 +164,7 @@ def test_pinned_bytes_are_exactly_what_is_allocated_and_freed_with_the_store(mon
     (torch.float16, False, None, HEADS * DIM * 2 * 2),
 ])
 def test_row_bytes_and_nbytes(dtype, with_cis, cis_dtype, row):
-    s = HostKVStore(BATCH, HEADS, DIM, dtype, with_cis, cis_dtype, None, pin=False)
+    s = HostKVStore(BATCH, HEADS, DIM, dtype, with_cis, cis_dtype, None, pin=False, block_size=BLOCK)
     assert s.row_bytes() == row
     assert s.nbytes() == 0  # nothing allocated before the first ensure
     s.ensure(10)
@@ -155,28 +178,28 @@ def test_ensure_grows_in_chunks_and_keeps_what_was_stored():
     gen = torch.Generator().manual_seed(4)
     keys, values, cis = torch.randn(BATCH, 6, HEADS, DIM, generator=gen), torch.randn(BATCH, 6, HEADS, DIM, generator=gen), torch.randn(BATCH, 6, HEADS, generator=gen)
     s.write_span(GROWTH_CHUNK - 3, keys[:, :3], values[:, :3], cis[:, :3])     # the old buffer's last rows
-    before = [t.clone() for t in (s.keys, s.values, s.cis)]
+    before = [t.clone() for t in (K(s), V(s), C(s))]
     s.ensure(GROWTH_CHUNK)                                                   # fits: nothing moves
-    assert s.capacity == GROWTH_CHUNK and all(equal_nan(t, b) for t, b in zip((s.keys, s.values, s.cis), before))
+    assert s.capacity == GROWTH_CHUNK and all(equal_nan(t, b) for t, b in zip((K(s), V(s), C(s)), before))
     s.ensure(GROWTH_CHUNK + 1)
     assert s.capacity == 2 * GROWTH_CHUNK
-    assert s.keys.shape == (BATCH, 2 * GROWTH_CHUNK, HEADS, DIM) and s.cis.shape == (BATCH, 2 * GROWTH_CHUNK, HEADS)
-    for t, b in zip((s.keys, s.values, s.cis), before):
+    assert K(s).shape == (BATCH, 2 * GROWTH_CHUNK, HEADS, DIM) and C(s).shape == (BATCH, 2 * GROWTH_CHUNK, HEADS)
+    for t, b in zip((K(s), V(s), C(s)), before):
         assert equal_nan(t[:, :GROWTH_CHUNK], b)                             # NaN where nothing was written, too
     s.write_span(GROWTH_CHUNK, keys[:, 3:], values[:, 3:], cis[:, 3:])       # the span across the old end
-    assert torch.equal(s.keys[:, GROWTH_CHUNK - 3 : GROWTH_CHUNK + 3], keys) and torch.equal(s.cis[:, GROWTH_CHUNK - 3 : GROWTH_CHUNK + 3], cis)
+    assert torch.equal(K(s)[:, GROWTH_CHUNK - 3 : GROWTH_CHUNK + 3], keys) and torch.equal(C(s)[:, GROWTH_CHUNK - 3 : GROWTH_CHUNK + 3], cis)
     s.ensure(3 * GROWTH_CHUNK - 7)
-    assert s.capacity == 3 * GROWTH_CHUNK and torch.equal(s.values[:, GROWTH_CHUNK - 3 : GROWTH_CHUNK + 3], values)
+    assert s.capacity == 3 * GROWTH_CHUNK and torch.equal(V(s)[:, GROWTH_CHUNK - 3 : GROWTH_CHUNK + 3], values)
 
 
 def test_max_length_preallocates_and_rejects_longer_sequences():
     s = store(max_length=40, rows=1)
-    assert s.capacity == 40 and s.keys.shape == (BATCH, 40, HEADS, DIM)
+    assert s.capacity == 40 and K(s).shape == (BATCH, 40, HEADS, DIM)
     s.write_span(36, torch.ones(BATCH, 4, HEADS, DIM), torch.ones(BATCH, 4, HEADS, DIM), torch.ones(BATCH, 4, HEADS))
     s.ensure(40)
     with pytest.raises(ValueError, match="sequence of 41 tokens exceeds this cache's max_length=40"):
         s.ensure(41)
-    assert s.capacity == 40 and (s.keys[:, 36:] == 1).all() and s.keys[:, :36].isnan().all()  # unchanged by the refusal
+    assert s.capacity == 40 and (K(s)[:, 36:] == 1).all() and K(s)[:, :36].isnan().all()  # unchanged by the refusal
 
 
 def test_pinning_failure_names_the_bytes(monkeypatch):
@@ -184,3 +207,105 @@ def test_pinning_failure_names_the_bytes(monkeypatch):
     s = HostKVStore(2, 4, 64, torch.bfloat16, False, None, 2**20, pin=True)
     with pytest.raises(MemoryError, match=r"could not pin 1\.00 GiB of host memory .*cudaHostRegister: 2.*ulimit -l"):
         s.ensure(1)  # K: 2 x 2^20 x 4 x 64 bf16 = 1 GiB
+
+
+# -- the pool -------------------------------------------------------------------------------------
+
+
+def test_pool_counts_holders_and_reuses_freed_blocks():
+    pool = HostBlockPool(BLOCK, HEADS, DIM, torch.float32, False, None, pin=False)
+    assert pool.capacity == 0 and pool.nbytes() == 0
+    first = pool.allocate(3)
+    assert first == [0, 1, 2] and pool.capacity == 3 and [pool.refcount(b) for b in first] == [1, 1, 1]
+    assert pool.nbytes() == 3 * pool.block_nbytes() == 3 * BLOCK * HEADS * DIM * 2 * 4
+    pool.retain([1, 1])
+    pool.release([0, 1])
+    assert [pool.refcount(b) for b in first] == [0, 2, 1] and pool.free_blocks() == 1 and pool.used_blocks() == 2
+    assert pool.allocate(2) == [0, 3] and pool.capacity == 4  # the freed block first, then exactly one more
+    with pytest.raises(ValueError, match="block 2 has 1 holders, fewer than the 2 releases asked"):
+        pool.release([2, 2])
+    assert pool.refcount(2) == 1  # a refused release changes nothing
+    with pytest.raises(ValueError, match="block id 9 is outside the pool's 4 blocks"):
+        pool.retain([9])
+    pool.release([2])
+    with pytest.raises(ValueError, match="block 2 is already free"):
+        pool.release([2])
+    with pytest.raises(ValueError, match="block 2 is free; only an allocated block can be retained"):
+        pool.retain([2])
+
+
+def test_a_store_refuses_a_pool_of_another_geometry():
+    pool = HostBlockPool(8, HEADS, DIM, torch.float32, True, torch.float32, pin=False)
+    with pytest.raises(ValueError, match=r"another geometry \(block_size: pool 8 vs layer 4; dtype: pool torch.float32 vs layer torch.bfloat16\)"):
+        HostKVStore(BATCH, HEADS, DIM, torch.bfloat16, True, torch.float32, None, False, block_size=4, pool=pool)
+
+
+def filled(lengths, rows=12):
+    """A store of len(lengths) sequences, capacity `rows`, sequence b holding lengths[b] random rows."""
+    s = HostKVStore(len(lengths), HEADS, DIM, torch.float32, True, torch.float32, rows, pin=False, block_size=BLOCK)
+    s.ensure(rows)
+    for t in s.tensors():
+        t.fill_(NAN)
+    gen = torch.Generator().manual_seed(7)
+    for b, n in enumerate(lengths):
+        s.write(torch.full((n,), b), torch.arange(n), torch.randn(n, HEADS, DIM, generator=gen), torch.randn(n, HEADS, DIM, generator=gen), torch.randn(n, HEADS, generator=gen))
+    return s
+
+
+def test_fork_shares_full_blocks_and_copies_the_tail():
+    """Sequence 0 holds 10 rows (blocks 0, 1 full, block 2 partial), sequence 1 holds 8 (two full):
+    forked twice each, the full blocks are the source's (held three times), each tail a copy; the
+    fork reads the same rows, and writes to a fork reach neither the source nor the other fork."""
+    s = filled([10, 8])
+    fork = s.forked([10, 8], repeats=2)
+    src = s.sequence_blocks(0)
+    for j in range(2):
+        assert fork.sequence_blocks(j, 8) == src[:2] and fork.sequence_blocks(j)[2] not in src
+        assert fork.sequence_blocks(2 + j, 8) == s.sequence_blocks(1, 8)
+    assert [s.pool.refcount(b) for b in src[:2]] == [3, 3] and s.pool.refcount(src[2]) == 1
+    fork.ensure(12)  # blocks past each tail are assigned now, private
+    assert len(fork.distinct_blocks() - s.distinct_blocks()) == 2 + 2  # the two copied tails, the 8-row sequences' third blocks
+    before = (K(s).clone(), V(s).clone(), C(s).clone())
+    lengths = torch.tensor([10, 10, 8, 8])
+    keys, _, cis = fork.device_rows(10, lengths, torch.device("cpu"))
+    for b, src_b in enumerate([0, 0, 1, 1]):
+        n = int(lengths[b])
+        assert torch.equal(keys[b, :n], before[0][src_b, :n]) and torch.equal(cis[b, :n], before[2][src_b, :n])
+    new = torch.randn(4, HEADS, DIM)
+    forked_before = K(fork).clone()
+    fork.write_rows(torch.tensor([10, -1, 8, 11]), new, new + 1, new[..., 0])
+    assert torch.equal(K(fork)[0, 10], new[0]) and torch.equal(K(fork)[2, 8], new[2]) and torch.equal(V(fork)[3, 11], new[3] + 1)
+    assert equal_nan(K(fork)[1], forked_before[1])  # the other fork of sequence 0 did not see the write
+    assert all(equal_nan(a, b) for a, b in zip((K(s), V(s), C(s)), before))
+
+
+def test_crop_makes_shared_blocks_private_before_they_are_written():
+    """A fork of 12 rows (3 full blocks, all shared) cropped to 6 rows: its block 1 becomes its
+    own copy (rows 4, 5 kept), block 2 is let go; the source keeps its blocks and rows."""
+    s = filled([12])
+    fork = s.forked([12])
+    src = s.sequence_blocks(0)
+    fork.make_writable([6])
+    mine = fork.sequence_blocks(0)
+    assert mine[0] == src[0] and mine[1] not in src and mine[2] == -1 and not fork.complete
+    assert [s.pool.refcount(b) for b in src] == [2, 1, 1]
+    fork.ensure(12)
+    before = K(s).clone()
+    fork.write_span(6, torch.ones(1, 4, HEADS, DIM), torch.ones(1, 4, HEADS, DIM), torch.ones(1, 4, HEADS))
+    assert (K(fork)[0, 6:10] == 1).all() and equal_nan(K(s), before)
+    assert torch.equal(K(fork)[0, :6], before[0, :6])
+
+
+def test_a_store_lets_go_of_its_blocks_when_freed():
+    import gc
+
+    s = filled([10, 3])
+    pool = s.pool
+    fork = s.forked([10, 3])
+    held = pool.used_blocks()
+    del fork
+    gc.collect()
+    assert pool.used_blocks() == held - 2  # its two copied tails; the shared blocks stay with s
+    del s
+    gc.collect()
+    assert pool.used_blocks() == 0 and pool.free_blocks() == pool.capacity

@@ -156,12 +156,17 @@ def aot_launches():
         k_slots, v_slots, b_slots = poisoned_slots(2, 256, 2, 128, dtype, True)
         K.block_gather_triton(k_host, v_host, ids, k_slots, v_slots, 64, b_host, b_slots, num_programs=16)
         K.block_gather_triton(k_host, v_host, ids, k_slots, v_slots, 64, num_programs=32)
+    # paged (the offloaded cache's host tier), bf16, with and without bias
+    k_pool, v_pool, b_pool, ids, table = make_paged_case(batch=3, logical=5, physical=12, heads=2, dim=128, block=64, slots=4, dtype=torch.bfloat16)
+    k_slots, v_slots, b_slots = poisoned_slots(3, 256, 2, 128, torch.bfloat16, True)
+    K.block_gather_triton(k_pool, v_pool, ids, k_slots, v_slots, 64, b_pool, b_slots, num_programs=16, block_table=table)
+    K.block_gather_triton(k_pool, v_pool, ids, k_slots, v_slots, 64, num_programs=16, block_table=table)
 
 
 @aot_sm90
 def test_compiles_for_sm90():
     """Compiled-mode errors the interpreter lets through would show here, without a GPU."""
-    assert compile_sm90(__name__, "aot_launches") == 4
+    assert compile_sm90(__name__, "aot_launches") == 6
 
 
 # ----------------------------------------------------------------------------------------------
@@ -284,3 +289,98 @@ def test_dispatch_runs_the_kernel(monkeypatch):
     with K.use_backend("reference"):
         refs = run(K.block_gather, k_host, v_host, b_host, ids, 8)
     assert_same(outs, refs)
+
+
+# ----------------------------------------------------------------------------------------------
+# paged host (a pool of physical blocks and a block table): the offloaded cache's host tier
+# ----------------------------------------------------------------------------------------------
+
+
+def make_paged_case(batch=3, logical=4, physical=7, heads=2, dim=16, block=8, slots=3, dtype=torch.float32, bias=True):
+    """A pool [P, block, H, d], a table in which two sequences share physical blocks (a fork) and
+    one entry is -1, and logical ids incl. -1, a block whose table entry is -1, and the last one."""
+    k_pool = host(torch.randn(physical, block, heads, dim).to(dtype))
+    v_pool = host(torch.randn(physical, block, heads, dim).to(dtype))
+    b_pool = host(torch.randn(physical, block, heads).to(dtype)) if bias else None
+    table = torch.stack([torch.randperm(physical)[:logical] for _ in range(batch)])
+    table[1, :2] = table[0, :2]  # sequence 1 shares sequence 0's first two blocks
+    table[2, 1] = -1
+    ids = torch.randint(-1, logical, (heads, batch, slots))
+    ids[0, 2, 0], ids[1, 0, 2] = 1, logical - 1
+    return k_pool, v_pool, b_pool, ids.to(DEVICE), table.to(DEVICE)
+
+
+def run_paged(fn, k_pool, v_pool, b_pool, ids, table, block, num_programs=4, check_ids=True):
+    batch, heads, dim = table.shape[0], k_pool.shape[2], k_pool.shape[3]
+    k_slots, v_slots, b_slots = poisoned_slots(batch, ids.shape[2] * block, heads, dim, k_pool.dtype, b_pool is not None)
+    fn(k_pool, v_pool, ids, k_slots, v_slots, block, b_pool, b_slots, num_programs=num_programs, check_ids=check_ids, block_table=table)
+    return k_slots, v_slots, b_slots
+
+
+def test_paged_reference_reads_through_the_table():
+    """Task (h, b, m) with logical id i copies all rows of physical block table[b, i] (by a loop
+    over tasks); -1 ids and -1 table entries leave the slot rows untouched."""
+    k_pool, v_pool, b_pool, ids, table = make_paged_case()
+    outs = run_paged(K.block_gather_reference, k_pool, v_pool, b_pool, ids, table, 8)
+    expected = [torch.full_like(o.cpu(), float("nan")) for o in outs]
+    for h, b, m in zip(*[x.flatten().tolist() for x in torch.meshgrid(*(torch.arange(n) for n in ids.shape), indexing="ij")]):
+        i = int(ids[h, b, m])
+        phys = int(table[b, i]) if i >= 0 else -1
+        if phys >= 0:
+            for out, pool in zip(expected, (k_pool, v_pool, b_pool)):
+                out[b, m * 8 : m * 8 + 8, h] = pool[phys, :, h].cpu()
+    assert_same([o.cpu() for o in outs], expected)
+    assert outs[0][2].isnan().any()  # the -1 entry of sequence 2 skipped its task
+
+
+@pytest.mark.parametrize("fn", GATHERS.values())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [True, False])
+def test_paged_matches_reference(fn, dtype, bias):
+    k_pool, v_pool, b_pool, ids, table = make_paged_case(dtype=dtype, bias=bias)
+    assert_same(run_paged(fn, k_pool, v_pool, b_pool, ids, table, 8), run_paged(K.block_gather_reference, k_pool, v_pool, b_pool, ids, table, 8))
+
+
+@needs_triton
+def test_paged_odd_block_strided_pool_and_table():
+    """Block 6 and head dim 12 (padded tiles), a pool that is a view of a wider buffer, a transposed table."""
+    wide = host(torch.randn(5, 6, 2, 24))
+    k_pool, v_pool = wide[..., :12], wide[..., 12:]
+    b_pool = host(torch.randn(5, 2, 6)).transpose(1, 2)
+    table = torch.randint(-1, 5, (3, 2), device=DEVICE).t()  # [B=2, NB=3], strides (1, 2)
+    ids = torch.randint(-1, 3, (2, 2, 2), device=DEVICE)
+    assert_same(run_paged(K.block_gather_triton, k_pool, v_pool, b_pool, ids, table, 6),
+                run_paged(K.block_gather_reference, k_pool, v_pool, b_pool, ids, table, 6))
+
+
+@needs_triton
+def test_paged_unchecked_bad_table_entries_are_skipped():
+    k_pool, v_pool, b_pool, ids, table = make_paged_case()
+    bad = table.clone()
+    bad[0, :] = 99  # past the pool's 7 blocks
+    outs = run_paged(K.block_gather_triton, k_pool, v_pool, b_pool, ids, bad, 8, check_ids=False)
+    good = bad.masked_fill(bad >= 7, -1)
+    assert_same(outs, run_paged(K.block_gather_reference, k_pool, v_pool, b_pool, ids, good, 8))
+    assert outs[0][0].isnan().all()
+
+
+@pytest.mark.parametrize("fn", [K.block_gather_reference, K.block_gather_triton, K.block_gather_copy_engine], ids=lambda f: f.__name__)
+@pytest.mark.parametrize(
+    "change, error, match",
+    [
+        (lambda c: {"block_table": c["block_table"].fill_(7)}, ValueError, r"block_table has value 7 >= 7, the limit \(the pool's 7 physical blocks\)"),
+        (lambda c: {"load_ids": c["load_ids"].fill_(4)}, ValueError, r"load_ids has value 4 >= 4, the limit \(the block table's 4 logical blocks\)"),
+        (lambda c: {"k_host": c["k_host"][:, :4], "v_host": c["v_host"][:, :4]}, ValueError, r"k_host has shape \(7, 4, 2, 16\), expected \(7, 8, 2, 16\) \(a pool"),
+        (lambda c: {"block_table": c["block_table"].float()}, TypeError, r"block_table has dtype torch.float32"),
+        (lambda c: {"block_table": c["block_table"][:2]}, ValueError, r"load_ids has shape \(2, 3, 3\), expected \(2, 2, 3\)"),
+    ],
+)
+def test_paged_rejects_bad_inputs(fn, change, error, match):
+    k_pool, v_pool, b_pool, ids, table = make_paged_case()
+    k_slots, v_slots, b_slots = poisoned_slots(3, 24, 2, 16, torch.float32, True)
+    args = dict(k_host=k_pool, v_host=v_pool, load_ids=ids, k_slots=k_slots, v_slots=v_slots, block_size=8, bias_host=b_pool, bias_slots=b_slots,
+                num_programs=4, block_table=table)
+    args.update(change(args))
+    with pytest.raises(error, match=match):
+        fn(**args)
+    assert k_slots.isnan().all(), "nothing may be written before the error"

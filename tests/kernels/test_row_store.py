@@ -91,9 +91,68 @@ def aot_launches() -> None:
     for dtype in (torch.float32, torch.bfloat16):
         for bias in (True, False):
             K.row_store_triton(*make_case(dtype=dtype, bias=bias))
+    for bias in (True, False):  # paged (the offloaded cache's host tier)
+        case = make_paged_case(dtype=torch.bfloat16, bias=bias)
+        K.row_store_triton(*case[:7], block_table=case[7])
 
 
 @aot_sm90
 def test_compiles_for_sm90():
     """Compiled-mode errors the interpreter lets through would show here, without a GPU."""
-    assert compile_sm90(__name__, "aot_launches") == 4
+    assert compile_sm90(__name__, "aot_launches") == 6
+
+
+# -- paged host (a pool of physical blocks and a block table) -------------------------------------
+
+
+def make_paged_case(batch=4, logical=3, physical=9, block=4, heads=2, dim=12, dtype=torch.float32, bias=True):
+    """A NaN pool, a table with a -1 entry and an id past the pool, positions that land in a
+    mapped block, the -1 entry, the bad id, past the table's end and -1."""
+    nan = float("nan")
+    k_pool = host(torch.full((physical, block, heads, dim), nan, dtype=dtype))
+    v_pool = host(torch.full((physical, block, heads, dim), nan, dtype=dtype))
+    b_pool = host(torch.full((physical, block, heads), nan, dtype=dtype)) if bias else None
+    table = torch.tensor([[4, 0, 7], [2, -1, 5], [1, 3, physical + 2], [6, 8, 0]])[:batch, :logical].to(DEVICE)
+    positions = torch.tensor([9, 5, 8, 12][:batch], device=DEVICE)  # block 2 row 1; the -1 block; the bad id; past 3 blocks of 4
+    k_new = torch.randn(batch, heads, dim, device=DEVICE).to(dtype)
+    v_new = torch.randn(batch, heads, dim, device=DEVICE).to(dtype)
+    b_new = torch.randn(batch, heads, device=DEVICE).to(dtype) if bias else None
+    return k_new, v_new, positions, k_pool, v_pool, b_new, b_pool, table
+
+
+@pytest.mark.parametrize("fn", STORES.values())
+@pytest.mark.parametrize("bias", [True, False])
+def test_paged_store_writes_through_the_table(fn, bias):
+    """Only sequence 0 has a valid destination: row 9 % 4 = 1 of physical block table[0, 2] = 7."""
+    k_new, v_new, positions, k_pool, v_pool, b_new, b_pool, table = make_paged_case(bias=bias)
+    fn(k_new, v_new, positions, k_pool, v_pool, b_new, b_pool, block_table=table)
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+    assert torch.equal(k_pool[7, 1], k_new[0].cpu()) and torch.equal(v_pool[7, 1], v_new[0].cpu())
+    assert k_pool.isnan().sum() == k_pool.numel() - k_new[0].numel()  # nothing else written
+    if bias:
+        assert torch.equal(b_pool[7, 1], b_new[0].cpu()) and b_pool.isnan().sum() == b_pool.numel() - b_new[0].numel()
+
+
+@pytest.mark.parametrize("fn", STORES.values())
+def test_paged_store_matches_assignment_at_random_positions(fn):
+    k_new, v_new, _, k_pool, v_pool, b_new, b_pool, _ = make_paged_case()
+    table = torch.randperm(9)[:8].view(4, 2).to(DEVICE)
+    positions = torch.tensor([0, 7, 3, 5], device=DEVICE)
+    want = [k_pool.clone(), b_pool.clone()]
+    for b, pos in enumerate(positions.tolist()):
+        want[0][int(table[b, pos // 4]), pos % 4] = k_new[b].cpu()
+        want[1][int(table[b, pos // 4]), pos % 4] = b_new[b].cpu()
+    fn(k_new, v_new, positions, k_pool, v_pool, b_new, b_pool, block_table=table)
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+    for got, ref in zip((k_pool, b_pool), want):
+        assert torch.equal(got.isnan(), ref.isnan()) and torch.equal(got.nan_to_num(), ref.nan_to_num())
+
+
+def test_paged_bad_input_is_named():
+    case = make_paged_case()
+    with pytest.raises(TypeError, match=r"block_table has dtype torch.float32"):
+        K.row_store_reference(*case[:7], block_table=case[7].float())
+    with pytest.raises(ValueError, match=r"k_new has shape \(4, 2, 12\), expected \(2, 2, 12\) \(\[B, H_kv, d\] with B from block_table\)"):
+        K.row_store_triton(*case[:7], block_table=case[7][:2])
