@@ -13,7 +13,10 @@ Sections, in this order (`SECTIONS`: name, budget seconds on the GPU, budget wit
    cache filled with random K/V (no prefill), decode timed first, a 32K prefill last;
 4. kernel bench: benchmarks/kernels.py (block gather vs a pinned copy of the same bytes, sparse
    decode, block scores), short;
-5. prefill: benchmarks/prefill.py --gpu-check (sparse vs dense prefill at 32K and 128K).
+5. prefill: benchmarks/prefill.py --gpu-check: sparse vs dense prefill at 128K, then 32K, on
+   MiniCPM4.1-8B-shaped random weights (4 layers, bf16): the speedup, the selection share of
+   sparse prefill time (fused stage-1 kernel), any eager FlexAttention fallback (with its
+   shape), and whether the goals (>= 2.2x, <= 20% selection, no fallback) are met.
 
 A section starts only if its budget fits before the global deadline (else it is recorded
 "not started: deadline"); it runs as subprocesses from the repository root with PYTHONPATH set to

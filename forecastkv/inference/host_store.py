@@ -106,11 +106,6 @@ def allocate_host(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torc
     return tensor
 
 
-def _kernel(name: str, device: torch.device):
-    """The Triton or reference variant of kernel `name` for outputs on `device` (the backend's choice)."""
-    return getattr(kernels, f"{name}_triton" if kernels.use_triton(device) else f"{name}_reference")
-
-
 def _dtype_bytes(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
@@ -465,9 +460,8 @@ class HostKVStore:
         positions[b] (device int64 [B], -1 = skip), through the `row_store` kernel and the device
         block table (UVA writes into pinned memory on CUDA: no host index, no sync).  Returns
         bytes moved."""
-        store = _kernel("row_store", keys.device)
-        store(keys.to(self.dtype), values.to(self.dtype), positions, self.keys, self.values,
-              None if cis is None else cis.to(self.cis_dtype), self.cis, block_table=self.block_table)
+        kernels.row_store(keys.to(self.dtype), values.to(self.dtype), positions, self.keys, self.values,
+                          None if cis is None else cis.to(self.cis_dtype), self.cis, block_table=self.block_table)
         self.pool.record_write(keys.device)
         moved = keys.numel() * keys.element_size() * 2
         return moved + (0 if cis is None else cis.numel() * cis.element_size())
@@ -548,9 +542,8 @@ class HostKVStore:
         """The block gather through the device block table: load_ids [H, B, M] logical block ids
         (-1 = skip) into slots [B, M*block, H, d] (`kernels.block_gather`; the UVA kernel on CUDA,
         no sync; ids not checked: the kernel skips bad ones)."""
-        fetch = _kernel("block_gather", k_slots.device)
-        fetch(self.keys, self.values, load_ids, k_slots, v_slots, self.block_size, self.cis, bias_slots,
-              num_programs=num_programs, check_ids=False, block_table=self.block_table)
+        kernels.block_gather(self.keys, self.values, load_ids, k_slots, v_slots, self.block_size, self.cis, bias_slots,
+                             num_programs=num_programs, check_ids=False, block_table=self.block_table)
 
     # -- sizes --------------------------------------------------------------------------------
     def row_bytes(self) -> int:

@@ -6,6 +6,9 @@
     sparse_decode_blocks(...)    decode attention over selected blocks of a resident cache
     block_scores(...)            decode-time block selection scores, ready for top-k
     agnostic_scores(...)         NOSA's query-agnostic block scores from the pooled CIS
+    stage1_block_scores_triton   prefill stage-1 block scores of many rows (fused scoring,
+                                 pooling, forcing, NOSA's agnostic score); its reference is
+                                 selection.score_blocks, `use_stage1_kernel` says where it runs
 
 The backend setting, one for the whole package, with three parts (each "auto" by default):
 
@@ -43,6 +46,7 @@ from .sparse_decode import (
     sparse_decode_slots_reference,
     sparse_decode_slots_triton,
 )
+from .stage1 import stage1_block_scores_triton
 
 BACKEND_CHOICES = {
     "kernels": ("auto", "triton", "reference"),
@@ -132,14 +136,26 @@ def use_triton(device: torch.device | str) -> bool:
     return runnable and triton_available()
 
 
-def block_gather(k_host, v_host, load_ids, k_slots, v_slots, block_size, bias_host=None, bias_slots=None, num_programs=16, check_ids=True):
+def use_stage1_kernel(device: torch.device | str) -> bool:
+    """Whether prefill stage-1 selection runs the fused kernel: on CUDA unless the kernels part
+    is "reference"; elsewhere only when it is forced to "triton" (tests, under TRITON_INTERPRET=1).
+    Unlike `use_triton`, auto keeps the eager path on the CPU even in the interpreter, where the
+    kernel is slow: the model tests stay eager unless they ask for it."""
+    device = torch.device(device)
+    backend = get_backend()
+    if backend == "auto":
+        return device.type == "cuda" and triton_available()
+    return backend == "triton" and use_triton(device)
+
+
+def block_gather(k_host, v_host, load_ids, k_slots, v_slots, block_size, bias_host=None, bias_slots=None, num_programs=16, check_ids=True, block_table=None):
     fn = block_gather_triton if use_triton(k_slots.device) else block_gather_reference
-    return fn(k_host, v_host, load_ids, k_slots, v_slots, block_size, bias_host, bias_slots, num_programs, check_ids)
+    return fn(k_host, v_host, load_ids, k_slots, v_slots, block_size, bias_host, bias_slots, num_programs, check_ids, block_table=block_table)
 
 
-def row_store(k_new, v_new, positions, k_host, v_host, bias_new=None, bias_host=None):
+def row_store(k_new, v_new, positions, k_host, v_host, bias_new=None, bias_host=None, block_table=None):
     fn = row_store_triton if use_triton(k_new.device) else row_store_reference
-    return fn(k_new, v_new, positions, k_host, v_host, bias_new, bias_host)
+    return fn(k_new, v_new, positions, k_host, v_host, bias_new, bias_host, block_table=block_table)
 
 
 def sparse_decode_slots(q, k_slots, v_slots, slot_lens, block_size, scale=None, bias_slots=None, out=None, lse=None, check_ids=True):
@@ -193,6 +209,8 @@ __all__ = [
     "sparse_decode_slots",
     "sparse_decode_slots_reference",
     "sparse_decode_slots_triton",
+    "stage1_block_scores_triton",
     "use_backend",
+    "use_stage1_kernel",
     "use_triton",
 ]

@@ -176,15 +176,27 @@ class ForecastKVModel(ForecastKVPreTrainedModel):
         inputs_embeds: torch.Tensor | None = None,
         collect_selections: bool = False,
         layer_callback=None,
+        prefill_chunk: int | None = None,
     ) -> tuple[torch.Tensor, SparseCache, list | None]:
         """Returns (last hidden states [B, T, hidden], the cache, per-layer selections or None).
 
         layer_callback(idx, normed, positions, cos, sin, cache_layer), if given, runs after each
         layer's attention with that layer's post-norm input [B, T, hidden], positions [B, T],
         cos/sin [B, T, d] and cache layer (its K/V now stored): what training and the recall
-        protocol read, so they need no decoder loop of their own."""
+        protocol read, so they need no decoder loop of their own.
+
+        prefill_chunk: a call of more rows than this runs as several forward calls of at most this
+        many rows (`forward_chunked`), each attending to the cache so far, so activations follow
+        the chunk, not the prompt; None takes `config.prefill_chunk` (absent or 0: one call).
+        generate() goes through here, so a long prompt is prefilled in chunks.  Not with a
+        layer_callback (it expects the whole call's rows at once)."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        chunk = getattr(self.config, "prefill_chunk", 0) if prefill_chunk is None else prefill_chunk
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
+            raise ValueError(f"prefill_chunk must be a non-negative integer (0 = one call), got {chunk!r}")
+        if chunk and layer_callback is None and (input_ids if inputs_embeds is None else inputs_embeds).shape[1] > chunk:
+            return self.forward_chunked(input_ids, attention_mask, position_ids, cache, inputs_embeds, collect_selections, chunk)
         hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         batch, length = hidden.shape[:2]
         if cache is None:
@@ -208,6 +220,47 @@ class ForecastKVModel(ForecastKVPreTrainedModel):
         hidden, selections = self.decode_layers(hidden, positions, cos, sin, cache, step, selector, residual_scale, collect_selections, layer_callback)
         cache.finish_call()
         return self.norm(hidden.to(self.norm.weight.device)), cache, selections
+
+    def forward_chunked(self, input_ids, attention_mask, position_ids, cache, inputs_embeds, collect_selections: bool, chunk: int):
+        """`forward` over the new columns in pieces of `chunk`, one forward call each: every piece
+        stores its K/V through the cache's own append (an offloaded cache writes each layer's
+        rows to the host as they come) and attends to everything stored before it, so the result
+        is one call's (hidden states concatenated, selections concatenated per layer on the row
+        axis).  The first piece is stretched to reach `sparse.dense_len` for every sequence that
+        ends at or past it, so each sequence makes MiniCPM's dense / sparse decision (from its
+        key length) as it would in one call.  One host read of the attention mask."""
+        source = input_ids if inputs_embeds is None else inputs_embeds
+        batch, length = source.shape[:2]
+        if cache is None:
+            cache = SparseCache(self.config)
+            cache.reserve(length)  # one allocation: the pieces never regrow the buffers
+        stored = cache.host_lengths() or [0] * batch
+        real = torch.ones(batch, length, dtype=torch.long) if attention_mask is None else attention_mask[:, -length:].detach().to("cpu", torch.long)
+        first = chunk
+        sparse = self.config.sparse
+        if sparse is not None and sparse.dense_len > 0:
+            counts = torch.tensor(stored, dtype=torch.long).view(-1, 1) + real.cumsum(dim=1)  # key length after each column
+            for b in range(batch):
+                reaches = (counts[b] >= sparse.dense_len).nonzero()
+                if len(reaches):
+                    first = max(first, int(reaches[0]) + 1)
+        bounds = [0, *range(first, length, chunk), length] if first < length else [0, length]
+        hidden_parts, selection_parts = [], []
+        for start, stop in zip(bounds[:-1], bounds[1:]):
+            mask = None if attention_mask is None else attention_mask[:, : attention_mask.shape[1] - length + stop]
+            ids = None if input_ids is None else input_ids[:, start:stop]
+            embeds = None if inputs_embeds is None else inputs_embeds[:, start:stop]
+            pos_ids = None if position_ids is None else position_ids[..., start:stop]
+            hidden, cache, selections = self(ids, mask, pos_ids, cache, embeds, collect_selections, prefill_chunk=0)
+            hidden_parts.append(hidden)
+            selection_parts.append(selections)
+        selections = None
+        if collect_selections:
+            selections = [
+                {key: torch.cat([part[idx][key] for part in selection_parts], dim=2) for key in selection_parts[0][idx]}
+                for idx in range(len(selection_parts[0]))
+            ]
+        return torch.cat(hidden_parts, dim=1), cache, selections
 
     def decode_layers(self, hidden, positions, cos, sin, cache, step, selector, residual_scale, collect_selections=False, layer_callback=None):
         """The decoder layers over hidden [B, T, hidden] at positions [B, T] with RoPE cos/sin:

@@ -15,7 +15,9 @@ selected blocks when sparse, with the CIS bias added after the 1/sqrt(d) scaling
     block share the forced init and local blocks) and each row is masked to its own set;
   * `flex_sparse_attention`: CUDA, PyTorch's FlexAttention with a BlockMask built from the same
     selections (a query tile's KV blocks = the union of its rows' selections, `mask_mod` checks
-    each row's own set from a bit mask, `score_mod` adds the CIS bias).
+    each row's own set from a bit mask, `score_mod` adds the CIS bias).  Compiled once per shape
+    bucket (`flex_bucket`: rows and keys zero-padded, `start` a tensor), used on auto for calls
+    of at least FLEX_MIN_ROWS rows; an eager fallback warns with its shape (`FLEX_FALLBACKS`).
 
 Cost notes (SmolLM2 at 8K on one CPU thread, benchmarks/prefill.py): of dense prefill's ~40 s,
 ~18 s is outside attention (projections, MLP) and stays; causal attention is ~22-27 s.  The sparse
@@ -31,8 +33,9 @@ with zero overhead CPU prefill would sit near 0.7x dense.  Beating that needs a 
 At 128K on CUDA stage 1 ([Hq, T, C] scores, C ~ T / kernel_stride) is the expected bottleneck:
 half-precision logits go through a tensor-core matmul with fp32 output, chunks whose rows all
 see a coarse key skip the exact LSE, query chunks take their position bounds from one host copy
-per call (no CUDA sync per chunk), and a fused prefill stage-1 kernel (score, pool, top-k
-without materialising the scores) is the next step.
+per call (no CUDA sync per chunk), and on CUDA the fused stage-1 kernel (`kernels/stage1.py`:
+score, LSE, group sum, pool, force and NOSA's agnostic score without materialising the [rows, C]
+scores; the top-k then runs on the 4x smaller [rows, NB] block scores) replaces the eager ops.
 """
 
 from __future__ import annotations
@@ -339,25 +342,46 @@ def pack_block_bits(masks: torch.Tensor) -> torch.Tensor:
     return (padded.long() * weights).sum(dim=-1)  # distinct bits: the sum is the bitwise OR
 
 
-def build_block_mask(bits: torch.Tensor, start: int, rows: int, key_count: int, block_size: int, group: int, q_tile: int = FLEX_Q_TILE):
+FLEX_ROW_STEPS, FLEX_KEY_STEPS = 4, 1  # bucket steps per octave of rows and of keys
+
+
+def flex_bucket(n: int, multiple: int, minimum: int = 0, steps: int = FLEX_ROW_STEPS) -> int:
+    """`n` rounded up to a FlexAttention shape bucket: `steps` steps per octave (1, 2, 4, ...; 4:
+    at most ~25% padding), a multiple of `multiple`, at least `minimum`.
+
+    Padding costs no attention work (padded rows select no block, padded keys are in no block
+    list), only the padded copies: rows (q and the output, Hq heads) get 4 steps per octave, keys
+    (K/V, H heads) one, so a chunked 128K prefill whose key count grows chunk by chunk compiles
+    once per doubling, not once per chunk."""
+    n = max(n, minimum, 1)
+    step = max(1 << max(n.bit_length() - 1 - (steps.bit_length() - 1), 0), multiple)
+    step = -(-step // multiple) * multiple
+    return -(-n // step) * step
+
+
+def build_block_mask(bits: torch.Tensor, start, rows: int, key_count: int, block_size: int, group: int, q_tile: int = FLEX_Q_TILE):
     """A FlexAttention BlockMask for rows at positions start..start+rows-1 of every sequence.
 
-    bits int64 [B, H, rows, W] from `pack_block_bits`.  A query tile's KV blocks are the union of
-    its rows' blocks (mask_mod then checks each row's own bit and causality); heads are the Hq
-    query heads, head hq reads KV head hq // group.
+    bits int64 [B, H, rows, W] from `pack_block_bits` (rows and W may be padded with zeros:
+    padded rows attend nothing); `start` an int or a 0-d int tensor (a tensor: the compiled
+    FlexAttention sees it as an input, not a constant to recompile for).  A query tile's KV
+    blocks are the union of its rows' blocks (mask_mod then checks each row's own bit and
+    causality); heads are the Hq query heads, head hq reads KV head hq // group.
     """
     from torch.nn.attention.flex_attention import BlockMask
 
     batch, kv_heads, _, words = bits.shape
     n_blocks = -(-key_count // block_size)
     n_tiles = -(-rows // q_tile)
-    pad = n_tiles * q_tile - rows
+    pad = n_tiles * q_tile - bits.shape[2]
     tile_bits = F.pad(bits, (0, 0, 0, pad)).view(batch, kv_heads, n_tiles, q_tile, words)
     union_words = tile_bits[..., 0, :]
     for r in range(1, q_tile):  # OR over the tile's rows (q_tile small ops, no [rows, NB] tensor)
         union_words = union_words | tile_bits[..., r, :]
     shifts = torch.arange(64, device=bits.device)
     union = ((union_words.unsqueeze(-1) >> shifts) & 1).bool().flatten(-2)[..., :n_blocks]  # [B, H, n, NB]
+    if union.shape[-1] < n_blocks:
+        union = F.pad(union, (0, n_blocks - union.shape[-1]))
     counts = union.sum(dim=-1).to(torch.int32)
     order = torch.sort((~union).to(torch.uint8), dim=-1, stable=True).indices.to(torch.int32)
     counts = counts.repeat_interleave(group, dim=1).contiguous()
@@ -371,24 +395,65 @@ def build_block_mask(bits: torch.Tensor, start: int, rows: int, key_count: int, 
     return BlockMask.from_kv_blocks(counts, order, BLOCK_SIZE=(q_tile, block_size), mask_mod=mask_mod, seq_lengths=(rows, key_count))
 
 
-_COMPILED_FLEX = None
+# device type -> torch.compile backend of FlexAttention; a device type not named runs flex eagerly
+# (unfused, O(T x S): CPU tests only).  Tests add "cpu" with a backend that counts compiles.
+FLEX_COMPILE_BACKENDS: dict = {"cuda": "inductor"}
+FLEX_RECOMPILE_LIMIT = 64  # compiled shape buckets kept per process (dynamo's default is 8)
+FLEX_MIN_ROWS = 1024  # auto backend: flex for calls of at least this many rows, the chunked path below
+FLEX_FALLBACKS: list[tuple] = []  # shapes (B, Hq, rows, keys, d) that ran flex eagerly: gpu_check reports them
+_COMPILED_FLEX: dict = {}
 
 
-def _flex_fn(device: torch.device):
-    """Compiled FlexAttention on CUDA; the eager (unfused, O(T x S)) one elsewhere, for tests."""
-    global _COMPILED_FLEX
+def _dynamo_failures() -> tuple:
+    """What a compiled flex call raises instead of running eagerly (fullgraph): the recompile
+    limit (not a TorchDynamoException subclass) or anything dynamo cannot take whole."""
+    import torch._dynamo.exc as exc
+
+    return tuple(cls for cls in (getattr(exc, name, None) for name in ("TorchDynamoException", "FailOnRecompileLimitHit")) if cls is not None)
+
+
+def _eager_flex(*args, **kwargs):
     from torch.nn.attention.flex_attention import flex_attention
 
-    if device.type != "cuda":
-        def eager(*args, **kwargs):  # tests only: unfused, O(T x S); its warning says so
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-                return flex_attention(*args, **kwargs)
+    with warnings.catch_warnings():  # its warning says what the caller already knows: unfused
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        return flex_attention(*args, **kwargs)
 
-        return eager
-    if _COMPILED_FLEX is None:
-        _COMPILED_FLEX = torch.compile(flex_attention, dynamic=False)
-    return _COMPILED_FLEX
+
+def _run_flex(query, key, value, **kwargs):
+    """FlexAttention compiled once per shape bucket where `FLEX_COMPILE_BACKENDS` names the device
+    (fullgraph, static shapes, the recompile limit raised to FLEX_RECOMPILE_LIMIT), eager elsewhere.
+    Past the limit (or if dynamo cannot take the call whole) it warns with the shape, records it
+    in FLEX_FALLBACKS and runs eagerly: O(T x S) memory, the fallback that runs out at long context."""
+    backend = FLEX_COMPILE_BACKENDS.get(query.device.type)
+    if backend is None:
+        return _eager_flex(query, key, value, **kwargs)
+    if backend not in _COMPILED_FLEX:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _COMPILED_FLEX[backend] = torch.compile(flex_attention, dynamic=False, fullgraph=True, backend=backend)
+    try:
+        with torch._dynamo.config.patch(recompile_limit=max(FLEX_RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit)):
+            return _COMPILED_FLEX[backend](query, key, value, **kwargs)
+    except Exception as error:
+        if not isinstance(error, _dynamo_failures()):
+            raise
+        shape = (query.shape[0], query.shape[1], query.shape[2], key.shape[2], query.shape[3])
+        FLEX_FALLBACKS.append(shape)
+        warnings.warn(
+            f"FlexAttention fell back to eager (unfused, O(T x S) memory) for shape "
+            f"[B, Hq, rows, keys, d] = {list(shape)}: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}",
+            RuntimeWarning, stacklevel=3,
+        )
+        return _eager_flex(query, key, value, **kwargs)
+
+
+def _heads_first(x: torch.Tensor, length: int) -> torch.Tensor:
+    """[B, L, H, d] -> a fresh contiguous [B, H, length, d], zero past L: one layout (strides
+    included, which dynamo guards on) per bucket, whatever view of the cache x is."""
+    out = x.new_zeros((x.shape[0], x.shape[2], length, x.shape[3]))
+    out[:, :, : x.shape[1]] = x.transpose(1, 2)
+    return out
 
 
 def flex_sparse_attention(
@@ -402,27 +467,38 @@ def flex_sparse_attention(
 ) -> torch.Tensor:
     """Block-sparse attention through FlexAttention.  q [B, T, Hq, d] at positions start..start+T-1
     of every sequence (no padding), keys/values [B, S, H, d], bias [B, S, H] or None, bits int64
-    [B, H, T, W] (`pack_block_bits` of the row masks) -> [B, T, Hq, d]."""
+    [B, H, T, W] (`pack_block_bits` of the row masks) -> [B, T, Hq, d].
+
+    Rows and keys are zero-padded up to `flex_bucket`s and `start` is passed as a tensor, so the
+    compiled kernel is built once per bucket, not per prompt length, chunk or start: padded keys
+    lie after every real row's position (causally invisible), padded rows select no block.
+    """
     batch, rows, heads, dim = q.shape
-    kv_heads = keys.shape[2]
+    count, kv_heads = keys.shape[1], keys.shape[2]
     group = heads // kv_heads
-    block_mask = build_block_mask(bits, start, rows, keys.shape[1], block_size, group)
+    rows_b = flex_bucket(rows, FLEX_Q_TILE)
+    keys_b = flex_bucket(count, math.lcm(FLEX_Q_TILE, block_size), steps=FLEX_KEY_STEPS)
+    words_b = -(-(keys_b // block_size) // 64)
+    pad_rows, pad_keys = rows_b - rows, keys_b - count
+    bits = F.pad(bits, (0, words_b - bits.shape[-1], 0, pad_rows))
+    q_t, k_t, v_t = (_heads_first(x, n) for x, n in ((q, rows_b), (keys, keys_b), (values, keys_b)))
+    start_t = torch.tensor(start, dtype=torch.int64, device=q.device)
+    block_mask = build_block_mask(bits, start_t, rows_b, keys_b, block_size, group)
     score_mod = None
     if bias is not None:
-        bias_t = bias.transpose(1, 2).float().contiguous()  # [B, H, S]
+        bias_t = F.pad(bias.transpose(1, 2).float(), (0, pad_keys)).contiguous()  # [B, H, S_b]
 
         def score_mod(score, b, h, q_idx, kv_idx):
             return score + bias_t[b, h // group, kv_idx]
 
-    out = _flex_fn(q.device)(
-        q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-        score_mod=score_mod, block_mask=block_mask, scale=1.0 / math.sqrt(dim), enable_gqa=True,
-    )
-    return out.transpose(1, 2)
+    out = _run_flex(q_t, k_t, v_t, score_mod=score_mod, block_mask=block_mask, scale=1.0 / math.sqrt(dim), enable_gqa=True)
+    return out.transpose(1, 2)[:, :rows]
 
 
 def use_flex(q: torch.Tensor) -> bool:
-    """Whether block-sparse prefill of `q` runs through FlexAttention."""
+    """Whether block-sparse prefill of q [B, T, Hq, d] runs through FlexAttention: forced by the
+    backend setting's prefill part, else (auto) on CUDA for calls of at least FLEX_MIN_ROWS rows
+    (below that the chunked path is as fast and compiles nothing)."""
     backend = kernels.get_backend("prefill")  # the backend setting's prefill part
     if backend == "chunked":
         return False
@@ -430,4 +506,4 @@ def use_flex(q: torch.Tensor) -> bool:
         if not flex_available():
             raise RuntimeError("sparse prefill backend 'flex' was forced but this torch has no FlexAttention")
         return True
-    return q.is_cuda and flex_available()
+    return q.is_cuda and q.shape[1] >= FLEX_MIN_ROWS and flex_available()

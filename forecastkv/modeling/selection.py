@@ -415,22 +415,66 @@ def layer_selection(
     scored.  n_blocks: the blocks to score, fixed by the caller (a decode step scores every key
     and block its buffers hold, so its shapes never change); without either the positions are
     read once.  The selection is the same whichever is given.
+
+    Multi-row calls (prefill chunks) score through the fused stage-1 kernel where
+    `kernels.use_stage1_kernel` says so (CUDA by default; `prefill_block_scores`), else through
+    `score_blocks` here; either way the top-k is `select_blocks`, so the selection is the same.
     """
     if n_blocks is None:
         bounds = position_range(positions) if bounds is None else bounds
         n_blocks = num_blocks(bounds[1] + 1, sparse.block_size)
     coarse = lse_keys if kind == "query" else None
+    if sparse.policy == "nosa" and pooled_cis is None and cis is None:
+        raise ValueError("the nosa policy needs the layer's CIS (cis [B, S, H] or pooled_cis [B, C, H]) to fill the budget")
+    if vectors.shape[1] > 1 and bounds is not None and _fused_stage1(vectors.device):
+        if sparse.policy == "nosa" and pooled_cis is None:
+            pooled_cis = compress_keys(cis.float(), sparse.kernel_size, sparse.kernel_stride)
+        scores, agnostic = prefill_block_scores(vectors, ckeys, positions, sparse, n_blocks, kind, coarse, pooled_cis, bounds)
+        return select_blocks(scores, positions, sparse, agnostic)
     scores = score_blocks(vectors, ckeys, positions, sparse, n_blocks, kind=kind, lse_keys=coarse, bounds=bounds)
     agnostic = None
     if sparse.policy == "nosa":
-        if pooled_cis is None and cis is None:
-            raise ValueError("the nosa policy needs the layer's CIS (cis [B, S, H] or pooled_cis [B, C, H]) to fill the budget")
         lag = visibility_lag(kind)
         if pooled_cis is not None:
             agnostic = pooled_agnostic_scores(pooled_cis, positions, sparse, n_blocks, lag)
         else:
             agnostic = agnostic_block_scores(cis, positions, sparse, n_blocks, lag)
     return select_blocks(scores, positions, sparse, agnostic)
+
+
+def _fused_stage1(device: torch.device) -> bool:
+    from .. import kernels  # imported here: kernels never import the modeling package
+
+    return kernels.use_stage1_kernel(device)
+
+
+def prefill_block_scores(
+    vectors: torch.Tensor,
+    ckeys: torch.Tensor,
+    positions: torch.Tensor,
+    sparse,
+    n_blocks: int,
+    kind: str,
+    lse_keys: torch.Tensor | None,
+    pooled_cis: torch.Tensor | None,
+    bounds: tuple[int, int],
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`score_blocks` (and for NOSA `pooled_agnostic_scores`) of many rows through the fused
+    stage-1 kernel (`kernels.stage1_block_scores_triton`, whose reference these two functions
+    are): fp32 [B, H, Tq, n_blocks] each, agnostic None without pooled_cis [B, C, H].  As in
+    `score_blocks`, only the keys some row sees (`keys_seen` of bounds[1]) are scored."""
+    from .. import kernels
+
+    p, s = sparse.kernel_size, sparse.kernel_stride
+    lag = visibility_lag(kind)
+    ckeys = ckeys[:, : keys_seen(bounds[1], ckeys.shape[1], p, s, lag)]
+    if lse_keys is not None:
+        lse_keys = lse_keys[:, : keys_seen(bounds[1], lse_keys.shape[1], *sparse.coarse_kernel, lag)]
+    if pooled_cis is not None:
+        if pooled_cis.shape[1] < ckeys.shape[1]:
+            raise ValueError(f"pooled_cis holds {pooled_cis.shape[1]} compressed entries, fewer than the {ckeys.shape[1]} compressed keys scored")
+        pooled_cis = pooled_cis[:, : ckeys.shape[1]]  # entries past the last seen key are invisible to every row
+    return kernels.stage1_block_scores_triton(vectors, ckeys, positions, sparse, n_blocks, kind, lag, lse_keys, pooled_cis)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,6 +1,8 @@
 """Prefill attention back ends against a plain masked-softmax reference, and the model with the
 FlexAttention back end (run eagerly on CPU) against the chunked one."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -123,6 +125,91 @@ def test_model_flex_prefill_equals_chunked(policy):
     assert rel(flex, chunked) < 1e-5
 
 
+def test_flex_buckets():
+    """Rows: four steps per octave; keys: one.  Multiples of the tile, never below the length."""
+    lengths = (1, 128, 129, 1024, 1025, 1300, 2048, 2049, 131072, 131073)
+    assert [prefill.flex_bucket(n, 128) for n in lengths] == [128, 128, 256, 1024, 1280, 1536, 2048, 2560, 131072, 163840]
+    assert [prefill.flex_bucket(n, 128, steps=1) for n in lengths] == [128, 128, 256, 1024, 2048, 2048, 2048, 4096, 131072, 262144]
+    for n in range(1, 5000, 37):
+        bucket = prefill.flex_bucket(n, 192)
+        assert bucket >= n and bucket % 192 == 0 and bucket <= max(1.25 * n + 192, 192)
+    # a chunked 128K prefill (8K rows per call): one row bucket, a key bucket per doubling
+    keys = {prefill.flex_bucket(n, 128, steps=prefill.FLEX_KEY_STEPS) for n in range(8192, 131073, 8192)}
+    assert keys == {8192, 16384, 32768, 65536, 131072}
+
+
+@needs_flex
+@pytest.mark.parametrize("policy", ["infllmv2", "nosa"])
+def test_flex_compiles_once_per_bucket(policy, monkeypatch):
+    """8 prompt lengths through the flex path with the compile wrapper CUDA uses (here with a
+    backend that counts compiles and runs the captured graph eagerly): at most one compile per
+    shape bucket, no eager fallback, and the logits of the chunked path."""
+    import torch._dynamo
+
+    compiles = []
+
+    def counting(graph, inputs):
+        compiles.append(tuple(tuple(x.shape) for x in inputs if isinstance(x, torch.Tensor))[:1])
+        return graph.forward
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(prefill, "FLEX_COMPILE_BACKENDS", {"cpu": counting})
+    monkeypatch.setattr(prefill, "_COMPILED_FLEX", {})
+    monkeypatch.setattr(prefill, "FLEX_FALLBACKS", [])
+    model = tiny_model({"policy": policy}, seed=41)
+    lengths = (30, 70, 100, 128, 150, 170, 300, 310)
+    buckets = {prefill.flex_bucket(n, 128) for n in lengths}
+    assert buckets == {128, 256, 384}  # 8 lengths, 3 row buckets (key buckets 128, 256, 512)
+    gen = torch.Generator().manual_seed(42)
+    with torch.no_grad():
+        for length in lengths:
+            ids = torch.randint(0, 128, (1, length), generator=gen)
+            with kernels.use_backend(prefill="flex"):
+                flex = model(ids).logits
+            with kernels.use_backend(prefill="chunked"):
+                chunked = model(ids).logits
+            assert rel(flex, chunked) < 1e-5, length
+    torch._dynamo.reset()
+    assert 1 <= len(compiles) <= len(buckets), compiles
+    assert prefill.FLEX_FALLBACKS == []
+
+
+@needs_flex
+def test_flex_fallback_warns_with_the_shape(monkeypatch):
+    """Past the recompile limit flex runs eagerly; it says so, naming the shape, and records it."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(prefill, "FLEX_COMPILE_BACKENDS", {"cpu": "eager"})
+    monkeypatch.setattr(prefill, "_COMPILED_FLEX", {})
+    monkeypatch.setattr(prefill, "FLEX_FALLBACKS", [])
+    monkeypatch.setattr(prefill, "FLEX_RECOMPILE_LIMIT", 1)
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    outputs = []
+    for rows in (150, 300):  # two buckets, a limit of one compile
+        q, keys, values, bias, _, masks, bs = random_case(3, batch=1, rows=rows, count=rows, with_bias=False)
+        positions = torch.arange(rows).view(1, -1)
+        masks = masks & (torch.arange(masks.shape[-1]).view(1, 1, 1, -1) <= (positions // bs)[:, None, :, None])
+        masks[..., 0] = True
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = prefill.flex_sparse_attention(q, keys, values, bias, 0, prefill.pack_block_bits(masks), bs)
+        outputs.append([str(w.message) for w in caught if "fell back to eager" in str(w.message)])
+        assert rel(got, reference(q, keys, values, bias, positions, masks, bs)) < 1e-5
+    torch._dynamo.reset()
+    assert outputs[0] == [] and len(outputs[1]) == 1
+    assert "[B, Hq, rows, keys, d] = [1, 6, 384, 512, 8]" in outputs[1][0]
+    assert prefill.FLEX_FALLBACKS == [(1, 6, 384, 512, 8)]
+
+
+def test_flex_only_for_long_calls_on_auto():
+    q = torch.zeros(1, prefill.FLEX_MIN_ROWS - 1, 2, 4)
+    with kernels.use_backend(prefill="flex"):
+        assert prefill.use_flex(q) == prefill.flex_available()
+    with kernels.use_backend(prefill=None):
+        assert not prefill.use_flex(q)  # CPU (and short on CUDA)
+
+
 @pytest.mark.parametrize("policy", ["infllmv2", "nosa"])
 def test_attention_groups_of_chunks_equal_one_group(policy, monkeypatch):
     """Selection runs per query chunk (16 rows here) and attention per CHUNKED_ATTENTION_ROWS rows;
@@ -204,3 +291,32 @@ def test_select_with_host_bounds_equals_reading_them(policy):
         given = attn.select(vectors, positions, cache.layers[1], kind, bounds=sel.position_range(positions), key_count=70)
         assert torch.equal(read, given)
         assert (read >= 0).any()
+
+
+@pytest.mark.parametrize("policy, selector", [("infllmv2", "query"), ("nosa", "forecast")])
+def test_model_prefill_with_the_fused_stage1_kernel(policy, selector, monkeypatch):
+    """The kernels backend forced to triton runs prefill stage 1 through the fused kernel (the
+    interpreter here): the same selections, both selectors recorded, and the same logits."""
+    from forecastkv.kernels._common import interpreting, triton_available
+
+    if not (triton_available() and interpreting()):
+        pytest.skip("needs triton's interpreter (TRITON_INTERPRET=1) on the CPU")
+    model = tiny_model({"policy": policy, "selector": selector}, seed=61)
+    ids = torch.randint(0, 128, (2, 40), generator=torch.Generator().manual_seed(62))
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0  # left padding
+    out, launches = {}, []
+    real = kernels.stage1_block_scores_triton
+    monkeypatch.setattr(kernels, "stage1_block_scores_triton", lambda *a: launches.append(a[1].shape) or real(*a))
+    with torch.no_grad():
+        for backend in ("triton", "reference"):
+            with kernels.use_backend(backend, prefill="chunked"):
+                assert kernels.use_stage1_kernel("cpu") == (backend == "triton")
+                out[backend] = model(ids, attention_mask=mask, collect_selections=True)
+    # 3 chunks of 16 rows x 3 layers x 2 selectors, in the triton run only
+    assert len(launches) == 18
+    assert rel(out["triton"].logits, out["reference"].logits) < 1e-5
+    for fused, eager in zip(out["triton"].selections, out["reference"].selections):
+        assert fused.keys() == eager.keys() == {"query", "forecast"}
+        for key in fused:
+            assert torch.equal(fused[key], eager[key])
