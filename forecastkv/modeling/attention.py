@@ -31,6 +31,9 @@ from .prefill import (
 from .rope import apply_rope
 from .step import CallInfo
 
+# rows per stage-1 selection call where the fused kernel runs (CUDA): 1-2K-row tiles, not 256
+STAGE1_QUERY_ROWS = 2048
+
 
 def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`prefill.masked_attention` with a mask per query row: query [B, H, R, d], keys/values
@@ -232,11 +235,14 @@ class SparseAttention(nn.Module):
         if not all_dense and not flex:  # K/V (and CIS) by block, once per call: chunks gather whole blocks
             blocks = tuple(None if x is None else block_layout(x, sparse.block_size) for x in (keys, values, cis))
         pending, pending_from = [], 0  # row masks of chunks selected but not yet attended
-        for start in range(0, q.shape[1], self.config.query_chunk_size):
-            rows = slice(start, start + self.config.query_chunk_size)
+        chunk = self.config.query_chunk_size
+        if kernels.use_stage1_kernel(q.device):  # the fused kernel stores no [rows, C] scores: larger tiles pay
+            chunk = max(chunk, STAGE1_QUERY_ROWS)
+        for start in range(0, q.shape[1], chunk):
+            rows = slice(start, start + chunk)
             pos = positions[:, rows]
             f_rows = None if forecast_in is None else forecast_in[:, rows]
-            host = {"bounds": step.bounds(start, start + self.config.query_chunk_size), "key_count": count}
+            host = {"bounds": step.bounds(start, start + chunk), "key_count": count}
             ids = self.select(q[:, rows] if selector == "query" else f_rows, pos, cache_layer, selector, **host)
             if selections_out is not None:
                 chunk_records: dict = {}
@@ -252,7 +258,7 @@ class SparseAttention(nn.Module):
                 # selection runs per query chunk (its [Hq, chunk, C] scores bound the memory);
                 # attention runs per CHUNKED_ATTENTION_ROWS rows: fewer, larger SDPA groups
                 pending.append(masks)
-                end = min(start + self.config.query_chunk_size, q.shape[1])
+                end = min(start + chunk, q.shape[1])
                 if end - pending_from >= CHUNKED_ATTENTION_ROWS or end == q.shape[1]:
                     group = slice(pending_from, end)
                     outputs.append(chunked_sparse_attention(

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from forecastkv import kernels
+from forecastkv.modeling import attention as attention_module
 from forecastkv.modeling import prefill
 from tests.helpers import TINY_SPARSE, rel, tiny_model
 
@@ -308,6 +309,8 @@ def test_model_prefill_with_the_fused_stage1_kernel(policy, selector, monkeypatc
     out, launches = {}, []
     real = kernels.stage1_block_scores_triton
     monkeypatch.setattr(kernels, "stage1_block_scores_triton", lambda *a: launches.append(a[1].shape) or real(*a))
+    # the kernel's tiles are STAGE1_QUERY_ROWS (2048) rows; 16 here, so rows are selected in 3 chunks
+    monkeypatch.setattr(attention_module, "STAGE1_QUERY_ROWS", 16)
     with torch.no_grad():
         for backend in ("triton", "reference"):
             with kernels.use_backend(backend, prefill="chunked"):
