@@ -11,9 +11,13 @@ Sections, in this order (`SECTIONS`: name, budget seconds on the GPU, budget wit
 3. decode sweep: benchmarks/decode_sweep.py at 32K and 128K, batch 1 and 4, modes no-offload /
    sparse-offload / forecast-sync / forecast-offload on MiniCPM4.1-8B-shaped random weights, the
    cache filled with random K/V (no prefill), decode timed first, a 32K prefill last;
-4. kernel bench: benchmarks/kernels.py (block gather vs a pinned copy of the same bytes, sparse
+4. decode replay: benchmarks/decode_compile.py --config gpu: the decode step's layers compiled
+   with mode="reduce-overhead" (a replayed CUDA graph per step) against eager, at 32K batch 4,
+   no-offload and forecast-offload, on 8 MiniCPM4.1-8B-shaped layers: tokens/s both ways, the
+   compile time, the logit difference, and inductor's counters (cudagraph skips);
+5. kernel bench: benchmarks/kernels.py (block gather vs a pinned copy of the same bytes, sparse
    decode, block scores), short;
-5. prefill: benchmarks/prefill.py --gpu-check: sparse vs dense prefill at 128K, then 32K, on
+6. prefill: benchmarks/prefill.py --gpu-check: sparse vs dense prefill at 128K, then 32K, on
    MiniCPM4.1-8B-shaped random weights (4 layers, bf16): the speedup, the selection share of
    sparse prefill time (fused stage-1 kernel), any eager FlexAttention fallback (with its
    shape), and whether the goals (>= 2.2x, <= 20% selection, no fallback) are met.
@@ -64,11 +68,12 @@ PROBE_TIMEOUT_S = 90
 # budgets sum to 400 s: with the probe (a few seconds) they fit the default 7-minute deadline.
 # The dry-run budgets sum to 120 s (a dry run takes about 50 s on a 2-core CPU).
 SECTIONS = (
-    ("kernel tests", 80.0, 30.0),
-    ("runtime parity", 80.0, 30.0),
-    ("decode sweep", 125.0, 20.0),
-    ("kernel bench", 25.0, 15.0),
-    ("prefill", 90.0, 25.0),
+    ("kernel tests", 80.0, 22.0),
+    ("runtime parity", 70.0, 28.0),
+    ("decode sweep", 100.0, 20.0),
+    ("decode replay", 50.0, 20.0),
+    ("kernel bench", 20.0, 12.0),
+    ("prefill", 80.0, 18.0),
 )
 KERNEL_TEST_SHARDS = 2  # pytest processes per file of tests/kernels (Triton compiles are per process, CPU-bound)
 RUNTIME_SHARDS = ("infllmv2", "nosa")  # one pytest process per policy of tests/inference/test_cuda_runtime.py
@@ -80,9 +85,8 @@ DECODE_MODES = ("no-offload", "sparse-offload", "forecast-sync", "forecast-offlo
 DECODE_RESERVE_S, DECODE_RESERVE_DRY_S = 45.0, 8.0
 DECODE_PREFILL_RESERVE_S, DECODE_PREFILL_RESERVE_DRY_S = 75.0, 10.0
 PREFILL_RESERVE_S, PREFILL_RESERVE_DRY_S = 50.0, 12.0
-NOTES = {
-    "decode sweep": {"replay": "the replayed (CUDA graph) decode variant is not implemented yet: not measured"},
-}
+REPLAY_RESERVE_S, REPLAY_RESERVE_DRY_S = 35.0, 12.0  # the model build, then one cell's compile
+NOTES: dict = {}
 DONE = ("passed", "failed", "timeout", "killed")  # statuses of a section that ran
 
 
@@ -173,6 +177,11 @@ def section_commands(name: str, out_dir: str, index: int, dry_run: bool) -> list
         argv = [py, script("decode_sweep.py"), *size, "--modes", *DECODE_MODES, "--budget-s", f"{inner:.0f}",
                 "--prefill-budget-s", f"{prefill:.0f}", "--out", child]
         return [Command("decode_sweep", argv, child_json=child)]
+    if name == "decode replay":
+        # compiled decode steps (CUDA graphs: mode="reduce-overhead") against eager; a dry run traces only
+        size = ["--config", "tiny-eager", "--rounds", "1", "--steps", "1", "--warmup", "0", "--parity-steps", "1"] if dry_run else ["--config", "gpu"]
+        inner = budget - (REPLAY_RESERVE_DRY_S if dry_run else REPLAY_RESERVE_S)
+        return [Command("decode_compile", [py, script("decode_compile.py"), *size, "--budget-s", f"{inner:.0f}", "--out", child], child_json=child)]
     if name == "kernel bench":
         size = ["--device", "cpu", "--batches", "1", "--reps", "2"] if dry_run else ["--reps", "10"]
         return [Command("kernels", [py, script("kernels.py"), *size, "--json", child], child_json=child)]

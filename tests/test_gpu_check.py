@@ -15,7 +15,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-ORDER = ("kernel tests", "runtime parity", "decode sweep", "kernel bench", "prefill")
+ORDER = ("kernel tests", "runtime parity", "decode sweep", "decode replay", "kernel bench", "prefill")
 
 
 def load_gpu_check():
@@ -42,7 +42,7 @@ def test_sections_order_and_budgets():
     gpu_check = load_gpu_check()
     assert gpu_check.SECTION_NAMES == ORDER  # cheap correctness first, prefill last
     assert [gpu_check.stem(i, n) for i, n in enumerate(ORDER, 1)] == [
-        "01-kernel-tests", "02-runtime-parity", "03-decode-sweep", "04-kernel-bench", "05-prefill"]
+        "01-kernel-tests", "02-runtime-parity", "03-decode-sweep", "04-decode-replay", "05-kernel-bench", "06-prefill"]
     gpu = sum(budget for _, budget, _ in gpu_check.SECTIONS)
     dry = sum(budget for _, _, budget in gpu_check.SECTIONS)
     assert gpu + 15 <= gpu_check.DEFAULT_DEADLINE_S <= 450  # every section fits the ~7-minute default
@@ -90,8 +90,9 @@ def test_every_section_script_accepts_its_arguments():
                 for flag in (a for a in argv[2:] if a.startswith("--")):
                     assert flag in helps[script], f"{script} does not accept {flag} (gpu_check's {name} section passes it)"
                 assert command.child_json and command.child_json.startswith("/tmp/out/")  # no temporary directory
-    assert "--replay" not in " ".join(helps.values())  # the CUDA-graph variant is a note in the section's JSON instead
-    assert "not implemented" in gpu_check.NOTES["decode sweep"]["replay"]
+    # the replayed (CUDA graph) decode variant is a section of its own: compiled with reduce-overhead on the GPU
+    replay = gpu_check.section_commands("decode replay", "/tmp/out", 4, False)[0].argv
+    assert replay[replay.index("--config") + 1] == "gpu"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA path")
