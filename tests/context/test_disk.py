@@ -1,0 +1,255 @@
+"""The disk tier: tokens after save and load in a new process, namespaces, validation of what is
+loaded (each mismatch named, the store left as it was), and kills at several points of a save."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from forecastkv.context import ContextStore, ContextStoreError, disk
+from tests.context.common import MODES, POLICIES, document_and_questions, fresh_cache, generate, model_for
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def answer(store, model, mode, prompt):
+    """(new tokens, matched) of a prompt answered through a lookup, its blocks inserted after."""
+    cache, matched = store.lookup(prompt, mode=mode)
+    tokens = generate(model, prompt, cache)
+    store.insert(cache, prompt)
+    return tokens, matched
+
+
+def filled_store(tmp_path, policy="infllmv2", name="resident", namespace="alice", questions=2):
+    """A saved store of the document and its first `questions` questions; returns (model, store)."""
+    mode, selector = MODES[name]
+    model = model_for(policy)
+    doc, asked = document_and_questions()
+    store = ContextStore(model, tmp_path, namespace=namespace, selector=selector)
+    for question in asked[:questions]:
+        answer(store, model, mode, torch.cat([doc, question]))
+    store.save()
+    return model, store
+
+
+# the new process: load each namespace's store and answer the four questions through lookups
+LOADER = """
+import json, sys, torch
+from forecastkv.context import ContextStore
+from tests.context.common import MODES, document_and_questions, generate, model_for
+root, combos = sys.argv[1], json.loads(sys.argv[2])
+doc, questions = document_and_questions()
+out = {}
+for policy, name in combos:
+    mode, selector = MODES[name]
+    model = model_for(policy)
+    store = ContextStore(model, root, namespace=f"{policy}-{name}", selector=selector)
+    answers = []
+    for question in questions:
+        prompt = torch.cat([doc, question])
+        cache, matched = store.lookup(prompt, mode=mode)
+        answers.append([matched, generate(model, prompt, cache).tolist()])
+    out[f"{policy}-{name}"] = {"answers": answers, "blocks": store.stats()["blocks"]}
+print(json.dumps(out))
+"""
+
+
+def run_python(code: str, *args: str) -> str:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", code, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+@pytest.mark.slow
+def test_tokens_after_save_and_load_in_a_new_process(tmp_path):
+    """Every mode and policy: the four questions, answered in a new process from the saved
+    blocks, give the tokens of independent prefills."""
+    doc, questions = document_and_questions()
+    combos, expected = [], {}
+    for policy in POLICIES:
+        for name, (mode, selector) in MODES.items():
+            model = model_for(policy)
+            store = ContextStore(model, tmp_path, namespace=f"{policy}-{name}", selector=selector)
+            answer(store, model, mode, torch.cat([doc, questions[0]]))
+            store.save()
+            combos.append((policy, name))
+            expected[f"{policy}-{name}"] = [generate(model, torch.cat([doc, q]), fresh_cache(model, mode, selector)).tolist() for q in questions]
+    loaded = json.loads(run_python(LOADER, str(tmp_path), json.dumps(combos)).strip().splitlines()[-1])
+    for key, want in expected.items():
+        got = loaded[key]
+        assert got["blocks"] == 6, key  # doc + question 1: 50 tokens, 6 full blocks
+        assert [tokens for _, tokens in got["answers"]] == want, key
+        assert [matched for matched, _ in got["answers"]] == [48, 40, 40, 40], key
+
+
+def test_save_load_round_trip_reads_blocks_lazily(tmp_path):
+    model, store = filled_store(tmp_path)
+    loaded = ContextStore(model, tmp_path, namespace="alice", selector="query")
+    assert loaded.stats()["blocks"] == store.stats()["blocks"] == 8 and loaded.nbytes == store.nbytes
+    assert all(entry.rows is None for entry in loaded.entries.values())  # on disk until a lookup maps them
+    doc, questions = document_and_questions()
+    prompt = torch.cat([doc, questions[2]])
+    cache, matched = loaded.lookup(prompt)
+    assert matched == 40
+    assert torch.equal(generate(model, prompt, cache), generate(model, prompt, fresh_cache(model, None, "query")))
+    name, entry = next(iter(loaded.entries.items()))
+    read, original = disk.DiskBlock(tmp_path / "alice" / entry.disk["file"]).rows(), store.entries[name].rows
+    assert torch.equal(read.keys, original.keys) and torch.equal(read.values, original.values) and read.cis is None
+
+
+def test_namespaces_are_private_and_isolated(tmp_path):
+    model, _ = filled_store(tmp_path, namespace="alice")
+    assert os.stat(tmp_path / "alice").st_mode & 0o777 == 0o700
+    bob = ContextStore(model, tmp_path, namespace="bob", selector="query")
+    doc, questions = document_and_questions()
+    _, matched = bob.lookup(torch.cat([doc, questions[0]]))
+    assert matched == 0 and bob.stats()["blocks"] == 0  # bob never sees alice's blocks
+    bob.save()
+    assert os.stat(tmp_path / "bob").st_mode & 0o777 == 0o700
+    with pytest.raises(ContextStoreError, match="not a valid name"):
+        ContextStore(model, tmp_path, namespace="../alice")
+
+
+def snapshot(root: Path) -> dict:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _block_path(root: Path) -> Path:
+    return root / "alice" / json.loads((root / "alice" / "index.json").read_text())["entries"][0]["file"]
+
+
+def _truncate(root):
+    path = _block_path(root)
+    path.write_bytes(path.read_bytes()[:-10])
+
+
+def _flip(root):
+    path = _block_path(root)
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def _retoken(root):
+    path = root / "alice" / "index.json"
+    index = json.loads(path.read_text())
+    index["entries"][1]["tokens"][3] += 1
+    path.write_text(json.dumps(index))
+
+
+def _move_namespace(root):
+    os.rename(root / "alice", root / "carol")
+
+
+def _open_up(root):
+    os.chmod(root / "alice", 0o755)
+
+
+def _give_away(root):
+    os.chown(root / "alice", 12345, -1)
+
+
+# name -> (how the store or its reader differs, the loader's arguments, what the error says)
+BAD = {
+    "other model": (None, dict(seed=6), r"another model: model: weights"),
+    "other geometry": (None, dict(topk=2), r"another geometry: geometry: budget_blocks 4 \(stored\) vs 3 \(this model\)"),
+    "other dtype": (None, dict(dtype=torch.bfloat16), r"dtype: kv 'float32' \(stored\) vs 'bfloat16'"),
+    "truncated file": (_truncate, {}, r"is truncated or extended: \d+ bytes, the index records \d+"),
+    "flipped byte": (_flip, {}, r"fails its checksum"),
+    "token mismatch": (_retoken, {}, r"token mismatch: block [0-9a-f]{16} .* do not hash to its name"),
+    "foreign namespace": (_move_namespace, dict(namespace="carol"), r"belongs to namespace 'alice', not 'carol'"),
+    "open namespace": (_open_up, {}, r"has mode 0o755; a namespace must be private \(0700\)"),
+    "another user's namespace": (_give_away, {}, r"belongs to uid 12345, not to this user"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_input_is_named_and_leaves_the_store_intact(tmp_path, case):
+    if case == "another user's namespace" and os.getuid() != 0:
+        pytest.skip("giving a directory to another user needs root")
+    change, reader, message = BAD[case]
+    filled_store(tmp_path)
+    if change is not None:
+        change(tmp_path)
+    before = snapshot(tmp_path)
+    namespace = reader.pop("namespace", "alice")
+    dtype = reader.pop("dtype", None)
+    model = model_for("infllmv2", seed=reader.pop("seed", 5), **reader)
+    if dtype is not None:
+        model = model.to(dtype)
+    with pytest.raises(ContextStoreError, match=message):
+        ContextStore(model, tmp_path, namespace=namespace, selector="query")
+    assert snapshot(tmp_path) == before  # a failed load changes nothing on disk
+    if change is None:  # the store itself is fine: its own model still loads every block
+        assert ContextStore(model_for("infllmv2"), tmp_path, namespace="alice", selector="query").stats()["blocks"] == 8
+
+
+# -- kills during a save --------------------------------------------------------------------------
+def _kill():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _torn_write(path, write):
+    """write_atomic killed half way: its temporary file half written, nothing renamed."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.killed.tmp"
+    write(tmp)
+    tmp.write_bytes(tmp.read_bytes()[: tmp.stat().st_size // 2])
+    _kill()
+
+
+def _after_first(original):
+    def wrapped(path, write):
+        original(path, write)
+        _kill()
+    return wrapped
+
+
+def _torn_index(path, text):
+    Path(f"{Path(path).parent}/.index.json.killed.tmp").write_text(text[: len(text) // 2])
+    _kill()
+
+
+KILL_POINTS = {
+    "inside a block file": ("write_atomic", lambda original: _torn_write),
+    "after the first block file": ("write_atomic", _after_first),
+    "inside the index": ("write_text_atomic", lambda original: _torn_index),
+    "after the index, before deleting": ("remove_unlisted", lambda original: lambda *args: _kill()),
+}
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="kills a forked child process")
+def test_a_kill_at_any_point_of_a_save_leaves_a_loadable_store(tmp_path):
+    """A process killed at each point of a save (forked: a real process, really killed) leaves a
+    store that loads with every block saved before it; killed after the index, with the new ones."""
+    model, store = filled_store(tmp_path, questions=1)
+    earlier = set(store.entries)
+    doc, questions = document_and_questions()
+    answer(store, model, None, torch.cat([doc, questions[1], questions[2]]))  # more blocks to save
+    pending = set(store.entries) - earlier
+    assert pending
+    for point, (name, make) in KILL_POINTS.items():
+        pid = os.fork()
+        if pid == 0:  # the child: save with the kill in place; never returns to pytest
+            try:
+                setattr(disk, name, make(getattr(disk, name)))
+                store.save()
+            finally:
+                os._exit(3)
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, point
+        loaded = set(ContextStore(model, tmp_path, namespace="alice", selector="query").entries)
+        assert earlier <= loaded, point
+        assert loaded == (earlier | pending if point.startswith("after the index") else earlier), point
+    store.save()  # a later save completes and clears what the kills left behind
+    assert not list((tmp_path / "alice").rglob("*.tmp"))
+    assert set(ContextStore(model, tmp_path, namespace="alice", selector="query").entries) == earlier | pending
