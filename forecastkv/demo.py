@@ -1,21 +1,27 @@
-"""The main job on the bundled default (`forecastkv demo`, `make demo`), in four steps that call the
+"""The main job on the bundled default (`forecastkv demo`, `make demo`), in five steps that call the
 same code as the package's commands:
 
 1. fit Forecast heads on the training essays      (`forecastkv train-forecast`: `train_forecast`);
    the trainer measures held-out forecast recall before and after (`training.recall.forecast_recall`);
-2. evaluate on the held-out essays                 (`forecastkv eval`: `run_eval`): perplexity with the
-   query and the forecast selector, H2D bytes per decode step of dense-, sparse- and forecast-offload;
-3. continue a held-out essay with the offloaded runtime in forecast mode
-                                                   (`forecastkv generate --offload`: `generate_offloaded`);
-4. write `<output>/report.md` with its plots and print a short summary last.
+2. held-out perplexity per selector at each length (`forecastkv eval`: `run_eval`);
+3. curves over context length (2K / 4K / 8K): per length one prefill of the held-out essays, copied
+   into the cache of each mode (`inference.fill.copy_into`), then a short greedy decode: device KV
+   bytes, H2D bytes per decode step and the slot cache's block hit rate per mode.  The
+   forecast-offload run at 8K goes on: the offloaded generation (`forecastkv generate --offload`);
+4. one document, many questions: a held-out essay prefilled once into a `ContextStore`, four
+   questions answered from its stored prefix, time to first token of a hit against the miss;
+5. `<output>/report.md` with its plots (`curves.png` is the picture of the README) and the GPU
+   numbers when `benchmarks/results/` holds a GPU run of `gpu_check.py`; a summary printed last.
 
-The recipe and the eval suites are package data (`forecastkv/presets/demo/`); `overrides` shrink them
-for the test.  Everything is written under `output` and a rerun resumes: finished training and
-finished eval examples are kept.
+The recipe, the eval suite and the curves are package data (`forecastkv/presets/demo/`); the
+`*_overrides` shrink them for the test.  Everything is written under `output` and a rerun resumes:
+finished training, finished eval examples and finished curve lengths are kept.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 from pathlib import Path
 
@@ -26,6 +32,9 @@ from .atomic import write_text_atomic
 from .merge import deep_merge
 
 DEMO_DIR = Path(__file__).parent / "presets" / "demo"
+GPU_RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+GPU_COMMAND = "python3 benchmarks/gpu_check.py --out benchmarks/results/gpu_check"
+MIB = 2**20
 
 
 def generate_with_cache(model, ids: torch.Tensor, max_new_tokens: int):
@@ -40,10 +49,11 @@ def generate_with_cache(model, ids: torch.Tensor, max_new_tokens: int):
     return out[0, ids.shape[1] :], cache, time.perf_counter() - start
 
 
-def demo_configs(output: Path, train_overrides: dict | None = None, eval_overrides: dict | None = None) -> tuple[dict, dict]:
-    """(training recipe, {suite name: eval suite}) for a demo run writing under `output`.  The suites
-    evaluate the heads the recipe writes, with the recipe's geometry, so both steps see the same
-    selection.  eval_overrides: {suite name: overrides}."""
+def demo_configs(output: Path, train_overrides: dict | None = None, eval_overrides: dict | None = None,
+                 curve_overrides: dict | None = None) -> tuple[dict, dict, dict]:
+    """(training recipe, {suite name: eval suite}, curves) for a demo run writing under `output`.
+    The suites evaluate the heads the recipe writes, with the recipe's geometry, so every step sees
+    the same selection.  eval_overrides: {suite name: overrides}; curve_overrides: curves.yaml keys."""
     recipe = deep_merge(yaml.safe_load((DEMO_DIR / "train.yaml").read_text()), train_overrides)
     recipe["output_dir"] = str(output / "heads")
     suites = deep_merge(yaml.safe_load((DEMO_DIR / "eval.yaml").read_text()), eval_overrides)
@@ -51,7 +61,8 @@ def demo_configs(output: Path, train_overrides: dict | None = None, eval_overrid
         suite["model"] = {**suite.get("model", {}), "path": recipe["model"]["path"], "sparse_config": recipe["model"]["sparse_config"],
                           "forecast_weights": recipe["output_dir"], "forecast": None}
         suite["output_dir"] = str(output / "eval" / name)
-    return recipe, suites
+    curves = deep_merge(yaml.safe_load((DEMO_DIR / "curves.yaml").read_text()), curve_overrides)
+    return recipe, suites, curves
 
 
 def _recall_plot(before: dict, after: dict, path: Path) -> Path:
@@ -73,112 +84,434 @@ def _recall_plot(before: dict, after: dict, path: Path) -> Path:
     ax.legend(loc="lower right", fontsize=8)
     ax.set_title("Held-out forecast recall per layer")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return path
 
 
-def _eval_summary(records: list[dict]) -> dict:
-    """Per mode: pooled perplexity (perplexity task) and mean H2D bytes per decode step."""
+def _perplexity_by_length(records: list[dict]) -> dict:
+    """{mode: {length: pooled perplexity}} of the eval's perplexity records."""
     from .eval.report import pooled_perplexity
 
-    summary: dict = {}
+    table: dict = {}
     for mode in dict.fromkeys(r["mode"] for r in records):
-        rows = [r for r in records if r["mode"] == mode]
-        ppl_rows = [r for r in rows if r["task"] == "perplexity"]
-        h2d = [r["h2d_bytes_per_step"] for r in rows if r.get("h2d_bytes_per_step") is not None]
-        summary[mode] = {"perplexity": pooled_perplexity(ppl_rows)[0] if ppl_rows else None,
-                         "h2d_bytes_per_step": sum(h2d) / len(h2d) if h2d else None}
-    return summary
+        for length in sorted({r["length"] for r in records if r["mode"] == mode and r["task"] == "perplexity"}):
+            rows = [r for r in records if r["mode"] == mode and r["task"] == "perplexity" and r["length"] == length]
+            table.setdefault(mode, {})[length] = pooled_perplexity(rows)[0]
+    return table
 
 
-def _fmt(value: float | None, unit: float = 1.0) -> str:
-    return "—" if value is None else f"{value / unit:.3f}"
+# ----------------------------------------------------------------------------------------------
+# step 3: curves over context length
+# ----------------------------------------------------------------------------------------------
+
+
+def _fingerprint(*parts) -> str:
+    return hashlib.sha1(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _heads_digest(directory: str) -> str | None:
+    """Digest of the trained heads' weights, so a curve measured with other heads is redone."""
+    path = Path(directory) / "forecast.safetensors"
+    return hashlib.sha1(path.read_bytes()).hexdigest()[:16] if path.is_file() else None
+
+
+def _decode_counters(model, cache, first: torch.Tensor, marks: list[int]) -> tuple[list[int], list[dict], float]:
+    """Greedy decode from `first` [1, 1], `cache.stats()` taken after each step count in `marks`
+    (ascending).  Returns (token ids [first + the decoded ones], the stats, seconds per step)."""
+    from .inference.fill import greedy_steps
+
+    tokens, snapshots, seconds, current, done = [int(first[0, 0])], [], 0.0, first, 0
+    for mark in marks:
+        if mark > done:
+            new, _, took = greedy_steps(model, cache, current, mark - done)
+            tokens += new[0].tolist()
+            current, done, seconds = new[:, -1:], mark, seconds + sum(took)
+        snapshots.append(cache.stats())
+    return tokens[: done + 1], snapshots, seconds / max(done, 1)
+
+
+def _span(before: dict, after: dict, offloaded: list[bool]) -> dict:
+    """H2D bytes per step and block hit rate over the steps between two `stats()` snapshots
+    (other H2D booked meanwhile counted in, as the eval does)."""
+    steps = after["h2d_bytes_per_step"][len(before["h2d_bytes_per_step"]):]
+    other = after["h2d_other_bytes"] - before["h2d_other_bytes"]
+    wanted = sum(a - b for a, b, off in zip(after["blocks_wanted_per_layer"], before["blocks_wanted_per_layer"], offloaded) if off)
+    hits = sum(a - b for a, b, off in zip(after["hits_per_layer"], before["hits_per_layer"], offloaded) if off)
+    dense = after["mode"] == "dense-offload"
+    return {"steps": len(steps), "h2d_bytes_per_step": (sum(steps) + other) / len(steps) if steps else None,
+            "hit_rate": None if dense or not wanted else hits / wanted}
+
+
+def _measure_mode(model, name: str, prefilled, first: torch.Tensor, length: int, steps: int, total: int) -> dict:
+    """One mode at one length: its cache filled from `prefilled`, `total` greedy steps (the curve
+    reads the first `steps`).  Returns the byte counts, the H2D and hit rate of the cold first step
+    and of the steady steps after it, the decoded ids and the mode's full final stats."""
+    from .eval.modes import attending_with, make_cache, parse_mode
+    from .inference.fill import copy_into
+
+    mode = parse_mode(name)
+    with attending_with(model, mode), torch.no_grad():
+        cache = make_cache(model, mode)
+        cache.reserve(length)  # as generate() does: prompt + new tokens, allocated once
+        copy_into(prefilled, cache)
+        offloaded = [layer.offloaded for layer in cache.layers]
+        start = cache.stats()
+        ids, (cold, curve, end), step_s = _decode_counters(model, cache, first, [1, steps, total])
+    return {"mode": name, "cache": mode.cache, "attention": mode.attention, "length": length,
+            "device_nbytes": curve["device_nbytes"], "index_nbytes": curve["index_nbytes"], "host_nbytes": curve["host_nbytes"],
+            "cold": _span(start, cold, offloaded), "steady": _span(cold, curve, offloaded),
+            "all_steps": {**_span(cold, end, offloaded), "device_nbytes": end["device_nbytes"], "host_nbytes": end["host_nbytes"]},
+            "hit_rate_per_layer": end["hit_rate_per_layer"], "decode_ms_per_step": round(1000 * step_s, 1), "ids": ids}
+
+
+def measure_curves(model, codec, curves: dict, output: Path, new_tokens: int, heads: str | None) -> list[dict]:
+    """Step 3: one result per length (see curves.yaml), each kept in `output/<length>.json` and
+    reused by a rerun with the same settings."""
+    from .eval.modes import attending_with, parse_mode
+    from .eval.tasks import heldout_stream
+    from .modeling.cache import SparseCache
+    from .modeling.modeling import CACHE_KWARG
+
+    stream = heldout_stream(codec)
+    longest, generation = max(curves["lengths"]), curves["generation"]["mode"]
+    results = []
+    for length in curves["lengths"]:
+        total = {name: max(curves["decode_steps"], new_tokens if (length, name) == (longest, generation) else 0) for name in curves["modes"]}
+        prompt = max(total.values())
+        key = _fingerprint(model.config.sparse_config, heads, curves["prefill"], curves["modes"], curves["decode_steps"], total, length)
+        path = output / f"{length}.json"
+        if path.is_file() and json.loads(path.read_text()).get("fingerprint") == key:
+            results.append(json.loads(path.read_text()))
+            continue
+        ids = torch.tensor([[stream[i % len(stream)] for i in range(length - prompt)]])
+        began = time.perf_counter()
+        with attending_with(model, parse_mode(curves["prefill"])), torch.no_grad():
+            prefilled = SparseCache(model.config, max_length=ids.shape[1])
+            for start in range(0, ids.shape[1], 2048):  # chunked, as the eval prefills
+                logits = model(ids[:, start : start + 2048], use_cache=True, logits_to_keep=1, **{CACHE_KWARG: prefilled}).logits
+        first = logits[:, -1].argmax(-1, keepdim=True)
+        prefill_s = time.perf_counter() - began
+        modes = {name: _measure_mode(model, name, prefilled, first, length, curves["decode_steps"], total[name]) for name in curves["modes"]}
+        del prefilled
+        result = {"fingerprint": key, "length": length, "prompt_tokens": ids.shape[1], "prefill": curves["prefill"],
+                  "prefill_s": round(prefill_s, 1), "modes": modes}
+        output.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(path, json.dumps(result, indent=1) + "\n")
+        results.append(result)
+        print(f"{length} tokens: prefill {prefill_s:.0f} s, " + ", ".join(
+            f"{m['cache']} {_fmt(m['steady']['h2d_bytes_per_step'], MIB)} MiB/step" for m in modes.values()), flush=True)
+    return results
+
+
+def curve_series(results: list[dict], perplexity: dict, budget_blocks: int) -> tuple[list[int], list[dict]]:
+    """(lengths, panels for `eval.report.plot_over_length`) of the measured curves."""
+    lengths = [r["length"] for r in results]
+    caches = list(dict.fromkeys(m["cache"] for r in results for m in r["modes"].values()))
+
+    def series(field, scale=1.0, only=None):
+        out = {}
+        for cache in caches:
+            if only is not None and cache not in only:
+                continue
+            values = []
+            for r in results:
+                mode = next((m for m in r["modes"].values() if m["cache"] == cache), None)
+                value = None if mode is None else field(mode)
+                values.append(None if value is None else value / scale)
+            out[cache] = values
+        return out
+
+    panels = [
+        {"title": "Device KV memory", "ylabel": "MiB on the device (KV tier)",
+         "series": series(lambda m: m["device_nbytes"], MIB), "ylim": (0, None)},
+        {"title": "Host → device bytes per decode step (steady)", "ylabel": "MiB per decode step (log scale)", "log": True,
+         "series": series(lambda m: m["steady"]["h2d_bytes_per_step"], MIB, only={"dense-offload", "sparse-offload", "forecast-offload"})},
+        {"title": f"Slot cache block hit rate (steady, {budget_blocks}-block budget)", "ylabel": "share of selected blocks already on the device",
+         "series": series(lambda m: m["steady"]["hit_rate"], only={"sparse-offload", "forecast-offload"}), "ylim": (0, 1.02)},
+        {"title": "Held-out perplexity per selector", "ylabel": "perplexity (lower is better)",
+         "series": {mode: [perplexity.get(mode, {}).get(n) for n in lengths] for mode in perplexity}},
+    ]
+    return lengths, panels
+
+
+# ----------------------------------------------------------------------------------------------
+# step 4: one document, many questions
+# ----------------------------------------------------------------------------------------------
+
+
+class _FirstTokenClock:
+    """A `generate()` streamer that notes when the first new token arrives (its first `put` is the
+    prompt)."""
+
+    def __init__(self) -> None:
+        self.puts, self.first_at = 0, None
+
+    def put(self, value) -> None:
+        self.puts += 1
+        if self.puts == 2 and self.first_at is None:
+            self.first_at = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+def many_questions(model, tokenizer, spec: dict) -> dict:
+    """Step 4: one held-out essay, prefilled once (with the first question: the miss) and kept in a
+    `ContextStore`; the other questions are answered from its stored prefix (hits).  Returns the
+    answers and the time to first token of each question."""
+    from . import bundled_texts
+    from .context import ContextStore
+    from .eval.modes import attending_with, parse_mode
+    from .modeling.modeling import CACHE_KWARG
+
+    mode = parse_mode(spec["mode"])
+    essay = tokenizer(bundled_texts("heldout")[spec["essay"]], add_special_tokens=False).input_ids[: spec["max_tokens"]]
+    head = tokenizer("<|im_start|>user\nRead this essay, then answer the question after it.\n\n", add_special_tokens=False).input_ids
+    document = head + essay + tokenizer("\n\n", add_special_tokens=False).input_ids
+    rows = []
+    with attending_with(model, mode):
+        store = ContextStore(model, selector=mode.selector)
+        for index, question in enumerate(spec["ask"]):
+            asked = tokenizer(f"Question: {question}<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False).input_ids
+            ids = torch.tensor([document + asked])
+            clock = _FirstTokenClock()
+            began = time.perf_counter()
+            cache, matched = store.lookup(ids, mode=mode.cache, reserve=ids.shape[1] + spec["new_tokens"])
+            with torch.no_grad():
+                out = model.generate(ids, max_new_tokens=spec["new_tokens"], do_sample=False, pad_token_id=model.config.eos_token_id,
+                                     streamer=clock, **{CACHE_KWARG: cache})
+            if index == 0:
+                store.insert(cache, document)  # the essay's full blocks, shared by every later question
+            store.release(cache)
+            rows.append({"question": question, "prompt_tokens": ids.shape[1], "matched": matched,
+                         "ttft_s": clock.first_at - began,
+                         "answer": " ".join(tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).split())})  # one line
+    hits = [r for r in rows if r["matched"]]
+    misses = [r for r in rows if not r["matched"]]
+    mean = lambda rs: sum(r["ttft_s"] for r in rs) / len(rs) if rs else None  # noqa: E731
+    return {"mode": spec["mode"], "document_tokens": len(document), "questions": rows, "store": store.stats(),
+            "ttft_hit_s": mean(hits), "ttft_miss_s": mean(misses)}
+
+
+# ----------------------------------------------------------------------------------------------
+# step 5: GPU numbers, report, summary
+# ----------------------------------------------------------------------------------------------
+
+
+def gpu_runs(results: Path = GPU_RESULTS) -> list[dict]:
+    """The GPU runs of `benchmarks/gpu_check.py` under `results` (a `summary.json` of a run that
+    found CUDA and was not a dry run), newest first: {date, machine, state, ok, summary_md}."""
+    runs = []
+    for path in sorted(results.glob("**/summary.json")) if results.is_dir() else []:
+        try:
+            summary = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        if summary.get("dry_run") or not (summary.get("environment") or {}).get("cuda_available"):
+            continue
+        md = path.with_name("summary.md")
+        runs.append({"date": summary.get("date"), "machine": summary.get("machine"), "state": summary.get("state"), "ok": summary.get("ok"),
+                     "path": str(path.parent), "summary_md": md.read_text() if md.is_file() else None})
+    return sorted(runs, key=lambda r: str(r["date"]), reverse=True)
+
+
+def _gpu_line(runs: list[dict]) -> str:
+    if not runs:
+        return f"No GPU run of benchmarks/gpu_check.py in benchmarks/results/ yet; on a GPU machine: `{GPU_COMMAND}`"
+    run = runs[0]
+    return f"GPU run of benchmarks/gpu_check.py on {run['date']}, {run['machine']}: {run['state']} ({run['path']})"
+
+
+def _fmt(value: float | None, unit: float = 1.0, digits: int = 3) -> str:
+    return "—" if value is None else f"{value / unit:.{digits}f}"
+
+
+def _label(n: int) -> str:
+    return f"{n // 1024}K" if n % 1024 == 0 else str(n)
+
+
+def curve_table(results: list[dict], perplexity: dict, budget_blocks: int, block_size: int) -> list[list[str]]:
+    """Rows [what, mode, value per length] of the curves and the perplexity per selector."""
+    rows = [["budget share of the blocks", "", *[f"{100 * budget_blocks * block_size / r['length']:.1f}%" for r in results]]]
+
+    def add(what, cache, field, unit=1.0, digits=3):
+        values = [next((field(m) for m in r["modes"].values() if m["cache"] == cache), None) for r in results]
+        if any(v is not None for v in values):
+            rows.append([what, cache, *[_fmt(v, unit, digits) for v in values]])
+
+    caches = list(dict.fromkeys(m["cache"] for r in results for m in r["modes"].values()))
+    for cache in caches:
+        add("device KV MiB", cache, lambda m: m["device_nbytes"], MIB, 1)
+    for cache in caches:
+        add("host KV MiB", cache, lambda m: m["host_nbytes"] or None, MIB, 1)
+    for cache in caches:
+        if cache != "no-offload":
+            add("H2D MiB per decode step (steady)", cache, lambda m: m["steady"]["h2d_bytes_per_step"], MIB)
+    for cache in caches:
+        add("H2D MiB, first (cold) step", cache, lambda m: m["cold"]["h2d_bytes_per_step"] if m["cache"] != "no-offload" else None, MIB)
+    for cache in caches:
+        add("block hit rate (steady)", cache, lambda m: m["steady"]["hit_rate"])
+    for mode, by_length in perplexity.items():
+        rows.append(["perplexity", mode, *[_fmt(by_length.get(r["length"])) for r in results]])
+    return rows
+
+
+def _text_table(rows: list[list[str]], lengths: list[int]) -> str:
+    head = ["", "mode", *[_label(n) for n in lengths]]
+    table = [head] + rows
+    widths = [max(len(row[i]) for row in table) for i in range(len(head))]
+    return "\n".join("  ".join(cell.ljust(w) if i < 2 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths))).rstrip() for row in table)
+
+
+def _md_table(rows: list[list[str]], lengths: list[int]) -> list[str]:
+    return ["| | mode | " + " | ".join(_label(n) for n in lengths) + " |", "|---|---|" + "---|" * len(lengths),
+            *["| " + " | ".join(row) + " |" for row in rows]]
 
 
 def run_demo(output: str | Path = "runs/demo", train_overrides: dict | None = None, eval_overrides: dict | None = None,
-             prompt_tokens: int = 1024, new_tokens: int = 32, progress: bool = True) -> dict:
-    """Run the four steps; returns the numbers of the summary it prints last."""
+             prompt_tokens: int | None = None, new_tokens: int | None = None, progress: bool = True,
+             curve_overrides: dict | None = None) -> dict:
+    """Run the five steps; returns the numbers of the summary it prints last.
+
+    new_tokens: the offloaded generation's length (None: curves.yaml's); prompt_tokens: its prompt
+    (None: the longest curve length, whose prefill it continues; another value prefills its own)."""
     from transformers import AutoTokenizer
 
     from . import ForecastKVForCausalLM, bundled_texts
     from .bundled import resolve_model_path
+    from .eval.codec import TextCodec
     from .eval.report import load as load_records
+    from .eval.report import plot_over_length
     from .eval.runner import run_eval
     from .inference.report import format_stats, generate_offloaded
     from .training.trainer import train_forecast
 
     output = Path(output)
     output.mkdir(parents=True, exist_ok=True)
-    recipe, suites = demo_configs(output, train_overrides, eval_overrides)
+    recipe, suites, curves = demo_configs(output, train_overrides, eval_overrides, curve_overrides)
+    new_tokens = curves["generation"]["new_tokens"] if new_tokens is None else new_tokens
     clock = {"start": time.perf_counter()}
 
-    print("== 1/4 fit Forecast heads on the training essays (recall measured before and after)", flush=True)
+    print("== 1/5 fit Forecast heads on the training essays (recall measured before and after)", flush=True)
     resume = recipe["output_dir"] if (Path(recipe["output_dir"]) / "checkpoints").is_dir() else None
     trained = train_forecast(recipe, resume=resume, train={"progress": progress})
+    # the recipe's thread count (one: small ops run faster on one thread of a shared 2-core CPU)
+    # stays set for the rest of the demo
+    threads = torch.get_num_threads()
     before, after = trained.history[0], trained.history[-1]
     clock["train"] = time.perf_counter()
     print(f"recall (mean over layers >= 1): {before['mean_recall']:.3f} at step {before['step']} -> "
           f"{after['mean_recall']:.3f} at step {after['step']} (chance {after['mean_chance']:.3f})", flush=True)
 
-    print("== 2/4 evaluate on the held-out essays (perplexity per selector, H2D bytes per offload mode)", flush=True)
+    print("== 2/5 held-out perplexity per selector at each length", flush=True)
     reports, records = [], []
     for suite in suites.values():
         reports.append(Path(run_eval(suite, progress=progress)["report"] or Path(suite["output_dir"]) / "report.md"))
         records += load_records(suite["output_dir"])
-    per_mode = _eval_summary(records)
+    perplexity = _perplexity_by_length(records)
     clock["eval"] = time.perf_counter()
 
-    print("== 3/4 continue a held-out essay, KV offloaded, blocks prefetched by the forecast heads", flush=True)
+    print("== 3/5 curves over context length: device KV, H2D bytes per decode step, block hit rate per mode", flush=True)
     path = resolve_model_path(recipe["model"]["path"])
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = ForecastKVForCausalLM.from_pretrained(path, sparse_config=recipe["model"]["sparse_config"], forecast_weights=recipe["output_dir"])
-    ids = tokenizer(bundled_texts("heldout")[0], return_tensors="pt").input_ids[:, :prompt_tokens]
-    new_ids, cache, seconds = generate_offloaded(model, ids, new_tokens, mode="forecast-offload")
-    continuation = tokenizer.decode(new_ids[0])
-    stats_text = format_stats(cache.stats())
-    print(repr(continuation), flush=True)
-    clock["generate"] = time.perf_counter()
+    model = ForecastKVForCausalLM.from_pretrained(path, sparse_config=recipe["model"]["sparse_config"], forecast_weights=recipe["output_dir"]).eval()
+    sparse = model.config.sparse
+    longest = max(curves["lengths"])
+    reuse = prompt_tokens is None or prompt_tokens + new_tokens == longest
+    results = measure_curves(model, TextCodec(tokenizer), curves, output / "curves", new_tokens if reuse else 0, _heads_digest(recipe["output_dir"]))
+    if reuse:
+        run = results[-1]["modes"][curves["generation"]["mode"]]
+        gen = {"prompt_tokens": results[-1]["prompt_tokens"], "ids": run["ids"][:new_tokens], **run["all_steps"],
+               "dense_h2d": next((m["steady"]["h2d_bytes_per_step"] for m in results[-1]["modes"].values() if m["cache"] == "dense-offload"), None)}
+    else:  # a prompt length of its own: its own offloaded generate()
+        ids = torch.tensor([TextCodec(tokenizer).encode("\n\n".join(bundled_texts("heldout")))[:prompt_tokens]])
+        new_ids, cache, _ = generate_offloaded(model, ids, new_tokens, mode="forecast-offload")
+        stats = cache.stats()
+        gen = {"prompt_tokens": ids.shape[1], "ids": new_ids[0].tolist(), "steps": stats["decode_steps"],
+               "h2d_bytes_per_step": stats["h2d_bytes_per_step_mean"], "hit_rate": stats["hit_rate"],
+               "device_nbytes": stats["device_nbytes"], "host_nbytes": stats["host_nbytes"], "dense_h2d": None, "stats_text": format_stats(stats)}
+    continuation = tokenizer.decode(gen["ids"], skip_special_tokens=True)
+    print(f"continuation of the {gen['prompt_tokens']}-token prompt: {continuation!r}", flush=True)
+    clock["curves"] = time.perf_counter()
 
-    print("== 4/4 report", flush=True)
+    print("== 4/5 one document, many questions (a ContextStore prefix shared by four questions)", flush=True)
+    try:
+        questions = many_questions(model, tokenizer, curves["questions"])
+    except ImportError as error:  # the context store is not part of this install
+        questions = {"skipped": f"forecastkv.context does not import ({error})"}
+    for row in questions.get("questions", []):
+        print(f"[{'hit' if row['matched'] else 'miss'} {row['matched']}/{row['prompt_tokens']} tokens, first token {row['ttft_s']:.2f} s] "
+              f"{row['question']} -> {row['answer']!r}", flush=True)
+    clock["questions"] = time.perf_counter()
+
+    print("== 5/5 report", flush=True)
     recall_png = _recall_plot(before, after, output / "recall_by_layer.png")
-    query, forecast = per_mode.get("infllmv2-query", {}), per_mode.get("infllmv2-forecast", {})
-    bytes_of = {m.split("@")[1]: v["h2d_bytes_per_step"] for m, v in per_mode.items() if "@" in m}
-    ppl_ratio = (forecast["perplexity"] / query["perplexity"]) if query.get("perplexity") and forecast.get("perplexity") else None
+    lengths, panels = curve_series(results, perplexity, sparse.budget_blocks)
+    curves_png = plot_over_length(lengths, panels, output / "curves.png",
+                                  f"SmolLM2-135M, {sparse.budget_blocks}-block budget of {sparse.block_size} tokens: what each mode holds and moves")
+    query, forecast = perplexity.get("infllmv2-query", {}), perplexity.get("infllmv2-forecast", {})
+    ratios = {n: forecast[n] / query[n] for n in query if n in forecast}
+    gpu = gpu_runs()
+    table = curve_table(results, perplexity, sparse.budget_blocks, sparse.block_size)
     result = {
         "recall_before": before["mean_recall"], "recall_after": after["mean_recall"], "chance": after["mean_chance"],
-        "perplexity": {m: v["perplexity"] for m, v in per_mode.items() if v["perplexity"] is not None},
-        "forecast_over_query_perplexity": ppl_ratio, "h2d_bytes_per_step": bytes_of, "continuation": continuation,
-        "seconds": {k: clock[k] - clock[p] for p, k in (("start", "train"), ("train", "eval"), ("eval", "generate"))},
+        "lengths": lengths, "perplexity": perplexity, "forecast_over_query_perplexity": ratios,
+        "curves": {r["length"]: {m["cache"]: {k: m[k] for k in ("device_nbytes", "host_nbytes", "index_nbytes", "steady", "cold")}
+                                for m in r["modes"].values()} for r in results},
+        "generation": {**{k: v for k, v in gen.items() if k != "ids"}, "continuation": continuation},
+        "questions": questions, "gpu": gpu[:1],
+        "seconds": {k: clock[k] - clock[p] for p, k in (("start", "train"), ("train", "eval"), ("eval", "curves"), ("curves", "questions"))},
     }
+    gen_line = (f"forecast-offload, {gen['prompt_tokens']}-token prompt + {len(gen['ids'])} new tokens: device KV {_fmt(gen['device_nbytes'], MIB, 1)} MiB "
+                f"against host {_fmt(gen['host_nbytes'], MIB, 1)} MiB; H2D {_fmt(gen['h2d_bytes_per_step'], MIB)} MiB per step after the first"
+                + (f" (dense-offload: {_fmt(gen['dense_h2d'], MIB, 1)} MiB)" if gen.get("dense_h2d") else "")
+                + ("" if gen.get("hit_rate") is None else f", block hit rate {100 * gen['hit_rate']:.1f}%"))
+    q_line = _questions_line(questions)
     lines = [
         "# forecastkv demo: SmolLM2-135M, Forecast heads, offloaded decode", "",
         f"Base `{recipe['model']['path']}`, geometry {recipe['model']['sparse_config']}.", "",
+        "## Curves over context length", "",
+        f"Per length one prefill of the held-out essays ({curves['prefill']}), copied into each mode's cache, then "
+        f"{curves['decode_steps']} greedy decode steps: the first fills the empty slot cache (cold), \"steady\" is the mean of the "
+        "steps after it. Device KV: the KV tier on the device (no-offload: every layer's K/V; sparse- and forecast-offload: slots of "
+        "the budget and block maps per layer, layer 0 resident; dense-offload: layer 0 and the layer being copied); the selection "
+        "index (compressed keys) is apart. Perplexity: step 2's eval, one held-out window per length.", "",
+        *_md_table(table, lengths), "", f"![curves]({curves_png.name})", "",
         f"## 1. Forecast recall on held-out essays (T = {recipe['data']['eval_seq_len']}, rows t >= {recipe['data']['eval_start']})", "",
         (trained.output_dir / "recall.md").read_text() if (trained.output_dir / "recall.md").is_file() else "", "",
         f"![recall by layer]({recall_png.name})", "",
-        "## 2. Held-out evaluation (perplexity per selector, H2D bytes per decode step per offload mode)", "",
+        "## 2. Held-out perplexity per selector", "",
         "Full tables and plots: " + ", ".join(f"[{p.relative_to(output)}]({p.relative_to(output)})" for p in reports) + ".", "",
-        "| mode | perplexity | H2D MiB per decode step |", "|---|---|---|",
-        *[f"| {m} | {_fmt(v['perplexity'])} | {_fmt(v['h2d_bytes_per_step'], 2**20)} |" for m, v in per_mode.items()],
-        "", *[f"![{p.stem}]({p.relative_to(output)})" for r in reports for p in sorted(r.parent.glob("*.png"))], "",
-        f"## 3. Offloaded generation (forecast-offload, {ids.shape[1]}-token prompt, {seconds:.1f} s)", "",
-        "```", continuation.strip(), "```", "", "```", stats_text, "```", "",
+        *[f"![{p.stem}]({p.relative_to(output)})" for r in reports for p in sorted(r.parent.glob("*.png"))], "",
+        f"## 3. Offloaded generation at {_label(gen['prompt_tokens'] + len(gen['ids']))}", "", gen_line, "",
+        "```", continuation.strip(), "```", "",
+        *(["```", gen["stats_text"], "```", ""] if gen.get("stats_text") else []),
+        "## 4. One document, many questions", "", q_line, "",
+        *[f"- {'hit' if r['matched'] else 'miss'} ({r['matched']} of {r['prompt_tokens']} tokens from the store, first token after "
+          f"{r['ttft_s']:.2f} s): *{r['question']}* {r['answer']}" for r in questions.get("questions", [])], "",
+        "## 5. GPU numbers", "", _gpu_line(gpu), "", *([gpu[0]["summary_md"]] if gpu and gpu[0]["summary_md"] else []), "",
     ]
     write_text_atomic(output / "report.md", "\n".join(lines))
     result["report"] = str(output / "report.md")
 
-    print("\n== summary", flush=True)
+    print(f"\n== summary (SmolLM2-135M; {sparse.budget_blocks}-block budget of {sparse.block_size} tokens; CPU, {threads} thread{'s' if threads > 1 else ''})", flush=True)
     print(f"forecast recall (held-out, layers >= 1): {result['recall_before']:.3f} init -> {result['recall_after']:.3f} trained "
           f"(chance {result['chance']:.3f})")
-    for mode, value in result["perplexity"].items():
-        print(f"perplexity {mode}: {value:.3f}")
-    if ppl_ratio is not None:
-        print(f"forecast / query perplexity: {ppl_ratio:.4f} ({100 * (ppl_ratio - 1):+.2f}%)")
-    dense = bytes_of.get("dense-offload")
-    for mode, value in bytes_of.items():
-        ratio = f" ({value / dense:.4f} x dense-offload)" if dense and value is not None else ""
-        print(f"H2D per decode step, {mode}: {_fmt(value, 2**20)} MiB{ratio}")
-    print(f"time: train {result['seconds']['train']:.0f} s, eval {result['seconds']['eval']:.0f} s, generate {result['seconds']['generate']:.0f} s")
+    print(_text_table(table, lengths))
+    if ratios:
+        print("forecast / query perplexity: " + ", ".join(f"{_label(n)} {r:.4f} ({100 * (r - 1):+.2f}%)" for n, r in sorted(ratios.items())))
+    print(f"generation: {gen_line}")
+    print(f"many questions: {q_line}")
+    print(f"GPU: {_gpu_line(gpu)}")
+    print("time: " + ", ".join(f"{k} {v:.0f} s" for k, v in result["seconds"].items()))
     print(f"report: {result['report']}")
     return result
+
+
+def _questions_line(questions: dict) -> str:
+    if "skipped" in questions:
+        return f"skipped: {questions['skipped']}"
+    hits = sum(1 for r in questions["questions"] if r["matched"])
+    return (f"{questions['mode']}, a {questions['document_tokens']}-token essay prefilled once: time to first token "
+            f"{_fmt(questions['ttft_miss_s'], 1, 2)} s for the miss, {_fmt(questions['ttft_hit_s'], 1, 2)} s mean over {hits} hits")

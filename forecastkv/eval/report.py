@@ -3,6 +3,8 @@
     score_vs_length.png   per task: score (x100; perplexity: lower is better) vs context length, one line per mode
     recall_by_layer.png   forecast recall per layer per (mode, length), chance level dashed
     bytes_per_step.png    KV bytes read (and H2D bytes, when offloaded) per decode step vs length, per mode
+
+`plot_over_length` draws any set of per-length curves the same way (the demo's curves).
 """
 
 from __future__ import annotations
@@ -163,8 +165,16 @@ def _save_with_side_legend(fig, ax, title: str, path: Path) -> Path:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     return path
+
+
+def _styles(plt, labels: list[str]) -> tuple[dict, dict]:
+    """A colour and a look per label.  Curves that coincide (modes that score the same, or hold
+    the same bytes) would hide each other, so each also gets its own marker, size and dash."""
+    colors = {label: plt.cm.tab10(i % 10) for i, label in enumerate(labels)}
+    looks = {label: {"marker": "osD^v<>p"[i % 8], "ms": 8 - 1.5 * (i % 4), "ls": ["-", "--", "-.", ":"][i % 4]} for i, label in enumerate(labels)}
+    return colors, looks
 
 
 def plots(records: list[dict], directory: Path) -> list[Path]:
@@ -176,9 +186,7 @@ def plots(records: list[dict], directory: Path) -> list[Path]:
     written = []
     modes = _ordered(r["mode"] for r in records)
     tasks = _ordered(r["task"] for r in records)
-    colors = {m: plt.cm.tab10(i % 10) for i, m in enumerate(modes)}
-    # modes that score the same would hide each other: each gets its own marker, size and dash
-    looks = {m: {"marker": "osD^v<>p"[i % 8], "ms": 8 - 1.5 * (i % 4), "ls": ["-", "--", "-.", ":"][i % 4]} for i, m in enumerate(modes)}
+    colors, looks = _styles(plt, modes)
 
     cols = min(4, len(tasks))
     rows = -(-len(tasks) // cols)
@@ -204,11 +212,13 @@ def plots(records: list[dict], directory: Path) -> list[Path]:
     for ax in list(axes.flat)[len(tasks):]:
         ax.axis("off")
     handles, labels = axes.flat[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=len(modes), frameon=False)
+    # one legend row per mode beside the panels: mode names are long, and a row under a
+    # one-panel figure cut them off; the tight bounding box keeps every label in the picture
+    fig.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.0, 0.92), frameon=False, fontsize=8)
     fig.suptitle("Score vs context length per mode")
-    fig.tight_layout(rect=(0, 0.06, 1, 0.96))
+    fig.tight_layout()
     written.append(directory / "score_vs_length.png")
-    fig.savefig(written[-1], dpi=110)
+    fig.savefig(written[-1], dpi=110, bbox_inches="tight")
     plt.close(fig)
 
     lengths = sorted(set(r["length"] for r in records))
@@ -250,6 +260,45 @@ def plots(records: list[dict], directory: Path) -> list[Path]:
         written.append(_save_with_side_legend(fig, ax, "KV bytes per decode step per mode", directory / "bytes_per_step.png"))
     plt.close(fig)
     return written
+
+
+def plot_over_length(lengths: list[int], panels: list[dict], path: Path, title: str) -> Path:
+    """Panels of curves over context length, two per row, one colour per label across panels.
+
+    panels: [{"title", "ylabel", "series": {label: [value or None per length]}, "log": bool,
+    "ylim": (lo, hi) or None}]; a label's missing values (and on a log axis its zeros) are skipped.
+    Writes `path` (PNG) with every legend inside the picture and returns it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors, looks = _styles(plt, _ordered(label for panel in panels for label in panel["series"]))
+    cols = min(2, len(panels))
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(6.2 * cols, 3.9 * rows), squeeze=False)
+    for ax, panel in zip(axes.flat, panels):
+        for label, values in panel["series"].items():
+            # a log axis cannot show 0 (e.g. no block missed): such a point is left out
+            points = [(n, v) for n, v in zip(lengths, values) if v is not None and (v > 0 or not panel.get("log"))]
+            if points:
+                ax.plot(*zip(*points), color=colors[label], label=label, **looks[label])
+        _length_axis(ax, lengths)
+        if panel.get("log"):
+            ax.set_yscale("log")
+        if panel.get("ylim"):
+            ax.set_ylim(*panel["ylim"])
+        ax.set_ylabel(panel["ylabel"])
+        ax.set_title(panel["title"], fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="best", frameon=True, framealpha=0.85)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path
 
 
 def write_report(directory: str | Path) -> Path:
