@@ -1,17 +1,30 @@
-"""The console script: sub-commands parse, convert writes our format, train-forecast owns --help."""
+"""The console script: sub-commands parse, convert writes our format (weights, tokenizer, auto_map),
+train-forecast owns --help, and user errors print one line and exit with status 2."""
+
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from forecastkv import ForecastKVForCausalLM
-from forecastkv.cli import build_parser, main
+from forecastkv.cli import FORECAST_OFFLOAD_MODES, PASSTHROUGH, build_parser, main
 
 
 def test_parser_knows_every_command():
     parser = build_parser()
     for argv in (["demo"], ["generate", "--prompt", "x"], ["convert", "a", "b"]):
         assert callable(parser.parse_args(argv).run)
+    assert set(PASSTHROUGH) == {"train-forecast", "forecast-recall", "lm-eval"}
+
+
+def test_forecast_offload_modes_match_the_runtime():
+    from forecastkv.inference.offloaded import MODE_SELECTOR
+
+    assert FORECAST_OFFLOAD_MODES == tuple(mode for mode, selector in MODE_SELECTOR.items() if selector == "forecast")
 
 
 def test_train_forecast_help_reaches_the_trainer(capsys):
@@ -21,12 +34,116 @@ def test_train_forecast_help_reaches_the_trainer(capsys):
     assert "--resume" in capsys.readouterr().out
 
 
-def test_convert_writes_our_format(tmp_path):
+def tiny_llama_dir(path):
     torch.manual_seed(0)
     llama = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
-    llama.save_pretrained(tmp_path / "llama")
+    llama.save_pretrained(path)
+    return llama
+
+
+def test_convert_writes_our_format(tmp_path):
+    llama = tiny_llama_dir(tmp_path / "llama")
+    tokenizer_files = {"tokenizer_config.json": '{"tokenizer_class": "X"}\n', "merges.txt": "#version: 0.2\n"}
+    for name, text in tokenizer_files.items():
+        (tmp_path / "llama" / name).write_text(text)
     assert main(["convert", str(tmp_path / "llama"), str(tmp_path / "ours"), "--sparse-config", "smollm2-135m"]) == 0
     model = ForecastKVForCausalLM.from_pretrained(tmp_path / "ours")
     assert model.config.model_type == "forecastkv" and model.config.sparse.window_size == 256
     assert torch.equal(model.model.layers[1].mlp.up_proj.weight, llama.model.layers[1].mlp.up_proj.weight)
+    for name, text in tokenizer_files.items():  # copied byte for byte
+        assert (tmp_path / "ours" / name).read_text() == text
+    assert json.loads((tmp_path / "ours" / "config.json").read_text())["auto_map"]["AutoModelForCausalLM"] == "modeling_forecastkv.ForecastKVForCausalLM"
+    assert (tmp_path / "ours" / "modeling_forecastkv.py").is_file() and (tmp_path / "ours" / "configuration_forecastkv.py").is_file()
+
+
+# -- user errors: one line on stderr, status 2, no traceback ---------------------------------------
+
+
+def _user_error(argv, capsys) -> str:
+    """Run main(argv); assert it ends as a user error; return its one stderr line."""
+    try:
+        status = main(argv)
+    except SystemExit as stop:  # argparse's own errors
+        status = stop.code
+    err = capsys.readouterr().err
+    assert status == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("forecastkv: error: "), err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+def test_each_user_error_is_one_line_and_status_2(tmp_path, capsys):
+    tiny_llama_dir(tmp_path / "llama")
+    capsys.readouterr()  # the save's progress bar
+    llama = str(tmp_path / "llama")
+    line = _user_error(["generate", "--model", llama, "--sparse-config", "nope", "--prompt", "x"], capsys)
+    assert "--sparse-config 'nope' is not a preset; known presets: " in line and "smollm2-135m" in line
+    line = _user_error(["generate", "--model", str(tmp_path / "missing"), "--prompt", "x"], capsys)
+    assert line == f"forecastkv: error: --model {tmp_path / 'missing'}: no such checkpoint directory"
+    line = _user_error(["generate", "--model", llama, "--sparse-config", "smollm2-135m", "--offload", "forecast-offload", "--prompt", "x"], capsys)
+    assert "--offload forecast-offload selects blocks with Forecast heads" in line
+    assert "--forecast-init next_query" in line and "--forecast-weights DIR" in line and "forecast={" not in line
+    line = _user_error(["generate", "--max-new-tokens", "-3", "--prompt", "x"], capsys)
+    assert line == "forecastkv: error: generate: argument --max-new-tokens: must be at least 1, got -3"
+    line = _user_error(["convert", str(tmp_path / "missing"), str(tmp_path / "out")], capsys)
+    assert line == f"forecastkv: error: source {tmp_path / 'missing'}: no such checkpoint directory"
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    with pytest.raises(ValueError, match="no such checkpoint directory"):
+        main(["--debug", "generate", "--model", str(tmp_path / "missing"), "--prompt", "x"])
+    with pytest.raises(ValueError, match="no such checkpoint directory"):  # after the command, too
+        main(["generate", "--model", str(tmp_path / "missing"), "--prompt", "x", "--debug"])
+
+
+@pytest.mark.slow  # a fresh interpreter importing torch and transformers
+def test_console_script_prints_no_traceback(tmp_path):
+    """The installed entry point, in its own process: one line, status 2."""
+    done = subprocess.run([sys.executable, "-m", "forecastkv.cli", "generate", "--model", str(tmp_path / "missing"), "--prompt", "x"],
+                          capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [f"forecastkv: error: --model {tmp_path / 'missing'}: no such checkpoint directory"]
+
+
+FRESH_LOAD = """
+import json, sys
+from transformers import AutoModelForCausalLM, AutoTokenizer
+path, prompt, out = sys.argv[1:]
+# stdin is closed: transformers' "run the custom code?" question goes unanswered, and the tokenizer loads without it
+plain = AutoTokenizer.from_pretrained(path)
+declined = AutoTokenizer.from_pretrained(path, trust_remote_code=False)  # what lm-eval's HFLM passes by default
+assert "forecastkv" not in sys.modules
+model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)
+trusted = AutoTokenizer.from_pretrained(path, trust_remote_code=True)
+ids = plain(prompt, return_tensors="pt").input_ids
+assert declined(prompt).input_ids == trusted(prompt).input_ids == ids[0].tolist()
+tokens = model.generate(ids, max_new_tokens=8, do_sample=False)[0].tolist()
+with open(out, "w") as f:
+    json.dump({"class": type(model).__module__ + "." + type(model).__name__, "prompt": ids[0].tolist(), "tokens": tokens}, f)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.bundled
+def test_converted_bundled_model_loads_with_plain_transformers(bundled_path, tmp_path):
+    """`forecastkv convert` output: AutoTokenizer and AutoModelForCausalLM(trust_remote_code=True)
+    load it in a process that never imported forecastkv, and it generates ForecastKVForCausalLM's tokens."""
+    from transformers import AutoTokenizer
+
+    out = tmp_path / "converted"
+    assert main(["convert", bundled_path, str(out), "--sparse-config", "smollm2-135m"]) == 0
+    prompt = "The quick brown fox jumps over the lazy dog. The quick brown fox"
+    done = subprocess.run([sys.executable, "-c", FRESH_LOAD, str(out), prompt, str(tmp_path / "fresh.json")], capture_output=True, text=True,
+                          cwd=tmp_path, stdin=subprocess.DEVNULL, env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")},
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    fresh = json.loads((tmp_path / "fresh.json").read_text())
+    assert fresh["class"] == "forecastkv.modeling.modeling.ForecastKVForCausalLM"
+    assert fresh["prompt"] == AutoTokenizer.from_pretrained(bundled_path)(prompt).input_ids
+    model = ForecastKVForCausalLM.from_pretrained(out)
+    assert model.config.sparse.block_size == 64
+    with torch.no_grad():
+        expected = model.generate(torch.tensor([fresh["prompt"]]), max_new_tokens=8, do_sample=False)[0].tolist()
+    assert fresh["tokens"] == expected

@@ -20,7 +20,7 @@ import torch
 
 from ..atomic import write_atomic, write_text_atomic
 from .configuration import ForecastConfig, ForecastKVConfig, resolve_sparse_config
-from .lazy_weights import LazyCheckpoint, LazyCheckpointError, load_into, set_tensor
+from .lazy_weights import SAFETENSORS_DTYPES, LazyCheckpoint, LazyCheckpointError, load_into, read_safetensors_header, set_tensor
 
 FORECAST_WEIGHTS = "forecast.safetensors"
 FORECAST_CONFIG = "forecast_config.json"
@@ -191,7 +191,7 @@ def load_model(
     for key in ("architectures", "model_type", "transformers_version", "auto_map", "torch_dtype", "dtype"):
         settings.pop(key, None)
     model_config = ForecastKVConfig(**settings)
-    dtype = torch.get_default_dtype() if dtype is None else (getattr(torch, dtype) if isinstance(dtype, str) else dtype)
+    dtype = resolve_dtype(dtype, raw, directory)
     device = torch.device("cpu" if device is None else device)
     with torch.device("meta"):
         model = cls(model_config)
@@ -214,6 +214,38 @@ def load_model(
 
         apply_forecast_init(model, model_config.forecast_config.init)
     return model.eval()  # tensors sit on their device_map devices; the decoder loop moves activations
+
+
+def resolve_dtype(dtype, raw: dict, directory: Path) -> torch.dtype:
+    """The torch dtype to load into, from any value transformers' `from_pretrained` takes: None
+    (torch's default dtype), a torch.dtype, its name ("bfloat16", "torch.float16") or "auto": the
+    checkpoint's own dtype (config.json's `dtype` / `torch_dtype`, else its first floating tensor's)."""
+    if dtype is None:
+        return torch.get_default_dtype()
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        stored = raw.get("dtype") or raw.get("torch_dtype")
+        if stored is not None:
+            return resolve_dtype(stored, raw, directory)
+        return _stored_floating_dtype(directory) or torch.get_default_dtype()
+    name = dtype.removeprefix("torch.") if isinstance(dtype, str) else None
+    value = getattr(torch, name, None) if name else None
+    if not isinstance(value, torch.dtype) or not value.is_floating_point:
+        raise ValueError(f"dtype={dtype!r} is not a floating torch dtype, its name (e.g. 'bfloat16') or 'auto'")
+    return value
+
+
+def _stored_floating_dtype(directory: Path) -> torch.dtype | None:
+    """The dtype of the first floating tensor in the directory's safetensors files (headers only)."""
+    for file in sorted(directory.glob("*.safetensors")):
+        if file.name == FORECAST_WEIGHTS:
+            continue
+        header, _ = read_safetensors_header(file)
+        for entry in header.values():
+            if SAFETENSORS_DTYPES[entry["dtype"]].is_floating_point:
+                return SAFETENSORS_DTYPES[entry["dtype"]]
+    return None
 
 
 def load_into_one(model, name: str, tensor: torch.Tensor, dtype, device, device_map) -> None:
@@ -381,3 +413,83 @@ def read_forecast_side(path: str | os.PathLike, settings: dict | None = None) ->
         "sparda": True,
     }
     return found, side
+
+
+# ----------------------------------------------------------------------------------------------
+# plain transformers loading: auto_map, remote-code modules, tokenizer files
+# ----------------------------------------------------------------------------------------------
+
+# file -> (the module of the installed package it re-exports, the class, the Auto class it serves)
+REMOTE_CODE = {
+    "configuration_forecastkv.py": ("forecastkv.modeling.configuration", "ForecastKVConfig", "AutoConfig"),
+    "modeling_forecastkv.py": ("forecastkv.modeling.modeling", "ForecastKVForCausalLM", "AutoModelForCausalLM"),
+}
+REMOTE_CODE_TEXT = '''"""{cls} for `trust_remote_code=True` loading.
+
+The code is not copied here: this file imports it from the installed `forecastkv` package
+(`pip install forecastkv`), so a directory written by `save_pretrained` / `forecastkv convert` loads
+with `AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)` in any process.
+"""
+
+from {module} import {cls}
+
+__all__ = ["{cls}"]
+'''
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
+    "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
+)
+
+
+def auto_map() -> dict[str, str]:
+    """config.json's `auto_map`: each Auto class -> "<module file stem>.<class>" of `REMOTE_CODE`."""
+    return {auto: f"{file[: -len('.py')]}.{cls}" for file, (_, cls, auto) in REMOTE_CODE.items()}
+
+
+def save_with_remote_code(model, save, directory, *args, **kwargs):
+    """Run transformers' `save(directory, ...)` for `model`, then add what plain transformers needs
+    to load the directory: the `REMOTE_CODE` modules and `auto_map` in config.json.
+
+    A model loaded through `trust_remote_code` has its classes registered for the Auto classes,
+    which would make transformers copy the package's own source files beside the weights; that is
+    switched off for the call (the modules written here import the installed package instead)."""
+    classes = (type(model), type(model.config))
+    registered = [cls.__dict__.get("_auto_class", None) for cls in classes]
+    for cls in classes:
+        cls._auto_class = None
+    try:
+        result = save(directory, *args, **kwargs)
+    finally:
+        for cls, value in zip(classes, registered):
+            if value is None:
+                del cls._auto_class  # back to the inherited None
+            else:
+                cls._auto_class = value
+    directory = Path(directory)
+    for file, (module, cls, _) in REMOTE_CODE.items():
+        write_text_atomic(directory / file, REMOTE_CODE_TEXT.format(module=module, cls=cls))
+    config_file = directory / "config.json"
+    raw = json.loads(config_file.read_text())
+    raw["auto_map"] = auto_map()
+    write_text_atomic(config_file, json.dumps(raw, indent=2, sort_keys=True) + "\n")
+    return result
+
+
+def copy_tokenizer_files(source: str | os.PathLike, target: str | os.PathLike) -> list[str]:
+    """Copy the tokenizer files of checkpoint `source` (a directory or hub id) into `target`,
+    atomically, byte for byte.  Returns the names copied (empty: the source has no tokenizer)."""
+    import shutil
+
+    directory = resolve_directory(source)
+    copied = []
+    for name in TOKENIZER_FILES:
+        if (directory / name).is_file():
+            write_atomic(Path(target) / name, lambda tmp, src=directory / name: shutil.copyfile(src, tmp))
+            copied.append(name)
+    return copied
+
+
+def has_forecast_heads(path_or_id: str | os.PathLike) -> bool:
+    """Whether the checkpoint stores Forecast heads (ours or SparDA's names); reads headers only."""
+    checkpoint = open_checkpoint(resolve_directory(path_or_id))
+    return any(FORECAST_KEY.search(name) for name in checkpoint.names) or any(SPARDA_NAME.search(name) for name in checkpoint.stored_names)

@@ -208,9 +208,9 @@ def _check_misspelt_keys(extra: dict) -> None:
     for key in extra:
         if key.startswith("_"):
             continue
-        close = difflib.get_close_matches(key, ours, n=1, cutoff=MISSPELT_KEY_RATIO)
+        close = difflib.get_close_matches(key, ours, n=2, cutoff=MISSPELT_KEY_RATIO)
         if close and key not in _transformers_keys():
-            raise ValueError(f"unknown ForecastKVConfig key {key!r}; did you mean {close[0]!r}?")
+            raise ValueError(f"unknown ForecastKVConfig key {key!r}; did you mean {' or '.join(map(repr, close))}?")
 
 
 @functools.cache
@@ -260,6 +260,7 @@ class ForecastKVConfig(PreTrainedConfig):
         sparse_config: str | dict | None = None,
         forecast: dict | None = None,
         query_chunk_size: int = 256,
+        prefill_chunk: int = 0,
         **kwargs: Any,
     ) -> None:
         self.vocab_size = vocab_size
@@ -290,6 +291,10 @@ class ForecastKVConfig(PreTrainedConfig):
         if not isinstance(query_chunk_size, int) or query_chunk_size < 1:
             raise ValueError(f"query_chunk_size must be a positive integer, got {query_chunk_size!r}")
         self.query_chunk_size = query_chunk_size
+        # rows per forward call of a long prefill (ForecastKVModel.forward_chunked); 0 = one call
+        if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 0:
+            raise ValueError(f"prefill_chunk must be a non-negative integer (0 = the whole prompt in one call), got {prefill_chunk!r}")
+        self.prefill_chunk = prefill_chunk
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads={self.num_attention_heads} must be a multiple of "
@@ -314,6 +319,22 @@ class ForecastKVConfig(PreTrainedConfig):
             raise ValueError(
                 "sparse_config.selector='forecast' needs forecast heads: pass forecast={'enabled': True, ...}"
             )
+
+    # What `from_pretrained(..., sparse_config=, forecast=, forecast_weights=)` asks of the loader
+    # (create heads, load heads, switch the geometry), so the Auto classes must hand them on to
+    # `ForecastKVForCausalLM.from_pretrained` instead of setting them on the config.
+    LOAD_ARGUMENTS = ("sparse_config", "forecast", "forecast_weights")
+
+    @classmethod
+    def from_dict(cls, config_dict: dict, **kwargs: Any):
+        """transformers' `from_dict`, except that when the caller collects the unused kwargs (the
+        Auto classes' `from_pretrained` does) the `LOAD_ARGUMENTS` stay unused: set on the config,
+        `forecast={...}` would be stored without creating any head."""
+        if not kwargs.get("return_unused_kwargs"):
+            return super().from_dict(config_dict, **kwargs)
+        held = {key: kwargs.pop(key) for key in cls.LOAD_ARGUMENTS if key in kwargs}
+        config, unused = super().from_dict(config_dict, **kwargs)
+        return config, {**unused, **held}
 
     # The three parts are validated and parsed once, when assigned; reading `config.sparse` on the
     # hot path (every layer, every step) returns the stored dataclass instead of rebuilding it.

@@ -345,6 +345,15 @@ class ForecastKVForCausalLM(ForecastKVPreTrainedModel, GenerationMixin):
 
         return save_forecast_weights(self, directory, base_model)
 
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """transformers' `save_pretrained`, plus `auto_map` in config.json and two small modules
+        that import the installed package, so the directory also loads with
+        `AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)` in a process that never
+        imported forecastkv (`checkpoints.save_with_remote_code`)."""
+        from .checkpoints import save_with_remote_code
+
+        return save_with_remote_code(self, super().save_pretrained, save_directory, *args, **kwargs)
+
     def get_input_embeddings(self) -> nn.Embedding:
         return self.model.embed_tokens
 

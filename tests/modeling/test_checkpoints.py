@@ -307,3 +307,84 @@ def test_truncated_or_missing_shard_is_rejected(tmp_path):
     shard.unlink()
     with pytest.raises(CheckpointError, match="partial checkpoint: shard model-00002-of-00003.safetensors listed in the index is missing"):
         ForecastKVForCausalLM.from_pretrained(tmp_path / "sharded")
+
+
+# -- what Hugging Face-style clients pass --------------------------------------------------------
+
+
+def test_dtype_accepts_every_value_transformers_takes(tmp_path):
+    """"auto" is the checkpoint's own dtype (config.json's, else its first floating tensor's); a
+    torch.dtype, its name and "torch.<name>" are the same dtype; anything else names the value."""
+    llama = random_llama(seed=8).to(torch.bfloat16)
+    llama.save_pretrained(tmp_path / "bf16")  # config.json says dtype bfloat16
+    write_dir(tmp_path / "headerless", {**json.loads((tmp_path / "bf16" / "config.json").read_text()), "dtype": None},
+              {k: v.to(torch.float16) for k, v in llama.state_dict().items()})
+    assert ForecastKVForCausalLM.from_pretrained(tmp_path / "bf16", dtype="auto").dtype == torch.bfloat16
+    assert ForecastKVForCausalLM.from_pretrained(tmp_path / "headerless", dtype="auto").dtype == torch.float16
+    for value in (torch.float16, "float16", "torch.float16"):
+        assert ForecastKVForCausalLM.from_pretrained(tmp_path / "bf16", dtype=value).dtype == torch.float16, value
+    auto = AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", dtype="auto")  # lm-eval's default: plain Llama here
+    assert auto.dtype == torch.bfloat16
+    for bad in ("int8", "fp77"):
+        with pytest.raises(ValueError, match=f"dtype={bad!r} is not a floating torch dtype"):
+            ForecastKVForCausalLM.from_pretrained(tmp_path / "bf16", dtype=bad)
+
+
+def test_forecast_through_the_auto_class_creates_the_heads(tmp_path):
+    """forecast= (and sparse_config= with the forecast selector) through AutoModelForCausalLM does
+    what it does through ForecastKVForCausalLM, instead of being stored on the config unused."""
+    torch.manual_seed(0)
+    ForecastKVForCausalLM(tiny_config(sparse_config=TINY_SPARSE)).eval().save_pretrained(tmp_path / "ours")  # no heads
+    asked = {"sparse_config": {**TINY_SPARSE, "selector": "forecast"}, "forecast": {"init": "next_query", "heads_per_group": 2}}
+    torch.manual_seed(5)  # the last layer's head (it scores no layer) starts random
+    direct = ForecastKVForCausalLM.from_pretrained(tmp_path / "ours", **asked)
+    torch.manual_seed(5)
+    auto = AutoModelForCausalLM.from_pretrained(tmp_path / "ours", **asked)
+    assert auto.config.forecast_config.enabled and auto.config.forecast_config.heads_per_group == 2
+    assert auto.config.sparse.selector == "forecast"
+    assert auto.model.layers[0].self_attn.forecast_proj.weight.shape == direct.model.layers[0].self_attn.forecast_proj.weight.shape
+    for key, value in direct.state_dict().items():
+        assert torch.equal(value, auto.state_dict()[key]), key
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "ours")
+    assert not plain.config.forecast_config.enabled and plain.config.sparse.selector == "query"
+
+
+REMOTE_LOAD = """
+import json, sys
+import torch
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True)
+ids = torch.tensor([json.loads(sys.argv[2])])
+with torch.no_grad():
+    out = model.generate(ids, max_new_tokens=6, do_sample=False)
+print(json.dumps({"class": type(model).__module__ + "." + type(model).__name__, "tokens": out[0].tolist()}))
+"""
+
+
+@pytest.mark.slow  # a fresh interpreter importing torch and transformers
+def test_saved_directory_loads_with_trust_remote_code_in_a_fresh_process(tmp_path):
+    """save_pretrained writes auto_map and modules importing the installed package: a process that
+    never imported forecastkv loads the model with plain transformers and generates its tokens."""
+    import subprocess
+    import sys
+
+    torch.manual_seed(1)
+    model = ForecastKVForCausalLM(tiny_config(sparse_config=TINY_SPARSE, forecast={"enabled": True})).eval()
+    model.save_pretrained(tmp_path / "ours")
+    raw = json.loads((tmp_path / "ours" / "config.json").read_text())
+    assert raw["auto_map"] == {"AutoConfig": "configuration_forecastkv.ForecastKVConfig",
+                               "AutoModelForCausalLM": "modeling_forecastkv.ForecastKVForCausalLM"}
+    prompt = torch.randint(3, 128, (40,), generator=torch.Generator().manual_seed(2)).tolist()
+    env = {**__import__("os").environ, "HF_HOME": str(tmp_path / "hf")}  # a fresh modules cache
+    done = subprocess.run([sys.executable, "-c", REMOTE_LOAD, str(tmp_path / "ours"), json.dumps(prompt)], capture_output=True, text=True,
+                          env=env, cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr
+    loaded = json.loads(done.stdout.strip().splitlines()[-1])
+    assert loaded["class"] == "forecastkv.modeling.modeling.ForecastKVForCausalLM"
+    with torch.no_grad():
+        expected = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)[0].tolist()
+    assert loaded["tokens"] == expected
+    # saving a model loaded that way writes the same small modules, never the package's sources
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "ours", trust_remote_code=True)
+    reloaded.save_pretrained(tmp_path / "again")
+    assert sorted(p.name for p in (tmp_path / "again").iterdir()) == sorted(p.name for p in (tmp_path / "ours").iterdir())

@@ -27,10 +27,17 @@ LLAMA_CONFIG = {
 }
 
 
-@pytest.mark.parametrize("wrong, right", [("prefill_chunk_size", "query_chunk_size"), ("num_hiden_layers", "num_hidden_layers"), ("sparse_confg", "sparse_config")])
+@pytest.mark.parametrize("wrong, right", [("prefill_chunk_size", "'prefill_chunk' or 'query_chunk_size'"), ("num_hiden_layers", "'num_hidden_layers'"),
+                                          ("sparse_confg", "'sparse_config'")])
 def test_misspelt_key_names_the_right_one(wrong, right):
-    with pytest.raises(ValueError, match=rf"unknown ForecastKVConfig key '{wrong}'; did you mean '{right}'\?"):
+    with pytest.raises(ValueError, match=rf"unknown ForecastKVConfig key '{wrong}'; did you mean {right}\?"):
         ForecastKVConfig(**{wrong: 16})
+
+
+def test_prefill_chunk_is_validated():
+    assert ForecastKVConfig(prefill_chunk=4096).prefill_chunk == 4096 and ForecastKVConfig().prefill_chunk == 0
+    with pytest.raises(ValueError, match=r"prefill_chunk must be a non-negative integer .* got -1"):
+        ForecastKVConfig(prefill_chunk=-1)
 
 
 def test_transformers_and_foreign_keys_stay_accepted():
