@@ -8,11 +8,14 @@ In one run:
    and saved;
 2. full hit: the same prompt looked up again (8K - 64 tokens from the store: generate needs one
    block to prefill), `generate(max_new_tokens=1)`; ratio hit / miss per mode (goal <= 0.1);
-3. disk tier, in a fresh process: the store loaded from its directory (index and checksums;
-   blocks are read layer by layer only when a lookup fills a cache), the prompt less 32 tokens
-   looked up (sparse-offload), 32 tokens decoded while a thread samples the RSS; reported: RSS
-   growth over the RSS after loading the model and the store, against the cache's host tier
-   bytes (goal: below it).
+3. disk tier, in a fresh process: the store loaded from its directory (index and checksums; on
+   the CPU each layer's pool then maps a file of the blocks copy-on-write, so only touched pages
+   become resident), the prompt less 32 tokens looked up (sparse-offload: the cache attaches to
+   the mapped blocks), the rest prefilled and 32 tokens decoded while a thread samples the RSS
+   (/proc/self/statm: file-backed pages the process maps count too); reported: peak RSS growth
+   over the RSS after loading the model and the store (lookup + prefill + decode, and decode
+   alone), against the cache's host tier: the bytes of the host blocks it holds (the store's it
+   points at and its own), and the mapped pools' size (the goal: growth below the host tier).
 
     python benchmarks/context_cache.py --dir /tmp/fkv-context --output benchmarks/results/context_cache_cpu.md
 """
@@ -99,13 +102,19 @@ def disk_child(directory: str, length: int, new_tokens: int) -> dict:
     from forecastkv.inference.fill import greedy_steps
     from forecastkv.modeling.modeling import CACHE_KWARG
 
+    def rss_parts() -> dict:
+        """RssAnon / RssFile (MiB) of this process: what the mapped pools' touched pages add is RssFile."""
+        with open("/proc/self/status") as f:
+            parts = dict(line.split(":", 1) for line in f if line.startswith(("RssAnon", "RssFile")))
+        return {key: int(value.split()[0]) / 1024 for key, value in parts.items()}
+
     model, tokenizer = load()
     ids = prompt_ids(tokenizer, length)[:, : length - new_tokens]  # room for the new tokens within max_position_embeddings
     start = time.perf_counter()
     store = ContextStore(model, directory, namespace=NAMESPACE)
     load_s = time.perf_counter() - start
     gc.collect()
-    held = rss_bytes()
+    held, parts_before = rss_bytes(), rss_parts()
     sampler = PeakSampler()
     sampler.start()
     start = time.perf_counter()
@@ -114,13 +123,23 @@ def disk_child(directory: str, length: int, new_tokens: int) -> dict:
         logits = model(ids[:, matched:], logits_to_keep=1, **{CACHE_KWARG: cache}).logits
     ttft = time.perf_counter() - start
     after_lookup = rss_bytes()
-    greedy_steps(model, cache, logits[:, -1].argmax(-1, keepdim=True), new_tokens)
     sampler.running = False
     sampler.join()
-    return {"matched": matched, "store_load_s": load_s, "ttft_s": ttft, "host_tier_bytes": cache.host_nbytes(),
-            "rss_after_load_mib": held / 2**20, "rss_growth_after_lookup_mib": (after_lookup - held) / 2**20,
-            "peak_rss_growth_mib": (sampler.peak - held) / 2**20, "host_tier_mib": cache.host_nbytes() / 2**20,
-            "peak_growth_over_host_tier": (sampler.peak - held) / cache.host_nbytes(), "new_tokens": new_tokens}
+    decode = PeakSampler()
+    decode.start()
+    greedy_steps(model, cache, logits[:, -1].argmax(-1, keepdim=True), new_tokens)
+    decode.running = False
+    decode.join()
+    parts_after = rss_parts()
+    peak = max(sampler.peak, decode.peak)
+    layers = [layer for layer in cache.layers if layer.offloaded]
+    tier = sum(len(layer.host.distinct_blocks()) * layer.host.pool.block_nbytes() for layer in layers)
+    return {"matched": matched, "store_load_s": load_s, "ttft_s": ttft, "pools_file_backed": all(layer.host.pool.file is not None for layer in layers),
+            "host_tier_bytes": tier, "host_tier_mib": tier / 2**20, "mapped_pools_mib": cache.host_nbytes() / 2**20,
+            "rss_after_load_mib": held / 2**20, "rss_growth_after_lookup_and_prefill_mib": (after_lookup - held) / 2**20,
+            "peak_rss_growth_mib": (peak - held) / 2**20, "peak_rss_growth_decode_mib": (decode.peak - held) / 2**20,
+            "peak_growth_over_host_tier": (peak - held) / tier, "new_tokens": new_tokens,
+            **{f"{key}_growth_after_decode_mib": parts_after[key] - parts_before[key] for key in parts_before}}
 
 
 def write_report(path: str, hits: list[dict], disk: dict) -> None:
@@ -155,6 +174,7 @@ def main(argv=None) -> int:
     if args.disk_child:
         print(json.dumps(disk_child(args.dir, args.length, args.new_tokens)))
         return 0
+    load_before = os.getloadavg()
     hits = prefix_hits(args.dir, args.length, args.repeats)
     command = [sys.executable, __file__, "--disk-child", "--dir", args.dir, "--length", str(args.length), "--new-tokens", str(args.new_tokens)]
     if args.threads:
@@ -163,6 +183,7 @@ def main(argv=None) -> int:
     if child.returncode != 0:
         raise SystemExit(f"the disk-tier process failed:\n{child.stderr[-4000:]}")
     disk = json.loads(child.stdout.strip().splitlines()[-1])
+    disk["machine"] = f"{os.cpu_count()} CPUs, load average (1/5/15 min) {'/'.join(f'{x:.1f}' for x in load_before)} at start, {'/'.join(f'{x:.1f}' for x in os.getloadavg())} at end"
     print(json.dumps(disk), flush=True)
     if args.output:
         write_report(args.output, hits, disk)

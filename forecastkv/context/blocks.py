@@ -10,9 +10,8 @@ the K/V of a token depend on besides the tokens (the weights, the selection geom
 that routed the prefill, the dtype).  Two stores that agree on the identity name the same block
 the same way; any difference names it differently, so a block can never serve another model.
 
-A cache is rebuilt from blocks by replaying the appends its prefill made (`layer.append` with the
-stored rows at their positions): the compressed keys, pooled CIS, tail slot and ring follow from
-the rows exactly, with no model forward.
+`layer_rows` copies a cache layer's rows out (to store them); a `ContextStore` keeps them in its
+per-layer host pools and hands them to caches (store.py).
 """
 
 from __future__ import annotations
@@ -123,40 +122,8 @@ def sequence_ids(ids) -> list[int]:
     return [int(t) for t in ids]
 
 
-def read_blocks(cache, first: int, count: int, block_size: int) -> list[BlockRows]:
-    """Blocks first..first+count-1 of the one sequence `cache` holds, copied to the host.
-
-    Reads each layer's rows through its public `full()` (keys, values [1, S, H, d], cis or None)."""
-    parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
-    start, stop = first * block_size, (first + count) * block_size
-    for layer in cache.layers:
-        keys, values, cis, _ = layer.full()
-        parts.append(tuple(None if t is None else t[0, start:stop].to("cpu", copy=True) for t in (keys, values, cis)))
-    blocks = []
-    for index in range(count):
-        rows = slice(index * block_size, (index + 1) * block_size)
-        keys = torch.stack([k[rows] for k, _, _ in parts])
-        values = torch.stack([v[rows] for _, v, _ in parts])
-        cis = None if parts[0][2] is None else torch.stack([c[rows] for _, _, c in parts])
-        blocks.append(BlockRows(keys, values, cis))
-    return blocks
-
-
-def fill_cache(cache, blocks: list, devices: list[torch.device], block_size: int) -> int:
-    """Store the rows of `blocks` (consecutive, from position 0; anything with `layer(l)` ->
-    keys, values [bs, H, d], cis [bs, H] or None: `BlockRows`, or a block on disk read layer by
-    layer) into an empty `cache` by replaying the appends of a prefill: one multi-token call per
-    layer, layer l's rows on devices[l] (where the model's layer l runs), so at most one layer's
-    prefix is staged at a time.  Returns the positions stored."""
-    if not blocks:
-        return 0
-    rows = len(blocks) * block_size
-    for index, (layer, device) in enumerate(zip(cache.layers, devices, strict=True)):
-        parts = [block.layer(index) for block in blocks]
-        keys = torch.cat([k for k, _, _ in parts]).unsqueeze(0).to(device)
-        values = torch.cat([v for _, v, _ in parts]).unsqueeze(0).to(device)
-        cis = None if parts[0][2] is None else torch.cat([c for _, _, c in parts]).unsqueeze(0).to(device)
-        del parts
-        layer.append(keys, values, cis, torch.arange(rows, device=device).unsqueeze(0))
-        del keys, values, cis
-    return rows
+def layer_rows(layer, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Positions [start, stop) of the one sequence a cache layer holds, copied to the host: keys,
+    values [stop - start, H, d], cis [stop - start, H] or None (read through its public `full()`)."""
+    keys, values, cis, _ = layer.full()
+    return tuple(None if t is None else t[0, start:stop].to("cpu", copy=True) for t in (keys, values, cis))

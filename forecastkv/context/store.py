@@ -9,13 +9,22 @@ earlier one prefills only the rest.
 
 A store serves one model and one selector (the K/V of a prefill depend on the blocks its selector
 routed to): a block's name hashes the tokens up to and including it together with that identity
-(`blocks.model_identity`).  Blocks are immutable and shared by name; `lookup` copies them into a
-fresh cache (resident `SparseCache`, or an `OffloadedSparseCache` of the given mode) by replaying
-a prefill's appends, which gives the compressed keys and every derived state exactly.
+(`blocks.model_identity`).  Blocks are immutable and shared by name.  The store keeps them in one `HostBlockPool` per
+layer (the paged host tier, pinned on CUDA), holding one reference on each of its blocks:
 
-Memory: a byte cap (`max_bytes`) with LRU eviction.  A block a live cache holds (one returned by
-`lookup`, or given to `insert`) is referenced until that cache is released (`release`) or garbage
-collected, and is never evicted; evicting a block evicts its descendants (they could never be
+* an offloaded layer of a cache from `lookup(ids, mode=...)` points its block table at the
+  store's blocks (`OffloadedSparseCache.attach`: one more holder each, no copy), and its own
+  blocks (the question, the answer) come from the same pool, so N lookups of one document share
+  its host blocks, and `insert` of such a cache takes its blocks by reference, not by copy;
+* a resident layer gets a device copy of the rows (what a prefill would leave).
+
+The compressed keys, pooled CIS, tail slot and ring are rebuilt from the rows exactly, with no
+model forward.
+
+Memory: a byte cap (`max_bytes`, on the stored blocks' bytes) with LRU eviction.  A block is live
+while it has holders beyond the store's own in its pools: the block tables of offloaded caches,
+and one hold per cache that `lookup` returned or `insert` was given, dropped by `release` or when
+that cache is garbage collected.  A live block is never evicted; evicting a block evicts its descendants (they could never be
 reached again), and lookups refresh a chain from its deepest block to its root, so the tips of
 old chains go first.  Counters: hit tokens, miss tokens, evictions (`stats`).
 """
@@ -23,6 +32,7 @@ old chains go first.  Counters: hit tokens, miss tokens, evictions (`stats`).
 from __future__ import annotations
 
 import getpass
+import os
 import re
 import weakref
 from collections import OrderedDict
@@ -31,10 +41,13 @@ from pathlib import Path
 
 import torch
 
+from ..inference.host_store import HostBlockPool, host_transfer
 from ..modeling.cache import SparseCache
 from . import disk
-from .blocks import BlockRows, block_hash, chain_hashes, dtype_name, fill_cache, identity_differences, identity_root, model_identity, read_blocks, sequence_ids
+from .blocks import BlockRows, block_hash, chain_hashes, dtype_name, identity_differences, identity_root, layer_rows, model_identity, sequence_ids
 from .disk import ContextStoreError
+
+MAPPED_SPARE_BLOCKS = 16  # free blocks per mapped pool (at least) for the caches' own rows: address space, not memory
 
 
 def default_namespace() -> str:
@@ -50,16 +63,16 @@ def default_namespace() -> str:
 class Entry:
     """One stored block: its name, its parent's (None for a chain's first block), its index in the
     chain (block `position` covers tokens position*bs .. position*bs + bs - 1), its token ids, its
-    rows in memory (or None: on disk only, mapped when used), its disk record, bytes, references."""
+    block id per layer in the store's pools (or None: on disk only, read into the pools when a
+    lookup needs it), its disk record, bytes, children."""
 
     name: str
     parent: str | None
     position: int
     tokens: list[int]
-    rows: BlockRows | None
+    blocks: list[int] | None
     disk: dict | None
     nbytes: int
-    refs: int = 0
     children: set[str] = field(default_factory=set)
 
 
@@ -92,6 +105,7 @@ class ContextStore:
         self.nbytes = 0
         self.hit_tokens = self.miss_tokens = self.evictions = self.rejected = 0
         self._holders: dict[int, tuple[set[str], weakref.finalize]] = {}
+        self.pools = self._new_pools()
         if self.dir is not None:
             self._load()
 
@@ -105,6 +119,15 @@ class ContextStore:
         if self.identity["dtype"]["cis"] is not None:
             shapes["cis"] = (shape[:3], getattr(torch, self.identity["dtype"]["cis"]))
         return shapes
+
+    def _new_pools(self) -> list[HostBlockPool]:
+        """One empty pool per layer, of this model's geometry (pinned where the model runs on CUDA)."""
+        config = self.model.config
+        kv = getattr(torch, self.identity["dtype"]["kv"])
+        cis = None if self.identity["dtype"]["cis"] is None else getattr(torch, self.identity["dtype"]["cis"])
+        pin = any(device.type == "cuda" for device in self._devices())
+        return [HostBlockPool(self.block_size, config.num_key_value_heads, config.head_dim, kv, cis is not None, cis, pin)
+                for _ in range(config.num_hidden_layers)]
 
     def _devices(self) -> list[torch.device]:
         return [layer.input_layernorm.weight.device for layer in self.model.model.layers]
@@ -146,7 +169,8 @@ class ContextStore:
         cache = self.new_cache(mode, max_length)
         if reserve is not None:
             cache.reserve(reserve)
-        matched = fill_cache(cache, [self._rows(entry) for entry in found], self._devices(), self.block_size)
+        self._load_blocks(found)
+        matched = self._fill(cache, [entry.blocks for entry in found])
         self._hold(cache, [entry.name for entry in found])
         self._touch(found)
         self.hit_tokens += matched
@@ -163,20 +187,127 @@ class ContextStore:
         full = len(tokens) // self.block_size
         names = chain_hashes(self.root, tokens, self.block_size, full)
         first = next((i for i, name in enumerate(names) if name not in self.entries), full)
-        added = 0
         self._hold(cache, names[:first])  # held from the start: making room never evicts the chain it extends
-        rows = read_blocks(cache, first, full - first, self.block_size) if first < full else []
-        for position, block in enumerate(rows, start=first):
-            if not self._make_room(block.nbytes()):
-                self.rejected += full - position
-                break
+        per_block = self.block_nbytes()
+        added = 0
+        while first + added < full and self._make_room((added + 1) * per_block):
+            added += 1
+        self.rejected += full - first - added
+        for position, blocks in enumerate(self._take_blocks(cache, first, added), start=first):
             parent = names[position - 1] if position else None
             chunk = tokens[position * self.block_size : (position + 1) * self.block_size]
-            self._add(Entry(names[position], parent, position, chunk, block, None, block.nbytes()))
+            self._add(Entry(names[position], parent, position, chunk, blocks, None, per_block))
             self._hold(cache, [names[position]])
-            added += 1
         self._touch([self.entries[name] for name in names[: first + added]])
         return added
+
+    # -- the pools ------------------------------------------------------------------------------
+    def block_nbytes(self) -> int:
+        """Bytes of one stored block, every layer (K + V + CIS)."""
+        return sum(pool.block_nbytes() for pool in self.pools)
+
+    def _fill(self, cache, chain: list[list[int]]) -> int:
+        """Give an empty `cache` the positions stored in `chain` (per block, its id per layer):
+        offloaded layers attach to the store's blocks and take their new blocks from its pools;
+        resident layers get the rows appended on their device.  Returns the positions given."""
+        devices, length = self._devices(), len(chain) * self.block_size
+        offloaded = [getattr(layer, "offloaded", False) for layer in cache.layers]
+        if any(offloaded):
+            cache.use_pools([pool if off else None for pool, off in zip(self.pools, offloaded)])
+        if not chain:
+            return 0
+        entries = []
+        with host_transfer():
+            for index, (pool, device, off) in enumerate(zip(self.pools, devices, offloaded)):
+                ids = [blocks[index] for blocks in chain]
+                if off:
+                    entries.append((pool, ids, device))
+                else:
+                    entries.append(tuple(None if t is None else t.unsqueeze(0).to(device) for t in pool.read_rows(ids, length)))
+        if any(offloaded):
+            cache.attach(entries, length)
+        else:
+            for layer, (keys, values, cis) in zip(cache.layers, entries):
+                layer.append(keys, values, cis, torch.arange(length, device=keys.device).unsqueeze(0))
+        return length
+
+    def _take_blocks(self, cache, first: int, count: int) -> list[list[int]]:
+        """Blocks first..first+count-1 of the one sequence of `cache` into the store, per block
+        its id per layer: an offloaded layer on the store's pool gives its full blocks by
+        reference (one more holder: the store's); any other layer's rows are copied into new blocks."""
+        per_layer, size = [], self.block_size
+        for layer, pool in zip(cache.layers, self.pools):
+            host = getattr(layer, "host", None)
+            if host is not None and host.pool is pool:
+                ids = host.sequence_blocks(0)[first : first + count]
+                pool.retain(ids)
+            else:
+                rows = layer_rows(layer, first * size, (first + count) * size) if count else ()
+                pool.reserve(count)
+                ids = pool.allocate(count)
+                with host_transfer():
+                    for position, block in enumerate(ids):
+                        for target, source in zip(pool.block(block), rows):
+                            if target is not None:
+                                target.copy_(source[position * size : (position + 1) * size])
+            per_layer.append(ids)
+        return [list(blocks) for blocks in zip(*per_layer)] if count else []
+
+    def _load_blocks(self, chain: list[Entry]) -> None:
+        """Read the blocks of `chain` that are on disk only into the pools (layer by layer, plain reads)."""
+        missing = [entry for entry in chain if entry.blocks is None]
+        if not missing:
+            return
+        for pool in self.pools:
+            pool.reserve(len(missing))
+        for entry in missing:
+            block = disk.DiskBlock(self._directory(create=False) / entry.disk["file"])
+            entry.blocks = []
+            for index, pool in enumerate(self.pools):
+                (target,) = pool.allocate(1)
+                with host_transfer():
+                    for view, rows in zip(pool.block(target), block.layer(index)):
+                        if view is not None:
+                            view.copy_(rows)
+                entry.blocks.append(target)
+
+    def _map_blocks(self, directory: Path, entries: list[Entry]) -> None:
+        """CPU: back each layer's pool by a file of the loaded blocks in pool order (block i =
+        entries[i]), mapped copy-on-write (`HostBlockPool.map_file`), so a lookup and a decode make
+        resident only the pages they touch (the blocks a decode step selects, the cache's own
+        blocks), not the host tier.  The files are unnamed temporary files in the namespace
+        directory (gone with the process, never seen by `save`), written once from the verified
+        block files with plain reads; the pools keep `spare` free blocks for the caches' own rows
+        (past them a pool moves to anonymous memory)."""
+        import tempfile
+
+        spare = max(MAPPED_SPARE_BLOCKS, len(entries) // 8)
+        capacity = len(entries) + spare
+        files = [tempfile.TemporaryFile(dir=directory) for _ in self.pools]
+        layouts = [pool.file_layout(capacity) for pool in self.pools]
+        for position, entry in enumerate(entries):
+            block = disk.DiskBlock(directory / entry.disk["file"])
+            for index, (file, layout) in enumerate(zip(files, layouts)):
+                for (offset, size), rows in zip(layout, block.layer(index)):
+                    if rows is not None:
+                        raw = rows.reshape(-1).view(torch.uint8).numpy()
+                        os.pwrite(file.fileno(), raw, offset + position * (size // capacity))
+        for index, (pool, file) in enumerate(zip(self.pools, files)):
+            pool.map_file(file, len(entries), capacity)
+        for position, entry in enumerate(entries):
+            entry.blocks = [position] * len(self.pools)
+
+    def block_rows(self, name: str) -> BlockRows:
+        """A copy of stored block `name`'s rows, every layer: keys, values [L, bs, H, d], cis or None."""
+        entry = self.entries[name]
+        self._load_blocks([entry])
+        with host_transfer():
+            parts = [pool.read_rows([block], self.block_size) for pool, block in zip(self.pools, entry.blocks)]
+        return BlockRows(*(None if parts[0][i] is None else torch.stack([p[i] for p in parts]) for i in range(3)))
+
+    def _live(self, entry: Entry) -> bool:
+        """Whether anything beyond the store holds one of `entry`'s blocks (a live cache)."""
+        return entry.blocks is not None and any(pool.refs[block] > 1 for pool, block in zip(self.pools, entry.blocks))
 
     def _check_cache(self, cache, count: int) -> None:
         """Raise unless `cache` holds one sequence of at least `count` tokens of this model,
@@ -208,7 +339,8 @@ class ContextStore:
         for name in names:
             if name not in held:
                 held.add(name)
-                self.entries[name].refs += 1
+                self._load_blocks([self.entries[name]])
+                self.pools[0].retain([self.entries[name].blocks[0]])
 
     def release(self, cache) -> None:
         """Drop `cache`'s references (also done when the cache is garbage collected)."""
@@ -222,7 +354,7 @@ class ContextStore:
         for name in names:
             entry = self.entries.get(name)
             if entry is not None:
-                entry.refs -= 1
+                self.pools[0].release([entry.blocks[0]])
 
     # -- LRU ------------------------------------------------------------------------------------
     def _touch(self, chain: list[Entry]) -> None:
@@ -245,7 +377,7 @@ class ContextStore:
             if self.nbytes + nbytes <= self.max_bytes:
                 break
             entry = self.entries.get(name)
-            if entry is not None and entry.refs == 0:
+            if entry is not None and not self._live(entry):
                 self._evict(entry)
         return self.nbytes + nbytes <= self.max_bytes
 
@@ -255,16 +387,13 @@ class ContextStore:
         for child in list(entry.children):
             self._evict(self.entries[child])
         del self.entries[entry.name]
+        if entry.blocks is not None:
+            for pool, block in zip(self.pools, entry.blocks):
+                pool.release([block])
         self.nbytes -= entry.nbytes
         self.evictions += 1
         if entry.parent is not None and entry.parent in self.entries:
             self.entries[entry.parent].children.discard(entry.name)
-
-    def _rows(self, entry: Entry) -> "BlockRows | disk.DiskBlock":
-        """A block's rows: in memory, or its file, read layer by layer as a cache is filled."""
-        if entry.rows is not None:
-            return entry.rows
-        return disk.DiskBlock(self._directory(create=False) / entry.disk["file"])
 
     def stats(self) -> dict:
         """Counters and sizes: hit/miss tokens of lookups, evictions, blocks rejected by the cap,
@@ -272,7 +401,7 @@ class ContextStore:
         return {
             "hit_tokens": self.hit_tokens, "miss_tokens": self.miss_tokens, "evictions": self.evictions, "rejected_blocks": self.rejected,
             "blocks": len(self.entries), "tokens": len(self.entries) * self.block_size, "bytes": self.nbytes, "max_bytes": self.max_bytes,
-            "referenced_blocks": sum(1 for entry in self.entries.values() if entry.refs > 0),
+            "referenced_blocks": sum(1 for entry in self.entries.values() if self._live(entry)),
         }
 
     # -- disk -----------------------------------------------------------------------------------
@@ -288,8 +417,8 @@ class ContextStore:
         with disk.namespace_lock(directory):  # one saver at a time per namespace
             records = []
             for entry in self.entries.values():
-                if entry.disk is None or (entry.rows is not None and not (directory / entry.disk["file"]).exists()):
-                    entry.disk = disk.write_block(directory, entry.name, entry.rows)
+                if entry.disk is None or (entry.blocks is not None and not (directory / entry.disk["file"]).exists()):
+                    entry.disk = disk.write_block(directory, entry.name, self.block_rows(entry.name))
                 records.append({"hash": entry.name, "parent": entry.parent, "position": entry.position, "tokens": entry.tokens, "nbytes": entry.nbytes, **entry.disk})
             index = {"format": disk.FORMAT, "namespace": self.namespace, "identity": self.identity, "block_size": self.block_size, "entries": records}
             disk.write_index(directory, index)
@@ -326,4 +455,6 @@ class ContextStore:
                 loaded[entry.parent].children.add(entry.name)
         self.entries = loaded
         self.nbytes = sum(entry.nbytes for entry in loaded.values())
+        if loaded and not self.pools[0].pin:
+            self._map_blocks(directory, list(loaded.values()))
         self._make_room(0)

@@ -227,6 +227,7 @@ class OffloadedLayer(SparseCacheLayer):
     def _make_room(self, step: CallInfo) -> None:
         """Host capacity for the call; for a decode step room for its compression windows, and
         its write-back's bytes (`SparseCacheLayer.prepare`)."""
+        self.host.reserved = self.reserved  # a reserve() after the store was made (an attached cache) counts
         self.host.ensure(step.key_count)
         self.decoding = step.decode
         if step.decode:
@@ -475,15 +476,14 @@ class OffloadedLayer(SparseCacheLayer):
             raise ValueError("attach() fills an empty layer; this one holds tokens already")
         with host_transfer():
             pool.wait_writes()
-            picked = torch.tensor(blocks, dtype=torch.long)
-            rows = [None if t is None else t[picked].flatten(0, 1)[:length].unsqueeze(0).to(device) for t in (pool.keys, pool.values, pool.cis)]
-        keys, values, cis = rows
+            keys, values, cis = (None if t is None else t.unsqueeze(0).to(device) for t in pool.read_rows(blocks, length))
         self.given_pool = pool
         self.lazy_initialization(keys, values)
         self._allocate(keys, cis)
         self.host.adopt(0, blocks, length)
         self.columns, self.host_lengths = length, [length]
-        self.host.ensure(length)
+        # no `ensure` here: the next call sizes the capacity (generate()'s reserve), so a cache
+        # attached to a store's blocks allocates only the private blocks it will write
         old_lengths, self.lengths = self.lengths, torch.full_like(self.lengths, length)
         self.h2d_other += length * self.host.row_bytes()
         self._extend_compressed(old_lengths, keys, cis)

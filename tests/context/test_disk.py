@@ -94,14 +94,14 @@ def test_save_load_round_trip_reads_blocks_lazily(tmp_path):
     model, store = filled_store(tmp_path)
     loaded = ContextStore(model, tmp_path, namespace="alice", selector="query")
     assert loaded.stats()["blocks"] == store.stats()["blocks"] == 8 and loaded.nbytes == store.nbytes
-    assert all(entry.rows is None for entry in loaded.entries.values())  # on disk until a lookup maps them
+    assert all(pool.file is not None for pool in loaded.pools)  # on the CPU the pools map a file of the blocks: read when touched
     doc, questions = document_and_questions()
     prompt = torch.cat([doc, questions[2]])
     cache, matched = loaded.lookup(prompt)
     assert matched == 40
     assert torch.equal(generate(model, prompt, cache), generate(model, prompt, fresh_cache(model, None, "query")))
     name, entry = next(iter(loaded.entries.items()))
-    read, original = disk.DiskBlock(tmp_path / "alice" / entry.disk["file"]).rows(), store.entries[name].rows
+    read, original = disk.DiskBlock(tmp_path / "alice" / entry.disk["file"]).rows(), store.block_rows(name)
     assert torch.equal(read.keys, original.keys) and torch.equal(read.values, original.values) and read.cis is None
 
 
@@ -253,3 +253,36 @@ def test_a_kill_at_any_point_of_a_save_leaves_a_loadable_store(tmp_path):
     store.save()  # a later save completes and clears what the kills left behind
     assert not list((tmp_path / "alice").rglob("*.tmp"))
     assert set(ContextStore(model, tmp_path, namespace="alice", selector="query").entries) == earlier | pending
+
+
+def test_a_mapped_pool_reads_the_file_and_never_writes_it(tmp_path):
+    """A pool backed by a file (what a loaded store uses on the CPU): reads of file-held blocks
+    (pread) and of the mapping agree; a write to a block is copy-on-write (the file keeps its
+    bytes); an allocated block is read from memory; outgrowing the file moves to anonymous memory."""
+    from forecastkv.inference.host_store import HostBlockPool, host_transfer
+
+    pool = HostBlockPool(4, 2, 3, torch.float32, True, torch.float16, pin=False)
+    gen = torch.Generator().manual_seed(0)
+    keys, values, cis = torch.randn(2, 4, 2, 3, generator=gen), torch.randn(2, 4, 2, 3, generator=gen), torch.randn(2, 4, 2, generator=gen).half()
+    layout = pool.file_layout(3)
+    with open(tmp_path / "pool", "w+b") as file:
+        for (offset, _), tensor in zip(layout, (keys, values, cis)):
+            os.pwrite(file.fileno(), tensor.reshape(-1).view(torch.uint8).numpy(), offset)
+        pool.map_file(file, stored=2, capacity=3)
+        before = (tmp_path / "pool").read_bytes()
+        assert pool.refs == [1, 1, 0] and pool.free_blocks() == 1
+        with host_transfer():
+            read = pool.read_rows([1, 0], 7)
+            assert torch.equal(read[0], torch.cat([keys[1], keys[0]])[:7]) and torch.equal(read[2], torch.cat([cis[1], cis[0]])[:7])
+            assert torch.equal(pool.keys[:2], keys) and torch.equal(pool.values[:2], values)  # the mapping holds the same rows
+            (fresh,) = pool.allocate(1)
+            pool.copy_block(0, fresh)
+            pool.keys[fresh, 0] = 7.0                # copy on write: this process's page, not the file's
+            assert pool.read_rows([fresh], 4)[0][0].eq(7.0).all() and torch.equal(pool.read_rows([fresh], 4)[0][1:], keys[0, 1:])
+        assert (tmp_path / "pool").read_bytes() == before
+        pool.allocate(1)                             # past the file: anonymous memory, rows kept
+        assert pool.file is None and pool.capacity == 4
+        with host_transfer():
+            assert torch.equal(pool.keys[:2], keys) and pool.keys[fresh, 0].eq(7.0).all()
+    with pytest.raises(ValueError, match="cannot be backed by a file mapping"):
+        HostBlockPool(4, 2, 3, torch.float32, False, None, pin=True).map_file(None, 0, 1)

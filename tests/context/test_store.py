@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from forecastkv.context import ContextStore, ContextStoreError
-from forecastkv.context.blocks import fill_cache, read_blocks
 from tests.context.common import MODES, POLICIES, document_and_questions, fresh_cache, generate, model_for
 from tests.helpers import tiny_model
 
@@ -17,8 +16,9 @@ from tests.helpers import tiny_model
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("name", list(MODES))
 def test_rebuilt_cache_equals_a_prefill(policy, name):
-    """Replaying a prefill's appends with stored rows gives every layer the rows, compressed keys
-    and pooled CIS of a prefill of the same tokens, and the same tokens after it."""
+    """A cache a lookup builds from stored blocks (offloaded layers attached to the store's host
+    blocks, resident layers given the rows) has every layer's rows, compressed keys and pooled CIS
+    of a prefill of the same tokens, and gives the same tokens after it."""
     mode, selector = MODES[name]
     model = model_for(policy)
     ids = torch.randint(3, 128, (43,), generator=torch.Generator().manual_seed(2))
@@ -26,9 +26,10 @@ def test_rebuilt_cache_equals_a_prefill(policy, name):
     with torch.no_grad():
         model(ids[None], cache=source)
         model(ids[None, :40], cache=prefix)
-    rebuilt = fresh_cache(model, mode, selector)
-    devices = [torch.device("cpu")] * len(rebuilt.layers)
-    assert fill_cache(rebuilt, read_blocks(source, 0, 5, 8), devices, 8) == 40
+    store = ContextStore(model, selector=selector)
+    assert store.insert(source, ids) == 5
+    rebuilt, matched = store.lookup(ids, mode=mode)
+    assert matched == 40
     for mine, theirs in zip(rebuilt.layers, prefix.layers):
         for a, b in zip(mine.full(), theirs.full()):
             assert (a is None and b is None) or torch.equal(torch.as_tensor(a), torch.as_tensor(b))
@@ -139,3 +140,53 @@ def test_insert_rejects_a_foreign_cache_and_a_token_mismatch():
         store.lookup(ids, mode="forecast-offload")
     assert store.stats()["blocks"] == 0
     assert store.insert(cache, ids) == 2
+
+
+@pytest.mark.parametrize("name", ["sparse-offload", "forecast-offload"])
+def test_lookups_share_the_stored_host_blocks(name):
+    """Four lookups of one stored prefix point at the store's host blocks (no copy) and answer as
+    independent prefills; what is counted is each offloaded layer's pool once: its allocated (on
+    CUDA pinned) bytes, `HostBlockPool.nbytes()`, which holds the store's blocks and every cache's
+    own blocks (question, answer).  Four caches hold S + p1..p4 blocks against S + p1 for one, with
+    S the prefix's blocks and p_i <= 3 each cache's own: <= 1.3x here (S = 32; at S = 8 the floor is
+    (8 + 4) / (8 + 1) = 1.33, one own block per cache)."""
+    mode, selector = MODES[name]
+    model = model_for("nosa")
+    gen = torch.Generator().manual_seed(11)
+    doc = torch.randint(3, 128, (256,), generator=gen)  # 32 full blocks of 8
+    questions = [torch.randint(3, 128, (n,), generator=gen) for n in (5, 11, 7, 9)]
+    store = ContextStore(model, selector=selector)
+    seed = torch.cat([doc, questions[0]])
+    source = fresh_cache(model, mode, selector)  # its own pools: insert copies its rows into the store's
+    generate(model, seed, source, new_tokens=1)
+    assert store.insert(source, seed) == 32
+    del source
+    gc.collect()
+    pools = [pool for pool, layer in zip(store.pools, fresh_cache(model, mode, selector).layers) if layer.offloaded]
+    stored = [store.entries[n].blocks for n in store.entries]  # LRU order; the chain's blocks as a set per layer
+
+    def host_bytes() -> int:
+        return sum(pool.nbytes() for pool in pools)
+
+    assert all(pool.capacity == 32 for pool in pools) and host_bytes() == 32 * sum(p.block_nbytes() for p in pools)
+    caches, sizes, own = [], [], []
+    for question in questions:
+        prompt = torch.cat([doc, question])
+        cache, matched = store.lookup(prompt, mode=mode)
+        assert matched == 256 and cache.host_pools()[1] is store.pools[1]
+        assert torch.equal(generate(model, prompt, cache), generate(model, prompt, fresh_cache(model, mode, selector)))
+        for index, layer in enumerate(cache.layers):
+            if layer.offloaded:  # the prefix's blocks are the store's own, held once more
+                assert set(layer.host.sequence_blocks(0)[:32]) == {blocks[index] for blocks in stored}
+        own.append(len(cache.layers[1].host.sequence_blocks(0)) - 32)
+        caches.append(cache)
+        sizes.append(host_bytes())
+    per_layer_block = sum(p.block_nbytes() for p in pools)
+    assert sizes == [(32 + sum(own[: k + 1])) * per_layer_block for k in range(4)]  # exactly the store's blocks + each cache's own
+    assert max(own) <= 3 and sizes[3] <= 1.3 * sizes[0], (own, sizes[3] / sizes[0])
+    assert store.stats()["referenced_blocks"] == 32
+    store.release(caches[0])
+    assert store.stats()["referenced_blocks"] == 32  # the block tables of the live caches still hold them
+    del caches, cache, layer  # `layer` is the last cache's: its block table holds blocks too
+    gc.collect()
+    assert store.stats()["referenced_blocks"] == 0 and all(pool.used_blocks() == 32 for pool in pools)
