@@ -395,9 +395,11 @@ def run_demo(output: str | Path = "runs/demo", train_overrides: dict | None = No
 
     print("== 1/5 fit Forecast heads on the training essays (recall measured before and after)", flush=True)
     resume = recipe["output_dir"] if (Path(recipe["output_dir"]) / "checkpoints").is_dir() else None
+    default_threads = torch.get_num_threads()
     trained = train_forecast(recipe, resume=resume, train={"progress": progress})
-    # the recipe's thread count (one: small ops run faster on one thread of a shared 2-core CPU)
-    # stays set for the rest of the demo
+    # training's small ops run on the recipe's one thread; the long forwards that follow are
+    # matmul-bound (a 4K SmolLM2 prefill: 1.6x faster on 2 threads than on 1, idle 2-core CPU)
+    torch.set_num_threads(default_threads)
     threads = torch.get_num_threads()
     before, after = trained.history[0], trained.history[-1]
     clock["train"] = time.perf_counter()
