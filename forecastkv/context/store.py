@@ -110,21 +110,25 @@ class ContextStore:
             self._load()
 
     # -- shapes ---------------------------------------------------------------------------------
+    def _dtypes(self) -> tuple[torch.dtype, torch.dtype | None]:
+        """(K/V dtype, CIS dtype or None) of this store's blocks, from its identity."""
+        names = self.identity["dtype"]
+        return getattr(torch, names["kv"]), None if names["cis"] is None else getattr(torch, names["cis"])
+
     def block_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """name -> (shape, dtype) of a block's tensors for this model."""
         config = self.model.config
-        kv = getattr(torch, self.identity["dtype"]["kv"])
+        kv, cis = self._dtypes()
         shape = (config.num_hidden_layers, self.block_size, config.num_key_value_heads, config.head_dim)
         shapes = {"keys": (shape, kv), "values": (shape, kv)}
-        if self.identity["dtype"]["cis"] is not None:
-            shapes["cis"] = (shape[:3], getattr(torch, self.identity["dtype"]["cis"]))
+        if cis is not None:
+            shapes["cis"] = (shape[:3], cis)
         return shapes
 
     def _new_pools(self) -> list[HostBlockPool]:
         """One empty pool per layer, of this model's geometry (pinned where the model runs on CUDA)."""
         config = self.model.config
-        kv = getattr(torch, self.identity["dtype"]["kv"])
-        cis = None if self.identity["dtype"]["cis"] is None else getattr(torch, self.identity["dtype"]["cis"])
+        kv, cis = self._dtypes()
         pin = any(device.type == "cuda" for device in self._devices())
         return [HostBlockPool(self.block_size, config.num_key_value_heads, config.head_dim, kv, cis is not None, cis, pin)
                 for _ in range(config.num_hidden_layers)]
