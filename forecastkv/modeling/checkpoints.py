@@ -19,8 +19,17 @@ from pathlib import Path
 import torch
 
 from ..atomic import write_atomic, write_text_atomic
+from ..errors import ForecastKVWarning, UserInputError
 from .configuration import ForecastConfig, ForecastKVConfig, resolve_sparse_config
-from .lazy_weights import SAFETENSORS_DTYPES, LazyCheckpoint, LazyCheckpointError, load_into, read_safetensors_header, set_tensor
+from .lazy_weights import (
+    SAFETENSORS_DTYPES,
+    LazyCheckpoint,
+    LazyCheckpointError,
+    load_into,
+    load_pickled_weights,
+    read_safetensors_header,
+    set_tensor,
+)
 
 FORECAST_WEIGHTS = "forecast.safetensors"
 FORECAST_CONFIG = "forecast_config.json"
@@ -40,7 +49,7 @@ SPARDA_RULES = {"lse": "exact"}
 FORECAST_KEY = re.compile(r"\.(forecast_proj|current_proj)\.weight$")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserInputError):
     """A checkpoint directory that is missing, corrupt, partial or of an unknown format."""
 
 
@@ -134,6 +143,7 @@ def load_model(
     device: str | torch.device | None = None,
     config: ForecastKVConfig | None = None,
     device_map: str | dict | None = None,
+    allow_geometry_mismatch: bool = False,
     **kwargs,
 ):
     """Build `cls` from any supported checkpoint.  See `ForecastKVForCausalLM.from_pretrained`.
@@ -169,6 +179,7 @@ def load_model(
         settings["forecast"] = {**side["forecast"], "enabled": True}
         if settings.get("sparse_config") is None:
             settings["sparse_config"] = side.get("sparse_config")
+        check_heads_geometry(forecast_weights, side.get("sparse_config"), settings.get("sparse_config"), allow_geometry_mismatch)
         # loaded heads exist to select blocks: the forecast selector goes on (also on a base with
         # its own sparse_config, e.g. MiniCPM4.1 or NOSA) unless the caller's dict names a selector
         explicit = isinstance(sparse_config, dict) and "selector" in sparse_config
@@ -197,11 +208,13 @@ def load_model(
         model = cls(model_config)
     device_map = resolve_device_map(model, device_map, dtype)
     heads = dict(heads or {})
-    if heads:
+    if heads and side.get("sparda"):
         last = f"model.layers.{model_config.num_hidden_layers - 1}.self_attn.forecast_proj.weight"
         expected = dict(model.named_parameters())
         if last not in heads and last in expected:  # SparDA may leave out the unused last head
             heads[last] = torch.zeros(expected[last].shape)
+    if heads:
+        _check_heads(model, heads, forecast_weights, directory, side.get("base_model"))
     shapes = {**state, **{name: tuple(tensor.shape) for name, tensor in heads.items()}}
     created = _check_names(model, shapes, directory, created_ok=forecast is not None)
     loaded = [name for name in state if name not in heads and not (model_config.tie_word_embeddings and name == "lm_head.weight")]
@@ -293,6 +306,78 @@ def materialize_rest(model, dtype, device, device_map) -> None:
         raise CheckpointError(f"{len(still)} model tensors were neither loaded nor created, e.g. {still[:3]}")
 
 
+# The sparse_config keys that fix what a Forecast head scores: the compressed keys it is dotted with
+# (kernel, stride, RoPE or not) and the blocks they are pooled into.  Heads trained under one grid
+# predict nothing useful on another.  The other keys (topk, window, init blocks, dense_len, policy,
+# ...) set how many blocks are kept and which are forced; heads serve any of them.
+GEOMETRY_KEYS = ("kernel_size", "kernel_stride", "block_size", "use_nope")
+BUDGET_KEYS = ("topk", "window_size", "init_blocks", "dense_len", "query_blocks", "policy", "lse")
+
+
+def _describe(sparse: dict, keys) -> str:
+    return ", ".join(f"{key} {sparse.get(key)}" for key in keys)
+
+
+def check_heads_geometry(heads_path, trained: dict | None, used: dict | None, allow_mismatch: bool = False) -> None:
+    """Heads trained under sparse_config `trained` (their forecast_config.json), loaded under
+    `used`.  Another block geometry (`GEOMETRY_KEYS`) is an error unless `allow_mismatch`, then a
+    warning naming both; another budget (`BUDGET_KEYS`: topk, window, ...) is a warning."""
+    import warnings
+
+    if not trained or not used:
+        return
+    trained, used = resolve_sparse_config(trained), resolve_sparse_config(used)
+    geometry = [key for key in GEOMETRY_KEYS if trained.get(key) != used.get(key)]
+    if geometry:
+        both = f"the forecast heads {heads_path} were trained for {_describe(trained, geometry)}; the sparse_config selects with {_describe(used, geometry)}"
+        if not allow_mismatch:
+            raise CheckpointError(
+                f"{both}: heads score blocks of the geometry they were trained on. Load them with their own geometry "
+                "(leave sparse_config unset, or give one with the same kernel_size / kernel_stride / block_size), train heads for this "
+                "geometry, or pass allow_geometry_mismatch=True (--allow-geometry-mismatch) to use them anyway"
+            )
+        warnings.warn(f"{both} (allowed by allow_geometry_mismatch): expect lower forecast recall", ForecastKVWarning, stacklevel=3)
+    budget = [key for key in BUDGET_KEYS if trained.get(key) != used.get(key)]
+    if budget:
+        warnings.warn(
+            f"the forecast heads {heads_path} were trained with {_describe(trained, budget)}; selecting with {_describe(used, budget)} "
+            "(same block geometry: the heads rank the same blocks, the selection keeps another number of them)",
+            ForecastKVWarning, stacklevel=3,
+        )
+
+
+def _check_heads(model, heads: dict, heads_path, directory: Path, trained_on: str | None) -> None:
+    """Loaded heads against the base `model`: the same layers and shapes, else an error naming the
+    heads (not the base) and what to do instead."""
+    expected = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items() if FORECAST_KEY.search(name)}
+    config = model.config
+    origin = f" (forecast_config.json: trained on {trained_on})" if trained_on else ""
+    advice = (
+        "heads only fit the base they were trained on: train heads for this base (forecastkv train-forecast), or leave out "
+        "forecast_weights and create untrained heads (forecast={'init': 'next_query'}, --forecast-init next_query)"
+    )
+
+    def layers(names) -> list[int]:
+        return sorted({int(re.search(r"layers\.(\d+)\.", name).group(1)) for name in names})
+
+    unknown = sorted(set(heads) - set(expected), key=lambda n: (layers([n]), n))
+    missing = sorted(set(expected) - set(heads), key=lambda n: (layers([n]), n))
+    if unknown or missing:
+        held = layers(heads)
+        raise CheckpointError(
+            f"the forecast heads {heads_path} hold {len(heads)} tensors for layers {held[0]}-{held[-1]}{origin}, "
+            f"but the base {directory} has {config.num_hidden_layers} layers"
+            + (f" (it has no {unknown[0]})" if unknown else f" (missing {missing[0]})") + f": {advice}"
+        )
+    for name, tensor in heads.items():
+        if tuple(tensor.shape) != expected[name]:
+            raise CheckpointError(
+                f"the forecast heads {heads_path}: {name} has shape {tuple(tensor.shape)}{origin}, the base {directory} "
+                f"(hidden_size {config.hidden_size}, {config.num_key_value_heads} KV heads of {config.head_dim}, "
+                f"heads_per_group {config.forecast_config.heads_per_group}) needs {expected[name]}: {advice}"
+            )
+
+
 def _check_names(model, state: dict, directory: Path, created_ok: bool) -> bool:
     """Check the checkpoint's names and shapes `state` {name: shape} against `model`.  Returns
     True when forecast heads are absent and will be created."""
@@ -347,6 +432,20 @@ def save_forecast_weights(model, directory: str | os.PathLike, base_model: str |
     return directory
 
 
+def read_safetensors_file(file: Path) -> dict[str, torch.Tensor]:
+    """All tensors of one (small) safetensors file; a truncated or corrupt file is a
+    `CheckpointError` naming it (the header is checked against the file size first)."""
+    from safetensors.torch import load_file
+
+    try:
+        read_safetensors_header(file)
+        return load_file(str(file))
+    except LazyCheckpointError as error:
+        raise CheckpointError(str(error)) from error
+    except Exception as error:  # safetensors' own SafetensorError for what the header check lets through
+        raise CheckpointError(f"corrupt checkpoint file {file}: {type(error).__name__}: {error}") from error
+
+
 def read_forecast_weights(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
     """The head tensors of `directory` (our forecast.safetensors) or of a SparDA indexer file."""
     return read_forecast_side(directory)[0]
@@ -378,14 +477,18 @@ def read_forecast_side(path: str | os.PathLike, settings: dict | None = None) ->
     no base), given as the file or a directory holding one.  For SparDA files heads_per_group is
     read from the weight shape and the base `settings` (num_key_value_heads, head_dim).
     """
-    from safetensors.torch import load_file
-
     path = Path(path)
     if path.is_dir() and (path / FORECAST_WEIGHTS).is_file():
         side_file = path / FORECAST_CONFIG
         if not side_file.is_file():
             raise CheckpointError(f"{path} has {FORECAST_WEIGHTS} but no {FORECAST_CONFIG}")
-        return map_state_dict(load_file(str(path / FORECAST_WEIGHTS))), json.loads(side_file.read_text())
+        try:
+            side = json.loads(side_file.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise CheckpointError(f"corrupt forecast heads file {side_file}: not JSON ({error})") from error
+        if not isinstance(side, dict) or not isinstance(side.get("forecast"), dict):
+            raise CheckpointError(f"corrupt forecast heads file {side_file}: expected a JSON object with a 'forecast' section")
+        return map_state_dict(read_safetensors_file(path / FORECAST_WEIGHTS)), side
     files = [path] if path.is_file() else sorted(f for pattern in SPARDA_FILES for f in path.glob(pattern)) if path.is_dir() else []
     if not files:
         raise CheckpointError(f"no {FORECAST_WEIGHTS} (ours) or SparDA indexer checkpoint ({', '.join(SPARDA_FILES)}) at {path}")
@@ -393,9 +496,9 @@ def read_forecast_side(path: str | os.PathLike, settings: dict | None = None) ->
     meta: dict = {}
     for file in files:
         try:
-            blob = load_file(str(file)) if file.suffix == ".safetensors" else torch.load(file, map_location="cpu", weights_only=True)
-        except Exception as error:  # a pickle with foreign objects, or a corrupt file
-            raise CheckpointError(f"cannot read SparDA indexer checkpoint {file}: {error}") from error
+            blob = read_safetensors_file(file) if file.suffix == ".safetensors" else load_pickled_weights(file, state_dict=False)
+        except LazyCheckpointError as error:  # a pickle with foreign objects, or a corrupt file
+            raise CheckpointError(f"cannot read SparDA indexer checkpoint: {error}") from error
         _sparda_tensors(blob, found)
         if isinstance(blob, dict) and isinstance(blob.get("sparse_config"), dict):
             meta = blob["sparse_config"]

@@ -16,6 +16,8 @@ from typing import Any
 
 from transformers import PreTrainedConfig
 
+from ..errors import ConfigError
+
 # Presets are package data (forecastkv/presets/*.json), so any install -- wheel, sdist or editable --
 # finds them; `configs/` at the repository root holds only run recipes.
 PRESET_DIR = resources.files("forecastkv") / "presets"
@@ -24,7 +26,7 @@ PRESET_DIR = resources.files("forecastkv") / "presets"
 def _check_keys(kind: str, given: dict, allowed: set[str]) -> None:
     unknown = sorted(set(given) - allowed)
     if unknown:
-        raise ValueError(f"unknown {kind} key(s) {unknown}; allowed keys are {sorted(allowed)}")
+        raise ConfigError(f"unknown {kind} key(s) {unknown}; allowed keys are {sorted(allowed)}")
 
 
 @dataclass(frozen=True)
@@ -55,35 +57,35 @@ class SparseConfig:
         for name in ("kernel_size", "kernel_stride", "block_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
-                raise ValueError(f"sparse_config.{name} must be a positive integer, got {value!r}")
+                raise ConfigError(f"sparse_config.{name} must be a positive integer, got {value!r}")
         for name in ("init_blocks", "window_size", "topk", "query_blocks"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
-                raise ValueError(f"sparse_config.{name} must be a non-negative integer, got {value!r}")
+                raise ConfigError(f"sparse_config.{name} must be a non-negative integer, got {value!r}")
         if self.kernel_size < self.kernel_stride:
-            raise ValueError(
+            raise ConfigError(
                 f"sparse_config.kernel_size={self.kernel_size} must be >= kernel_stride={self.kernel_stride}"
             )
         if self.block_size % self.kernel_stride:
-            raise ValueError(
+            raise ConfigError(
                 f"sparse_config.block_size={self.block_size} must be a multiple of "
                 f"kernel_stride={self.kernel_stride}"
             )
         if self.window_size % self.block_size:
-            raise ValueError(
+            raise ConfigError(
                 f"sparse_config.window_size={self.window_size} must be a multiple of "
                 f"block_size={self.block_size}"
             )
         if not isinstance(self.dense_len, int) or self.dense_len < -1:
-            raise ValueError(f"sparse_config.dense_len must be an integer >= -1, got {self.dense_len!r}")
+            raise ConfigError(f"sparse_config.dense_len must be an integer >= -1, got {self.dense_len!r}")
         choices = {"lse": ("exact", "coarse"), "policy": ("infllmv2", "nosa"), "selector": ("query", "forecast")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
-                raise ValueError(f"sparse_config.{name}={getattr(self, name)!r} is not one of {allowed}")
+                raise ConfigError(f"sparse_config.{name}={getattr(self, name)!r} is not one of {allowed}")
         if not isinstance(self.dense_cis_bias, bool):
-            raise ValueError(f"sparse_config.dense_cis_bias must be true or false, got {self.dense_cis_bias!r}")
+            raise ConfigError(f"sparse_config.dense_cis_bias must be true or false, got {self.dense_cis_bias!r}")
         if self.use_nope:
-            raise ValueError("sparse_config.use_nope=True is not supported: selection uses post-RoPE keys")
+            raise ConfigError("sparse_config.use_nope=True is not supported: selection uses post-RoPE keys")
 
     @property
     def local_blocks(self) -> int:
@@ -130,9 +132,9 @@ class ForecastConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.heads_per_group, int) or self.heads_per_group < 1:
-            raise ValueError(f"forecast.heads_per_group must be a positive integer, got {self.heads_per_group!r}")
+            raise ConfigError(f"forecast.heads_per_group must be a positive integer, got {self.heads_per_group!r}")
         if self.init not in ("kaiming", "next_query"):
-            raise ValueError(f"forecast.init={self.init!r} is not one of ('kaiming', 'next_query')")
+            raise ConfigError(f"forecast.init={self.init!r} is not one of ('kaiming', 'next_query')")
 
     @classmethod
     def from_dict(cls, values: dict | None) -> "ForecastConfig":
@@ -179,7 +181,7 @@ def load_preset(name: str) -> dict:
     optional `forecast`, and optional architecture fields)."""
     entry = PRESET_DIR / f"{name}.json"
     if not isinstance(name, str) or "/" in name or not entry.is_file():
-        raise ValueError(f"unknown sparse_config preset {name!r}; known presets: {list_presets()}")
+        raise ConfigError(f"unknown sparse_config preset {name!r}; known presets: {list_presets()}")
     return json.loads(entry.read_text())
 
 
@@ -210,7 +212,7 @@ def _check_misspelt_keys(extra: dict) -> None:
             continue
         close = difflib.get_close_matches(key, ours, n=2, cutoff=MISSPELT_KEY_RATIO)
         if close and key not in _transformers_keys():
-            raise ValueError(f"unknown ForecastKVConfig key {key!r}; did you mean {' or '.join(map(repr, close))}?")
+            raise ConfigError(f"unknown ForecastKVConfig key {key!r}; did you mean {' or '.join(map(repr, close))}?")
 
 
 @functools.cache
@@ -289,14 +291,14 @@ class ForecastKVConfig(PreTrainedConfig):
         self.sparse_config = sparse_config  # a preset name, a dict, a SparseConfig or None
         self.forecast = forecast
         if not isinstance(query_chunk_size, int) or query_chunk_size < 1:
-            raise ValueError(f"query_chunk_size must be a positive integer, got {query_chunk_size!r}")
+            raise ConfigError(f"query_chunk_size must be a positive integer, got {query_chunk_size!r}")
         self.query_chunk_size = query_chunk_size
         # rows per forward call of a long prefill (ForecastKVModel.forward_chunked); 0 = one call
         if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 0:
-            raise ValueError(f"prefill_chunk must be a non-negative integer (0 = the whole prompt in one call), got {prefill_chunk!r}")
+            raise ConfigError(f"prefill_chunk must be a non-negative integer (0 = the whole prompt in one call), got {prefill_chunk!r}")
         self.prefill_chunk = prefill_chunk
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
+            raise ConfigError(
                 f"num_attention_heads={self.num_attention_heads} must be a multiple of "
                 f"num_key_value_heads={self.num_key_value_heads}"
             )
@@ -313,17 +315,17 @@ class ForecastKVConfig(PreTrainedConfig):
         group = self.num_attention_heads // self.num_key_value_heads
         per_group = self.forecast_config.heads_per_group
         if per_group > group:
-            raise ValueError(f"forecast.heads_per_group={per_group} exceeds the GQA group size {group}")
+            raise ConfigError(f"forecast.heads_per_group={per_group} exceeds the GQA group size {group}")
         sparse = self.sparse
         if sparse is not None and sparse.selector == "forecast" and not self.forecast_config.enabled:
-            raise ValueError(
+            raise ConfigError(
                 "sparse_config.selector='forecast' needs forecast heads: pass forecast={'enabled': True, ...}"
             )
 
     # What `from_pretrained(..., sparse_config=, forecast=, forecast_weights=)` asks of the loader
     # (create heads, load heads, switch the geometry), so the Auto classes must hand them on to
     # `ForecastKVForCausalLM.from_pretrained` instead of setting them on the config.
-    LOAD_ARGUMENTS = ("sparse_config", "forecast", "forecast_weights")
+    LOAD_ARGUMENTS = ("sparse_config", "forecast", "forecast_weights", "allow_geometry_mismatch")
 
     @classmethod
     def from_dict(cls, config_dict: dict, **kwargs: Any):

@@ -19,6 +19,8 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
+from ..errors import UserInputError
+
 SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -27,7 +29,7 @@ SAFETENSORS_DTYPES = {
 INDEX_FILE = "model.safetensors.index.json"
 
 
-class LazyCheckpointError(ValueError):
+class LazyCheckpointError(UserInputError):
     """A checkpoint file that is missing, truncated or not a checkpoint."""
 
 
@@ -46,11 +48,16 @@ def read_safetensors_header(path: Path) -> tuple[dict, int]:
             header = json.loads(f.read(length))
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
             raise LazyCheckpointError(f"corrupt checkpoint file {path}: unreadable header ({error})") from error
+    if not isinstance(header, dict):
+        raise LazyCheckpointError(f"corrupt checkpoint file {path}: its header is not a JSON object")
     header.pop("__metadata__", None)
     start = 8 + length
     for name, entry in header.items():
+        if not (isinstance(entry, dict) and isinstance(entry.get("shape"), list) and isinstance(entry.get("data_offsets"), list)
+                and len(entry["data_offsets"]) == 2 and all(isinstance(v, int) for v in entry["data_offsets"] + entry["shape"])):
+            raise LazyCheckpointError(f"corrupt checkpoint file {path}: tensor {name!r} has no valid dtype / shape / data_offsets in the header")
         begin, end = entry["data_offsets"]
-        if entry["dtype"] not in SAFETENSORS_DTYPES:
+        if entry.get("dtype") not in SAFETENSORS_DTYPES:
             raise LazyCheckpointError(f"tensor {name} in {path} has dtype {entry['dtype']}; readable: {sorted(SAFETENSORS_DTYPES)}")
         expected = SAFETENSORS_DTYPES[entry["dtype"]].itemsize * _numel(entry["shape"])
         if not 0 <= begin <= end or end - begin != expected or start + end > size:
@@ -97,8 +104,7 @@ class LazyCheckpoint:
             binary = directory / "pytorch_model.bin"
             if not binary.is_file():
                 raise LazyCheckpointError(f"no weights in {directory}: expected model.safetensors (or shards) or pytorch_model.bin")
-            # mmap: tensors are paged in when copied, one at a time
-            self._binary = torch.load(binary, map_location="cpu", weights_only=True, mmap=True)
+            self._binary = load_pickled_weights(binary)
             for stored, tensor in self._binary.items():
                 self._add(rename(stored), binary, stored, tuple(tensor.shape))
             return
@@ -161,6 +167,33 @@ class LazyCheckpoint:
                     yield name, tensor
                 if hasattr(os, "posix_fadvise"):  # drop this shard from the page cache: it is read once
                     os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+def load_pickled_weights(path: Path, state_dict: bool = True):
+    """A `pytorch_model.bin` state dict, read with `torch.load(weights_only=True)` (mmap: tensors
+    are paged in when copied, one at a time).  A pickle that holds more than tensors is refused
+    (unpickling it could run code), as is a file that is no torch checkpoint at all.
+    state_dict=False: return whatever (weights-only) object the file holds."""
+    import pickle
+    import re
+    import zipfile
+
+    try:
+        # the legacy (non-zip) format cannot be memory-mapped: it is read whole
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
+    except pickle.UnpicklingError as error:
+        found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(error))
+        if found is None:  # not a pickle torch wrote (e.g. "Unsupported operand 103")
+            raise LazyCheckpointError(f"corrupt checkpoint file {path}: not a torch checkpoint that torch.load can read") from error
+        raise LazyCheckpointError(
+            f"{path} is a pickle that torch.load(weights_only=True) refuses (it stores {found.group(1)}): unpickling it could run code; "
+            "load it in code you trust and save the weights as model.safetensors"
+        ) from error
+    except (RuntimeError, OSError, EOFError, ValueError) as error:
+        raise LazyCheckpointError(f"corrupt checkpoint file {path}: torch.load cannot read it ({type(error).__name__}: {error})") from error
+    if state_dict and not (isinstance(state, dict) and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items())):
+        raise LazyCheckpointError(f"{path} is not a state dict of named tensors (it holds a {type(state).__name__})")
+    return state
 
 
 def set_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> None:

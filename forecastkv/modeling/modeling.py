@@ -22,6 +22,7 @@ from .cache import SparseCache
 from .configuration import ForecastKVConfig
 from .heads import scoring_head
 from .rope import RotaryEmbedding
+from .token_record import note_call
 
 # The cache keyword of this transformers version's generate loop: "cache" (5.24) or "past_key_values" (5.17).
 CACHE_KWARG = "cache" if "cache" in inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters else "past_key_values"
@@ -205,6 +206,7 @@ class ForecastKVModel(ForecastKVPreTrainedModel):
             raise TypeError(f"forecastkv models need a SparseCache (or a subclass), got {type(cache).__name__}")
         cache.check_model(self.config)
         positions = self.positions_for(batch, length, cache, attention_mask, position_ids, hidden.device)
+        note_call(cache, input_ids, positions)  # the cache's record of its tokens (modeling/token_record.py), no host read
         step = cache.begin_call(positions, self.config.sparse)  # the call's host-side facts and bookkeeping, once
         cos, sin = self.rotary_emb(positions, hidden.dtype)
 
@@ -328,7 +330,11 @@ class ForecastKVForCausalLM(ForecastKVPreTrainedModel, GenerationMixin):
         sparse_config: a preset name (`forecastkv/presets/<name>.json`, see `list_presets()`) or a dict of sparse_config keys;
             None keeps the checkpoint's own (a checkpoint without one loads dense).
         forecast: a dict of forecast keys; creates (and initialises) heads the checkpoint lacks.
-        forecast_weights: a directory written by `save_forecast_weights`, loaded onto the base.
+        forecast_weights: a directory written by `save_forecast_weights`, loaded onto the base.  Heads
+            from another base are an error; so are heads trained for another block geometry
+            (kernel_size, kernel_stride, block_size) than `sparse_config`'s, unless
+            allow_geometry_mismatch=True (then a warning names both).  Another budget (topk,
+            window_size, ...) only warns.
         dtype / device: where the loaded model lives; device_map ("auto" or a dict) spreads it over
             devices through accelerate.  Loading is lean: built on the meta device, each tensor
             read once into its final dtype and device (peak ~ the model's own bytes).
@@ -390,6 +396,13 @@ class ForecastKVForCausalLM(ForecastKVPreTrainedModel, GenerationMixin):
         kept = {CACHE_KWARG: cache if use_cache else None}
         return ForecastKVOutput(loss=loss, logits=logits, selections=selections, **kept)
 
+    def _prepare_generation_config(self, generation_config=None, *args, **kwargs):
+        """transformers' own, except that `cache_implementation` may name an offload mode
+        (`inference.MODES`), which transformers' validation would refuse (`inference/hf_cache.py`)."""
+        from ..inference.hf_cache import prepare_generation_config
+
+        return prepare_generation_config(self, super()._prepare_generation_config, generation_config, *args, **kwargs)
+
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
         """generate() gets a SparseCache unless the caller passed a cache of their own; either way
         the cache reserves generate()'s max_length (prompt + new tokens) so that no buffer is
@@ -403,7 +416,9 @@ class ForecastKVForCausalLM(ForecastKVPreTrainedModel, GenerationMixin):
             return None
         if generation_config.use_cache is False:
             return None
-        cache = SparseCache(self.config)
+        from ..inference.hf_cache import cache_for_generation
+
+        cache = cache_for_generation(self, generation_config)  # SparseCache, or the offload mode named as cache_implementation
         if rows is not None:
             cache.reserve(rows)
         model_kwargs[CACHE_KWARG] = cache
