@@ -11,7 +11,13 @@ Two schemes (`forecast.init`):
     layers' input norms: the forecast reads layer l's normed state w^l * x_hat while q^{l+1} reads
     w^{l+1} * x_hat', so  W_f = mean_heads(W_q^{l+1}) . diag(r),  r = w^{l+1} / w^l.
   - `current_proj` of layer 0 starts from layer 0's own `q_proj` (same input, no correction).
-  - the last layer's `forecast_proj` has no consumer; it gets the Kaiming init.
+  - the last layer's `forecast_proj` has no consumer: it is zero (as in a SparDA checkpoint,
+    which leaves it out), under either scheme.
+
+  Created heads are deterministic: Kaiming draws come from a private CPU generator seeded with
+  `seed` (`DEFAULT_SEED` when none is given), never from the global RNG, so two loads of one base
+  with `forecast={"init": ...}` give bit-identical heads (and one weights digest, which the context
+  store keys on).
 
   Keeping the scale sane.  Where a norm weight of layer l is tiny the ratio explodes (SmolLM2's
   layer-0 input-norm weights go down to 2e-4 while layer 1's are ~0.16, ratios up to ~3000), and
@@ -45,6 +51,7 @@ import torch
 from .heads import scoring_head_weight
 
 RATIO_SPREAD = 8.0
+DEFAULT_SEED = 0                      # the Kaiming draws when no seed is given
 INITS = ("kaiming", "next_query")
 
 
@@ -54,7 +61,7 @@ def _layers(model):
     return inner.layers
 
 
-def _kaiming_(weight: torch.Tensor, generator: torch.Generator | None) -> None:
+def _kaiming_(weight: torch.Tensor, generator: torch.Generator) -> None:
     """U(-1/sqrt(fan_in), 1/sqrt(fan_in)) in place; drawn on the CPU so a seed gives the same
     weights on every device."""
     bound = 1.0 / math.sqrt(weight.shape[1])
@@ -100,15 +107,16 @@ def apply_forecast_init(model, init: str, seed: int | None = None) -> None:
     """Initialise every Forecast head of `model` in place.
 
     model: a ForecastKVForCausalLM / ForecastKVModel with forecast heads; init: "kaiming" |
-    "next_query"; seed: draws the Kaiming weights from a private CPU generator (None: the global
-    RNG).  Weights keep their dtype and device.
+    "next_query"; seed: draws the Kaiming weights from a private CPU generator (None:
+    `DEFAULT_SEED`; the global RNG is never used, so the heads are a function of the base and the
+    seed).  The last layer's `forecast_proj` (no consumer) is zero.  Weights keep their dtype and device.
     """
     if init not in INITS:
         raise ValueError(f"forecast init {init!r} is not one of {INITS}")
     layers = _layers(model)
     if not hasattr(layers[0].self_attn, "forecast_proj"):
         raise ValueError("the model has no forecast heads: build it with forecast={'enabled': True, ...}")
-    generator = torch.Generator().manual_seed(seed) if seed is not None else None
+    generator = torch.Generator().manual_seed(DEFAULT_SEED if seed is None else seed)
     config = layers[0].self_attn.config
     n = config.forecast_config.heads_per_group
     h_kv, d = config.num_key_value_heads, config.head_dim
@@ -118,7 +126,10 @@ def apply_forecast_init(model, init: str, seed: int | None = None) -> None:
         heads = [("forecast_proj", idx + 1)] + ([("current_proj", 0)] if idx == 0 else [])
         for name, source_idx in heads:
             weight = getattr(attn, name).weight
-            if init == "kaiming" or (name == "forecast_proj" and idx == last):
+            if name == "forecast_proj" and idx == last:
+                weight.zero_()  # no consumer: nothing to initialise, nothing random
+                continue
+            if init == "kaiming":
                 _kaiming_(weight, generator)
                 continue
             source = layers[source_idx]
