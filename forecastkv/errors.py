@@ -22,6 +22,41 @@ class DataError(UserInputError):
     """Training or evaluation data that cannot be read: the message names the file (and line)."""
 
 
+class MissingExtraError(UserInputError, ImportError):
+    """An optional package the user's choice needs is not installed (the message says what to
+    `pip install`).  Also an ImportError, so `except ImportError` callers keep working."""
+
+
 class ForecastKVWarning(UserWarning):
     """A warning about a user's choice that forecastkv accepts (e.g. heads used under another
     selection budget); the console script prints it as one `forecastkv: warning:` line."""
+
+
+def read_yaml_mapping(path, what: str) -> dict:
+    """The YAML mapping in the file `path` (an empty file is {}): a missing or unreadable file,
+    text that is not YAML, or YAML that is not a mapping is a `ConfigError` naming `what` and the
+    file, with the line of a syntax error.  The one reader of users' config files."""
+    import os
+
+    import yaml
+
+    name = os.fspath(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            given = yaml.safe_load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{what} {name!r}: no such file") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{what} {name!r} is a directory, not a YAML file") from None
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"{what} {name!r} is not a YAML file: byte {error.object[error.start]:#04x} at offset {error.start} is not UTF-8") from None
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+        raise ConfigError(f"{what} {name!r} is not valid YAML{where}: {problem}") from None
+    if given is None:
+        return {}
+    if not isinstance(given, dict):
+        raise ConfigError(f"{what} {name!r} must be a YAML mapping, got a {type(given).__name__}")
+    return given

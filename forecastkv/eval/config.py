@@ -18,8 +18,7 @@ import copy
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
+from ..errors import ConfigError, read_yaml_mapping
 from . import longbench
 from .modes import parse_mode
 from .tasks import TASKS
@@ -39,20 +38,43 @@ DEFAULTS = {
     "output_dir": "runs/eval",
     "progress": True,
 }
+DTYPES = ("float32", "bfloat16", "float16", "float64")
 TASK_KEYS = {"name", "lengths", "examples", "depths", "max_new_tokens", "options"}
 LONGBENCH_KEYS = {"dir", "tasks", "lengths", "examples", "e", "max_new_tokens"}
 
 
-def _check_keys(where: str, given: dict, allowed) -> None:
+def _check_keys(where: str, given, allowed) -> None:
+    if not isinstance(given, dict):
+        raise ConfigError(f"{where} must be a mapping, got {given!r}")
     unknown = sorted(set(given) - set(allowed))
     if unknown:
-        raise ValueError(f"unknown {where} key(s) {unknown}; allowed: {sorted(allowed)}")
+        raise ConfigError(f"unknown {where} key(s) {unknown}; allowed: {sorted(allowed)}")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _positive_ints(where: str, values) -> list[int]:
-    if not isinstance(values, list) or not values or not all(isinstance(v, int) and v > 0 for v in values):
-        raise ValueError(f"{where} must be a non-empty list of positive integers, got {values!r}")
+    if not isinstance(values, list) or not values or not all(_is_int(v) and v > 0 for v in values):
+        raise ConfigError(f"{where} must be a non-empty list of positive integers, got {values!r}")
     return values
+
+
+def _integer(where: str, value, least: int = 1, optional: bool = False) -> None:
+    """`value` is an integer >= least (None allowed when `optional`), as recipes check theirs."""
+    if value is None and optional:
+        return
+    if not _is_int(value) or value < least:
+        kind = "a positive integer" if least == 1 else f"an integer >= {least}"
+        raise ConfigError(f"{where} must be {kind}{' or null' if optional else ''}, got {value!r}")
+
+
+def _one_of(where: str, value, kinds: tuple, optional: bool = True) -> None:
+    if (value is None and optional) or isinstance(value, kinds):
+        return
+    names = " or ".join(kind.__name__ for kind in kinds) + (" or null" if optional else "")
+    raise ConfigError(f"{where} must be a {names}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -73,46 +95,93 @@ class Unit:
 def load_config(source: str | Path | dict, overrides: dict | None = None) -> dict:
     """Read a suite (a YAML path or a dict), apply `overrides`, fill defaults, validate statically
     (names and shapes; the model-dependent checks are in `runner.validate_against_model`)."""
-    raw = source if isinstance(source, dict) else yaml.safe_load(Path(source).read_text())
-    if not isinstance(raw, dict):
-        raise ValueError(f"eval config {source!r} must be a mapping")
+    if isinstance(source, dict):
+        return _validated(source, overrides)
+    raw = read_yaml_mapping(Path(source), "eval config")
+    try:
+        return _validated(raw, overrides)
+    except ConfigError as error:  # name the file the user gave
+        raise ConfigError(f"eval config {str(source)!r}: {error}") from None
+
+
+def _validated(raw: dict, overrides: dict | None) -> dict:
     raw = copy.deepcopy(raw)
     raw.update({k: v for k, v in (overrides or {}).items() if v is not None})
     _check_keys("eval config", raw, DEFAULTS)
     config = {**copy.deepcopy(DEFAULTS), **raw}
+    if not isinstance(raw.get("model") or {}, dict):
+        raise ConfigError(f"model must be a mapping (path:, sparse_config:, ...), got {raw['model']!r}")
     model = {**DEFAULTS["model"], **(raw.get("model") or {})}
     _check_keys("model", model, DEFAULTS["model"])
-    if (model["path"] is None) == (model["config"] is None):
-        raise ValueError("model needs exactly one of path (a checkpoint) and config (a random model for tests)")
     config["model"] = model
-    config["modes"] = [parse_mode(m).name for m in config["modes"]]
+    _check_model(model)
+    if not isinstance(config["modes"], list):
+        raise ConfigError(f"modes must be a list of mode names, got {config['modes']!r}")
+    try:
+        config["modes"] = [parse_mode(m).name for m in config["modes"]]
+    except ConfigError:
+        raise
+    except ValueError as error:  # parse_mode's refusal of a mode name
+        raise ConfigError(str(error)) from None
     if not config["modes"] or len(set(config["modes"])) != len(config["modes"]):
-        raise ValueError(f"modes must be a non-empty list without repeats, got {config['modes']}")
+        raise ConfigError(f"modes must be a non-empty list without repeats, got {config['modes']}")
+    if not isinstance(config["tasks"], list):
+        raise ConfigError(f"tasks must be a list of task entries, got {config['tasks']!r}")
     for i, task in enumerate(config["tasks"]):
-        _check_keys(f"tasks[{i}]", task, TASK_KEYS)
-        if task.get("name") not in TASKS:
-            raise ValueError(f"unknown task {task.get('name')!r} in tasks[{i}]; known: {sorted(TASKS)}")
-        _positive_ints(f"tasks[{i}].lengths", task.get("lengths"))
-        depths = task.get("depths")
-        if depths is not None and not (isinstance(depths, list) and depths and all(0 <= d <= 1 for d in depths)):
-            raise ValueError(f"tasks[{i}].depths must be a non-empty list of numbers in [0, 1], got {depths!r}")
+        _check_task(f"tasks[{i}]", task)
     bench = config["longbench"]
     if bench is not None:
         _check_keys("longbench", bench, LONGBENCH_KEYS)
-        for name in bench.get("tasks") or []:
+        if not isinstance(bench.get("tasks"), list) or not bench["tasks"]:
+            raise ConfigError(f"longbench.tasks must be a non-empty list of LongBench task names, got {bench.get('tasks')!r}")
+        for name in bench["tasks"]:
             if name not in longbench.PROMPTS:
-                raise ValueError(f"unknown LongBench task {name!r}; known: {sorted(longbench.PROMPTS)}")
+                raise ConfigError(f"unknown LongBench task {name!r}; known: {sorted(longbench.PROMPTS)}")
         _positive_ints("longbench.lengths", bench.get("lengths"))
-        if not bench.get("tasks"):
-            raise ValueError("longbench.tasks must name at least one task")
+        _integer("longbench.examples", bench.get("examples"), optional=True)
+        _integer("longbench.max_new_tokens", bench.get("max_new_tokens"), optional=True)
+        _one_of("longbench.dir", bench.get("dir"), (str,))
+        _one_of("longbench.e", bench.get("e"), (bool,))
     if not config["tasks"] and bench is None:
-        raise ValueError("the eval config has no tasks and no longbench section")
+        raise ConfigError("the eval config has no tasks and no longbench section")
     if config["recall"] not in ("forecast", "all", "none"):
-        raise ValueError(f"recall must be one of ('forecast', 'all', 'none'), got {config['recall']!r}")
+        raise ConfigError(f"recall must be one of ('forecast', 'all', 'none'), got {config['recall']!r}")
     for name in ("prefill_chunk", "bucket_tokens"):
-        if not isinstance(config[name], int) or config[name] < 1:
-            raise ValueError(f"{name} must be a positive integer, got {config[name]!r}")
+        _integer(name, config[name])
+    _integer("seed", config["seed"], least=0)
+    _integer("recall_start", config["recall_start"], least=0, optional=True)
+    _one_of("tokenizer", config["tokenizer"], (str,))
+    _one_of("output_dir", config["output_dir"], (str, Path), optional=False)
+    _one_of("progress", config["progress"], (bool,))
     return config
+
+
+def _check_model(model: dict) -> None:
+    if (model["path"] is None) == (model["config"] is None):
+        raise ConfigError("model needs exactly one of path (a checkpoint) and config (a random model for tests)")
+    _one_of("model.path", model["path"], (str, Path))
+    _one_of("model.config", model["config"], (dict,))
+    _one_of("model.sparse_config", model["sparse_config"], (str, dict))
+    _one_of("model.forecast", model["forecast"], (dict,))
+    _one_of("model.forecast_weights", model["forecast_weights"], (str, Path))
+    if model["dtype"] is not None and model["dtype"] not in DTYPES:
+        raise ConfigError(f"model.dtype must be one of {DTYPES} or null, got {model['dtype']!r}")
+    _integer("model.seed", model["seed"], least=0)
+
+
+def _check_task(where: str, task) -> None:
+    """One `tasks:` entry: a known task, lengths, and counts that are positive integers."""
+    _check_keys(where, task, TASK_KEYS)
+    if task.get("name") not in TASKS:
+        raise ConfigError(f"unknown task {task.get('name')!r} in {where}; known: {sorted(TASKS)}")
+    _positive_ints(f"{where}.lengths", task.get("lengths"))
+    _integer(f"{where}.examples", task.get("examples"), optional=True)
+    _integer(f"{where}.max_new_tokens", task.get("max_new_tokens"), optional=True)
+    _one_of(f"{where}.options", task.get("options"), (dict,))
+    depths = task.get("depths")
+    if depths is not None and not (isinstance(depths, list) and depths and all(isinstance(d, (int, float)) and not isinstance(d, bool)
+                                                                                 and 0 <= d <= 1 for d in depths)):
+        raise ConfigError(f"{where}.depths must be a non-empty list of numbers in [0, 1], got {depths!r}")
 
 
 def work_units(config: dict, limit: int | None = None, longbench_rows: dict | None = None) -> list[Unit]:
@@ -120,7 +189,7 @@ def work_units(config: dict, limit: int | None = None, longbench_rows: dict | No
     `limit` caps the examples per (task, length); `longbench_rows`: rows per LongBench task."""
     units: list[Unit] = []
     for spec, task in enumerate(config["tasks"]):
-        count = task.get("examples", 1)
+        count = task.get("examples") or 1
         count = min(count, limit) if limit is not None else count
         depths = task.get("depths")
         for length in task["lengths"]:

@@ -25,8 +25,12 @@ from typing import Iterable, Sequence
 import torch
 
 from forecastkv.bytes_codec import ByteCodec
+from forecastkv.errors import DataError, MissingExtraError
 
 TEXT_SUFFIXES = (".txt", ".jsonl")
+# what `datasets` reads from a local directory: a `save_to_disk` directory, or data files
+DATASET_MARKERS = ("dataset_info.json", "dataset_dict.json")
+DATASET_SUFFIXES = (".parquet", ".arrow", ".csv", ".tsv", ".json")
 
 
 class ByteTokenizer(ByteCodec):
@@ -38,38 +42,83 @@ class ByteTokenizer(ByteCodec):
 
 
 def _is_local_source(source) -> bool:
+    """Whether we read `source` ourselves: a list of paths, a .txt / .jsonl path, a directory of
+    those, a local-looking path that does not exist, or a directory `datasets` could not read
+    either (the last two are errors `_read_local` words)."""
     if isinstance(source, (list, tuple)):
         return True
     path = Path(str(source))
-    return path.suffix in TEXT_SUFFIXES or (path.is_dir() and any(_text_files(path)))
+    if path.suffix in TEXT_SUFFIXES or (path.is_dir() and any(_text_files(path))):
+        return True
+    if str(source).startswith((".", "/", "~")) and not path.expanduser().exists():
+        return True
+    return path.is_dir() and not _dataset_directory(path)
+
+
+def _dataset_directory(path: Path) -> bool:
+    """A directory `datasets` reads: saved with `save_to_disk`, or holding its data files."""
+    if any((path / marker).is_file() for marker in DATASET_MARKERS):
+        return True
+    return any(p.is_file() and p.suffix in DATASET_SUFFIXES for p in path.rglob("*"))
 
 
 def _text_files(directory: Path) -> list[Path]:
     return sorted(p for p in directory.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
 
 
+def _read_text(file: Path) -> str:
+    """The UTF-8 text of a data file; other bytes are a DataError naming the file, line and byte."""
+    data = file.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = data.count(b"\n", 0, error.start) + 1
+        raise DataError(
+            f"data file {file} is not UTF-8 text: byte {data[error.start]:#04x} at offset {error.start} (line {line}); "
+            "re-encode it as UTF-8 (e.g. iconv -f latin1 -t utf-8)"
+        ) from None
+
+
+def _jsonl_texts(file: Path, text_field: str) -> list[str]:
+    """The `text_field` of each line of a JSONL file; a bad line is a DataError naming the file
+    and its line number (blank lines are skipped, and still counted)."""
+    texts = []
+    for line_no, line in enumerate(_read_text(file).splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as error:  # its "line 1" is the line's own: report the file's
+            raise DataError(f"{file}:{line_no}: not a JSON object ({error.msg} at column {error.colno})") from None
+        if not isinstance(row, dict):
+            raise DataError(f"{file}:{line_no}: expected a JSON object with a {text_field!r} field, got a {type(row).__name__}")
+        if text_field not in row:
+            raise DataError(f"{file}:{line_no} has no field {text_field!r} (keys: {sorted(row)})")
+        if not isinstance(row[text_field], str):
+            raise DataError(f"{file}:{line_no}: field {text_field!r} is a {type(row[text_field]).__name__}, not text")
+        texts.append(row[text_field])
+    return texts
+
+
 def _read_local(paths: Iterable, text_field: str) -> list[str]:
     texts: list[str] = []
     for item in paths:
-        path = Path(item)
+        path = Path(item).expanduser()
+        if not path.exists():
+            raise DataError(f"data source {item}: no such file or directory")
         files = _text_files(path) if path.is_dir() else [path]
         if not files:
-            raise ValueError(f"data source directory {path} holds no .txt or .jsonl files")
+            raise DataError(
+                f"data source directory {path} holds no .txt or .jsonl files (nor a saved `datasets` dataset or "
+                f"{'/'.join(DATASET_SUFFIXES)} files)"
+            )
         for file in files:
-            if not file.is_file():
-                raise FileNotFoundError(f"data file {file} does not exist")
             if file.suffix == ".jsonl":
-                for line_no, line in enumerate(file.read_text(encoding="utf-8").splitlines(), 1):
-                    if not line.strip():
-                        continue
-                    row = json.loads(line)
-                    if text_field not in row:
-                        raise ValueError(f"{file}:{line_no} has no field {text_field!r} (keys: {sorted(row)})")
-                    texts.append(row[text_field])
+                texts.extend(_jsonl_texts(file, text_field))
             elif file.suffix == ".txt":
-                texts.append(file.read_text(encoding="utf-8"))
+                texts.append(_read_text(file))
             else:
-                raise ValueError(f"data file {file} is neither .txt nor .jsonl")
+                raise DataError(f"data file {file} is neither .txt nor .jsonl")
     return texts
 
 
@@ -79,7 +128,7 @@ def open_dataset(source, split: str, field: str):
     try:
         import datasets
     except ImportError as error:
-        raise ImportError(
+        raise MissingExtraError(
             f"data source {source!r} is not a local .txt/.jsonl path, so it needs the `datasets` package: "
             "pip install 'forecastkv[data]'"
         ) from error
@@ -89,9 +138,15 @@ def open_dataset(source, split: str, field: str):
         if isinstance(dataset, datasets.DatasetDict):
             dataset = dataset[split]
     else:
-        dataset = datasets.load_dataset(str(source), split=split)
+        try:
+            dataset = datasets.load_dataset(str(source), split=split)
+        except Exception as error:  # a hub name it cannot reach, a local path it cannot read, a missing split
+            first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise DataError(
+                f"data source {str(source)!r} is not a local .txt/.jsonl path, and `datasets` cannot load it (split {split!r}): {first}"
+            ) from error
     if field not in dataset.column_names:
-        raise ValueError(f"dataset {source!r} has no column {field!r} (columns: {dataset.column_names})")
+        raise DataError(f"dataset {source!r} has no column {field!r} (columns: {dataset.column_names})")
     return dataset
 
 
@@ -128,7 +183,7 @@ class DatasetRows:
         for i in rows:
             ids = self.dataset[int(i)][self.field]
             if len(ids) < self.seq_len:
-                raise ValueError(
+                raise DataError(
                     f"row {int(i)} of {self.source!r} has {len(ids)} tokens, fewer than seq_len={self.seq_len}; "
                     "set data.pack: true to concatenate rows instead"
                 )
@@ -162,13 +217,13 @@ class PackedSequences:
 
     def __init__(self, tokens, seq_len: int, seed: int = 0, shuffle: bool = True, name: str = "dataset") -> None:
         if seq_len < 1:
-            raise ValueError(f"seq_len must be positive, got {seq_len}")
+            raise DataError(f"seq_len must be positive, got {seq_len}")
         if isinstance(tokens, DatasetRows):
             self.sequences = tokens
         else:
             count = tokens.numel() // seq_len
             if count == 0:
-                raise ValueError(f"{name} has {tokens.numel()} tokens, fewer than one sequence of seq_len={seq_len}")
+                raise DataError(f"{name} has {tokens.numel()} tokens, fewer than one sequence of seq_len={seq_len}")
             small = tokens.numel() == 0 or int(tokens.max()) < 2**31
             self.sequences = tokens[: count * seq_len].to(torch.int32 if small else torch.long).view(count, seq_len)
         self.seq_len, self.seed, self.shuffle, self.name = seq_len, seed, shuffle, name
@@ -204,7 +259,7 @@ class PackedSequences:
         mine = self.state_dict()
         for key in ("seed", "num_sequences", "seq_len"):
             if state[key] != mine[key]:
-                raise ValueError(
+                raise DataError(
                     f"cannot resume the data position: the checkpoint's {key}={state[key]} but this {self.name} has {key}={mine[key]}"
                 )
         self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
@@ -222,23 +277,23 @@ def build_sequences(
     """
     if not pack:
         if token_field is None or _is_local_source(source) or (isinstance(source, str) and source.startswith("bundled")):
-            raise ValueError("data.pack: false needs a `datasets` source with pre-tokenised rows (data.token_field)")
+            raise DataError("data.pack: false needs a `datasets` source with pre-tokenised rows (data.token_field)")
         dataset = open_dataset(source, split, token_field)
         if max_documents is not None:
             dataset = dataset.select(range(min(max_documents, len(dataset))))
         if len(dataset) == 0:
-            raise ValueError(f"{name} {source!r} (split {split!r}) is empty")
+            raise DataError(f"{name} {source!r} (split {split!r}) is empty")
         packed = PackedSequences(DatasetRows(dataset, token_field, seq_len, str(source)), seq_len, seed=seed, shuffle=shuffle, name=f"{name} {source!r}")
         total = f"{len(dataset)} rows"
     else:
         docs = load_documents(source, split, text_field, token_field, max_documents)
         if not docs:
-            raise ValueError(f"{name} {source!r} (split {split!r}) is empty")
+            raise DataError(f"{name} {source!r} (split {split!r}) is empty")
         tokens = tokenize_documents(docs, tokenizer)
         packed = PackedSequences(tokens, seq_len, seed=seed, shuffle=shuffle, name=f"{name} {source!r}")
         total = f"{tokens.numel()} tokens"
     if len(packed) < min_sequences:
-        raise ValueError(f"{name} {source!r} yields {len(packed)} sequences of seq_len={seq_len} ({total}); need at least {min_sequences}")
+        raise DataError(f"{name} {source!r} yields {len(packed)} sequences of seq_len={seq_len} ({total}); need at least {min_sequences}")
     return packed
 
 
@@ -252,10 +307,10 @@ def unvisited_windows(data: PackedSequences, visits: int, length: int, count: in
     range; windows overlapping a visited sequence's range are skipped.
     """
     if isinstance(data.sequences, DatasetRows):
-        raise ValueError("validation windows need packed training data (data.pack: true)")
+        raise DataError("validation windows need packed training data (data.pack: true)")
     n, seq_len = len(data), data.seq_len
     if visits >= n:
-        raise ValueError(f"the run visits {visits} of the {n} training sequences: no unseen text is left for validation")
+        raise DataError(f"the run visits {visits} of the {n} training sequences: no unseen text is left for validation")
     visited = torch.zeros(n, dtype=torch.bool)
     visited[data.order(0)[:visits]] = True
     stream = data.sequences.flatten()
@@ -266,7 +321,7 @@ def unvisited_windows(data: PackedSequences, visits: int, length: int, count: in
             windows.append(stream[start : start + length])
         if len(windows) == count:
             return torch.stack(windows).long()
-    raise ValueError(
+    raise DataError(
         f"only {len(windows)} windows of {length} tokens avoid the {visits} training sequences the run visits "
         f"({n} sequences of {seq_len}); need {count} (lower data.val_sequences or data.val_seq_len)"
     )

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 
+from forecastkv.errors import ConfigError, read_yaml_mapping
 from forecastkv.merge import deep_merge
 
 from .objective import ObjectiveConfig
@@ -89,7 +90,15 @@ SHORTCUTS = {"max_steps": "train", "steps": "train"}   # load_recipe(max_steps=3
 
 
 def _merge(base: dict, override: dict) -> dict:
-    return deep_merge(base, override, strict=True, opaque=OPAQUE)
+    """`deep_merge`, strict: its one refusal (an unknown key, named by its dotted path) is a ConfigError."""
+    if not isinstance(override, dict):
+        raise ConfigError(f"a recipe must be a mapping, got a {type(override).__name__}")
+    try:
+        return deep_merge(base, override, strict=True, opaque=OPAQUE)
+    except ConfigError:
+        raise
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
 
 
 def load_recipe(config_path_or_dict, **overrides) -> dict:
@@ -99,12 +108,7 @@ def load_recipe(config_path_or_dict, **overrides) -> dict:
     the shortcuts `max_steps`, `steps`; None values are ignored.
     """
     if isinstance(config_path_or_dict, (str, os.PathLike)):
-        import yaml
-
-        with open(config_path_or_dict) as f:
-            given = yaml.safe_load(f) or {}
-        if not isinstance(given, dict):
-            raise ValueError(f"recipe {os.fspath(config_path_or_dict)!r} must be a YAML mapping, got a {type(given).__name__}")
+        given = read_yaml_mapping(config_path_or_dict, "recipe")
     else:
         given = dict(config_path_or_dict or {})
     recipe = _merge(DEFAULTS, given)
@@ -176,12 +180,21 @@ def _positive_int(section: dict, where: str, key: str, allow_none: bool = False,
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < least:
         kind = "a positive integer" if least == 1 else f"an integer >= {least}"
-        raise ValueError(f"{where}.{key} must be {kind}, got {value!r}")
+        raise ConfigError(f"{where}.{key} must be {kind}, got {value!r}")
 
 
 def check_recipe(recipe: dict, world: int) -> None:
     """What can be checked before the model loads; `world` is the number of processes."""
+    for section, default in DEFAULTS.items():
+        if isinstance(default, dict) and not isinstance(recipe[section], dict):
+            raise ConfigError(f"recipe section {section!r} must be a mapping, got {recipe[section]!r}")
     train, data = recipe["train"], recipe["data"]
+    for key in ("lr", "grad_clip"):
+        value = train[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ConfigError(f"train.{key} must be a positive number, got {value!r}")
+    _positive_int(data, "data", "row_start", least=0)
+    _positive_int(data, "data", "eval_sequences")
     for key in ("global_batch", "micro_batch", "steps_per_round", "log_every", "save_every"):
         _positive_int(train, "train", key)
     _positive_int(train, "train", "rows_per_step", allow_none=True)
@@ -193,16 +206,16 @@ def check_recipe(recipe: dict, world: int) -> None:
     _positive_int(data, "data", "val_sequences", least=0)
     _positive_int(data, "data", "cache_rows", allow_none=True)
     if not 0 <= data["row_start"] < data["seq_len"]:
-        raise ValueError(f"data.row_start={data['row_start']} must lie in [0, data.seq_len={data['seq_len']})")
+        raise ConfigError(f"data.row_start={data['row_start']} must lie in [0, data.seq_len={data['seq_len']})")
     eval_len, _ = eval_window(data)
     if data["eval_start"] is not None and not 0 <= data["eval_start"] < eval_len:
-        raise ValueError(f"data.eval_start={data['eval_start']} must lie in [0, eval length {eval_len})")
+        raise ConfigError(f"data.eval_start={data['eval_start']} must lie in [0, eval length {eval_len})")
     val_len, _ = val_window(data)
     if data["val_start"] is not None and not 0 <= data["val_start"] < val_len:
-        raise ValueError(f"data.val_start={data['val_start']} must lie in [0, validation length {val_len})")
+        raise ConfigError(f"data.val_start={data['val_start']} must lie in [0, validation length {val_len})")
     per_step = world * train["micro_batch"]
     if train["global_batch"] % per_step:
-        raise ValueError(
+        raise ConfigError(
             f"train.global_batch={train['global_batch']} must be a multiple of processes x micro_batch = {world} x {train['micro_batch']}"
         )
 
@@ -217,6 +230,6 @@ def check_against_model(recipe: dict, model, objective: ObjectiveConfig) -> None
         if length is None:
             continue
         if length > config.max_position_embeddings:
-            raise ValueError(f"data.{key}={length} exceeds the model's max_position_embeddings={config.max_position_embeddings}")
+            raise ConfigError(f"data.{key}={length} exceeds the model's max_position_embeddings={config.max_position_embeddings}")
         if length < sparse.kernel_size:
-            raise ValueError(f"data.{key}={length} is shorter than sparse_config.kernel_size={sparse.kernel_size}: no compressed key to select")
+            raise ConfigError(f"data.{key}={length} is shorter than sparse_config.kernel_size={sparse.kernel_size}: no compressed key to select")

@@ -7,6 +7,7 @@ import sys
 import pytest
 import torch
 
+from forecastkv.errors import DataError
 from forecastkv.training.data import ByteTokenizer, DatasetRows, PackedSequences, build_sequences, load_documents, tokenize_documents
 
 
@@ -19,8 +20,25 @@ def test_txt_jsonl_and_directories(tmp_path):
     assert tokens.tolist() == [97, 98, 99, 0, 100, 101, 0]                      # EOS after each document
     with pytest.raises(ValueError, match=r"b.jsonl:1 has no field 'body'"):
         load_documents(str(tmp_path / "b.jsonl"), text_field="body")
-    with pytest.raises(FileNotFoundError, match="missing.txt does not exist"):
+    with pytest.raises(DataError, match="missing.txt: no such file or directory"):
         load_documents(str(tmp_path / "missing.txt"))
+
+
+def test_data_errors_name_the_file_and_line(tmp_path):
+    """A bad corpus file is named, with the line of a bad JSONL row (counting blank lines: the
+    JSON parser's own "line 1" is the row's); an empty directory gets our message, not `datasets`'."""
+    (tmp_path / "rows.jsonl").write_text('{"text": "a"}\n\n{"text": "b", oops}\n')
+    with pytest.raises(DataError, match=r"rows.jsonl:3: not a JSON object \(Expecting property name .* at column 15\)"):
+        load_documents(str(tmp_path / "rows.jsonl"))
+    (tmp_path / "list.jsonl").write_text('{"text": "a"}\n[1]\n')
+    with pytest.raises(DataError, match=r"list.jsonl:2: expected a JSON object with a 'text' field, got a list"):
+        load_documents(str(tmp_path / "list.jsonl"))
+    (tmp_path / "latin.txt").write_bytes("line one\ncafé".encode("latin-1"))
+    with pytest.raises(DataError, match=r"latin.txt is not UTF-8 text: byte 0xe9 at offset 12 \(line 2\)"):
+        load_documents(str(tmp_path / "latin.txt"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match=r"data source directory .*empty holds no .txt or .jsonl files"):
+        load_documents(str(tmp_path / "empty"))
 
 
 def test_one_byte_codec_for_training_and_eval():
