@@ -18,25 +18,62 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import struct
 from dataclasses import dataclass
 
 import torch
 
 from ..modeling.cache import model_signature
 
-SAMPLES_PER_TENSOR = 4096  # weight elements hashed per parameter: cheap on an 8B model, any retrain changes them
+HASH_PIECE = 64 << 20  # bytes of a tensor hashed per piece (a device tensor is copied to the host piece by piece)
+
+
+def tensor_sha256(tensor: torch.Tensor) -> str:
+    """sha256 of a tensor's raw bytes in its own dtype, row-major (every byte, no sampling)."""
+    if tensor.device.type == "meta":
+        raise ValueError("model_identity needs the weights: this model has tensors on the meta device (not loaded)")
+    flat = tensor.detach().reshape(-1)
+    digest = hashlib.sha256()
+    step = max(1, HASH_PIECE // max(1, flat.element_size()))
+    for start in range(0, flat.numel(), step):
+        piece = flat[start : start + step]
+        if piece.device.type != "cpu":
+            piece = piece.to("cpu")
+        digest.update(piece.contiguous().view(torch.uint8).numpy())  # hashlib drops the GIL on large buffers
+    return digest.hexdigest()
 
 
 def weights_digest(model) -> str:
-    """sha256 of every parameter's name, shape and an evenly strided sample of its values (fp32),
-    so two checkpoints of one architecture (or another set of Forecast heads) differ."""
-    digest = hashlib.sha256()
-    for name, tensor in model.named_parameters():
-        flat = tensor.detach().reshape(-1)
-        stride = max(1, flat.numel() // SAMPLES_PER_TENSOR)
-        digest.update(f"{name}:{tuple(tensor.shape)}".encode())
-        digest.update(flat[::stride].float().cpu().contiguous().numpy().tobytes())
-    return digest.hexdigest()
+    """sha256 over every parameter's and buffer's name, dtype, shape and every byte of its values.
+
+    Exact: any change of any element (a LoRA merge, a requantised tensor) changes it.  Tensors are
+    hashed in parallel threads (hashlib releases the GIL), then combined in `named_parameters` /
+    `named_buffers` order, so the digest is the same in every process.  Cost: one pass over the
+    weights (benchmarks/context_identity.py measures it)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    named = [("parameter", name, t) for name, t in model.named_parameters()] + [("buffer", name, t) for name, t in model.named_buffers()]
+    workers = max(1, min(8, os.cpu_count() or 1))
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        digests = list(pool.map(lambda item: tensor_sha256(item[2]), named))
+    combined = hashlib.sha256()
+    for (kind, name, tensor), digest in zip(named, digests):
+        combined.update(f"{kind} {name} {dtype_name(tensor.dtype)} {tuple(tensor.shape)} {digest}\n".encode())
+    return combined.hexdigest()
+
+
+# config fields that change the K/V of a token beyond the weights and the geometry
+CONFIG_FIELDS = ("hidden_act", "rms_norm_eps", "rope_parameters", "mup", "max_position_embeddings", "num_attention_heads", "intermediate_size", "attention_bias", "mlp_bias")
+
+
+def config_digest(config) -> str:
+    """sha256 of the config fields that shape a prefill besides the weights (RoPE, norm eps, muP...)."""
+    fields = {}
+    for key in CONFIG_FIELDS:
+        value = getattr(config, key, None)
+        fields[key] = value.to_dict() if hasattr(value, "to_dict") else value
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, default=repr).encode()).hexdigest()
 
 
 def dtype_name(dtype: torch.dtype | None) -> str | None:
@@ -55,7 +92,7 @@ def model_identity(model, selector: str | None) -> dict:
     geometry["selector"] = selector if sparse is not None else None
     with_cis = sparse is not None and sparse.policy == "nosa"
     return {
-        "model": {"weights": weights_digest(model), "vocab_size": config.vocab_size, "hidden_size": config.hidden_size},
+        "model": {"weights": weights_digest(model), "config": config_digest(config), "vocab_size": config.vocab_size, "hidden_size": config.hidden_size},
         "geometry": geometry,
         "dtype": {"kv": dtype_name(dtype), "cis": dtype_name(dtype) if with_cis else None},
     }
@@ -69,7 +106,7 @@ def identity_root(identity: dict) -> str:
 def block_hash(parent: str, tokens: list[int]) -> str:
     """The name of a block: sha256 over its parent's name and its token ids (int64 little-endian)."""
     digest = hashlib.sha256(parent.encode())
-    digest.update(torch.tensor(tokens, dtype=torch.int64).numpy().astype("<i8").tobytes())
+    digest.update(struct.pack(f"<{len(tokens)}q", *tokens))
     return digest.hexdigest()
 
 

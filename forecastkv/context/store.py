@@ -43,6 +43,7 @@ import torch
 
 from ..inference.host_store import HostBlockPool, host_transfer
 from ..modeling.cache import SparseCache
+from ..modeling.token_record import recorded_tokens, set_tokens
 from . import disk
 from .blocks import BlockRows, block_hash, chain_hashes, dtype_name, identity_differences, identity_root, layer_rows, model_identity, sequence_ids
 from .disk import ContextStoreError
@@ -175,6 +176,7 @@ class ContextStore:
             cache.reserve(reserve)
         self._load_blocks(found)
         matched = self._fill(cache, [entry.blocks for entry in found])
+        set_tokens(cache, tokens[:matched])  # the cache's record: these tokens hash to the blocks' names
         self._hold(cache, [entry.name for entry in found])
         self._touch(found)
         self.hit_tokens += matched
@@ -188,6 +190,7 @@ class ContextStore:
         counts them as rejected).  The cache references its blocks until it is released."""
         tokens = sequence_ids(ids)
         self._check_cache(cache, len(tokens))
+        self._check_tokens(cache, tokens)
         full = len(tokens) // self.block_size
         names = chain_hashes(self.root, tokens, self.block_size, full)
         first = next((i for i, name in enumerate(names) if name not in self.entries), full)
@@ -332,6 +335,23 @@ class ContextStore:
             raise ContextStoreError(f"the cache holds {dtype_name(layer.dtype)} K/V, this store keeps {self.identity['dtype']['kv']}")
         if count > held[0]:
             raise ContextStoreError(f"token mismatch: ids has {count} tokens but the cache holds {held[0]}")
+
+    @staticmethod
+    def _check_tokens(cache, tokens: list[int]) -> None:
+        """Raise unless `tokens` are the tokens `cache` was prefilled with (its own record,
+        `modeling/token_record.py`), from position 0."""
+        record = recorded_tokens(cache)
+        if record is None:
+            raise ContextStoreError("the cache has no record of the tokens it holds (it was filled without a forward call of the model, "
+                                    "or its batch changed since): insert cannot check ids against it")
+        known = record[0]
+        if len(tokens) > len(known):
+            raise ContextStoreError(f"the cache's record knows its first {len(known)} tokens (prefilled ones; decode steps and inputs_embeds "
+                                    f"calls are not recorded), ids has {len(tokens)}: insert ids[:{len(known)}] or fewer")
+        differ = next((i for i, (a, b) in enumerate(zip(tokens, known)) if a != b), None)
+        if differ is not None:
+            raise ContextStoreError(f"token mismatch: ids[{differ}] = {tokens[differ]}, but the cache was prefilled with {known[differ]} there; "
+                                    "insert takes the ids the cache was prefilled with")
 
     # -- references -----------------------------------------------------------------------------
     def _hold(self, cache, names: list[str]) -> None:
