@@ -21,6 +21,14 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"--limit must be at least 1, got {args.limit}")
     out = run_eval(args.config, limit=args.limit, output_dir=args.output_dir, progress=False if args.no_progress else None)
     if out["report"]:
+        from pathlib import Path
+
+        from .report import load, provenance_lines, summary
+
+        records = load(Path(out["results"]).parent)
+        if records:
+            print("\n".join(line.lstrip("# ") for line in provenance_lines(records) if line))
+            print(summary(records))
         print(f"results: {out['results']}\nreport: {out['report']}")
     return 0
 

@@ -1,7 +1,8 @@
 """The report beside `results.jsonl`: `report.md` (tables task x length x mode) and PNG plots.
 
     score_vs_length.png   per task: score (x100; perplexity: lower is better) vs context length, one line per mode
-    recall_by_layer.png   forecast recall per layer per (mode, length), chance level dashed
+    recall_by_layer.png   forecast recall per layer per (mode, length), chance level in grey; curves
+                          that coincide are drawn side by side (offset, own dash and marker)
     bytes_per_step.png    KV bytes read (and H2D bytes, when offloaded) per decode step vs length, per mode
 
 `plot_over_length` draws any set of per-length curves the same way (the demo's curves).
@@ -68,9 +69,41 @@ def _fmt(value, digits=1):
     return "—" if value is None else f"{value:.{digits}f}"
 
 
+STALE_MARK = "> **Stale:**"
+
+
+def _describe_heads(heads: dict | None) -> str:
+    if heads is None:
+        return "none (no forecast selector)"
+    if heads["source"] == "trained":
+        return f"trained, `{heads['path']}` (forecast.safetensors sha1 {heads.get('sha1') or '?'}), {heads['heads_per_group']} per KV group"
+    if heads["source"] == "init":
+        return f"untrained, created at load with the `{heads['init']}` init, {heads['heads_per_group']} per KV group"
+    return f"the checkpoint's own, {heads['heads_per_group']} per KV group"
+
+
+def provenance_lines(records: list[dict]) -> list[str]:
+    """The 'what produced these results' section: model, heads and sparse config of each distinct
+    run the records come from (records written before runs were recorded say so)."""
+    runs: dict = {}
+    for r in records:
+        key = json.dumps(r.get("run"), sort_keys=True)
+        runs.setdefault(key, [r.get("run"), 0])[1] += 1
+    lines = ["## What produced these results", ""]
+    for run, count in runs.values():
+        prefix = f"{count} records: " if len(runs) > 1 else ""
+        if run is None:
+            lines.append(f"- {prefix}not recorded (written before forecastkv recorded its runs)")
+            continue
+        sparse = run["sparse_config"]
+        geometry = "dense (no sparse_config)" if sparse is None else ", ".join(f"{k} {v}" for k, v in sparse.items())
+        lines += [f"- {prefix}model `{run['model']}`", f"  - heads: {_describe_heads(run['heads'])}", f"  - sparse config: {geometry}"]
+    return lines + [""]
+
+
 def tables(records: list[dict]) -> str:
     modes = _ordered(r["mode"] for r in records)
-    lines = ["# Evaluation report", "", f"{len(records)} records; modes: {', '.join(modes)}.", ""]
+    lines = ["# Evaluation report", "", f"{len(records)} records; modes: {', '.join(modes)}.", "", *provenance_lines(records)]
     groups = defaultdict(list)
     for r in records:
         groups[(r["task"], r["length"], r["mode"])].append(r)
@@ -144,6 +177,37 @@ def tables(records: list[dict]) -> str:
               "cache without slot reuse would move host→device. H2D: every byte the offloaded runtime "
               "counted host→device during the decode steps, per step (— on the resident cache, which moves nothing). Times are wall-clock on the machine that ran it.", ""]
     return "\n".join(lines)
+
+
+def summary(records: list[dict]) -> str:
+    """A plain-text table for the terminal, one row per mode and length: mean score (x100) over
+    the scored tasks, pooled perplexity, forecast recall (layers >= 1) and MiB per decode step."""
+    head = ["mode", "length", "score", "perplexity", "recall", "KV read MiB/step", "H2D MiB/step"]
+    rows = [head]
+    for m in _ordered(r["mode"] for r in records):
+        for length in sorted({r["length"] for r in records if r["mode"] == m}):
+            rs = [r for r in records if r["mode"] == m and r["length"] == length]
+            scored = [r["score"] for r in rs if r["task"] != "perplexity" and r.get("score") is not None]
+            ppl = [r for r in rs if r["task"] == "perplexity"]
+            recall = _recall(rs)
+            kv, h2d = _mean(r["kv_read_bytes_per_step"] for r in rs), _mean(r["h2d_bytes_per_step"] for r in rs)
+            rows.append([m, _length_label(length), _fmt(None if not scored else 100 * _mean(scored)),
+                         _fmt(pooled_perplexity(ppl)[0] if ppl else None, 3), _fmt(None if recall is None else recall["mean"], 3),
+                         _fmt(None if kv is None else kv / MIB, 3), _fmt(None if h2d is None else h2d / MIB, 3)])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    return "\n".join("  ".join(cell.ljust(w) if i < 2 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths))).rstrip() for row in rows)
+
+
+def mark_stale(directory: str | Path, missing: int, total: int) -> None:
+    """Put a stale banner on top of `report.md` while a run (re)computes `missing` of the suite's
+    `total` records; `write_report` replaces the whole file when the run ends."""
+    path = Path(directory) / "report.md"
+    old = path.read_text(encoding="utf-8") if path.is_file() else "# Evaluation report\n\nNo results yet.\n"
+    body = "\n".join(line for line in old.splitlines() if not line.startswith(STALE_MARK)).lstrip("\n")
+    banner = (f"{STALE_MARK} a run of this suite is in progress: {missing} of its {total} records are missing or were "
+              "produced by other settings and are being computed. What follows is from before that run; it is "
+              "rewritten when the run ends.")
+    write_text_atomic(path, banner + "\n\n" + body + ("" if body.endswith("\n") else "\n"))
 
 
 def _length_label(n: int) -> str:
@@ -227,17 +291,24 @@ def plots(records: list[dict], directory: Path) -> list[Path]:
     if curves:
         fig, ax = plt.subplots(figsize=(10, 4.2))
         shades = {n: 0.35 + 0.65 * (i + 1) / len(lengths) for i, n in enumerate(lengths)}
-        for m, n, got in curves:
-            layers = list(range(len(got["recall"])))
-            ax.plot(layers, got["recall"], marker=looks[m]["marker"], ms=looks[m]["ms"] / 2, color=colors[m], alpha=shades[n],
-                    label=f"{m}, {_length_label(n)} tokens")
-            ax.plot(layers, got["chance"], ls="--", color=colors[m], alpha=shades[n] * 0.6)
+        # modes that select alike (forecast resident and forecast-offload) give the same recall:
+        # each curve sits a little to the side of its layer, with its own dash and an open or
+        # filled marker, so coinciding curves stay visible side by side
+        spread = min(0.5 / len(curves), 0.12)
+        chances = {}
+        for i, (m, n, got) in enumerate(curves):
+            layers = [layer + (i - (len(curves) - 1) / 2) * spread for layer in range(len(got["recall"]))]
+            ax.plot(layers, got["recall"], marker=looks[m]["marker"], ms=looks[m]["ms"] / 1.6, ls=looks[m]["ls"], lw=1.2,
+                    color=colors[m], alpha=shades[n], mfc="none" if i % 2 else colors[m], label=f"{m}, {_length_label(n)} tokens")
+            chances.setdefault((n, tuple(round(c, 6) for c in got["chance"])), got["chance"])
+        for (n, _), chance in chances.items():  # chance depends on the rows, not the mode: drawn once per length
+            ax.plot(range(len(chance)), chance, ls="--", color="grey", alpha=shades[n] * 0.8, label=f"chance, {_length_label(n)} tokens")
         ax.set_xlabel("layer")
         count = len(curves[0][2]["recall"])
         ax.set_xticks(range(0, count, 1 if count <= 16 else 5))
         ax.set_ylabel("forecast recall (share of query-selected blocks)")
         ax.set_ylim(0, 1.02)
-        written.append(_save_with_side_legend(fig, ax, "Forecast recall by layer (dashed: chance)", directory / "recall_by_layer.png"))
+        written.append(_save_with_side_legend(fig, ax, "Forecast recall by layer (grey: chance)", directory / "recall_by_layer.png"))
         plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(10, 4.2))

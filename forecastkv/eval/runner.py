@@ -130,10 +130,51 @@ def build_example(config: dict, unit: Unit, codec, rows: dict):
 # ----------------------------------------------------------------------------------------------
 
 
+def heads_digest(spec: dict) -> str | None:
+    """sha1 (16 hex digits) of the trained heads file a suite's `model.forecast_weights` names
+    (a directory holding forecast.safetensors, or the file), None without one."""
+    from ..modeling.checkpoints import FORECAST_WEIGHTS
+
+    if spec.get("forecast_weights") is None:
+        return None
+    path = Path(spec["forecast_weights"])
+    path = path / FORECAST_WEIGHTS if path.is_dir() else path
+    if not path.is_file():
+        return None
+    digest = hashlib.sha1()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()[:16]
+
+
+def provenance(config: dict, model) -> dict:
+    """What produced a run's records, stored in each record (`run`) and shown in report.md: the
+    model (checkpoint path, or a random test model), the heads (the trained file and its digest,
+    the init they were created with at load, or the checkpoint's own) and the sparse config in
+    effect."""
+    spec = config["model"]
+    forecast = model.config.forecast_config
+    if spec.get("forecast_weights") is not None:
+        heads = {"source": "trained", "path": str(spec["forecast_weights"]), "sha1": config.get("heads_sha1"),
+                 "heads_per_group": forecast.heads_per_group}
+    elif not forecast.enabled:
+        heads = None
+    elif spec.get("forecast") is not None or spec.get("config") is not None:
+        heads = {"source": "init", "init": forecast.init, "heads_per_group": forecast.heads_per_group}
+    else:
+        heads = {"source": "checkpoint", "heads_per_group": forecast.heads_per_group}
+    return {"model": spec["path"] if spec.get("config") is None else "random test model (model.config)",
+            "heads": heads, "sparse_config": model.config.sparse_config}
+
+
 def fingerprint(config: dict, unit: Unit) -> str:
-    """A short hash of every setting that shapes `unit`'s records (not output_dir or progress)."""
+    """A short hash of every setting that shapes `unit`'s records (not output_dir or progress),
+    the trained heads' file contents included."""
     entry = config["tasks"][unit.spec] if unit.spec >= 0 else config["longbench"]
     shaping = {k: config[k] for k in ("model", "tokenizer", "seed", "prefill_chunk", "recall_start", "bucket_tokens")}
+    if config.get("heads_sha1"):
+        shaping["heads_sha1"] = config["heads_sha1"]
     text = json.dumps({**shaping, "entry": entry, "depth": unit.depth}, sort_keys=True, default=str)
     return hashlib.sha1(text.encode()).hexdigest()[:16]
 
@@ -151,8 +192,10 @@ def run_eval(source, limit: int | None = None, output_dir: str | None = None, pr
     after_record(record) is called after each record is on disk (tests use it to interrupt a run).
     """
     config = load_config(source, {"output_dir": output_dir, "progress": progress})
+    config["heads_sha1"] = heads_digest(config["model"])
     rank, world = process_group()
     model = load_model(config["model"], _device())
+    run = provenance(config, model)
     codec = load_codec(config, model)
     rows = validate_against_model(config, model)
     units = work_units(config, limit, rows)
@@ -168,6 +211,11 @@ def run_eval(source, limit: int | None = None, output_dir: str | None = None, pr
     # cannot fit its length fails before any run
     for unit, _ in pending:
         build_example(config, unit, codec, rows)
+    missing = sum((u.key, m, fingerprint(config, u)) not in done for u in units for m in config["modes"])
+    if missing and rank == 0:  # the report on disk no longer describes this suite until the merge
+        from .report import mark_stale
+
+        mark_stale(out, missing, len(units) * len(config["modes"]))
 
     from tqdm.auto import tqdm
 
@@ -185,7 +233,7 @@ def run_eval(source, limit: int | None = None, output_dir: str | None = None, pr
             record = {"key": unit.key, "task": unit.task, "length": unit.length, "index": unit.index, "mode": name,
                       "attention": mode.attention, "cache": mode.cache, "metric": example.metric,
                       "references": example.references, "depth": example.meta.get("depth"), "seed": config["seed"],
-                      "fingerprint": fingerprint(config, unit),
+                      "fingerprint": fingerprint(config, unit), "run": run,
                       **result}
             writer.append(record)
             evaluated += 1

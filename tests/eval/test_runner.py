@@ -36,8 +36,50 @@ def test_uninterrupted_run_and_report(reference_run):
         assert (r["recall"] is None) == (r["mode"] != "infllmv2-forecast")  # recall: forecast (the default)
     text = (out / "report.md").read_text()
     assert "| passkey | 320 | 2 |" in text and "## Forecast recall" in text and "## Perplexity" in text
+    # what produced them, in every record and in the report
+    assert all(r["run"] == records[0]["run"] for r in records)
+    assert records[0]["run"]["heads"] == {"source": "init", "init": "kaiming", "heads_per_group": 1}
+    assert records[0]["run"]["sparse_config"]["block_size"] == 8 and records[0]["run"]["model"].startswith("random test model")
+    assert "## What produced these results" in text and "created at load with the `kaiming` init" in text
+    geometry = next(line for line in text.splitlines() if "sparse config:" in line)
+    assert all(f"{key} {value}," in geometry for key, value in (("block_size", 8), ("kernel_size", 4), ("topk", 3)))
+    assert report_mark() not in text
     for name in ("score_vs_length.png", "recall_by_layer.png", "bytes_per_step.png"):
         assert (out / name).stat().st_size > 10_000
+
+
+def report_mark():
+    from forecastkv.eval.report import STALE_MARK
+
+    return STALE_MARK
+
+
+def test_report_is_marked_stale_while_a_changed_suite_reruns(reference_run, tmp_path):
+    import shutil
+
+    out, _ = reference_run
+    shutil.copytree(out, tmp_path / "out")
+    changed = tiny_suite(tmp_path / "out", seed=1)  # every record's settings change
+
+    def look(record):
+        text = (tmp_path / "out" / "report.md").read_text()
+        assert text.startswith(report_mark()) and "9 of its 9 records" in text and "| passkey | 320 | 2 |" in text
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        runner.run_eval(changed, after_record=look)
+    assert (tmp_path / "out" / "report.md").read_text().startswith(report_mark())  # killed: still stale
+    runner.run_eval(changed)
+    assert report_mark() not in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_heads_digest_names_the_trained_file(tmp_path):
+    (tmp_path / "forecast.safetensors").write_bytes(b"heads v1")
+    first = runner.heads_digest({"forecast_weights": str(tmp_path)})
+    assert len(first) == 16 and first == runner.heads_digest({"forecast_weights": str(tmp_path / "forecast.safetensors")})
+    (tmp_path / "forecast.safetensors").write_bytes(b"heads v2")  # retrained into the same directory
+    assert runner.heads_digest({"forecast_weights": str(tmp_path)}) != first
+    assert runner.heads_digest({"forecast_weights": None}) is None
 
 
 def test_kill_and_restart_gives_the_same_jsonl(reference_run, tmp_path, monkeypatch):
@@ -125,7 +167,10 @@ def test_cli_eval_subcommand(reference_run, tmp_path, capsys):
     suite = tmp_path / "suite.yaml"
     suite.write_text(yaml.safe_dump(tiny_suite(tmp_path / "out", tasks=[{"name": "perplexity", "lengths": [200]}], modes=["dense"])))
     assert main(["eval", "--config", str(suite), "--no-progress"]) == 0
-    assert "report:" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "report:" in printed and "What produced these results" in printed and "heads: untrained" in printed
+    table = printed[printed.index("mode "):].splitlines()
+    assert table[0].split()[:4] == ["mode", "length", "score", "perplexity"] and table[1].split()[:2] == ["dense", "200"]
     assert len(read_jsonl(tmp_path / "out" / MERGED)) == 1
 
 
