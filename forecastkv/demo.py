@@ -497,17 +497,20 @@ def run_demo(output: str | Path = "runs/demo", train_overrides: dict | None = No
     write_text_atomic(output / "report.md", "\n".join(lines))
     result["report"] = str(output / "report.md")
 
-    print(f"\n== summary (SmolLM2-135M; {sparse.budget_blocks}-block budget of {sparse.block_size} tokens; CPU, {threads} thread{'s' if threads > 1 else ''})", flush=True)
-    print(f"forecast recall (held-out, layers >= 1): {result['recall_before']:.3f} init -> {result['recall_after']:.3f} trained "
-          f"(chance {result['chance']:.3f})")
-    print(_text_table(table, lengths))
-    if ratios:
-        print("forecast / query perplexity: " + ", ".join(f"{_label(n)} {r:.4f} ({100 * (r - 1):+.2f}%)" for n, r in sorted(ratios.items())))
-    print(f"generation: {gen_line}")
-    print(f"many questions: {q_line}")
-    print(f"GPU: {_gpu_line(gpu)}")
-    print("time: " + ", ".join(f"{k} {v:.0f} s" for k, v in result["seconds"].items()))
-    print(f"report: {result['report']}")
+    summary = [
+        f"== summary (SmolLM2-135M; {sparse.budget_blocks}-block budget of {sparse.block_size} tokens; CPU, {threads} thread{'s' if threads > 1 else ''})",
+        f"forecast recall (held-out, layers >= 1): {result['recall_before']:.3f} init -> {result['recall_after']:.3f} trained (chance {result['chance']:.3f})",
+        _text_table(table, lengths),
+        *(["forecast / query perplexity: " + ", ".join(f"{_label(n)} {r:.4f} ({100 * (r - 1):+.2f}%)" for n, r in sorted(ratios.items()))] if ratios else []),
+        f"generation: {gen_line}",
+        f"many questions: {q_line}",
+        f"GPU: {_gpu_line(gpu)}",
+        "time: " + ", ".join(f"{k} {v:.0f} s" for k, v in result["seconds"].items()),
+        f"report: {result['report']}",
+    ]
+    # the block the README quotes (tests/test_readme.py compares them), printed and kept beside the report
+    write_text_atomic(output / "summary.txt", "\n".join(summary) + "\n")
+    print("\n" + "\n".join(summary), flush=True)
     return result
 
 

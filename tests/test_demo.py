@@ -33,6 +33,12 @@ def test_demo_runs_end_to_end_at_a_tiny_size(bundled_path, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert printed.rstrip().splitlines()[-1] == f"report: {result['report']}"
     assert "forecast recall (held-out, layers >= 1)" in printed and "H2D MiB per decode step (steady)" in printed
+    # the summary is printed last and kept as summary.txt; the README quotes one in the same form
+    from tests.test_readme import SUMMARY_HEAD, demo_block, summary_shape
+
+    summary = printed[printed.rindex(SUMMARY_HEAD):].rstrip("\n")
+    assert summary == (tmp_path / "summary.txt").read_text().rstrip("\n")
+    assert summary_shape(summary) == summary_shape(demo_block())
 
     # perplexity per selector at both lengths, the numbers the eval wrote
     records = [json.loads(line) for line in (tmp_path / "eval" / "quality" / "results.jsonl").read_text().splitlines()]
