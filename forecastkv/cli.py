@@ -2,17 +2,21 @@
 
 Each sub-command is one `_<name>` function and one entry of `SUBCOMMANDS` (its parser builder);
 `train-forecast`, `forecast-recall` and `lm-eval` hand their arguments to a program that parses
-them itself (`PASSTHROUGH`).  A user error prints one line, `forecastkv: error: <message>`, and
-exits with status 2, as argparse does; `forecastkv --debug <command> ...` shows the traceback.
+them itself (`PASSTHROUGH`).  A user error (`is_user_error`) prints one line, `forecastkv: error:
+<message>`, and exits with status 2, as argparse does; `forecastkv --debug <command> ...` shows the
+traceback.  Any other exception is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
+import warnings
 from pathlib import Path
 
 from .context.cli import register_context_cache_command  # imports no torch
+from .errors import ForecastKVWarning, UserInputError  # imports no torch
 
 # forecastkv.inference.MODES, spelled here so --help needs no torch import; a test keeps them equal
 OFFLOAD_MODES = ("no-offload", "sparse-offload", "forecast-sync", "forecast-offload", "dense-offload")
@@ -21,7 +25,7 @@ FORECAST_OFFLOAD_MODES = ("forecast-sync", "forecast-offload")
 USAGE_STATUS = 2
 
 
-class UsageError(ValueError):
+class UsageError(UserInputError):
     """A user error worded for the command line (names the option to change)."""
 
 
@@ -34,19 +38,39 @@ class Parser(argparse.ArgumentParser):
         sys.exit(USAGE_STATUS)
 
 
-def _print_error(message: str) -> None:
-    print(f"forecastkv: error: {' '.join(str(message).split())}", file=sys.stderr)
+def _print_error(message: str, kind: str = "error") -> None:
+    print(f"forecastkv: {kind}: {' '.join(str(message).split())}", file=sys.stderr)
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+def _show_warning(message, category, filename, lineno, file=None, line=None, _default=warnings.showwarning) -> None:
+    """warnings.showwarning for the console script: our own warnings as one `forecastkv: warning:`
+    line (no source line), any other as Python prints it."""
+    if issubclass(category, ForecastKVWarning):
+        _print_error(message, "warning")
+    else:
+        _default(message, category, filename, lineno, file, line)
+
+
+def argument_type(convert, ok, limit: str, expected: str):
+    """An argparse type: `convert(text)` (a ValueError: "expected <expected>"), which must pass
+    `ok` (else "<limit>, got <text>")."""
+
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"{limit}, got {text}")
+        return value
+
+    return parse
+
+
+positive_int = argument_type(int, lambda value: value >= 1, "must be at least 1", "a positive integer")
+positive_float = argument_type(float, lambda value: math.isfinite(value) and value > 0, "must be a finite number > 0", "a number")
+probability = argument_type(float, lambda value: 0 < value <= 1, "must lie in (0, 1]", "a number in (0, 1]")
+seed = argument_type(int, lambda value: 0 <= value < 2**63, "must lie in [0, 2**63)", "an integer")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -109,41 +133,153 @@ def _demo(args) -> int:
     return 0
 
 
+def _decode_utf8(data: bytes, what: str) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise UsageError(f"{what} is not valid UTF-8: byte {data[error.start]:#04x} at offset {error.start}") from None
+
+
+def _read_prompt(args) -> tuple[str, str]:
+    """(prompt text, how the user gave it): --prompt, --prompt-file or stdin, checked to be UTF-8."""
+    import os
+
+    if args.prompt is not None:  # argv bytes that are not UTF-8 reach Python as lone surrogates: fsencode restores them
+        return _decode_utf8(os.fsencode(args.prompt), "--prompt"), f"--prompt {args.prompt!r}"
+    if args.prompt_file is not None:
+        path = Path(args.prompt_file).expanduser()
+        if not path.is_file():
+            raise UsageError(f"--prompt-file {args.prompt_file}: {'not a file' if path.exists() else 'no such file'}")
+        return _decode_utf8(path.read_bytes(), f"--prompt-file {args.prompt_file}"), f"--prompt-file {args.prompt_file}"
+    stdin = getattr(sys.stdin, "buffer", None)
+    data = stdin.read() if stdin is not None else sys.stdin.read().encode("utf-8", "surrogateescape")
+    return _decode_utf8(data, "the prompt on stdin"), "the prompt on stdin"
+
+
+def _prompt_ids(tokenizer, prompt: str, source: str, chat: bool, model_path: str):
+    """The prompt's token ids [1, T] (through the chat template with --chat); at least one token."""
+    if chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise UsageError(f"--chat: the tokenizer of {model_path} has no chat template (an instruct model's tokenizer has one); leave out --chat")
+        encoded = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, return_dict=True, return_tensors="pt")
+        ids = encoded["input_ids"]
+    else:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+    if ids.shape[1] == 0:
+        raise UsageError(f"{source} has no tokens: give a prompt of at least one token")
+    return ids
+
+
+def _cap_new_tokens(requested: int, prompt_tokens: int, max_positions: int) -> int:
+    """--max-new-tokens, capped by the positions the prompt leaves (a note says so)."""
+    left = max_positions - prompt_tokens
+    if left < 1:
+        raise UsageError(
+            f"the prompt has {prompt_tokens} tokens and the model's max_position_embeddings is {max_positions}: "
+            "no position is left for a new token; shorten the prompt"
+        )
+    if requested > left:
+        _print_error(f"--max-new-tokens {requested} capped at {left}, the positions a {prompt_tokens}-token prompt leaves of the model's "
+                     f"max_position_embeddings={max_positions}", "note")
+        return left
+    return requested
+
+
+def _generation_streamer(tokenizer, stream: bool):
+    """A transformers streamer that keeps the new token ids as they come (so an interrupted run
+    still prints them) and, with --stream, prints the text as it comes (TextStreamer)."""
+    from transformers import TextStreamer
+    from transformers.generation.streamers import BaseStreamer
+
+    class Collect(BaseStreamer):
+        def __init__(self) -> None:
+            self.ids: list[int] = []
+            self.prompt_seen = False
+            self.printer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if stream else None
+
+        def put(self, value) -> None:
+            if self.printer is not None:
+                self.printer.put(value)
+            if not self.prompt_seen:  # generate() hands over the prompt first
+                self.prompt_seen = True
+                return
+            self.ids.extend(int(token) for token in value.reshape(-1).tolist())
+
+        def end(self) -> None:
+            if self.printer is not None:
+                self.printer.end()
+
+    return Collect()
+
+
 def _generate(args) -> int:
     path = _model_path("--model", args.model)
     _check_preset("--sparse-config", args.sparse_config)
     _check_offload_needs(args.offload, "--model", path, bool(args.forecast_init or args.forecast_weights))
+    sampling = args.temperature is not None or args.top_p is not None
+    if args.context_cache and (sampling or args.stream):
+        raise UsageError("--context-cache generates greedily and prints at the end: leave out --temperature, --top-p and --stream")
+    prompt, source = _read_prompt(args)
+    if not prompt and not args.chat:
+        raise UsageError(f"{source} is empty: give a prompt of at least one token")
 
+    import time
+
+    import torch
     from transformers import AutoTokenizer
 
     from . import ForecastKVForCausalLM
-    from .demo import generate_with_cache
+    from .modeling.modeling import CACHE_KWARG
 
     forecast = {"init": args.forecast_init} if args.forecast_init else None
-    model = ForecastKVForCausalLM.from_pretrained(path, sparse_config=args.sparse_config, forecast_weights=args.forecast_weights, forecast=forecast)
+    model = ForecastKVForCausalLM.from_pretrained(path, sparse_config=args.sparse_config, forecast_weights=args.forecast_weights, forecast=forecast,
+                                                  allow_geometry_mismatch=args.allow_geometry_mismatch)
     _check_sparse(args.offload, model)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
-    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    ids = _prompt_ids(tokenizer, prompt, source, args.chat, path)
+    args.max_new_tokens = _cap_new_tokens(args.max_new_tokens, ids.shape[1], model.config.max_position_embeddings)
     if args.context_cache:
         from .context.cli import run_generate_with_context_cache
 
         return run_generate_with_context_cache(args, model, tokenizer, ids)
     if args.offload:
-        from .inference.report import format_stats, generate_offloaded
+        from .inference import OffloadedSparseCache
 
-        new_ids, cache, seconds = generate_offloaded(model, ids, args.max_new_tokens, mode=args.offload)
-        print(tokenizer.decode(new_ids[0], skip_special_tokens=True))
-        if args.stats:
-            print(f"[{ids.shape[1]} prompt tokens, {new_ids.shape[1]} new, {seconds:.1f}s]", file=sys.stderr)
-            print(format_stats(cache.stats()), file=sys.stderr)
-        return 0
-    new_ids, cache, seconds = generate_with_cache(model, ids, args.max_new_tokens)
-    print(tokenizer.decode(new_ids, skip_special_tokens=True))
+        cache = OffloadedSparseCache.for_model(model, mode=args.offload)
+    else:
+        from .modeling.cache import SparseCache
+
+        cache = SparseCache(model.config)
+    options = {"do_sample": sampling}
+    if sampling:
+        options.update(temperature=args.temperature or 1.0, top_p=args.top_p or 1.0)
+    if args.seed is not None:
+        torch.manual_seed(args.seed)
+    streamer = _generation_streamer(tokenizer, args.stream)
+    start = time.perf_counter()
+    try:
+        with torch.no_grad():
+            model.generate(ids, max_new_tokens=args.max_new_tokens, pad_token_id=model.config.eos_token_id, streamer=streamer,
+                           **options, **{CACHE_KWARG: cache})
+    except BaseException:  # nothing generated is lost: print it before the error (or Ctrl-C) goes on
+        if streamer.ids:
+            if not args.stream:
+                print(tokenizer.decode(streamer.ids, skip_special_tokens=True), flush=True)
+            _print_error(f"generation stopped after {len(streamer.ids)} new tokens (printed above)", "note")
+        raise
+    seconds = time.perf_counter() - start
+    if not args.stream:
+        print(tokenizer.decode(streamer.ids, skip_special_tokens=True))
     if args.stats:
-        stats = cache.stats()
-        share = "n/a (dense)" if stats["block_share"] is None else f"{100 * stats['block_share']:.1f}%"
-        print(f"[{ids.shape[1]} prompt tokens, {len(new_ids)} new, {seconds:.1f}s, blocks read per step: {share}]", file=sys.stderr)
+        if args.offload:
+            from .inference.report import format_stats
+
+            print(f"[{ids.shape[1]} prompt tokens, {len(streamer.ids)} new, {seconds:.1f}s]", file=sys.stderr)
+            print(format_stats(cache.stats()), file=sys.stderr)
+        else:
+            stats = cache.stats()
+            share = "n/a (dense)" if stats["block_share"] is None else f"{100 * stats['block_share']:.1f}%"
+            print(f"[{ids.shape[1]} prompt tokens, {len(streamer.ids)} new, {seconds:.1f}s, blocks read per step: {share}]", file=sys.stderr)
     return 0
 
 
@@ -154,7 +290,8 @@ def _convert(args) -> int:
     from . import ForecastKVForCausalLM
     from .modeling.checkpoints import copy_tokenizer_files
 
-    model = ForecastKVForCausalLM.from_pretrained(source, sparse_config=args.sparse_config, forecast_weights=args.forecast_weights)
+    model = ForecastKVForCausalLM.from_pretrained(source, sparse_config=args.sparse_config, forecast_weights=args.forecast_weights,
+                                                  allow_geometry_mismatch=args.allow_geometry_mismatch)
     model.save_pretrained(args.output)
     copied = copy_tokenizer_files(source, args.output)
     print(f"wrote {args.output} (model_type forecastkv; loads with AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True); "
@@ -203,12 +340,22 @@ def _add_demo(commands) -> None:
 
 
 def _add_generate(commands) -> None:
-    gen = commands.add_parser("generate", help="greedy generation from a prompt (argument or stdin)")
+    gen = commands.add_parser("generate", help="generation from a prompt (--prompt, --prompt-file or stdin): greedy, or sampled with --temperature / --top-p")
     gen.add_argument("--model", default="smollm2-135m", help="a checkpoint directory, hub id, bundled:NAME or smollm2-135m")
-    gen.add_argument("--sparse-config", default=None, help="a preset name from forecastkv/presets (default: the checkpoint's)")
+    gen.add_argument("--sparse-config", default=None,
+                     help="a preset name from forecastkv/presets (default: the checkpoint's, else the --forecast-weights heads' own)")
     gen.add_argument("--forecast-weights", default=None, help="a directory written by train-forecast")
-    gen.add_argument("--prompt", default=None)
-    gen.add_argument("--max-new-tokens", type=positive_int, default=64)
+    _add_geometry_option(gen)
+    prompt = gen.add_mutually_exclusive_group()
+    prompt.add_argument("--prompt", default=None, help="the prompt text (default: read stdin)")
+    prompt.add_argument("--prompt-file", default=None, metavar="PATH", help="read the prompt from this UTF-8 file")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template as a user turn (instruct models)")
+    gen.add_argument("--max-new-tokens", type=positive_int, default=64,
+                     help="at most this many new tokens (capped by the positions the prompt leaves of max_position_embeddings)")
+    gen.add_argument("--temperature", type=positive_float, default=None, help="sample at this temperature (> 0; default: greedy)")
+    gen.add_argument("--top-p", type=probability, default=None, help="sample from the smallest token set of this probability mass, in (0, 1]")
+    gen.add_argument("--seed", type=seed, default=None, help="seed torch's generator first (reproducible sampling)")
+    gen.add_argument("--stream", action="store_true", help="print the text as tokens come")
     gen.add_argument("--stats", action="store_true", help="print the share of KV blocks read per decode step (with --offload: bytes moved, hit rates)")
     gen.add_argument("--offload", default=None, choices=OFFLOAD_MODES, help="keep the KV cache in host memory, moving blocks as this mode does")
     gen.add_argument("--forecast-init", default=None, choices=("next_query", "kaiming"), help="create Forecast heads the checkpoint lacks (needed by the forecast-* modes)")
@@ -224,7 +371,13 @@ def _add_convert(commands) -> None:
     convert.add_argument("output")
     convert.add_argument("--sparse-config", default=None)
     convert.add_argument("--forecast-weights", default=None)
+    _add_geometry_option(convert)
     convert.set_defaults(run=_convert)
+
+
+def _add_geometry_option(parser) -> None:
+    parser.add_argument("--allow-geometry-mismatch", action="store_true",
+                        help="load --forecast-weights trained for another block geometry than --sparse-config's (a warning names both)")
 
 
 def _add_eval(commands) -> None:
@@ -267,17 +420,40 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] and argv[0] not in PASSTHROUGH and "--debug" in argv:  # our own commands take it anywhere
         debug, argv = True, [a for a in argv if a != "--debug"]
     try:
-        return _run(argv)
+        with warnings.catch_warnings():
+            warnings.showwarning = _show_warning
+            return _run(argv)
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        _print_error("interrupted", "error")
+        return 130
     except SystemExit as stop:
         if isinstance(stop.code, str) and not debug:  # `raise SystemExit("message")` deep inside a command
             _print_error(stop.code)
             return USAGE_STATUS
         raise
-    except (ValueError, OSError, ImportError) as error:  # CheckpointError and the config checks are ValueErrors
-        if debug:
+    except Exception as error:
+        if debug or not is_user_error(error):
             raise
         _print_error(error)
         return USAGE_STATUS
+
+
+# OSErrors that name a path the user gave (a missing --config, an unwritable output directory)
+PATH_ERRORS = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError)
+
+
+def is_user_error(error: BaseException) -> bool:
+    """The errors the console script reports in one line: forecastkv's user-error types
+    (`forecastkv.errors`: usage, checkpoint, config, data), the context store's, and an OSError
+    about a named path.  Anything else is a bug and keeps its traceback."""
+    if isinstance(error, UserInputError):
+        return True
+    if isinstance(error, PATH_ERRORS) and error.filename is not None:
+        return True
+    disk = sys.modules.get("forecastkv.context.disk")  # loaded if it raised
+    return disk is not None and isinstance(error, disk.ContextStoreError)
 
 
 if __name__ == "__main__":

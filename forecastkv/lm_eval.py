@@ -13,6 +13,7 @@ Model arguments besides HFLM's own (batch_size, device, dtype, max_length, ...):
   forecast          a dict (or its JSON) of forecast keys: creates heads the checkpoint lacks;
   forecast_init     shorthand for forecast={"init": forecast_init} ("next_query" | "kaiming");
   forecast_weights  a train-forecast output directory (trained heads);
+  allow_geometry_mismatch  true: load heads trained for another block geometry (a warning);
   offload           a mode of `forecastkv.inference.MODES`: every generate() call gets a fresh
                     `OffloadedSparseCache` of that mode (None: the resident `SparseCache`).
 
@@ -38,6 +39,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
 from .bundled import resolve_model_path
+from .errors import ConfigError
 from .modeling import ForecastKVForCausalLM, SparseCache
 from .modeling.modeling import CACHE_KWARG
 
@@ -47,7 +49,7 @@ FORECAST_INIT_DEFAULT = "next_query"
 _RUNS: list = []  # the CacheCounters of every ForecastKVLM made in this process (cli_evaluate prints them)
 # HFLM options that load a model some other way than ForecastKVForCausalLM.from_pretrained
 UNSUPPORTED = ("parallelize", "tp_plan", "peft", "delta", "autogptq", "gptqmodel", "gguf_file", "quantization_config", "subfolder")
-PASSED_TO_LOADER = ("device_map",)
+PASSED_TO_LOADER = ("device_map", "allow_geometry_mismatch")
 
 
 class CacheCounters:
@@ -122,9 +124,9 @@ def forecast_request(forecast, forecast_init) -> dict | None:
         try:
             forecast = json.loads(forecast)
         except json.JSONDecodeError as error:
-            raise ValueError(f"forecast={forecast!r} is not a JSON object of forecast keys ({error})") from None
+            raise ConfigError(f"forecast={forecast!r} is not a JSON object of forecast keys ({error})") from None
     if forecast is not None and not isinstance(forecast, dict):
-        raise ValueError(f"forecast must be a dict of forecast keys (heads_per_group, init), got {forecast!r}")
+        raise ConfigError(f"forecast must be a dict of forecast keys (heads_per_group, init), got {forecast!r}")
     if forecast_init is not None:
         forecast = {**(forecast or {}), "init": forecast_init}
     return forecast
@@ -141,10 +143,10 @@ class ForecastKVLM(HFLM):
         from .inference.offloaded import MODE_SELECTOR
 
         if offload is not None and offload not in MODES:
-            raise ValueError(f"offload={offload!r} is not an offload mode; choose one of {MODES} (or leave it out for the resident cache)")
+            raise ConfigError(f"offload={offload!r} is not an offload mode; choose one of {MODES} (or leave it out for the resident cache)")
         extra = sorted(set(kwargs) - set(PASSED_TO_LOADER) - _hflm_arguments())
         if extra:
-            raise ValueError(f"unknown model_args {extra} for --model forecastkv; its own are pretrained, sparse_config, forecast, "
+            raise ConfigError(f"unknown model_args {extra} for --model forecastkv; its own are pretrained, sparse_config, forecast, "
                              f"forecast_init, forecast_weights, offload (and HFLM's: batch_size, device, dtype, max_length, ...)")
         self.offload = offload
         self.selector = MODE_SELECTOR.get(offload)
@@ -160,7 +162,7 @@ class ForecastKVLM(HFLM):
                     self.forecast_note = f"created: untrained heads ({FORECAST_INIT_DEFAULT} init); pass forecast_weights=<dir> for trained ones"
                     logger.warning("offload=%s selects blocks with Forecast heads and %s has none: %s", offload, pretrained, self.forecast_note)
         elif sparse_config is not None or forecast is not None or forecast_weights is not None:
-            raise ValueError("sparse_config, forecast, forecast_init and forecast_weights apply when pretrained is a path; "
+            raise ConfigError("sparse_config, forecast, forecast_init and forecast_weights apply when pretrained is a path; "
                              "a loaded model is evaluated as it is")
         self._load_args = {"sparse_config": sparse_config, "forecast": forecast, "forecast_weights": forecast_weights}
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -176,13 +178,13 @@ class ForecastKVLM(HFLM):
         if self.selector is None or (config.sparse is not None and config.sparse.selector == self.selector):
             return
         if not loaded_here:
-            raise ValueError(f"offload={self.offload!r} selects blocks with the {self.selector} selector, and the model passed as "
+            raise ConfigError(f"offload={self.offload!r} selects blocks with the {self.selector} selector, and the model passed as "
                              f"pretrained does not ({'dense' if config.sparse is None else config.sparse.selector!r}); load it with "
                              f"sparse_config={{..., 'selector': {self.selector!r}}} or pass a path")
         if config.sparse is None:
-            raise ValueError(f"offload={self.offload!r} needs a sparse model, and this one is dense: pass sparse_config=<preset> (e.g. smollm2-135m)")
+            raise ConfigError(f"offload={self.offload!r} needs a sparse model, and this one is dense: pass sparse_config=<preset> (e.g. smollm2-135m)")
         if self.selector == "forecast" and not config.forecast_config.enabled:
-            raise ValueError(f"offload={self.offload!r} selects blocks with Forecast heads and the model has none: "
+            raise ConfigError(f"offload={self.offload!r} selects blocks with Forecast heads and the model has none: "
                              "pass forecast_init=next_query or forecast_weights=<dir>")
         config.sparse_config = {**config.sparse_config, "selector": self.selector}
 
@@ -190,7 +192,7 @@ class ForecastKVLM(HFLM):
                       max_cpu_memory=None, offload_folder=None, **kwargs) -> None:
         asked = sorted(name for name in UNSUPPORTED if kwargs.pop(name, None))
         if asked:
-            raise ValueError(f"--model forecastkv does not support the HFLM options {asked}")
+            raise ConfigError(f"--model forecastkv does not support the HFLM options {asked}")
         self._model = ForecastKVForCausalLM.from_pretrained(pretrained, revision=revision, dtype=dtype, device=self.device, **self._load_args, **kwargs)
 
     def _model_generate(self, context, max_length: int, stop: list[str], **generation_kwargs) -> torch.Tensor:
