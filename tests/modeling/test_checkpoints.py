@@ -388,3 +388,37 @@ def test_saved_directory_loads_with_trust_remote_code_in_a_fresh_process(tmp_pat
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "ours", trust_remote_code=True)
     reloaded.save_pretrained(tmp_path / "again")
     assert sorted(p.name for p in (tmp_path / "again").iterdir()) == sorted(p.name for p in (tmp_path / "ours").iterdir())
+
+
+def test_heads_must_fit_the_base_and_its_block_geometry(tmp_path):
+    """Heads from another base name the heads file; heads of another block geometry are an error
+    unless allow_geometry_mismatch=True (then a warning naming both); another topk only warns;
+    a corrupt forecast.safetensors is a CheckpointError naming it."""
+    import shutil
+    import warnings
+
+    from forecastkv.errors import ForecastKVWarning
+    from tests.helpers import tiny_model
+
+    tiny_model(mode={}).save_pretrained(tmp_path / "base")
+    tiny_model(mode={}, num_hidden_layers=2).save_forecast_weights(tmp_path / "two_layers")
+    tiny_model(mode={"block_size": 16, "window_size": 16}).save_forecast_weights(tmp_path / "block16")
+    tiny_model(mode={"topk": 5}).save_forecast_weights(tmp_path / "topk5")
+    load = lambda heads, **kw: ForecastKVForCausalLM.from_pretrained(tmp_path / "base", forecast_weights=tmp_path / heads, **kw)  # noqa: E731
+    with pytest.raises(CheckpointError, match=rf"the forecast heads {tmp_path / 'two_layers'} hold 3 tensors for layers 0-1, but the base "
+                                              rf"{tmp_path / 'base'} has 3 layers .*train heads for this base"):
+        load("two_layers")
+    with pytest.raises(CheckpointError, match="were trained for block_size 16; the sparse_config selects with block_size 8: .*allow_geometry_mismatch=True"):
+        load("block16")
+    with pytest.warns(ForecastKVWarning, match="trained for block_size 16; the sparse_config selects with block_size 8 \\(allowed by allow_geometry"):
+        assert load("block16", allow_geometry_mismatch=True).config.sparse.block_size == 8
+    with pytest.warns(ForecastKVWarning, match="were trained with topk 5; selecting with topk 3 \\(same block geometry"):
+        load("topk5")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert load("topk5", sparse_config={**TINY_SPARSE, "topk": 5}).config.sparse.topk == 5  # the heads' own budget: silent
+    shutil.copytree(tmp_path / "topk5", tmp_path / "cut")
+    data = (tmp_path / "cut" / "forecast.safetensors").read_bytes()
+    (tmp_path / "cut" / "forecast.safetensors").write_bytes(data[:100])
+    with pytest.raises(CheckpointError, match=f"corrupt checkpoint file {tmp_path / 'cut' / 'forecast.safetensors'}"):
+        load("cut")
