@@ -19,12 +19,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import struct
 from dataclasses import dataclass
 
 import torch
 
 from ..modeling.cache import model_signature
+from .disk import block_hash, identity_root  # noqa: F401 (the names of blocks live beside the disk format, torch-free)
 
 HASH_PIECE = 64 << 20  # bytes of a tensor hashed per piece (a device tensor is copied to the host piece by piece)
 
@@ -96,18 +96,6 @@ def model_identity(model, selector: str | None) -> dict:
         "geometry": geometry,
         "dtype": {"kv": dtype_name(dtype), "cis": dtype_name(dtype) if with_cis else None},
     }
-
-
-def identity_root(identity: dict) -> str:
-    """The root of the hash chain: sha256 of the identity's canonical JSON."""
-    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
-
-
-def block_hash(parent: str, tokens: list[int]) -> str:
-    """The name of a block: sha256 over its parent's name and its token ids (int64 little-endian)."""
-    digest = hashlib.sha256(parent.encode())
-    digest.update(struct.pack(f"<{len(tokens)}q", *tokens))
-    return digest.hexdigest()
 
 
 def chain_hashes(root: str, ids: list[int], block_size: int, blocks: int) -> list[str]:

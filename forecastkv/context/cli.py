@@ -3,9 +3,10 @@
 * `add_context_cache_arguments(generate_parser)`: `generate --context-cache DIR` (with
   `--context-namespace`, `--context-max-bytes`);
 * `run_generate_with_context_cache(args, model, tokenizer, ids)`: look the prompt up, prefill
-  only the rest, generate, insert the prompt's blocks, save;
-* `register_context_cache_command(subparsers)`: `forecastkv context-cache {ls,rm,du} DIR`, which
-  read and rewrite the index only (no model, no torch).
+  only the rest, generate, insert the prompt's blocks, save (a store that cannot be opened or
+  saved is a miss with a message on stderr, never a failed generate);
+* `register_context_cache_command(subparsers)`: `forecastkv context-cache {ls,du,rm,repair} DIR`,
+  which read and rewrite the index under the namespace's lock (no model, no torch).
 
 Importing this module imports neither torch nor the store.
 """
@@ -15,7 +16,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 
 def add_context_cache_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,25 +43,47 @@ def run_generate_with_context_cache(args, model, tokenizer, ids, out=None, err=N
         from ..inference.offloaded import MODE_SELECTOR
 
         selector = MODE_SELECTOR.get(mode)
-    store = ContextStore(model, args.context_cache, max_bytes=args.context_max_bytes, namespace=args.context_namespace, selector=selector)
+    from .disk import ContextStoreError
+
+    reserve = ids.shape[1] + args.max_new_tokens
+    try:
+        store = ContextStore(model, args.context_cache, max_bytes=args.context_max_bytes, namespace=args.context_namespace, selector=selector)
+    except (ContextStoreError, OSError) as error:  # a store that cannot be opened is a miss, not a failed generate
+        print(f"[context cache {args.context_cache}: not used ({error}); generating without it]", file=err)
+        store = None
     start = time.perf_counter()
-    cache, matched = store.lookup(ids, mode=mode, reserve=ids.shape[1] + args.max_new_tokens)
+    if store is not None:
+        cache, matched = store.lookup(ids, mode=mode, reserve=reserve)
+    else:
+        cache, matched = None, 0
+        if mode is not None:
+            from ..inference.offloaded import OffloadedSparseCache
+
+            cache = OffloadedSparseCache.for_model(model, mode=mode)
+            cache.reserve(reserve)
     with torch.no_grad():
-        generated = model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=model.config.eos_token_id, **{CACHE_KWARG: cache})
+        generated = model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=model.config.eos_token_id,
+                                   **({} if cache is None else {CACHE_KWARG: cache}))
     seconds = time.perf_counter() - start
-    added = store.insert(cache, ids)
-    directory = store.save()
+    added, directory = 0, None
+    if store is not None:
+        try:
+            added = store.insert(cache, ids)
+            directory = store.save()
+        except (ContextStoreError, OSError) as error:  # the continuation is still right: say why nothing was stored
+            print(f"[context cache {args.context_cache}: this prompt's blocks were not stored ({error})]", file=err)
     print(tokenizer.decode(generated[0, ids.shape[1]:], skip_special_tokens=True), file=out)
     if getattr(args, "stats", False):
-        stats = store.stats()
         print(f"[{ids.shape[1]} prompt tokens: {matched} from the context cache, {ids.shape[1] - matched} prefilled; "
               f"{generated.shape[1] - ids.shape[1]} new, {seconds:.1f}s]", file=err)
-        print(f"[context cache {directory}: {stats['blocks']} blocks ({stats['bytes'] / 2**20:.2f} MiB), {added} added, "
-              f"{stats['evictions']} evicted]", file=err)
+        if directory is not None:
+            stats = store.stats()
+            print(f"[context cache {directory}: {stats['blocks']} blocks ({stats['bytes'] / 2**20:.2f} MiB), {added} added, "
+                  f"{stats['evictions']} evicted]", file=err)
     return 0
 
 
-# -- context-cache {ls, rm, du}: the index only ----------------------------------------------------
+# -- context-cache {ls, du, rm, repair}: the index only ---------------------------------------------
 def _namespaces(args) -> list[str]:
     from . import disk
 
@@ -70,14 +92,32 @@ def _namespaces(args) -> list[str]:
     return disk.list_namespaces(args.dir)
 
 
-def _read(args, namespace: str) -> tuple[Path, dict]:
+def _read(args, namespace: str) -> tuple[list[dict], dict]:
+    """(the well-formed entries, the index) of a namespace, read under its shared lock."""
     from . import disk
 
-    directory = disk.namespace_dir(args.dir, namespace, create=False)
-    index = disk.read_index(directory, namespace)
+    with disk.Namespace(args.dir, namespace, create=False) as space, space.lock(exclusive=False):
+        index = disk.read_index(space)
     if index is None:
         raise disk.ContextStoreError(f"namespace {namespace!r} in {args.dir} has no index")
-    return directory, index
+    good, _ = disk.check_entries(index)
+    return good, index
+
+
+def _readable(args, err) -> tuple[list[tuple[str, list[dict], dict]], int]:
+    """(namespace, well-formed entries, index) of every readable namespace, and the exit status:
+    1 if some could not be read (each named on `err` with what repairs it)."""
+    from .disk import ContextStoreError
+
+    found, status = [], 0
+    for namespace in _namespaces(args):
+        try:
+            found.append((namespace, *_read(args, namespace)))
+        except (ContextStoreError, OSError) as error:
+            print(f"{namespace}: {error}; `forecastkv context-cache repair {args.dir} --namespace {namespace}` keeps its good blocks, "
+                  f"`rm --all` empties it", file=err)
+            status = 1
+    return found, status
 
 
 def _chains(entries: list[dict]) -> list[list[dict]]:
@@ -95,71 +135,94 @@ def _chains(entries: list[dict]) -> list[list[dict]]:
     return chains
 
 
-def _ls(args, out=None) -> int:
+def _ls(args, out=None, err=None) -> int:
     out = out or sys.stdout
-    for namespace in _namespaces(args):
-        directory, index = _read(args, namespace)
-        entries = index["entries"]
-        block = index["block_size"]
-        weights = index["identity"]["model"]["weights"][:12]
-        print(f"{namespace}: {len(entries)} blocks of {block} tokens, {sum(e['bytes'] for e in entries) / 2**20:.2f} MiB, "
-              f"model {weights}, selector {index['identity']['geometry']['selector']}, {index['identity']['dtype']['kv']}", file=out)
+    found, status = _readable(args, err or sys.stderr)
+    for namespace, entries, index in found:
+        identity = index.get("identity") or {}
+        bad = len(index["entries"]) - len(entries)
+        print(f"{namespace}: {len(entries)} blocks of {index.get('block_size')} tokens, {sum(e['bytes'] for e in entries) / 2**20:.2f} MiB, "
+              f"model {str((identity.get('model') or {}).get('weights'))[:12]}, selector {(identity.get('geometry') or {}).get('selector')}, "
+              f"{(identity.get('dtype') or {}).get('kv')}" + (f"; {bad} bad entries (repair drops them)" if bad else ""), file=out)
         for chain in _chains(entries):
-            print(f"  {chain[-1]['hash'][:16]}  {len(chain) * block} tokens  {sum(e['bytes'] for e in chain) / 2**20:.2f} MiB", file=out)
-    return 0
+            print(f"  {chain[-1]['hash'][:16]}  {len(chain) * index['block_size']} tokens  {sum(e['bytes'] for e in chain) / 2**20:.2f} MiB", file=out)
+    return status
 
 
-def _du(args, out=None) -> int:
-    out = out or sys.stdout
-    total = 0
-    for namespace in _namespaces(args):
-        _, index = _read(args, namespace)
-        size = sum(entry["bytes"] for entry in index["entries"])
+def _du(args, out=None, err=None) -> int:
+    out, total = out or sys.stdout, 0
+    found, status = _readable(args, err or sys.stderr)
+    for namespace, entries, _ in found:
+        size = sum(entry["bytes"] for entry in entries)
         total += size
         print(f"{size}\t{namespace}", file=out)
     print(f"{total}\ttotal", file=out)
-    return 0
+    return status
 
 
 def _rm(args, out=None) -> int:
     """Remove blocks (with their descendants) by hash prefix (`ls` shows chain tips) or, with --all, every
-    block of the namespace: the index is rewritten atomically first, then files go."""
+    block of the namespace, under the namespace's exclusive lock (what saves take): the index is
+    rewritten atomically first, then files no index names go.  --all works on a broken store."""
     from . import disk
 
     out = out or sys.stdout
     if args.namespace is None:
         raise SystemExit("context-cache rm needs --namespace")
-    directory, index = _read(args, args.namespace)
-    entries = index["entries"]
-    if args.all:
-        doomed = {entry["hash"] for entry in entries}
-    else:
-        if not args.hashes:
-            raise SystemExit("context-cache rm needs --block HASH (see ls) or --all")
-        doomed = set()
-        for prefix in args.hashes:
-            hits = [entry["hash"] for entry in entries if entry["hash"].startswith(prefix)]
-            if len(hits) != 1:
-                raise SystemExit(f"hash prefix {prefix!r} matches {len(hits)} blocks; give a longer one")
-            doomed.add(hits[0])
-        grown = True
-        while grown:  # a removed block's descendants can never be reached again
-            before = len(doomed)
-            doomed |= {entry["hash"] for entry in entries if entry["parent"] in doomed}
-            grown = len(doomed) > before
-    index["entries"] = [entry for entry in entries if entry["hash"] not in doomed]
-    disk.write_index(directory, index)
-    freed = disk.remove_unlisted(directory, {entry["file"] for entry in index["entries"]})
+    if not args.all and not args.hashes:
+        raise SystemExit("context-cache rm needs --block HASH (see ls) or --all")
+    with disk.Namespace(args.dir, args.namespace, create=False) as space, space.lock(exclusive=True):
+        try:
+            index = disk.read_index(space)
+        except disk.BrokenIndex as error:
+            if not args.all:
+                raise disk.ContextStoreError(f"{error}; `rm --all` or `repair` works on it") from None
+            index = None
+        if index is None and not args.all:
+            raise disk.ContextStoreError(f"namespace {args.namespace!r} in {args.dir} has no index")
+        entries = [] if index is None else index["entries"]
+        names = [entry.get("hash") for entry in entries if isinstance(entry, dict)]
+        if args.all:
+            doomed = set(names)
+        else:
+            doomed = set()
+            for prefix in args.hashes:
+                hits = [name for name in names if isinstance(name, str) and name.startswith(prefix)]
+                if len(hits) != 1:
+                    raise SystemExit(f"hash prefix {prefix!r} matches {len(hits)} blocks; give a longer one")
+                doomed.add(hits[0])
+            grown = True
+            while grown:  # a removed block's descendants can never be reached again
+                before = len(doomed)
+                doomed |= {entry["hash"] for entry in entries if isinstance(entry, dict) and entry.get("parent") in doomed}
+                grown = len(doomed) > before
+        kept = [entry for entry in entries if not (isinstance(entry, dict) and entry.get("hash") in doomed)]
+        generation = (index or {}).get("generation", 0) + 1
+        disk.write_index(space, disk.new_index(args.namespace, (index or {}).get("identity"), (index or {}).get("block_size"), kept, generation))
+        freed = disk.remove_unlisted(space, {entry["file"] for entry in kept if isinstance(entry, dict) and isinstance(entry.get("file"), str)})
     print(f"removed {len(doomed)} blocks ({freed / 2**20:.2f} MiB) from {args.namespace}", file=out)
     return 0
 
 
+def _repair(args, out=None) -> int:
+    """Make each namespace's store consistent whatever state it is in: keep the blocks whose index
+    entries are well formed and whose files check out, drop the rest (`disk.repair`)."""
+    from . import disk
+
+    out = out or sys.stdout
+    for namespace in _namespaces(args):
+        kept, dropped, problems = disk.repair(args.dir, namespace)
+        print(f"{namespace}: kept {kept} blocks, dropped {dropped}" + "".join(f"\n  {problem}" for problem in problems), file=out)
+    return 0
+
+
 def register_context_cache_command(subparsers) -> argparse.ArgumentParser:
-    """`forecastkv context-cache {ls,rm,du} DIR [--namespace NAME]` (rm: `--block HASH` or `--all`)."""
+    """`forecastkv context-cache {ls,du,rm,repair} DIR [--namespace NAME]` (rm: `--block HASH` or `--all`)."""
     parser = subparsers.add_parser("context-cache", help="list, size or remove stored prompt prefixes (generate --context-cache DIR)")
     actions = parser.add_subparsers(dest="context_action", required=True)
     for name, action, text in (("ls", _ls, "namespaces and their chains of blocks"), ("du", _du, "bytes per namespace"),
-                               ("rm", _rm, "remove blocks with their descendants, or a whole namespace")):
+                               ("rm", _rm, "remove blocks with their descendants, or a whole namespace"),
+                               ("repair", _repair, "keep the good blocks of a damaged store, drop the rest")):
         sub = actions.add_parser(name, help=text)
         sub.add_argument("dir", help="the directory given to generate --context-cache")
         sub.add_argument("--namespace", default=None, help="one namespace (default: every one in DIR; rm needs it)")

@@ -32,8 +32,10 @@ old chains go first.  Counters: hit tokens, miss tokens, evictions (`stats`).
 from __future__ import annotations
 
 import getpass
+import hashlib
 import os
 import re
+import time
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -45,7 +47,7 @@ from ..inference.host_store import HostBlockPool, host_transfer
 from ..modeling.cache import SparseCache
 from ..modeling.token_record import recorded_tokens, set_tokens
 from . import disk
-from .blocks import BlockRows, block_hash, chain_hashes, dtype_name, identity_differences, identity_root, layer_rows, model_identity, sequence_ids
+from .blocks import BlockRows, chain_hashes, dtype_name, identity_differences, identity_root, layer_rows, model_identity, sequence_ids
 from .disk import ContextStoreError
 
 MAPPED_SPARE_BLOCKS = 16  # free blocks per mapped pool (at least) for the caches' own rows: address space, not memory
@@ -75,6 +77,7 @@ class Entry:
     disk: dict | None
     nbytes: int
     children: set[str] = field(default_factory=set)
+    used: float = 0.0  # when a lookup or insert last used it (time.time()): the LRU order shared through the index
 
 
 class ContextStore:
@@ -104,8 +107,10 @@ class ContextStore:
         self.dir = None if dir is None else Path(dir)
         self.entries: OrderedDict[str, Entry] = OrderedDict()  # least recently used first
         self.nbytes = 0
-        self.hit_tokens = self.miss_tokens = self.evictions = self.rejected = 0
-        self._holders: dict[int, tuple[set[str], weakref.finalize]] = {}
+        self.hit_tokens = self.miss_tokens = self.evictions = self.rejected = self.dropped = 0
+        self._holders: dict[int, tuple[dict[str, int], weakref.finalize]] = {}  # cache -> (block name -> its block in pools[0], finalizer)
+        self._evicted: set[str] = set()   # blocks on disk this store evicted (or found bad) since it last saved: its save drops them
+        self._seen: tuple[int, str | None] | None = None  # (generation, stamp) of the index this store last read or wrote
         self.pools = self._new_pools()
         if self.dir is not None:
             self._load()
@@ -171,10 +176,10 @@ class ContextStore:
             if entry.tokens != expected:
                 raise ContextStoreError(f"token mismatch: stored block {name[:16]} (block {position}) holds other tokens than its name covers; the store is corrupted")
             found.append(entry)
+        found = self._load_blocks(found)  # a block that is gone or bad on disk ends the match there
         cache = self.new_cache(mode, max_length)
         if reserve is not None:
             cache.reserve(reserve)
-        self._load_blocks(found)
         matched = self._fill(cache, [entry.blocks for entry in found])
         set_tokens(cache, tokens[:matched])  # the cache's record: these tokens hash to the blocks' names
         self._hold(cache, [entry.name for entry in found])
@@ -193,7 +198,12 @@ class ContextStore:
         self._check_tokens(cache, tokens)
         full = len(tokens) // self.block_size
         names = chain_hashes(self.root, tokens, self.block_size, full)
-        first = next((i for i, name in enumerate(names) if name not in self.entries), full)
+        stored = []
+        for name in names:
+            if name not in self.entries:
+                break
+            stored.append(self.entries[name])
+        first = len(self._load_blocks(stored))  # blocks gone or bad on disk are taken from the cache again
         self._hold(cache, names[:first])  # held from the start: making room never evicts the chain it extends
         per_block = self.block_nbytes()
         added = 0
@@ -260,54 +270,92 @@ class ContextStore:
             per_layer.append(ids)
         return [list(blocks) for blocks in zip(*per_layer)] if count else []
 
-    def _load_blocks(self, chain: list[Entry]) -> None:
-        """Read the blocks of `chain` that are on disk only into the pools (layer by layer, plain reads)."""
-        missing = [entry for entry in chain if entry.blocks is None]
-        if not missing:
-            return
-        for pool in self.pools:
-            pool.reserve(len(missing))
-        for entry in missing:
-            block = disk.DiskBlock(self._directory(create=False) / entry.disk["file"])
-            entry.blocks = []
-            for index, pool in enumerate(self.pools):
-                (target,) = pool.allocate(1)
-                with host_transfer():
-                    for view, rows in zip(pool.block(target), block.layer(index)):
-                        if view is not None:
-                            view.copy_(rows)
-                entry.blocks.append(target)
+    def _load_blocks(self, chain: list[Entry]) -> list[Entry]:
+        """Read the blocks of `chain` (root first) that are on disk only into the pools, under the
+        namespace's shared lock, after revalidating against the index if another process changed
+        it.  Returns the leading part of `chain` that is now in the pools: a block that is gone
+        (removed by another process) or bad (with a warning) ends it, and leaves the store."""
+        if all(entry.blocks is not None for entry in chain):
+            return chain
+        loaded = []
+        try:
+            with disk.Namespace(self.dir, self.namespace, create=False) as space, space.lock(exclusive=False):
+                if disk.index_head(space) != self._seen:
+                    self._revalidate(space)
+                missing = [entry for entry in chain if entry.blocks is None]
+                for pool in self.pools:
+                    pool.reserve(len(missing))
+                for entry in chain:
+                    if self.entries.get(entry.name) is not entry:
+                        break
+                    if entry.blocks is None:
+                        block = self._read_block(space, entry)
+                        if block is None:
+                            break
+                        entry.blocks = []
+                        for index, pool in enumerate(self.pools):
+                            (target,) = pool.allocate(1)
+                            with host_transfer():
+                                for view, rows in zip(pool.block(target), block.layer(index)):
+                                    if view is not None:
+                                        view.copy_(rows)
+                            entry.blocks.append(target)
+                    loaded.append(entry)
+        except (OSError, ContextStoreError) as error:  # the namespace itself is gone or refused: what is not in memory is a miss
+            disk.warn(f"context store {self.dir}/{self.namespace} could not be read ({error}); blocks not in memory are misses")
+        return loaded
 
-    def _map_blocks(self, directory: Path, entries: list[Entry]) -> None:
-        """CPU: back each layer's pool by a file of the loaded blocks in pool order (block i =
-        entries[i]), mapped copy-on-write (`HostBlockPool.map_file`), so a lookup and a decode make
-        resident only the pages they touch (the blocks a decode step selects, the cache's own
-        blocks), not the host tier.  The files are unnamed temporary files in the namespace
-        directory (gone with the process, never seen by `save`), written once from the verified
-        block files with plain reads; the pools keep `spare` free blocks for the caches' own rows
-        (past them a pool moves to anonymous memory)."""
-        import tempfile
+    def _read_block(self, space: disk.Namespace, entry: Entry) -> disk.DiskBlock | None:
+        """A block's verified file, or None (the block and its descendants dropped, with a warning)."""
+        try:
+            return disk.DiskBlock(disk.verified_block(space, entry.disk, self._shape_names()), str(space.path / entry.disk["file"]))
+        except (OSError, ContextStoreError) as error:
+            disk.warn(f"block {entry.name[:16]} of {space.path} skipped ({error}): a miss for its chain; the next save drops it")
+            self._drop(entry, forget_on_disk=True)
+            return None
 
+    def _shape_names(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        return {name: (shape, dtype_name(dtype)) for name, (shape, dtype) in self.block_shapes().items()}
+
+    def _map_blocks(self, space: disk.Namespace, entries: list[Entry]) -> None:
+        """CPU: back each layer's pool by a file of the loaded blocks in pool order, mapped
+        copy-on-write (`HostBlockPool.map_file`), so a lookup and a decode make resident only the
+        pages they touch (the blocks a decode step selects, the cache's own blocks), not the host
+        tier.  The files are unnamed temporary files in the namespace directory (gone with the
+        process, never seen by `save`), written once from the block files, each verified as it
+        is read (a bad one is dropped with its chain); the pools keep `spare` free blocks for the
+        caches' own rows (past them a pool moves to anonymous memory)."""
         spare = max(MAPPED_SPARE_BLOCKS, len(entries) // 8)
         capacity = len(entries) + spare
-        files = [tempfile.TemporaryFile(dir=directory) for _ in self.pools]
+        files = [space.temporary_file() for _ in self.pools]
         layouts = [pool.file_layout(capacity) for pool in self.pools]
-        for position, entry in enumerate(entries):
-            block = disk.DiskBlock(directory / entry.disk["file"])
+        mapped = []
+        for entry in entries:
+            if self.entries.get(entry.name) is not entry:
+                continue  # dropped with a bad ancestor
+            block = self._read_block(space, entry)
+            if block is None:
+                continue
             for index, (file, layout) in enumerate(zip(files, layouts)):
                 for (offset, size), rows in zip(layout, block.layer(index)):
                     if rows is not None:
                         raw = rows.reshape(-1).view(torch.uint8).numpy()
-                        os.pwrite(file.fileno(), raw, offset + position * (size // capacity))
-        for index, (pool, file) in enumerate(zip(self.pools, files)):
-            pool.map_file(file, len(entries), capacity)
-        for position, entry in enumerate(entries):
-            entry.blocks = [position] * len(self.pools)
+                        os.pwrite(file.fileno(), raw, offset + len(mapped) * (size // capacity))
+            mapped.append(entry)
+        for pool, file in zip(self.pools, files):
+            pool.map_file(file, len(mapped), capacity)
+        for position, entry in enumerate(mapped):
+            if self.entries.get(entry.name) is entry:
+                entry.blocks = [position] * len(self.pools)
+            else:  # its parent turned out bad after it was read
+                for pool in self.pools:
+                    pool.release([position])
 
     def block_rows(self, name: str) -> BlockRows:
         """A copy of stored block `name`'s rows, every layer: keys, values [L, bs, H, d], cis or None."""
         entry = self.entries[name]
-        self._load_blocks([entry])
+        if not self._load_blocks([entry]):
+            raise ContextStoreError(f"block {name[:16]} could not be read from disk")
         with host_transfer():
             parts = [pool.read_rows([block], self.block_size) for pool, block in zip(self.pools, entry.blocks)]
         return BlockRows(*(None if parts[0][i] is None else torch.stack([p[i] for p in parts]) for i in range(3)))
@@ -358,13 +406,12 @@ class ContextStore:
         """Count `cache` as a reference of each named block (once per cache)."""
         key = id(cache)
         if key not in self._holders:
-            self._holders[key] = (set(), weakref.finalize(cache, self._release_key, key))
+            self._holders[key] = ({}, weakref.finalize(cache, self._release_key, key))
         held = self._holders[key][0]
         for name in names:
             if name not in held:
-                held.add(name)
-                self._load_blocks([self.entries[name]])
-                self.pools[0].retain([self.entries[name].blocks[0]])
+                held[name] = self.entries[name].blocks[0]  # in the pools: lookup and insert load their chains first
+                self.pools[0].retain([held[name]])
 
     def release(self, cache) -> None:
         """Drop `cache`'s references (also done when the cache is garbage collected)."""
@@ -374,19 +421,19 @@ class ContextStore:
             self._release_key(id(cache))
 
     def _release_key(self, key: int) -> None:
-        names, _ = self._holders.pop(key, (set(), None))
-        for name in names:
-            entry = self.entries.get(name)
-            if entry is not None:
-                self.pools[0].release([entry.blocks[0]])
+        held, _ = self._holders.pop(key, ({}, None))
+        self.pools[0].release(list(held.values()))  # the blocks held, even if the store dropped their entries since
 
     # -- LRU ------------------------------------------------------------------------------------
     def _touch(self, chain: list[Entry]) -> None:
         """Mark a chain used, its root last (most recent): LRU then evicts tips before roots."""
+        now = time.time()
         for entry in reversed(chain):
+            entry.used = now
             self.entries.move_to_end(entry.name)
 
     def _add(self, entry: Entry) -> None:
+        self._evicted.discard(entry.name)
         self.entries[entry.name] = entry
         self.nbytes += entry.nbytes
         if entry.parent is not None:
@@ -408,16 +455,30 @@ class ContextStore:
     def _evict(self, entry: Entry) -> None:
         """Remove `entry` and its descendants (a block is referenced only with its ancestors, so
         none of them is referenced).  Files on disk go at the next `save()`."""
+        self.evictions += self._remove(entry, forget_on_disk=True)
+
+    def _drop(self, entry: Entry, forget_on_disk: bool) -> None:
+        """Remove `entry` and its descendants because of the disk: another process removed them
+        (forget_on_disk False: the index no longer names them) or the file is bad (True: the next
+        save drops it from the index).  Caches built from them keep their own references."""
+        self.dropped += self._remove(entry, forget_on_disk)
+
+    def _remove(self, entry: Entry, forget_on_disk: bool) -> int:
+        """Remove `entry` and its descendants from the store and its pools; returns how many."""
+        removed = 0
         for child in list(entry.children):
-            self._evict(self.entries[child])
+            if child in self.entries:
+                removed += self._remove(self.entries[child], forget_on_disk)
         del self.entries[entry.name]
+        if forget_on_disk and entry.disk is not None:
+            self._evicted.add(entry.name)
         if entry.blocks is not None:
             for pool, block in zip(self.pools, entry.blocks):
                 pool.release([block])
         self.nbytes -= entry.nbytes
-        self.evictions += 1
         if entry.parent is not None and entry.parent in self.entries:
             self.entries[entry.parent].children.discard(entry.name)
+        return removed + 1
 
     def stats(self) -> dict:
         """Counters and sizes: hit/miss tokens of lookups, evictions, blocks rejected by the cap,
@@ -426,59 +487,128 @@ class ContextStore:
             "hit_tokens": self.hit_tokens, "miss_tokens": self.miss_tokens, "evictions": self.evictions, "rejected_blocks": self.rejected,
             "blocks": len(self.entries), "tokens": len(self.entries) * self.block_size, "bytes": self.nbytes, "max_bytes": self.max_bytes,
             "referenced_blocks": sum(1 for entry in self.entries.values() if self._live(entry)),
+            "dropped_blocks": self.dropped,
         }
 
     # -- disk -----------------------------------------------------------------------------------
-    def _directory(self, create: bool) -> Path:
+    def save(self) -> Path:
+        """Merge this store into the namespace on disk under its exclusive lock: read the index,
+        keep what other processes saved there (their blocks join this store, on disk only), drop
+        what they removed, drop what this store evicted, evict under max_bytes, write the new
+        blocks, replace the index atomically (next generation), then delete the files it does not
+        name.  Returns the namespace directory."""
         if self.dir is None:
             raise ValueError("this ContextStore has no directory: build it with ContextStore(model, dir)")
-        return disk.namespace_dir(self.dir, self.namespace, create)
-
-    def save(self) -> Path:
-        """Write new blocks, then the index, atomically; then delete files of evicted blocks.
-        Returns the namespace directory."""
-        directory = self._directory(create=True)
-        with disk.namespace_lock(directory):  # one saver at a time per namespace
+        with disk.Namespace(self.dir, self.namespace, create=True) as space, space.lock(exclusive=True):
+            try:
+                index = disk.read_index(space)
+            except disk.BrokenIndex as error:
+                disk.warn(f"{error}: this save rebuilds it from this store's blocks")
+                index = None
+            self._merge(space, index)
             records = []
             for entry in self.entries.values():
-                if entry.disk is None or (entry.blocks is not None and not (directory / entry.disk["file"]).exists()):
-                    entry.disk = disk.write_block(directory, entry.name, self.block_rows(entry.name))
-                records.append({"hash": entry.name, "parent": entry.parent, "position": entry.position, "tokens": entry.tokens, "nbytes": entry.nbytes, **entry.disk})
-            index = {"format": disk.FORMAT, "namespace": self.namespace, "identity": self.identity, "block_size": self.block_size, "entries": records}
-            disk.write_index(directory, index)
-            disk.remove_unlisted(directory, {record["file"] for record in records})
-        return directory
+                if entry.disk is None:
+                    rows = self.block_rows(entry.name)
+                    tensors = {"keys": rows.keys.contiguous(), "values": rows.values.contiguous()}
+                    if rows.cis is not None:
+                        tensors["cis"] = rows.cis.contiguous()
+                    data = disk.block_bytes(tensors, entry.name)
+                    space.write(disk.block_file(entry.name), data)
+                    entry.disk = {"file": disk.block_file(entry.name), "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+                records.append({"hash": entry.name, "parent": entry.parent, "position": entry.position, "tokens": entry.tokens,
+                                "nbytes": entry.nbytes, **entry.disk, "used": entry.used})
+            generation = (index or {}).get("generation", 0) + 1
+            written = disk.new_index(self.namespace, self.identity, self.block_size, records, generation)
+            disk.write_index(space, written)
+            self._seen, self._evicted = (generation, written["stamp"]), set()
+            disk.remove_unlisted(space, {record["file"] for record in records})
+            return space.path
+
+    def _order(self) -> None:
+        """Entries least recently used first; within one use, tips before roots."""
+        order = sorted(self.entries.values(), key=lambda entry: (entry.used, -entry.position))
+        self.entries = OrderedDict((entry.name, entry) for entry in order)
+
+    def _check_identity(self, space: disk.Namespace, index: dict) -> None:
+        differences = identity_differences(self.identity, index.get("identity") or {})
+        if differences and index["entries"]:
+            named = {line.split(":")[0] for line in differences}
+            parts = [part for part in ("model", "geometry", "dtype") if part in named] + sorted(named - {"model", "geometry", "dtype"})
+            raise ContextStoreError(f"{space.path} holds blocks of another {' / '.join(parts)}: " + "; ".join(differences))
+
+    def _good_records(self, space: disk.Namespace, index: dict | None) -> list[dict]:
+        """The index's well-formed entries of this store's identity (problems warned about)."""
+        if index is None or not index["entries"]:
+            return []
+        self._check_identity(space, index)
+        good, problems = disk.check_entries(index, self.root)
+        if problems:
+            shown = "; ".join(problems[:3]) + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "")
+            disk.warn(f"{space.path / disk.INDEX}: {len(problems)} entries skipped (misses; the next save drops them): {shown}")
+        return good
+
+    def _revalidate(self, space: disk.Namespace) -> None:
+        """Under the shared lock, after another process changed the index: drop what it removed."""
+        try:
+            index = disk.read_index(space)
+        except disk.BrokenIndex:
+            index = None
+        names = {record["hash"] for record in self._good_records(space, index)}
+        for entry in list(self.entries.values()):
+            if self.entries.get(entry.name) is entry and entry.disk is not None and entry.name not in names:
+                self._drop(entry, forget_on_disk=False)
+        self._seen = None if index is None else (index.get("generation", 0), index.get("stamp"))
+
+    def _merge(self, space: disk.Namespace, index: dict | None) -> None:
+        """Under the exclusive lock: this store becomes the index's blocks (other processes' join,
+        on disk only) minus what this store evicted, plus its own new blocks; then the cap."""
+        records = self._good_records(space, index)
+        on_disk = {record["hash"]: record for record in records}
+        for entry in list(self.entries.values()):
+            if self.entries.get(entry.name) is entry and entry.disk is not None and entry.name not in on_disk:
+                self._drop(entry, forget_on_disk=False)  # removed by another process (rm, eviction)
+        for record in sorted(records, key=lambda record: record["position"]):  # parents first
+            name = record["hash"]
+            entry = self.entries.get(name)
+            fields = {key: record[key] for key in ("file", "bytes", "sha256")}
+            used = float(record.get("used") or 0.0)
+            if entry is not None:
+                entry.used = max(entry.used, used)
+                if entry.disk is None:
+                    entry.disk = fields  # the same block, saved by another process: its file serves
+            elif name not in self._evicted and (record["parent"] is None or record["parent"] in self.entries) and space.size(record["file"]) == record["bytes"]:
+                self._add(Entry(name, record["parent"], record["position"], list(record["tokens"]), None, fields, record["nbytes"], used=used))
+        self._order()
+        self._make_room(0)
 
     def _load(self) -> None:
-        """Read the namespace's index and check every block (nothing is kept unless all pass)."""
-        if not (self.dir / self.namespace).exists():
+        """Read the namespace's index under the shared lock and its blocks (each verified; on the
+        CPU mapped, on CUDA read when a lookup needs them).  Bad or missing blocks are misses for
+        their chains (with a warning), an unreadable index an empty store."""
+        try:
+            space = disk.Namespace(self.dir, self.namespace, create=False)
+        except FileNotFoundError:
             return
-        directory = self._directory(create=False)
-        index = disk.read_index(directory, self.namespace)
-        if index is None:
-            return
-        differences = identity_differences(self.identity, index.get("identity") or {})
-        if differences:
-            parts = sorted({line.split(":")[0] for line in differences}, key=["model", "geometry", "dtype"].index)
-            raise ContextStoreError(f"{directory} holds blocks of another {' / '.join(parts)}: " + "; ".join(differences))
-        shapes = self.block_shapes()
-        loaded: OrderedDict[str, Entry] = OrderedDict()
-        for record in index["entries"]:
-            name, parent, position, tokens = record["hash"], record["parent"], record["position"], record["tokens"]
-            if len(tokens) != self.block_size or block_hash(parent or self.root, tokens) != name:
-                raise ContextStoreError(f"token mismatch: block {name[:16]} in {directory / disk.INDEX} lists tokens that do not hash to its name")
-            if (parent is None) != (position == 0):
-                raise ContextStoreError(f"block {name[:16]} is at position {position} with parent {parent!r}: the index is corrupted")
-            disk.verify_block(directory, record, shapes)
-            entry = Entry(name, parent, position, list(tokens), None, {key: record[key] for key in ("file", "bytes", "sha256")}, record["nbytes"])
-            loaded[name] = entry
-        for entry in loaded.values():
-            if entry.parent is not None:
-                if entry.parent not in loaded:
-                    raise ContextStoreError(f"block {entry.name[:16]} names a parent {entry.parent[:16]} the index does not hold")
-                loaded[entry.parent].children.add(entry.name)
-        self.entries = loaded
-        self.nbytes = sum(entry.nbytes for entry in loaded.values())
-        if loaded and not self.pools[0].pin:
-            self._map_blocks(directory, list(loaded.values()))
+        with space, space.lock(exclusive=False):
+            try:
+                index = disk.read_index(space)
+            except disk.BrokenIndex as error:
+                disk.warn(f"{error}: the store starts empty; the next save rebuilds the index (or run `forecastkv context-cache repair`)")
+                return
+            if index is None:
+                return
+            self._seen = (index.get("generation", 0), index.get("stamp"))
+            for record in sorted(self._good_records(space, index), key=lambda record: record["position"]):  # parents first
+                fields = {key: record[key] for key in ("file", "bytes", "sha256")}
+                if record["parent"] is None or record["parent"] in self.entries:
+                    self._add(Entry(record["hash"], record["parent"], record["position"], list(record["tokens"]), None, fields, record["nbytes"],
+                                    used=float(record.get("used") or 0.0)))
+            self._order()
+            if self.entries and not self.pools[0].pin:
+                self._map_blocks(space, list(self.entries.values()))
+            for entry in list(self.entries.values()):  # lazily read (pinned pools): at least the sizes now
+                if self.entries.get(entry.name) is entry and entry.blocks is None and space.size(entry.disk["file"]) != entry.disk["bytes"]:
+                    disk.warn(f"block {entry.name[:16]} of {space.path} is missing or has another size than its index records: a miss for its chain")
+                    self._drop(entry, forget_on_disk=True)
         self._make_room(0)

@@ -101,7 +101,7 @@ def test_save_load_round_trip_reads_blocks_lazily(tmp_path):
     assert matched == 40
     assert torch.equal(generate(model, prompt, cache), generate(model, prompt, fresh_cache(model, None, "query")))
     name, entry = next(iter(loaded.entries.items()))
-    read, original = disk.DiskBlock(tmp_path / "alice" / entry.disk["file"]).rows(), store.block_rows(name)
+    read, original = disk.DiskBlock((tmp_path / "alice" / entry.disk["file"]).read_bytes()).rows(), store.block_rows(name)
     assert torch.equal(read.keys, original.keys) and torch.equal(read.values, original.values) and read.cis is None
 
 
@@ -157,14 +157,11 @@ def _give_away(root):
     os.chown(root / "alice", 12345, -1)
 
 
-# name -> (how the store or its reader differs, the loader's arguments, what the error says)
+# name -> (how the store or its reader differs, the loader's arguments, what the error says): refused
 BAD = {
     "other model": (None, dict(seed=6), r"another model: model: weights"),
     "other geometry": (None, dict(topk=2), r"another geometry: geometry: budget_blocks 4 \(stored\) vs 3 \(this model\)"),
     "other dtype": (None, dict(dtype=torch.bfloat16), r"dtype: kv 'float32' \(stored\) vs 'bfloat16'"),
-    "truncated file": (_truncate, {}, r"is truncated or extended: \d+ bytes, the index records \d+"),
-    "flipped byte": (_flip, {}, r"fails its checksum"),
-    "token mismatch": (_retoken, {}, r"token mismatch: block [0-9a-f]{16} .* do not hash to its name"),
     "foreign namespace": (_move_namespace, dict(namespace="carol"), r"belongs to namespace 'alice', not 'carol'"),
     "open namespace": (_open_up, {}, r"has mode 0o755; a namespace must be private \(0700\)"),
     "another user's namespace": (_give_away, {}, r"belongs to uid 12345, not to this user"),
@@ -192,37 +189,61 @@ def test_bad_input_is_named_and_leaves_the_store_intact(tmp_path, case):
         assert ContextStore(model_for("infllmv2"), tmp_path, namespace="alice", selector="query").stats()["blocks"] == 8
 
 
+# name -> (how one block is damaged, what the warning says): that block's chain is a miss, the rest loads
+DAMAGED = {
+    "truncated file": (_truncate, r"is truncated or extended: \d+ bytes, the index records \d+"),
+    "flipped byte": (_flip, r"fails its checksum"),
+    "token mismatch": (_retoken, r"token mismatch: block [0-9a-f]{16} lists tokens that do not hash to its name"),
+    "missing file": (lambda root: _block_path(root).unlink(), r"No such file|missing"),
+}
+
+
+@pytest.mark.parametrize("case", list(DAMAGED))
+def test_a_bad_block_is_a_miss_for_its_chain(tmp_path, case):
+    """Item 7: one bad or missing block is a miss for its chain (with a warning naming it), the
+    other blocks load and answer as fresh prefills; a failed load changes nothing on disk; the
+    next save drops the bad entry (and its descendants)."""
+    damage, message = DAMAGED[case]
+    model, _ = filled_store(tmp_path)
+    damage(tmp_path)
+    before = snapshot(tmp_path)
+    with pytest.warns(disk.ContextStoreWarning, match=message):
+        store = ContextStore(model, tmp_path, namespace="alice", selector="query")
+    assert snapshot(tmp_path) == before
+    kept = store.stats()["blocks"]
+    assert 0 <= kept < 8
+    doc, questions = document_and_questions()
+    for question in questions:
+        prompt = torch.cat([doc, question])
+        cache, matched = store.lookup(prompt)
+        assert torch.equal(generate(model, prompt, cache), generate(model, prompt, fresh_cache(model, None, "query")))
+    store.save()
+    assert len(json.loads((tmp_path / "alice" / "index.json").read_text())["entries"]) == kept
+    assert ContextStore(model, tmp_path, namespace="alice", selector="query").stats()["blocks"] == kept
+
+
 # -- kills during a save --------------------------------------------------------------------------
 def _kill():
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _torn_write(path, write):
-    """write_atomic killed half way: its temporary file half written, nothing renamed."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.killed.tmp"
-    write(tmp)
-    tmp.write_bytes(tmp.read_bytes()[: tmp.stat().st_size // 2])
+def _torn(dir_fd, name, data):
+    """write_atomic_at killed half way: its temporary file half written, nothing renamed."""
+    fd = os.open(f".{name}.killed.tmp", os.O_WRONLY | os.O_CREAT, 0o600, dir_fd=dir_fd)
+    os.write(fd, data[: len(data) // 2])
+    os.close(fd)
     _kill()
 
 
-def _after_first(original):
-    def wrapped(path, write):
-        original(path, write)
-        _kill()
-    return wrapped
-
-
-def _torn_index(path, text):
-    Path(f"{Path(path).parent}/.index.json.killed.tmp").write_text(text[: len(text) // 2])
-    _kill()
+def _block_writes(original, block):
+    """write_atomic_at with `block(original, dir_fd, name, data)` for block files; the index as usual."""
+    return lambda dir_fd, name, data: original(dir_fd, name, data) if name == disk.INDEX else block(original, dir_fd, name, data)
 
 
 KILL_POINTS = {
-    "inside a block file": ("write_atomic", lambda original: _torn_write),
-    "after the first block file": ("write_atomic", _after_first),
-    "inside the index": ("write_text_atomic", lambda original: _torn_index),
+    "inside a block file": ("write_atomic_at", lambda original: _block_writes(original, lambda o, *args: _torn(*args))),
+    "after the first block file": ("write_atomic_at", lambda original: _block_writes(original, lambda o, *args: (o(*args), _kill()))),
+    "inside the index": ("write_atomic_at", lambda original: lambda dir_fd, name, data: _torn(dir_fd, name, data) if name == disk.INDEX else original(dir_fd, name, data)),
     "after the index, before deleting": ("remove_unlisted", lambda original: lambda *args: _kill()),
 }
 
