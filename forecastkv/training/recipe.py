@@ -93,12 +93,7 @@ def _merge(base: dict, override: dict) -> dict:
     """`deep_merge`, strict: its one refusal (an unknown key, named by its dotted path) is a ConfigError."""
     if not isinstance(override, dict):
         raise ConfigError(f"a recipe must be a mapping, got a {type(override).__name__}")
-    try:
-        return deep_merge(base, override, strict=True, opaque=OPAQUE)
-    except ConfigError:
-        raise
-    except ValueError as error:
-        raise ConfigError(str(error)) from None
+    return _config_error(lambda: deep_merge(base, override, strict=True, opaque=OPAQUE))
 
 
 def load_recipe(config_path_or_dict, **overrides) -> dict:
@@ -119,7 +114,18 @@ def load_recipe(config_path_or_dict, **overrides) -> dict:
             recipe[SHORTCUTS[key]][key] = value
         else:
             recipe = _merge(recipe, {key: value})
+    _config_error(ObjectiveConfig.from_dict, recipe["objective"])  # its values, checked now: one line, not a traceback
     return recipe
+
+
+def _config_error(check, *args):
+    """`check(*args)`, whose ValueError (a value it refuses) becomes a ConfigError."""
+    try:
+        return check(*args)
+    except ConfigError:
+        raise
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
 
 
 def resolve_recipe(config_path_or_dict, **overrides) -> dict:
@@ -224,7 +230,7 @@ def check_against_model(recipe: dict, model, objective: ObjectiveConfig) -> None
     """The recipe's lengths against the model's context and sparse geometry, and the objective's
     teacher grid against the deployed one."""
     config, sparse = model.config, model.config.sparse
-    objective.check_against(sparse)
+    _config_error(objective.check_against, sparse)
     for key in ("seq_len", "eval_seq_len", "val_seq_len"):
         length = recipe["data"][key]
         if length is None:
