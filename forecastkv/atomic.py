@@ -35,6 +35,18 @@ def write_atomic(path: str | os.PathLike, write: Callable[[Path], None]) -> Path
     return path
 
 
+def remove_temporaries(folder: str | os.PathLike, name: str) -> list[Path]:
+    """Delete the temporaries `write_atomic` left for files matching `name` (a glob) in `folder`:
+    what a kill inside a write leaves (`.<name>.<random>.tmp`).  Returns the paths removed."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    removed = [p for p in folder.glob(f".{name}.*.tmp") if p.is_file()]
+    for path in removed:
+        path.unlink(missing_ok=True)
+    return removed
+
+
 def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
     """`write_atomic` for a UTF-8 text file."""
     return write_atomic(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))

@@ -11,6 +11,13 @@ moments, the torch / CUDA RNG states, ...) under its path in the state ("trainab
 non-string keys and no arrays, so those are tagged (`_encode`) and come back as they were
 (`random.setstate` needs its tuples, the optimizer its integer state keys).  Reading parses JSON
 and raw tensor bytes only; a pickled file (older `.pt` checkpoints, or anything else) is refused.
+
+Integrity: the metadata also holds a sha256 (`CHECKSUM_KEY`) of the JSON state and of every
+tensor's name, dtype, shape and bytes; `load_checkpoint` recomputes it and refuses a file whose
+bytes changed (`CheckpointCorrupt`).  `load_intact` resumes from the newest checkpoint that loads
+and verifies, warning about each newer one it skips (a truncated or bit-flipped newest checkpoint
+falls back to the previous one).  `remove_stale_temporaries` deletes what a kill inside an atomic
+write left behind (`.step-*.safetensors.*.tmp`, ...).
 """
 
 from __future__ import annotations
@@ -20,17 +27,35 @@ import json
 import os
 import random
 import re
+import warnings
 from pathlib import Path
 
 import torch
 
-from forecastkv.atomic import write_atomic
+from forecastkv.atomic import remove_temporaries, write_atomic
+from forecastkv.errors import UserInputError
 
 CHECKPOINT_DIR = "checkpoints"
 SUFFIX = ".safetensors"
 NAME = re.compile(r"^step-(\d+)\.safetensors$")
 STATE_KEY = "forecastkv.checkpoint"   # the metadata entry holding the JSON state
-FORMAT = 1                            # bumped when the layout changes
+CHECKSUM_KEY = "forecastkv.sha256"    # the metadata entry holding `state_checksum`
+FORMAT = 2                            # bumped when the layout changes (2: checksummed)
+READABLE = (1, 2)                     # format 1 (no checksum) still loads, unverified
+# the files a run directory holds, which `write_atomic` writes through `.<name>.<random>.tmp`
+RUN_FILES = ("forecast.safetensors", "forecast_config.json", "metrics.jsonl", "recall.md", "recipe.json")
+
+
+class CheckpointUnusable(UserInputError):
+    """A training checkpoint that cannot be resumed from (the message names the file and why)."""
+
+
+class CheckpointCorrupt(CheckpointUnusable):
+    """A checkpoint whose bytes do not match its checksum, or that cannot be read at all."""
+
+
+class CheckpointMissing(UserInputError, FileNotFoundError):
+    """A resume path that does not exist or holds no checkpoint."""
 
 # JSON tags of what JSON cannot hold as is (a dict with one of these keys is a tagged value)
 TENSOR, TUPLE, ITEMS, NDARRAY = "__tensor__", "__tuple__", "__items__", "__ndarray__"
@@ -160,34 +185,61 @@ def list_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+def state_checksum(meta: str, tensors: dict) -> str:
+    """sha256 of the JSON state `meta` and of every tensor (name, dtype, shape, bytes), in name order."""
+    digest = hashlib.sha256(meta.encode())
+    for name in sorted(tensors):
+        tensor = tensors[name].detach().cpu().contiguous()
+        digest.update(json.dumps([name, str(tensor.dtype), list(tensor.shape)]).encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def remove_stale_temporaries(output_dir: str | os.PathLike) -> list[Path]:
+    """Delete the temporaries a kill inside an atomic write left in a run directory (its
+    checkpoints and its own output files only); returns them."""
+    folder = Path(output_dir)
+    removed = remove_temporaries(folder / CHECKPOINT_DIR, f"step-*{SUFFIX}")
+    for name in RUN_FILES:
+        removed += remove_temporaries(folder, name)
+    return removed
+
+
 def save_checkpoint(output_dir: str | os.PathLike, step: int, state: dict, keep_last: int = 5) -> Path:
     """Write `state` (tensors, numbers, strings, lists, tuples, dicts) as
-    checkpoints/step-<step>.safetensors atomically, then delete all but the last `keep_last`."""
+    checkpoints/step-<step>.safetensors atomically, with its checksum, then delete all but the
+    last `keep_last`."""
     from safetensors.torch import save_file
 
     tensors: dict = {}
     meta = json.dumps({"format": FORMAT, "state": _encode(state, "", tensors)})
+    metadata = {STATE_KEY: meta, CHECKSUM_KEY: state_checksum(meta, tensors)}
     target = Path(output_dir) / CHECKPOINT_DIR / f"step-{step:06d}{SUFFIX}"
-    write_atomic(target, lambda tmp: save_file(tensors, str(tmp), metadata={STATE_KEY: meta}))
+    write_atomic(target, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
     if keep_last > 0:
         for old in list_checkpoints(output_dir)[:-keep_last]:
             old.unlink(missing_ok=True)
     return target
 
 
+def _run_dir(path: Path) -> Path:
+    return path.parent if path.name == CHECKPOINT_DIR else path
+
+
 def find_checkpoint(resume: str | os.PathLike) -> Path:
-    """`resume` may be a checkpoint file, a run's output directory or its checkpoints/ folder."""
+    """`resume` may be a checkpoint file, a run's output directory or its checkpoints/ folder
+    (then its newest checkpoint, intact or not: see `load_intact`)."""
     path = Path(resume)
     if path.is_file():
         return path
     if not path.is_dir():
-        raise FileNotFoundError(f"resume path {path} does not exist")
-    run_dir = path.parent if path.name == CHECKPOINT_DIR else path
+        raise CheckpointMissing(f"resume path {path} does not exist")
+    run_dir = _run_dir(path)
     found = list_checkpoints(run_dir)
     if not found:
         legacy = sorted((run_dir / CHECKPOINT_DIR).glob("step-*.pt"))
         note = f"; {len(legacy)} pickled .pt checkpoint(s) of an older version are not loaded (unpickling can run code)" if legacy else ""
-        raise FileNotFoundError(f"resume directory {path} holds no checkpoints ({CHECKPOINT_DIR}/step-*{SUFFIX}){note}")
+        raise CheckpointMissing(f"resume directory {path} holds no checkpoints ({CHECKPOINT_DIR}/step-*{SUFFIX}){note}")
     return found[-1]
 
 
@@ -201,14 +253,42 @@ def load_checkpoint(path: str | os.PathLike) -> dict:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             meta = f.metadata() or {}
             tensors = {name: f.get_tensor(name) for name in f.keys()}
-    except (SafetensorError, OSError) as error:
-        raise ValueError(
+    except (SafetensorError, OSError, RuntimeError) as error:
+        raise CheckpointCorrupt(
             f"{path} is not a forecastkv checkpoint (a safetensors file): {error}; pickled checkpoints "
             "(.pt, older versions) are not loaded, since unpickling can run arbitrary code"
         ) from error
     if STATE_KEY not in meta:
-        raise ValueError(f"{path} is a safetensors file without a forecastkv checkpoint state ({STATE_KEY!r} metadata)")
-    payload = json.loads(meta[STATE_KEY])
-    if payload.get("format") != FORMAT:
-        raise ValueError(f"{path} has checkpoint format {payload.get('format')!r}; this version reads format {FORMAT}")
+        raise CheckpointUnusable(f"{path} is a safetensors file without a forecastkv checkpoint state ({STATE_KEY!r} metadata)")
+    try:
+        payload = json.loads(meta[STATE_KEY])
+    except json.JSONDecodeError as error:
+        raise CheckpointCorrupt(f"{path} is corrupt: its checkpoint state is not JSON ({error})") from None
+    if payload.get("format") not in READABLE:
+        raise CheckpointUnusable(f"{path} has checkpoint format {payload.get('format')!r}; this version reads formats {READABLE}")
+    if payload["format"] >= 2:
+        expected = meta.get(CHECKSUM_KEY)
+        if expected is None or state_checksum(meta[STATE_KEY], tensors) != expected:
+            raise CheckpointCorrupt(f"{path} is corrupt: its bytes do not match the checksum written with it")
     return _decode(payload["state"], tensors)
+
+
+def load_intact(resume: str | os.PathLike) -> tuple[Path, dict]:
+    """(path, state) of the checkpoint `resume` names: that file, or in a run directory the newest
+    checkpoint that loads and matches its checksum.  Each newer one skipped (truncated, bit-flipped)
+    gets a warning; none intact is a ValueError naming why each failed."""
+    path = Path(resume)
+    newest = find_checkpoint(path)
+    if path.is_file():
+        return newest, load_checkpoint(newest)
+    failures = []
+    for candidate in reversed(list_checkpoints(_run_dir(path))):
+        try:
+            state = load_checkpoint(candidate)
+        except ValueError as error:
+            failures.append(str(error))
+            continue
+        for failure in failures:
+            warnings.warn(f"skipping a damaged checkpoint, resuming from {candidate.name}: {failure}", stacklevel=2)
+        return candidate, state
+    raise CheckpointUnusable(f"no intact checkpoint in {_run_dir(path)}: " + "; ".join(failures))
