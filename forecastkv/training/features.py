@@ -13,11 +13,20 @@ Memory: the model holds one layer's K/V at a time (each layer's cache is dropped
 cache keeps, per sequence, L x rows x (hidden + H x C) numbers, plus for "topk" about 3 x H x M
 per row (M supervised slots: int64 index, bool mask, fp32 target; M is fixed by the budget, not
 by T), independent of T^2.
+
+On disk (`save_part` / `load_part`): a run keeps each micro-batch's features beside its
+checkpoints (`<output_dir>/features/`), one safetensors file per micro-batch, named by a key over
+everything they depend on (the trainer's `feature_key`: base model, geometry, objective, backbone,
+rows, the tokens themselves), written atomically with a checksum.  A resume -- or a rerun after a
+kill during the build -- loads them instead of running the frozen model again.
 """
 
 from __future__ import annotations
 
+import json
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -82,6 +91,30 @@ class Features:
             None if parts[0].targets is None else [TopkTargets.cat([p.targets[i] for p in parts], dim=0) for i in layers],
         )
 
+    def to_tensors(self) -> dict:
+        """{name: tensor} of every cached tensor (`from_tensors` inverts it)."""
+        tensors = {"positions": self.positions, "cos": self.cos, "sin": self.sin, "query_sq": self.query_sq}
+        for group in ("inputs", "ckeys", "teachers"):
+            tensors.update({f"{group}/{i}": t for i, t in enumerate(getattr(self, group))})
+        for i, targets in enumerate(self.targets or []):
+            tensors.update({f"targets/{i}/{f}": getattr(targets, f) for f in TopkTargets._fields})
+        return tensors
+
+    @staticmethod
+    def from_tensors(tensors: dict, device=None) -> "Features":
+        def group(name: str) -> list:
+            count = sum(1 for key in tensors if key.startswith(f"{name}/") and key.count("/") == 1)
+            return [tensors[f"{name}/{i}"].to(device) for i in range(count)]
+
+        layers = len(group("ckeys"))
+        targets = None
+        if any(key.startswith("targets/") for key in tensors):
+            targets = [TopkTargets(*(tensors[f"targets/{i}/{f}"].to(device) for f in TopkTargets._fields)) for i in range(layers)]
+        return Features(
+            tensors["positions"].to(device), tensors["cos"].to(device), tensors["sin"].to(device), group("inputs"), group("ckeys"),
+            group("teachers"), tensors["query_sq"], targets,
+        )
+
     def nbytes(self) -> int:
         """Bytes held by the cached tensors."""
         tensors = [self.positions, self.cos, self.sin, *self.inputs, *self.ckeys, *self.teachers]
@@ -101,11 +134,15 @@ def cached_rows(length: int, row_start: int, count: int | None, generator: torch
 
 
 @torch.no_grad()
-def build_features(model, ids: torch.Tensor, rows: torch.Tensor, sparse, objective: ObjectiveConfig, backbone: str = "query") -> Features:
+def build_features(
+    model, ids: torch.Tensor, rows: torch.Tensor, sparse, objective: ObjectiveConfig, backbone: str = "query", on_layer_done=None,
+) -> Features:
     """Run the frozen `model` once over ids [B, T] and cache the rows `rows` [R] (int64, sorted).
 
     sparse: the geometry the heads are trained for; backbone: what the frozen model attends with
-    ("dense", "query" = its sparse attention routed by real queries, "forecast").
+    ("dense", "query" = its sparse attention routed by real queries, "forecast"); on_layer_done:
+    called with each layer's index once its features are cached (a progress bar; it may raise to
+    abandon the build).
     """
     inner = getattr(model, "model", model)
     config = inner.config
@@ -138,6 +175,8 @@ def build_features(model, ids: torch.Tensor, rows: torch.Tensor, sparse, objecti
             store["targets"].append(TopkTargets.cat(targets, dim=2))
         store["norms"].append(queries.float().pow(2).sum(-1).mean(dim=(0, 1)).cpu())  # [Hq]
         cache_layer.reset()  # nothing reads this layer's K/V again
+        if on_layer_done is not None:
+            on_layer_done(idx)
 
     with attending_with(inner, backbone_sparse_config(backbone, sparse)):
         inner(ids, layer_callback=on_layer)
@@ -156,3 +195,54 @@ def head_vectors(model, features: Features, layer: int) -> torch.Tensor:
     attn = inner.layers[owner].self_attn
     dtype = getattr(attn, projection).weight.dtype
     return attn.project_forecast(x.to(dtype), features.cos.to(dtype), features.sin.to(dtype), projection)
+
+
+# ----------------------------------------------------------------------------------------------
+# the on-disk cache
+# ----------------------------------------------------------------------------------------------
+
+CACHE_KEY = "forecastkv.features"       # metadata: {"key": ..., "build_s": ...}
+
+
+def save_part(path: Path, part: Features, key: str, build_seconds: float) -> Path:
+    """Write one micro-batch's features to `path` atomically, with its key, the seconds its build
+    took and a checksum (`checkpointing.state_checksum`)."""
+    from safetensors.torch import save_file
+
+    from forecastkv.atomic import write_atomic
+
+    from .checkpointing import CHECKSUM_KEY, state_checksum
+
+    tensors = {name: t.detach().cpu().contiguous() for name, t in part.to_tensors().items()}
+    meta = json.dumps({"key": key, "build_s": build_seconds})
+    metadata = {CACHE_KEY: meta, CHECKSUM_KEY: state_checksum(meta, tensors)}
+    return write_atomic(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
+
+
+def load_part(path: Path, key: str, device=None) -> tuple[Features, float, float] | None:
+    """(features, seconds their build took, seconds this load took) from `path`, or None when the
+    file is missing, written under another key, or damaged (a warning says so: it is rebuilt)."""
+    import warnings
+
+    from safetensors import safe_open
+
+    from .checkpointing import CHECKSUM_KEY, state_checksum
+
+    if not path.is_file():
+        return None
+    started = time.perf_counter()
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            metadata = f.metadata() or {}
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+        meta = json.loads(metadata[CACHE_KEY])
+        intact = metadata.get(CHECKSUM_KEY) == state_checksum(metadata[CACHE_KEY], tensors)
+    except Exception as error:  # any unreadable file is a miss: the features are rebuilt
+        warnings.warn(f"feature cache {path} is unreadable ({error}); rebuilding it", stacklevel=2)
+        return None
+    if not intact:
+        warnings.warn(f"feature cache {path} does not match its checksum; rebuilding it", stacklevel=2)
+        return None
+    if meta.get("key") != key:
+        return None
+    return Features.from_tensors(tensors, device), float(meta["build_s"]), time.perf_counter() - started

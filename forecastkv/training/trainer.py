@@ -28,8 +28,13 @@ Read top to bottom:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
+import shutil
+import signal
+import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,13 +43,14 @@ import torch
 
 from forecastkv.atomic import write_text_atomic
 from forecastkv.bundled import resolve_model_path
+from forecastkv.errors import ConfigError, UserInputError
 from forecastkv.modeling import selection as sel
 from forecastkv.modeling.forecast_init import apply_forecast_init, calibrate_forecast_scale
 from forecastkv.modeling.heads import scoring_head_name, trainable_head_names
 
 from . import checkpointing as ckpt
 from .data import ByteTokenizer, build_sequences, unvisited_windows
-from .features import Features, build_features, cached_rows, head_vectors
+from .features import Features, build_features, cached_rows, head_vectors, load_part, save_part
 from .objective import ObjectiveConfig, rows_kl
 from .recall import measure_recall_counts
 from .recipe import (  # noqa: F401  (DEFAULTS, load_recipe, rows_per_sequence: importable from here too)
@@ -85,7 +91,7 @@ def build_model(model_cfg: dict, device: torch.device):
     cuda = device.type == "cuda"
     dtypes = {"auto": torch.bfloat16 if cuda else torch.float32, "bfloat16": torch.bfloat16, "float32": torch.float32}
     if model_cfg["dtype"] not in dtypes:
-        raise ValueError(f"model.dtype={model_cfg['dtype']!r} is not one of {sorted(dtypes)}")
+        raise ConfigError(f"model.dtype={model_cfg['dtype']!r} is not one of {sorted(dtypes)}")
     if model_cfg["path"] is not None:
         base = resolve_model_path(model_cfg["path"])  # what from_pretrained reads (bundled names resolved)
         kwargs = {"forecast_weights": model_cfg["forecast_weights"]} if model_cfg["forecast_weights"] else {"forecast": forecast}
@@ -98,11 +104,11 @@ def build_model(model_cfg: dict, device: torch.device):
         model = ForecastKVForCausalLM(ForecastKVConfig(**settings))
         base = f"random:{model_cfg['seed']}"
     else:
-        raise ValueError("the recipe needs model.path (a checkpoint) or model.config (a random model)")
+        raise ConfigError("the recipe needs model.path (a checkpoint) or model.config (a random model)")
     if model.config.sparse is None:
         from forecastkv.modeling.configuration import list_presets
 
-        raise ValueError(
+        raise ConfigError(
             f"base model {base!r} has no sparse_config and the recipe gives none: set model.sparse_config "
             f"to a preset name {list_presets()} or a dict of sparse_config keys"
         )
@@ -146,17 +152,102 @@ def _seeded(*parts: int) -> torch.Generator:
     return torch.Generator().manual_seed(value)
 
 
-def build_round(model, batch: torch.Tensor, first_chunk: int, round_index: int, recipe: dict, objective: ObjectiveConfig, device) -> list[Features]:
+FEATURE_DIR = "features"      # <output_dir>/features/: the current round's cached features
+FEATURE_FORMAT = 1            # bumped when what a feature file holds changes
+
+
+@dataclass
+class RoundCache:
+    """Where and under what identity a run keeps its rounds' features (`build_round`); None
+    `folder`: no disk cache.  identity: what every feature file's key covers besides its own
+    tokens and rows (`feature_identity`)."""
+
+    folder: Path | None
+    identity: dict
+    built: int = 0            # micro-batches built by this call
+    loaded: int = 0           # micro-batches read from the cache
+    load_s: float = 0.0       # seconds those reads took
+    saved_s: float = 0.0      # seconds their builds had taken: the time the cache saved
+
+
+def feature_identity(recipe: dict, model, fingerprint: str, device, mixed: str) -> dict:
+    """What a micro-batch's cached features depend on besides its tokens and round: the base model
+    (fingerprint, path / random config), its dtype and device, the geometry, the objective, the
+    backbone, the cached rows' range and seed, the torch version."""
+    data, train, model_cfg = recipe["data"], recipe["train"], recipe["model"]
+    identity = {
+        "format": FEATURE_FORMAT, "fingerprint": fingerprint, "path": model_cfg["path"], "config": model_cfg["config"],
+        "model_seed": model_cfg["seed"], "dtype": str(next(model.parameters()).dtype), "device": torch.device(device).type,
+        "mixed_precision": mixed, "sparse": model.config.sparse.to_dict(), "objective": recipe["objective"],
+        "backbone": model_cfg["backbone"], "seq_len": data["seq_len"], "row_start": data["row_start"],
+        "cache_rows": data["cache_rows"], "seed": train["seed"], "torch": torch.__version__,
+    }
+    return json.loads(json.dumps(identity, default=str))
+
+
+def feature_key(identity: dict, ids: torch.Tensor, round_index: int, chunk: int, model) -> str:
+    """sha256 over `identity`, the round and micro-batch (which seed the cached rows), the token
+    ids, and -- when the frozen model attends with the heads themselves (backbone "forecast") --
+    the heads' current bytes."""
+    digest = hashlib.sha256(json.dumps({**identity, "round": round_index, "chunk": chunk}, sort_keys=True).encode())
+    digest.update(ids.detach().cpu().to(torch.int64).contiguous().numpy().tobytes())
+    if identity["backbone"] == "forecast":
+        for _, p in forecast_heads(model):
+            digest.update(p.detach().float().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _part_path(folder: Path, round_index: int, chunk: int, key: str) -> Path:
+    return folder / f"round-{round_index:06d}-chunk-{chunk:05d}-{key[:16]}.safetensors"
+
+
+def _drop_older_rounds(folder: Path, chunks: range, round_index: int) -> None:
+    """Delete this process's cached micro-batches of rounds before `round_index`: a run keeps one round."""
+    for chunk in chunks:
+        for path in folder.glob(f"round-*-chunk-{chunk:05d}-*.safetensors"):
+            if int(path.name.split("-")[1]) < round_index:
+                path.unlink(missing_ok=True)
+
+
+def build_round(
+    model, batch: torch.Tensor, first_chunk: int, round_index: int, recipe: dict, objective: ObjectiveConfig, device,
+    cache: RoundCache | None = None, on_layer_done=None,
+) -> list[Features]:
     """Cached features of this process's sequences batch [n, T], one `Features` per micro-batch
     (`Features.merge` joins them); micro-batch k (global index first_chunk + k) caches rows drawn
-    with seed (seed, round, chunk)."""
+    with seed (seed, round, chunk).  With a `cache` folder each micro-batch is read from it when
+    its key matches, else built and written there; on_layer_done(layers) is called as layers are
+    done (read ones count whole)."""
     data, train = recipe["data"], recipe["train"]
     sparse = model.config.sparse
+    layers = model.config.num_hidden_layers
     micro, parts = train["micro_batch"], []
+    folder = cache.folder if cache is not None else None
+    if folder is not None:
+        _drop_older_rounds(folder, range(first_chunk, first_chunk + -(-batch.shape[0] // micro)), round_index)
     for k, start in enumerate(range(0, batch.shape[0], micro)):
-        rows = cached_rows(batch.shape[1], data["row_start"], data["cache_rows"], _seeded(train["seed"], round_index, first_chunk + k))
-        ids = batch[start : start + micro].to(device)
-        parts.append(build_features(model, ids, rows, sparse, objective, recipe["model"]["backbone"]))
+        chunk = first_chunk + k
+        ids = batch[start : start + micro]
+        path = None
+        if folder is not None:
+            key = feature_key(cache.identity, ids, round_index, chunk, model)
+            path = _part_path(folder, round_index, chunk, key)
+            found = load_part(path, key, device)
+            if found is not None:
+                part, cache.saved_s, cache.load_s = found[0], cache.saved_s + found[1], cache.load_s + found[2]
+                cache.loaded += 1
+                parts.append(part)
+                if on_layer_done is not None:
+                    on_layer_done(layers)
+                continue
+        started = time.perf_counter()
+        rows = cached_rows(batch.shape[1], data["row_start"], data["cache_rows"], _seeded(train["seed"], round_index, chunk))
+        done = None if on_layer_done is None else (lambda idx: on_layer_done(1))
+        part = build_features(model, ids.to(device), rows, sparse, objective, recipe["model"]["backbone"], done)
+        parts.append(part)
+        if path is not None:
+            save_part(path, part, key, time.perf_counter() - started)
+            cache.built += 1
     return parts
 
 
@@ -252,14 +343,21 @@ def calibrate_from_features(model, parts: list[Features], accelerator) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
-def evaluate(model, sequences: torch.Tensor, start: int, backbone: str, accelerator) -> dict:
+def evaluate(model, sequences: torch.Tensor, start: int, backbone: str, accelerator, progress: str | None = None, check=None) -> dict:
     """Held-out forecast recall (`recall.measure_recall_counts`), sequences split over
-    processes, counts summed; returns `RecallReport.to_dict()`."""
+    processes, counts summed; returns `RecallReport.to_dict()`.  progress: a bar with this
+    label (this process's sequences); check: called before each sequence (it may raise to stop)."""
     rank, world = accelerator.process_index, accelerator.num_processes
     counts = torch.zeros(model.config.num_hidden_layers, 3, dtype=torch.float64)
+    mine = range(rank, sequences.shape[0], world)
+    bar = _bar(progress, len(mine))
     with accelerator.autocast():
-        for row in range(rank, sequences.shape[0], world):
+        for row in mine:
+            if check is not None:
+                check()
             counts += measure_recall_counts(model, sequences[row : row + 1].to(accelerator.device), start, backbone)
+            bar.update(1)
+    bar.close()
     if world > 1:
         counts = accelerator.reduce(counts.to(accelerator.device), reduction="sum").cpu()
     length = sequences.shape[1]
@@ -267,20 +365,24 @@ def evaluate(model, sequences: torch.Tensor, start: int, backbone: str, accelera
 
 
 @torch.no_grad()
-def guard_layers(model, start_heads: dict, sequences: torch.Tensor, start: int, backbone: str, accelerator) -> dict:
+def guard_layers(model, start_heads: dict, sequences: torch.Tensor, start: int, backbone: str, accelerator, progress: bool = False, check=None) -> dict:
     """Give each layer whose validation recall fell below its starting head's the starting head back.
 
     start_heads: {name: tensor} as `forecast_heads` before training; sequences [N, T] validation
-    windows.  Returns {"start": recall per layer, "trained": recall per layer, "restored": [layers]}.
+    windows; progress: bars; check: see `evaluate` (the trained heads are back in place if it
+    raises).  Returns {"start": recall per layer, "trained": recall per layer, "restored": [layers]}.
     """
     heads = dict(forecast_heads(model))
     trained = {name: p.detach().clone() for name, p in heads.items()}
-    for name, p in heads.items():
-        p.copy_(start_heads[name].to(p.device))
-    before = evaluate(model, sequences, start, backbone, accelerator)
-    for name, p in heads.items():
-        p.copy_(trained[name])
-    after = evaluate(model, sequences, start, backbone, accelerator)
+    label = f"guard ({sequences.shape[0]} unseen windows), %s heads"
+    try:
+        for name, p in heads.items():
+            p.copy_(start_heads[name].to(p.device))
+        before = evaluate(model, sequences, start, backbone, accelerator, label % "starting" if progress else None, check)
+    finally:
+        for name, p in heads.items():
+            p.copy_(trained[name])
+    after = evaluate(model, sequences, start, backbone, accelerator, label % "trained" if progress else None, check)
     restored = []
     for layer, (old, new) in enumerate(zip(before["recall"], after["recall"])):
         name = scoring_head_name(layer)
@@ -324,7 +426,7 @@ def _tokenizer(data_cfg: dict, model, path: str | None):
         return ByteTokenizer(model.config.vocab_size)
     source = data_cfg["tokenizer"] or path
     if source is None:
-        raise ValueError("data.tokenizer is needed for a random model (use 'bytes' or a tokenizer path)")
+        raise ConfigError("data.tokenizer is needed for a random model (use 'bytes' or a tokenizer path)")
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(source))
@@ -361,19 +463,19 @@ def _optimizer(params: list, train: dict):
 
 
 def _resume(resume, model, optimizer, scheduler, data, fingerprint: str, base: str) -> Progress:
-    """Load the checkpoint `resume` names (a file or a run directory) into the heads, optimizer,
-    scheduler, data stream and RNGs; returns the run's progress at its step.  A checkpoint of
-    another base model, or of other heads, is refused."""
-    path = ckpt.find_checkpoint(resume)
-    state = ckpt.load_checkpoint(path)
+    """Load the checkpoint `resume` names (a file, or a run directory's newest intact one:
+    `checkpointing.load_intact`) into the heads, optimizer, scheduler, data stream and RNGs;
+    returns the run's progress at its step.  A checkpoint of another base model, or of other
+    heads, is refused."""
+    path, state = ckpt.load_intact(resume)
     if state["fingerprint"] != fingerprint:
-        raise ValueError(
+        raise UserInputError(
             f"resume checkpoint {path} was written for base model {state['base_model']!r} "
             f"(fingerprint {state['fingerprint']}), but this run uses {base!r} (fingerprint {fingerprint})"
         )
     heads = dict(forecast_heads(model))
     if set(state["trainable"]) != set(heads):
-        raise ValueError(f"resume checkpoint {path} holds tensors {sorted(state['trainable'])[:3]}..., this model trains {sorted(heads)[:3]}...")
+        raise UserInputError(f"resume checkpoint {path} holds tensors {sorted(state['trainable'])[:3]}..., this model trains {sorted(heads)[:3]}...")
     with torch.no_grad():
         for name, tensor in state["trainable"].items():
             heads[name].copy_(tensor.to(heads[name].device))
@@ -416,9 +518,135 @@ def _guard_note(guard: dict | None) -> str:
     )
 
 
+def _bar(label: str | None, total: int, **kwargs):
+    """A tqdm bar on stderr with `label` (None: a disabled one)."""
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=label, disable=label is None, dynamic_ncols=True, file=sys.stderr, **kwargs)
+
+
+def recall_change(history: list) -> str | None:
+    """One line comparing the first evaluation (step 0: the starting heads) with the last, or None
+    when the run has no step-0 evaluation.  A fall says so first."""
+    if len(history) < 2 or history[0]["step"] != 0:
+        return None
+    before, after = history[0]["mean_recall"], history[-1]["mean_recall"]
+    change = f"{before:.4f} (step 0) -> {after:.4f} (step {history[-1]['step']})"
+    if after < before:
+        return (f"WARNING: mean forecast recall FELL {change}: the trained heads select worse than their start on the "
+                f"held-out text; the starting heads, or fewer steps / a lower lr, may serve better")
+    return f"mean forecast recall rose {change}" if after > before else f"mean forecast recall unchanged: {change}"
+
+
 def _speed(steps: int, step_seconds: float, feature_seconds: float) -> dict:
     """steps_per_s counts optimizer steps over the time spent in them (cached features excluded)."""
     return {"steps_per_s": steps / max(step_seconds, 1e-9), "feature_s": feature_seconds, "step_s": step_seconds}
+
+
+# ----------------------------------------------------------------------------------------------
+# the run directory, signals
+# ----------------------------------------------------------------------------------------------
+
+
+class RunExists(UserInputError):
+    """A fresh run into the directory of a finished one: refused (nothing is retrained)."""
+
+
+class TrainingInterrupted(KeyboardInterrupt):
+    """SIGINT / SIGTERM stopped the run; `checkpoint` holds its last step (None: no step was done).
+    `exit_status` is 128 + the signal's number (130 for SIGINT), as a shell reports it."""
+
+    def __init__(self, signum: int, step: int, checkpoint: Path | None, output_dir: Path) -> None:
+        self.signum, self.step, self.checkpoint, self.output_dir = signum, step, checkpoint, output_dir
+        self.exit_status = 128 + int(signum)
+        super().__init__(self.message())
+
+    def message(self) -> str:
+        name = signal.Signals(self.signum).name
+        if self.checkpoint is None:
+            return (f"{name}: stopped before the first step; nothing to save (features built so far are kept in "
+                    f"{self.output_dir / FEATURE_DIR}); run the same command again to start")
+        return (f"{name}: stopped at step {self.step}, saved {self.checkpoint}; resume with: "
+                f"forecastkv train-forecast --resume {self.output_dir}")
+
+
+class _Stop(Exception):
+    """Raised at a safe point once a stop signal arrived (caught by `train_forecast`)."""
+
+
+class _Signals:
+    """SIGINT / SIGTERM set a flag that the run reads at safe points (after a step, between layers
+    of a feature build, between evaluated sequences); a second signal stops at once.  Installed
+    only in the main thread; the previous handlers come back on exit."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self.previous: dict = {}
+
+    def _handle(self, signum, frame) -> None:
+        if self.received is not None:
+            raise KeyboardInterrupt(f"second {signal.Signals(signum).name}: stopping without a checkpoint")
+        self.received = signum
+
+    def __enter__(self) -> "_Signals":
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self.previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+def _say(main: bool, text: str) -> None:
+    """One line on stderr from the main process (through tqdm, so an open bar is not torn)."""
+    if main:
+        from tqdm.auto import tqdm
+
+        tqdm.write(text, file=sys.stderr)
+
+
+def _finished(state: dict) -> bool:
+    return state["step"] >= state["recipe"]["train"]["steps"]
+
+
+def prepare_run_dir(out_dir: Path, overwrite: bool, main: bool) -> str | None:
+    """Decide what a run without `resume` does with `out_dir`; returns the directory to resume
+    from, or None for a fresh start.
+
+    * empty / new: a fresh start;
+    * a finished run (its newest intact checkpoint reached its recipe's train.steps, and its
+      forecast.safetensors is written): refused with `RunExists` -- it is never retrained silently;
+    * an interrupted run (a checkpoint short of its steps, or a finished one killed before its
+      weights were written): resumed from its newest intact checkpoint;
+    * rows in metrics.jsonl but no checkpoint (killed before the first save): a fresh start, the
+      old rows dropped.
+    overwrite: delete the previous run's checkpoints and outputs (not its feature cache, whose
+    files are keyed by what they depend on) and start fresh.  Each choice is said in one line.
+    """
+    found = ckpt.list_checkpoints(out_dir)
+    if overwrite:
+        if main and (found or (out_dir / "metrics.jsonl").exists()):
+            shutil.rmtree(out_dir / ckpt.CHECKPOINT_DIR, ignore_errors=True)
+            for name in ckpt.RUN_FILES:
+                (out_dir / name).unlink(missing_ok=True)
+            _say(main, f"--overwrite: deleted the previous run's checkpoints and outputs in {out_dir}; starting again")
+        return None
+    if found:
+        path, state = ckpt.load_intact(out_dir)
+        steps = state["recipe"]["train"]["steps"]
+        if _finished(state) and (out_dir / "forecast.safetensors").is_file():
+            raise RunExists(
+                f"{out_dir} holds a finished run (step {state['step']} of {steps}); nothing was retrained: pass "
+                f"--resume {out_dir} --steps N to train it further, --overwrite to start again, or another --output"
+            )
+        _say(main, f"resuming the interrupted run in {out_dir} from step {state['step']} of {steps} ({path.name}); "
+                   "--overwrite starts it again instead")
+        return str(path)
+    if (out_dir / "metrics.jsonl").exists():
+        _say(main, f"starting again in {out_dir}: the interrupted run there left no checkpoint (its metrics.jsonl is dropped)")
+    return None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -426,29 +654,45 @@ def _speed(steps: int, step_seconds: float, feature_seconds: float) -> dict:
 # ----------------------------------------------------------------------------------------------
 
 
-def train_forecast(config_path_or_dict, **overrides) -> TrainResult:
+def train_forecast(config_path_or_dict, overwrite: bool = False, **overrides) -> TrainResult:
     """Train the Forecast heads with the recipe `config_path_or_dict` (a YAML path or a dict).
 
     overrides: `output_dir=`, `resume=` (a run directory or checkpoint file), `max_steps=`,
-    `steps=`, or whole sections (`train={...}`, `data={...}`, ...).  Returns a `TrainResult`.
+    `steps=`, or whole sections (`train={...}`, `data={...}`, ...).  Without `resume`, a directory
+    holding an interrupted run resumes it, one holding a finished run is refused (`RunExists`),
+    unless overwrite (`prepare_run_dir`).  SIGINT / SIGTERM (from the start of the call) save a
+    checkpoint at the next safe point and raise `TrainingInterrupted`.  Returns a `TrainResult`.
     """
-    from accelerate import Accelerator
-    from tqdm.auto import tqdm
+    with _Signals() as signals:
+        return _train(config_path_or_dict, overwrite, overrides, signals)
 
-    # -- recipe, processes, model, data, optimizer ---------------------------------------------
+
+def _train(config_path_or_dict, overwrite: bool, overrides: dict, signals: "_Signals") -> TrainResult:
+    """`train_forecast`'s body, under its signal handlers."""
+    from accelerate import Accelerator
+
+    # -- recipe, processes, run directory ------------------------------------------------------
     recipe = resolve_recipe(config_path_or_dict, **overrides)
     ckpt.check_storable(recipe, "recipe")   # fail now, not at the first checkpoint
     train, data_cfg = recipe["train"], recipe["data"]
     objective = ObjectiveConfig.from_dict(recipe["objective"])
     cuda = torch.cuda.is_available()
-    accelerator = Accelerator(cpu=not cuda, mixed_precision="bf16" if cuda and recipe["model"]["dtype"] != "float32" else "no")
+    mixed = "bf16" if cuda and recipe["model"]["dtype"] != "float32" else "no"
+    accelerator = Accelerator(cpu=not cuda, mixed_precision=mixed)
     rank, world, main = accelerator.process_index, accelerator.num_processes, accelerator.is_main_process
     check_recipe(recipe, world)
+    out_dir = Path(recipe["output_dir"])
+    if main:
+        for stale in ckpt.remove_stale_temporaries(out_dir):
+            _say(main, f"removed {stale}, left by a write a kill interrupted")
+    if not recipe["resume"]:
+        recipe["resume"] = prepare_run_dir(out_dir, overwrite, main)
     torch.manual_seed(train["seed"])
     random.seed(train["seed"])
     if train["threads"] is not None:
         torch.set_num_threads(train["threads"])
 
+    # -- model, data, optimizer ----------------------------------------------------------------
     model, base = build_model(recipe["model"], accelerator.device)
     check_against_model(recipe, model, objective)
     fresh_heads = not recipe["model"]["forecast_weights"]
@@ -460,12 +704,13 @@ def train_forecast(config_path_or_dict, **overrides) -> TrainResult:
     optimizer, scheduler = _optimizer(params, train)
 
     # -- resume, outputs -----------------------------------------------------------------------
-    out_dir = Path(recipe["output_dir"])
     metrics_path = out_dir / "metrics.jsonl"
     run = _resume(recipe["resume"], model, optimizer, scheduler, data, fingerprint, base) if recipe["resume"] else Progress()
     if main:
         if recipe["resume"]:
             _truncate_metrics(metrics_path, run.step)
+        else:
+            metrics_path.unlink(missing_ok=True)
         out_dir.mkdir(parents=True, exist_ok=True)
         write_text_atomic(out_dir / "recipe.json", json.dumps({**recipe, "processes": world}, indent=2, default=str))
 
@@ -475,13 +720,47 @@ def train_forecast(config_path_or_dict, **overrides) -> TrainResult:
     first_chunk = rank * per_rank // micro   # global index of this process's first micro-batch
     denominator = float(train["global_batch"] * model.config.num_key_value_heads * rows_per_sequence(recipe))
     round_start = data.state_dict()          # the data position the current round was taken at
+    show = main and train["progress"]
+    cache = RoundCache(out_dir / FEATURE_DIR, feature_identity(recipe, model, fingerprint, accelerator.device, mixed))
+    layers = model.config.num_hidden_layers
+
+    def stop_requested() -> bool:
+        """Whether a stop signal arrived, agreed by every process (a safe point for all)."""
+        flag = torch.tensor([1.0 if signals.received is not None else 0.0])
+        if world > 1:
+            flag = accelerator.reduce(flag.to(accelerator.device), reduction="sum").cpu()
+        return bool(flag.item() > 0)
+
+    def check_local() -> None:
+        """A safe point inside work no other process waits on (one process only)."""
+        if world == 1 and signals.received is not None:
+            raise _Stop
 
     def next_round(step: int) -> Features:
         """Cache the next global batch's features (this process's slice); the first round also
         calibrates fresh heads and keeps the starting heads for the guard."""
         batch = data.take(train["global_batch"])[rank * per_rank : (rank + 1) * per_rank]
-        with accelerator.autocast():
-            parts = build_round(model, batch, first_chunk, step // per_round, recipe, objective, accelerator.device)
+        count = -(-batch.shape[0] // micro)
+        bar = _bar(f"features, round {step // per_round} ({batch.shape[0]} sequences x {layers} layers)" if show else None,
+                   count * layers, unit="layer", leave=False)
+
+        def on_layer_done(n: int) -> None:
+            bar.update(n)
+            check_local()
+
+        before = (cache.built, cache.loaded, cache.saved_s, cache.load_s)
+        started = time.perf_counter()
+        try:
+            with accelerator.autocast():
+                parts = build_round(model, batch, first_chunk, step // per_round, recipe, objective, accelerator.device, cache, on_layer_done)
+        finally:
+            bar.close()
+        built, loaded = cache.built - before[0], cache.loaded - before[1]
+        note = f"built {built} in {time.perf_counter() - started:.1f} s" if built else ""
+        if loaded:
+            saved, took = cache.saved_s - before[2], cache.load_s - before[3]
+            note += ("; " if note else "") + f"read {loaded} from the run's cache in {took:.1f} s (building them took {saved:.1f} s)"
+        _say(show, f"features, round {step // per_round}: {count} micro-batch{'es' if count != 1 else ''} of this process: {note}")
         if step == 0 and fresh_heads and recipe["model"]["calibrate_init"]:
             calibrate_from_features(model, parts, accelerator)
         if step == 0 and val_seqs is not None:
@@ -490,69 +769,100 @@ def train_forecast(config_path_or_dict, **overrides) -> TrainResult:
 
     def run_eval(step: int) -> None:
         if eval_seqs is not None:
-            result = {"step": step, **evaluate(model, eval_seqs, eval_window(data_cfg)[1], data_cfg["eval_backbone"], accelerator)}
+            label = f"recall at step {step} ({eval_seqs.shape[0]} held-out sequences)" if show else None
+            result = {"step": step, **evaluate(model, eval_seqs, eval_window(data_cfg)[1], data_cfg["eval_backbone"], accelerator, label, check_local)}
             run.history.append(result)
             if main:
                 _append_metrics(metrics_path, {"step": step, "eval": result})
 
-    def save(step: int) -> None:
+    saved = {"step": run.step if recipe["resume"] else None, "path": None}
+
+    def save(step: int, position: dict | None = None) -> None:
         if main:
-            # mid-round: the round's start, so a resume rebuilds the same cached features
-            position = round_start if step % per_round else data.state_dict()
-            ckpt.save_checkpoint(out_dir, step, {
+            # mid-round: the round's start, so a resume rebuilds (or reads) the same cached features
+            if position is None:
+                position = round_start if step % per_round else data.state_dict()
+            saved["path"] = ckpt.save_checkpoint(out_dir, step, {
                 "step": step, "trainable": _head_copy(model), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                 "rng": ckpt.rng_state(), "data": position, "recipe": recipe, "fingerprint": fingerprint, "base_model": base,
                 "sparse_config": model.config.sparse.to_dict(), "forecast": model.config.forecast_config.to_dict(),
                 "history": run.history, "losses": run.losses, "start_heads": run.start_heads, "guard": run.guard,
             }, train["keep_last"])
+        saved["step"] = step
         accelerator.wait_for_everyone()
 
-    # -- the loop ------------------------------------------------------------------------------
-    bar = tqdm(total=train["steps"], initial=run.step, disable=not (main and train["progress"]), desc="forecast", dynamic_ncols=True)
-    if run.step == 0 and train["eval_every"] >= 0 and train["eval_at_start"]:
-        run_eval(0)
     features, feature_seconds, step_seconds, steps_run = None, 0.0, 0.0, 0
-    for step in range(run.step, end):        # `step` optimizer steps are done; this one makes step + 1
-        if features is None or step % per_round == 0:
-            round_start, features = data.state_dict(), None   # free the previous round first
+    bar = None
+    building = False
+    try:
+        # -- the loop ----------------------------------------------------------------------
+        if run.step == 0 and train["eval_every"] >= 0 and train["eval_at_start"]:
+            run_eval(0)
+        for step in range(run.step, end):        # `step` optimizer steps are done; this one makes step + 1
+            if features is None or step % per_round == 0:
+                round_start, features = data.state_dict(), None   # free the previous round first
+                started, building = time.time(), True
+                features = next_round(step)
+                feature_seconds += time.time() - started
+                if stop_requested():
+                    raise _Stop   # the data stream already moved past this round: save its start
+                building = False
+            if bar is None:   # after the first round's features: its rate (and ETA) counts steps only
+                bar = _bar("forecast" if show else None, train["steps"], initial=run.step)
             started = time.time()
-            features = next_round(step)
-            feature_seconds += time.time() - started
-        started = time.time()
-        optimizer.zero_grad(set_to_none=True)
-        loss = backward_step(model, params, features, first_chunk, step, recipe, objective, denominator, accelerator)
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, train["grad_clip"]))
-        lr = scheduler.get_last_lr()[0]
-        optimizer.step()
-        scheduler.step()
-        step_seconds += time.time() - started
-        steps_run += 1
-        run.step = done = step + 1
-        run.losses.append((done, loss))
-        if main and (done % train["log_every"] == 0 or done == end):
-            _append_metrics(metrics_path, {"step": done, "loss": loss, "grad_norm": grad_norm, "lr": lr, **_speed(steps_run, step_seconds, feature_seconds)})
-        if train["eval_every"] > 0 and done % train["eval_every"] == 0 and done < end:
-            run_eval(done)
-        bar.set_postfix({"loss": f"{loss:.4f}", **({"recall": f"{run.history[-1]['mean_recall']:.3f}"} if run.history else {})})
-        bar.update(1)
-        if done % train["save_every"] == 0 and done < end:
-            save(done)
-    bar.close()
+            optimizer.zero_grad(set_to_none=True)
+            loss = backward_step(model, params, features, first_chunk, step, recipe, objective, denominator, accelerator)
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, train["grad_clip"]))
+            lr = scheduler.get_last_lr()[0]
+            optimizer.step()
+            scheduler.step()
+            step_seconds += time.time() - started
+            steps_run += 1
+            run.step = done = step + 1
+            run.losses.append((done, loss))
+            if main and (done % train["log_every"] == 0 or done == end):
+                _append_metrics(metrics_path, {"step": done, "loss": loss, "grad_norm": grad_norm, "lr": lr, **_speed(steps_run, step_seconds, feature_seconds)})
+            if train["eval_every"] > 0 and done % train["eval_every"] == 0 and done < end:
+                run_eval(done)
+            bar.set_postfix({"loss": f"{loss:.4f}", **({"recall": f"{run.history[-1]['mean_recall']:.3f}"} if run.history else {})})
+            bar.update(1)
+            if done % train["save_every"] == 0 and done < end:
+                save(done)
+            if stop_requested():
+                raise _Stop
+        if bar is not None:
+            bar.close()
 
-    # -- the end: guard, last evaluation, checkpoint, weights ----------------------------------
-    if val_seqs is not None and run.guard is None and run.step >= train["steps"]:  # not when max_steps cut the run short
-        if run.start_heads is None:
-            raise ValueError("data.val_sequences > 0, but the resumed checkpoint holds no starting heads to guard with")
-        run.guard = guard_layers(model, run.start_heads, val_seqs, val_window(data_cfg)[1], data_cfg["eval_backbone"], accelerator)
-        if main:
-            _append_metrics(metrics_path, {"step": run.step, "guard": run.guard})
-        if run.history and run.history[-1]["step"] == run.step:
-            run.history.pop()  # measured before the guard gave layers their starting heads back
-    if train["eval_every"] >= 0 and (not run.history or run.history[-1]["step"] != run.step):
-        run_eval(run.step)
+        # -- the end: guard, last evaluation -----------------------------------------------
+        if val_seqs is not None and run.guard is None and run.step >= train["steps"]:  # not when max_steps cut the run short
+            if run.start_heads is None:
+                raise UserInputError("data.val_sequences > 0, but the resumed checkpoint holds no starting heads to guard with")
+            guard = guard_layers(model, run.start_heads, val_seqs, val_window(data_cfg)[1], data_cfg["eval_backbone"], accelerator, show, check_local)
+            run.guard = guard
+            if main:
+                _append_metrics(metrics_path, {"step": run.step, "guard": run.guard})
+            if run.history and run.history[-1]["step"] == run.step:
+                run.history.pop()  # measured before the guard gave layers their starting heads back
+        if train["eval_every"] >= 0 and (not run.history or run.history[-1]["step"] != run.step):
+            run_eval(run.step)
+    except _Stop:
+        if bar is not None:
+            bar.close()
+        if run.step > 0 and saved["step"] != run.step:
+            _say(main, f"{signal.Signals(signals.received).name}: writing a checkpoint at step {run.step}")
+            save(run.step, round_start if building else None)
+        path = saved["path"] or (ckpt.find_checkpoint(out_dir) if run.step > 0 else None)
+        raise TrainingInterrupted(signals.received, run.step, path, out_dir) from None
+
+    # -- checkpoint, weights -------------------------------------------------------------------
+    _say(show, f"writing the last checkpoint and {out_dir / 'forecast.safetensors'}")
     save(run.step)
     if main:
         model.save_forecast_weights(out_dir, base_model=base)
         write_text_atomic(out_dir / "recall.md", _recall_table(run.history) + _guard_note(run.guard))
+        if run.step >= train["steps"]:   # finished: nothing resumes into its rounds again
+            shutil.rmtree(out_dir / FEATURE_DIR, ignore_errors=True)
     accelerator.wait_for_everyone()
-    return TrainResult(out_dir, run.step, model, run.history, run.losses, _speed(steps_run, step_seconds, feature_seconds), run.guard)
+    speed = {**_speed(steps_run, step_seconds, feature_seconds), "features_built": cache.built, "features_read": cache.loaded,
+             "feature_read_s": cache.load_s, "feature_saved_s": cache.saved_s}
+    return TrainResult(out_dir, run.step, model, run.history, run.losses, speed, run.guard)
