@@ -760,7 +760,7 @@ def _train(config_path_or_dict, overwrite: bool, overrides: dict, signals: "_Sig
         if loaded:
             saved, took = cache.saved_s - before[2], cache.load_s - before[3]
             note += ("; " if note else "") + f"read {loaded} from the run's cache in {took:.1f} s (building them took {saved:.1f} s)"
-        _say(show, f"features, round {step // per_round}: {count} micro-batch{'es' if count != 1 else ''} of this process: {note}")
+        _say(show or (main and loaded > 0), f"features, round {step // per_round}: {count} micro-batch{'es' if count != 1 else ''} of this process: {note}")
         if step == 0 and fresh_heads and recipe["model"]["calibrate_init"]:
             calibrate_from_features(model, parts, accelerator)
         if step == 0 and val_seqs is not None:
