@@ -9,7 +9,9 @@ Two layouts of the selected keys, one kernel:
 
 Semantics are those of `modeling.attention.attend` on the keys `SparseCacheLayer.blocks()`
 returns: softmax(q.k * scale + bias) over the valid keys, in fp32, GQA group g of KV head h being
-query heads h*G .. h*G+G-1.  A row with no valid key returns zeros and log-sum-exp -inf.  A block
+query heads h*G .. h*G+G-1.  A row with no valid key returns zeros and log-sum-exp -inf, and
+rows that are not keys (an empty slot, a -1 entry, positions >= length) are never read into the
+result, whatever they hold (NaN included), so partial attentions merge without NaN.  A block
 id listed twice is attended twice (as `blocks()` + `attend` do); canonical selections have none.
 """
 
@@ -160,7 +162,10 @@ def validate_blocks(q, k_cache, v_cache, block_ids, lengths, block_size, scale=N
 
 
 def _attend_fp32(q, keys, values, allowed, bias, scale, out, lse):
-    """q [B, Hq, d]; keys/values [B, H, L, d]; allowed [B, H, L]; bias [B, H, L] or None."""
+    """q [B, Hq, d]; keys/values [B, H, L, d]; allowed [B, H, L]; bias [B, H, L] or None.
+
+    Rows that are not allowed contribute nothing whatever they hold (an empty slot may be NaN):
+    their logits become -inf by masked_fill and their values 0, since 0 * NaN would be NaN."""
     batch, q_heads, dim = q.shape
     heads = keys.shape[1]
     qf = q.float().reshape(batch, heads, q_heads // heads, dim)
@@ -170,7 +175,8 @@ def _attend_fp32(q, keys, values, allowed, bias, scale, out, lse):
     logits = logits.masked_fill(~allowed.unsqueeze(2), float("-inf"))
     row_lse = torch.logsumexp(logits, dim=-1)  # -inf where no key is valid
     probs = torch.exp(logits - row_lse.nan_to_num(neginf=0.0).unsqueeze(-1))
-    result = torch.einsum("bhgl,bhld->bhgd", probs, values.float()).reshape(batch, q_heads, dim)
+    values = values.float().masked_fill(~allowed.unsqueeze(-1), 0.0)
+    result = torch.einsum("bhgl,bhld->bhgd", probs, values).reshape(batch, q_heads, dim)
     out = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
     lse = torch.empty((batch, q_heads), dtype=torch.float32, device=q.device) if lse is None else lse
     out.copy_(result)

@@ -467,7 +467,10 @@ def gather_blocks(keys, values, cis, selection, lengths, block_size, rows: torch
     """K/V/bias of the selected blocks from position-indexed storage [B, S, H, ...].
 
     rows [B, H, K*bs] overrides where each key is read from (a slot buffer); by default row = position.
-    Returns keys, values [B, H, K*bs, d], key positions [B, H, K*bs] (-1 = not a key), bias or None.
+    Returns keys, values [B, H, K*bs, d], key positions [B, H, K*bs] (-1 = not a key), bias or None;
+    entries that are not keys are 0.  Their rows may hold anything (a slot never filled is NaN, and
+    a -1 entry or a short prompt's missing blocks read one), and a masked logit does not stop NaN
+    keys or values from reaching the softmax's output, so they are zeroed here.
     """
     batch, heads, _ = selection.shape
     pos, exists = block_rows(selection, block_size, lengths)
@@ -476,8 +479,9 @@ def gather_blocks(keys, values, cis, selection, lengths, block_size, rows: torch
     h_idx = torch.arange(heads, device=index.device).view(1, -1, 1)
     # advanced indexing copies whole d-rows (a gather over a transposed view is several x slower)
     k, v = keys[b_idx, index, h_idx], values[b_idx, index, h_idx]
-    bias = None if cis is None else cis[b_idx, index, h_idx]
-    return k, v, pos.masked_fill(~exists, -1), bias
+    bias = None if cis is None else cis[b_idx, index, h_idx].masked_fill(~exists, 0.0)
+    missing = ~exists.unsqueeze(-1)
+    return k.masked_fill(missing, 0.0), v.masked_fill(missing, 0.0), pos.masked_fill(~exists, -1), bias
 
 
 def model_signature(config) -> dict:

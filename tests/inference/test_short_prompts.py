@@ -1,0 +1,106 @@
+"""Prompts shorter than (or about) one block: every offload mode gives the resident SparseCache's
+tokens, with no NaN logit, in all three backends.
+
+A prompt under one block has no complete block: every selection entry but the current block is
+-1, and the device slots it would read were never filled (they start as NaN).  Attention must treat
+those rows as absent, never multiply them by a zero weight.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from forecastkv import SparseCache
+from forecastkv.inference import OffloadedSparseCache
+from tests.helpers import left_padded, rel, tiny_model
+from tests.inference.conftest import RUNTIME_BACKENDS
+from tests.inference.test_offloaded import generate, modes_for
+
+# block 64 (the presets' size) around 0, 1 and 2 blocks; block 16 at every length up to 17
+GEOMETRIES = {
+    64: (dict(block_size=64, kernel_size=16, kernel_stride=8, window_size=64), [1, 2, 15, 16, 17, 63, 64, 65]),
+    16: (dict(block_size=16, kernel_size=8, kernel_stride=4, window_size=16), list(range(1, 18))),
+}
+NEW_TOKENS = 5  # crosses a block boundary from prompts of 15/16 (block 16) and 63/64 (block 64)
+POLICIES = ("infllmv2", "nosa")
+
+
+def reference(model, ids, mask):
+    """The resident SparseCache's output under the auto backend (gather + SDPA)."""
+    from forecastkv import kernels
+
+    with kernels.use_backend(kernels="auto", decode="gather"):
+        return generate(model, ids, mask, SparseCache(model.config), NEW_TOKENS)
+
+
+def check(model, ids, mask, modes, ref, label):
+    """SparseCache (under the current backend) and every offload mode in `modes`: the reference's
+    tokens, logits within 1e-5 relative, and no NaN anywhere."""
+    ref_logits = torch.stack(ref.logits, 1)
+    assert torch.isfinite(ref_logits).all(), label
+    makers = {"resident": lambda: SparseCache(model.config)}
+    makers.update({mode: (lambda m=mode: OffloadedSparseCache.for_model(model, mode=m)) for mode in modes})
+    for name, make in makers.items():
+        out = generate(model, ids, mask, make(), NEW_TOKENS)
+        logits = torch.stack(out.logits, 1)
+        assert not logits.isnan().any(), f"{label} {name}: NaN logits"
+        assert torch.equal(out.sequences, ref.sequences), f"{label} {name}"
+        assert rel(logits, ref_logits) < 1e-5, f"{label} {name}"
+
+
+def models(block: int, policy: str):
+    """One tiny model per selector: the query selector's modes and the forecast selector's."""
+    geometry = GEOMETRIES[block][0]
+    return {selector: tiny_model({"policy": policy, "selector": selector, **geometry}, seed=21) for selector in ("query", "forecast")}
+
+
+def left_padded_batch(block, policy, lengths=None, selectors=("query", "forecast"), modes=None):
+    """One left-padded batch holding every length of the geometry (or `lengths`), in all five
+    modes (or `modes`)."""
+    ids, mask = left_padded(lengths or GEOMETRIES[block][1], seed=block)
+    for selector, model in models(block, policy).items():
+        if selector in selectors:
+            own = modes_for(selector) if modes is None else [m for m in modes if m in modes_for(selector)]
+            check(model, ids, mask, own, reference(model, ids, mask), f"{selector} batch")
+
+
+def batch_1(block, policy):
+    """Each length alone, in the modes of each selector (sparse-offload, forecast-sync, forecast-offload)."""
+    for selector, model in models(block, policy).items():
+        for length in GEOMETRIES[block][1]:
+            ids, mask = left_padded([length], seed=length)
+            check(model, ids, mask, modes_for(selector)[2:], reference(model, ids, mask), f"{selector} length {length}")
+
+
+# The whole grid runs unmarked with the kernels' PyTorch references; in the two backends that run
+# Triton in the interpreter here (auto: the block gather; kernels-triton: every decode kernel) a
+# few seconds per generated token allow one batch unmarked, the grid is marked slow.
+
+
+@pytest.mark.parametrize("runtime_backend", ["kernels-reference"], indirect=True)
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("block", sorted(GEOMETRIES))
+def test_short_prompts(block, policy, runtime_backend, one_thread):
+    left_padded_batch(block, policy)
+    batch_1(block, policy)
+
+
+@pytest.mark.parametrize("runtime_backend", [b for b in RUNTIME_BACKENDS if b != "kernels-reference"], indirect=True)
+def test_short_prompts_interpreted_backends(runtime_backend, one_thread):
+    """Block 16, NOSA (a CIS bias in every slot): auto: prompts of 1, 16 and 17 tokens (no, one
+    whole and one partial block) in sparse-offload and forecast-offload; kernels-triton, the
+    slowest: prompts of 1 and 17 tokens in forecast-offload."""
+    if runtime_backend == "auto":
+        left_padded_batch(16, "nosa", lengths=[1, 16, 17], modes=["sparse-offload", "forecast-offload"])
+    else:
+        left_padded_batch(16, "nosa", lengths=[1, 17], selectors=("forecast",), modes=["forecast-offload"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("runtime_backend", [b for b in RUNTIME_BACKENDS if b != "kernels-reference"], indirect=True)
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("block", sorted(GEOMETRIES))
+def test_short_prompts_grid_interpreted_backends(block, policy, runtime_backend, one_thread):
+    left_padded_batch(block, policy)
+    batch_1(block, policy)
