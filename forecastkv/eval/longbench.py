@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..errors import ConfigError, DataError
 from .tasks import Example
 
 PROMPTS = {
@@ -63,7 +64,7 @@ HUB_NAME = "THUDM/LongBench"
 
 def _check_name(name: str) -> None:
     if name not in PROMPTS:
-        raise ValueError(f"unknown LongBench task {name!r}; known: {sorted(PROMPTS)}")
+        raise ConfigError(f"unknown LongBench task {name!r}; known: {sorted(PROMPTS)}")
 
 
 def expected_file(name: str, e: bool = False) -> str:
@@ -76,11 +77,11 @@ def check_directory(directory: str | Path, names: list[str], e: bool = False) ->
         _check_name(name)
     path = Path(directory)
     if not path.is_dir():
-        raise ValueError(f"LongBench directory {str(path)!r} does not exist (expected the official <task>.jsonl files)")
+        raise DataError(f"LongBench directory {str(path)!r} does not exist (expected the official <task>.jsonl files)")
     missing = [expected_file(n, e) for n in names if not (path / expected_file(n, e)).is_file()]
     if missing:
         present = sorted(p.name for p in path.glob("*.jsonl"))[:10]
-        raise ValueError(f"LongBench directory {str(path)!r} lacks {missing}; it holds {present or 'no .jsonl files'}")
+        raise DataError(f"LongBench directory {str(path)!r} lacks {missing}; it holds {present or 'no .jsonl files'}")
 
 
 def load_rows(name: str, source: str | Path | None = None, e: bool = False) -> list[dict]:
@@ -96,16 +97,16 @@ def load_rows(name: str, source: str | Path | None = None, e: bool = False) -> l
                     try:
                         rows.append(json.loads(line))
                     except json.JSONDecodeError as err:
-                        raise ValueError(f"{expected_file(name, e)} line {number} is not JSON: {err}") from None
+                        raise DataError(f"{expected_file(name, e)} line {number} is not JSON: {err}") from None
         for number, row in enumerate(rows, 1):
             lacking = [k for k in ("context", "input", "answers") if k not in row]
             if lacking:
-                raise ValueError(f"{expected_file(name, e)} row {number} lacks the field(s) {lacking}")
+                raise DataError(f"{expected_file(name, e)} row {number} lacks the field(s) {lacking}")
         return rows
     try:
         import datasets
     except ImportError:
-        raise ValueError("LongBench needs a local directory of the official JSONL files (longbench.dir) "
+        raise ConfigError("LongBench needs a local directory of the official JSONL files (longbench.dir) "
                          "or the `datasets` package (pip install datasets)") from None
     subset = f"{name}_e" if e else name
     return [dict(row) for row in datasets.load_dataset(HUB_NAME, subset, split="test")]
@@ -124,7 +125,7 @@ def build_example(name: str, row: dict, index: int, codec, length: int, max_new_
     prompt + max_new_tokens fits `length`."""
     new = MAX_NEW_TOKENS[name] if max_new_tokens is None else max_new_tokens
     if length <= new:
-        raise ValueError(f"LongBench {name}: length {length} must exceed max_new_tokens={new}")
+        raise ConfigError(f"LongBench {name}: length {length} must exceed max_new_tokens={new}")
     prompt = PROMPTS[name].format(context=row["context"], input=row["input"])
     full = codec.encode(prompt)
     ids = middle_truncate(full, length - new)

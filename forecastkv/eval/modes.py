@@ -16,6 +16,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from ..errors import ConfigError
 from ..modeling import routing
 
 ATTENTION_MODES = {
@@ -71,24 +72,24 @@ def offload_modes() -> tuple[tuple[str, ...], str | None]:
 def parse_mode(text: str) -> Mode:
     """'<attention>[@<cache>]' -> Mode; a ValueError names the unknown part and the known ones."""
     if not isinstance(text, str) or not text:
-        raise ValueError(f"a mode must be a non-empty string like 'infllmv2-query', got {text!r}")
+        raise ConfigError(f"a mode must be a non-empty string like 'infllmv2-query', got {text!r}")
     attention, _, cache = text.partition("@")
     if attention not in ATTENTION_MODES:
-        raise ValueError(f"unknown attention mode {attention!r} in mode {text!r}; known: {sorted(ATTENTION_MODES)}")
+        raise ConfigError(f"unknown attention mode {attention!r} in mode {text!r}; known: {sorted(ATTENTION_MODES)}")
     cache = cache or RESIDENT
     if cache != RESIDENT:
         available, why = offload_modes()
         if why is not None:
-            raise ValueError(f"cache mode {cache!r} in mode {text!r} needs the offloaded runtime: {why}")
+            raise ConfigError(f"cache mode {cache!r} in mode {text!r} needs the offloaded runtime: {why}")
         if cache not in available:
-            raise ValueError(f"unknown cache mode {cache!r} in mode {text!r}; known: {[RESIDENT, *available]}")
+            raise ConfigError(f"unknown cache mode {cache!r} in mode {text!r}; known: {[RESIDENT, *available]}")
         from ..inference.offloaded import MODE_SELECTOR
 
         wants = MODE_SELECTOR.get(cache)
         selector = ATTENTION_MODES[attention][1] if ATTENTION_MODES[attention] else None
         if wants is not None and wants != selector:
             fits = sorted(a for a, spec in ATTENTION_MODES.items() if spec and spec[1] == wants)
-            raise ValueError(f"cache mode {cache!r} selects blocks with the {wants} selector, so mode {text!r} "
+            raise ConfigError(f"cache mode {cache!r} selects blocks with the {wants} selector, so mode {text!r} "
                              f"cannot run; pair it with one of {fits}")
     return Mode(attention, cache)
 
@@ -98,13 +99,13 @@ def check_model_supports(model, mode: Mode) -> None:
     if not mode.sparse:
         return
     if model.config.sparse is None:
-        raise ValueError(f"mode {mode.name!r} needs a sparse geometry: set model.sparse_config (a preset name or dict)")
+        raise ConfigError(f"mode {mode.name!r} needs a sparse geometry: set model.sparse_config (a preset name or dict)")
     if mode.selector == "forecast" and not model.config.forecast_config.enabled:
-        raise ValueError(
+        raise ConfigError(
             f"mode {mode.name!r} needs forecast heads, but the model has none: give model.forecast_weights "
             "(a train-forecast output) or model.forecast (e.g. {init: next_query}) to create them")
     if mode.policy == "nosa" and not hasattr(model.model.layers[0].self_attn, "A"):
-        raise ValueError(f"mode {mode.name!r} needs NOSA's A/delta weights; the checkpoint has none (policy "
+        raise ConfigError(f"mode {mode.name!r} needs NOSA's A/delta weights; the checkpoint has none (policy "
                          f"{model.config.sparse.policy!r})")
 
 

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from forecastkv.errors import ConfigError
 from forecastkv.modeling import selection as sel
 from forecastkv.modeling.heads import scoring_head
 from forecastkv.modeling.routing import attending_with, backbone_sparse_config
@@ -126,7 +127,7 @@ def cached_rows(length: int, row_start: int, count: int | None, generator: torch
     """Sorted row indices int64 [R] in [row_start, length): all of them, or `count` drawn without
     replacement by `generator`."""
     if not 0 <= row_start < length:
-        raise ValueError(f"row_start={row_start} must lie in [0, sequence length {length})")
+        raise ConfigError(f"row_start={row_start} must lie in [0, sequence length {length})")
     rows = torch.arange(row_start, length)
     if count is not None and count < rows.numel():
         rows = rows[torch.randperm(rows.numel(), generator=generator)[:count]].sort().values

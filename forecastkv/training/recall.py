@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from forecastkv.bundled import resolve_model_path
+from forecastkv.errors import ConfigError
 from forecastkv.modeling import selection as sel
 from forecastkv.modeling.routing import BACKBONES, attending_with, backbone_sparse_config
 
@@ -45,12 +46,12 @@ def measure_recall_counts(model, input_ids: torch.Tensor, start: int, backbone: 
     config = inner.config
     sparse = sparse if sparse is not None else config.sparse
     if sparse is None:
-        raise ValueError("forecast recall needs a sparse geometry: the model has no sparse_config, pass sparse=")
+        raise ConfigError("forecast recall needs a sparse geometry: the model has no sparse_config, pass sparse=")
     if not config.forecast_config.enabled:
-        raise ValueError("forecast recall needs a model with forecast heads")
+        raise ConfigError("forecast recall needs a model with forecast heads")
     length = input_ids.shape[1]
     if not 0 <= start < length:
-        raise ValueError(f"recall start={start} must lie in [0, sequence length {length})")
+        raise ConfigError(f"recall start={start} must lie in [0, sequence length {length})")
     last = config.num_hidden_layers - 1
     counts = torch.zeros(config.num_hidden_layers, 3, dtype=torch.float64)
     carried: dict = {}
@@ -84,7 +85,7 @@ def forecast_recall(model, sequences: torch.Tensor, start: int, backbone: str = 
     layer by layer (a 2K sequence of a 30-layer model takes seconds per layer on a CPU)."""
     sequences = torch.as_tensor(sequences)
     if sequences.dim() != 2 or sequences.shape[0] == 0:
-        raise ValueError(f"sequences must be a non-empty [N, T] tensor of token ids, got shape {tuple(sequences.shape)}")
+        raise ConfigError(f"sequences must be a non-empty [N, T] tensor of token ids, got shape {tuple(sequences.shape)}")
     device = next(model.parameters()).device
     config = getattr(model, "model", model).config
     counts = torch.zeros(config.num_hidden_layers, 3, dtype=torch.float64)
@@ -115,9 +116,9 @@ class RecallProtocol:
 
     def __post_init__(self) -> None:
         if not 0 <= self.start < self.length:
-            raise ValueError(f"recall start={self.start} must lie in [0, length={self.length})")
+            raise ConfigError(f"recall start={self.start} must lie in [0, length={self.length})")
         if self.backbone not in BACKBONES:
-            raise ValueError(f"backbone {self.backbone!r} is not one of {BACKBONES}")
+            raise ConfigError(f"backbone {self.backbone!r} is not one of {BACKBONES}")
 
 
 def heldout_sequences(protocol: RecallProtocol, tokenizer) -> torch.Tensor:
@@ -149,17 +150,28 @@ def load_for_recall(base: str, forecast_weights: str | None = None, sparse_confi
     return model.float().eval(), AutoTokenizer.from_pretrained(path), path
 
 
+def _json_mapping(text: str, where: str) -> dict:
+    """The JSON object in `text`; anything else is a ConfigError naming `where`."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"{where} is not valid JSON: {error}") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where} must hold a JSON object, got a {type(value).__name__}")
+    return value
+
+
 def resolve_geometry(sparse_config=None, forecast_weights=None, topk: int | None = None) -> dict:
     """The sparse_config dict both selectors use: `sparse_config` (preset name, JSON text or dict),
     else the one saved beside `forecast_weights`, else the smollm2-135m preset; `topk` overrides."""
     from forecastkv.modeling.configuration import resolve_sparse_config
 
     if isinstance(sparse_config, str) and sparse_config.lstrip().startswith("{"):
-        sparse_config = json.loads(sparse_config)
+        sparse_config = _json_mapping(sparse_config, "--sparse-config")
     if sparse_config is None and forecast_weights is not None:
         side = Path(forecast_weights) / "forecast_config.json"
         if side.is_file():
-            sparse_config = json.loads(side.read_text()).get("sparse_config")
+            sparse_config = _json_mapping(side.read_text(errors="replace"), str(side)).get("sparse_config")
     geometry = dict(resolve_sparse_config(sparse_config if sparse_config is not None else "smollm2-135m"))
     if topk is not None:
         geometry["topk"] = topk

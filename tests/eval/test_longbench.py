@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from forecastkv.errors import UserInputError
 from forecastkv.eval import longbench
 from forecastkv.eval.codec import ByteCodec
 
@@ -54,18 +55,18 @@ def test_scoring_follows_the_task():
 
 
 def test_bad_directory_errors(tmp_path):
-    with pytest.raises(ValueError, match="does not exist"):
+    with pytest.raises(UserInputError, match="does not exist"):
         longbench.check_directory(tmp_path / "nowhere", ["hotpotqa"])
-    with pytest.raises(ValueError, match=r"lacks \['qasper.jsonl'\]; it holds \['hotpotqa.jsonl'"):
+    with pytest.raises(UserInputError, match=r"lacks \['qasper.jsonl'\]; it holds \['hotpotqa.jsonl'"):
         (tmp_path / "hotpotqa.jsonl").write_text((DIR / "hotpotqa.jsonl").read_text())
         longbench.check_directory(tmp_path, ["hotpotqa", "qasper"])
-    with pytest.raises(ValueError, match="unknown LongBench task 'hotpot'"):
+    with pytest.raises(UserInputError, match="unknown LongBench task 'hotpot'"):
         longbench.load_rows("hotpot", DIR)
     (tmp_path / "musique.jsonl").write_text(json.dumps({"context": "c", "input": "q"}) + "\n")
-    with pytest.raises(ValueError, match=r"row 1 lacks the field\(s\) \['answers'\]"):
+    with pytest.raises(UserInputError, match=r"row 1 lacks the field\(s\) \['answers'\]"):
         longbench.load_rows("musique", tmp_path)
     (tmp_path / "trec.jsonl").write_text("{not json\n")
-    with pytest.raises(ValueError, match="trec.jsonl line 1 is not JSON"):
+    with pytest.raises(UserInputError, match="trec.jsonl line 1 is not JSON"):
         longbench.load_rows("trec", tmp_path)
 
 
@@ -73,5 +74,5 @@ def test_without_a_directory_datasets_is_needed(monkeypatch):
     # as on a machine without `datasets` (the GPU test machine; lm-eval installs it here), whether
     # or not it is installed: the hub path itself would need the network
     monkeypatch.setitem(sys.modules, "datasets", None)
-    with pytest.raises(ValueError, match=r"official JSONL files \(longbench.dir\) or the `datasets` package"):
+    with pytest.raises(UserInputError, match=r"official JSONL files \(longbench.dir\) or the `datasets` package"):
         longbench.load_rows("hotpotqa", None)
