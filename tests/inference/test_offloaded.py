@@ -12,6 +12,7 @@ from forecastkv import SparseCache
 from forecastkv.inference import OffloadedSparseCache, diff_block_map
 from forecastkv.modeling.modeling import CACHE_KWARG
 from tests.helpers import left_padded, rel, tiny_model
+from tests.inference.conftest import RUNTIME_BACKENDS_SLOW_TRITON
 
 POLICIES = ("infllmv2", "nosa")
 SELECTORS = ("query", "forecast")
@@ -48,9 +49,10 @@ def assert_parity(model, ids, mask, modes, new_tokens=10, reference_selector=Non
 # -- parity ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("runtime_backend", RUNTIME_BACKENDS_SLOW_TRITON, indirect=True)
 @pytest.mark.parametrize("batch", ["single", "left-padded"])
 @pytest.mark.parametrize("policy,selector", list(itertools.product(POLICIES, SELECTORS)))
-def test_every_mode_matches_sparse_cache_tiny(policy, selector, batch):
+def test_every_mode_matches_sparse_cache_tiny(policy, selector, batch, runtime_backend, one_thread):
     model = tiny_model({"policy": policy, "selector": selector}, seed=3)
     ids, mask = left_padded([45] if batch == "single" else [45, 26, 37])
     modes = modes_for(selector) if batch == "left-padded" else modes_for(selector)[2:]  # batch 1: the selector's own modes
@@ -59,7 +61,8 @@ def test_every_mode_matches_sparse_cache_tiny(policy, selector, batch):
     assert moved["decode_steps"] == 8 and moved["h2d_bytes_per_step_mean"] > 0  # blocks really moved
 
 
-def test_cache_selector_overrides_the_model_selector():
+@pytest.mark.parametrize("runtime_backend", RUNTIME_BACKENDS_SLOW_TRITON, indirect=True)
+def test_cache_selector_overrides_the_model_selector(runtime_backend, one_thread):
     """sparse-offload on a forecast model selects with queries: the tokens of SparseCache(selector='query')."""
     model = tiny_model({"policy": "infllmv2", "selector": "forecast"}, seed=4)
     ids, mask = left_padded([41, 30])
@@ -70,13 +73,15 @@ def test_cache_selector_overrides_the_model_selector():
     assert not torch.equal(forecast_tokens, query_tokens)  # the override changes what is attended
 
 
-def test_first_layer_offloaded_too():
+@pytest.mark.parametrize("runtime_backend", RUNTIME_BACKENDS_SLOW_TRITON, indirect=True)
+def test_first_layer_offloaded_too(runtime_backend, one_thread):
     model = tiny_model({"policy": "nosa", "selector": "forecast"}, seed=5)
     ids, mask = left_padded([40, 33])
     assert_parity(model, ids, mask, ["forecast-offload", "dense-offload"], first_layer_resident=False)
 
 
-def test_minicpm_format_coarse_lse_and_dense_len(tmp_path):
+@pytest.mark.parametrize("runtime_backend", RUNTIME_BACKENDS_SLOW_TRITON, indirect=True)
+def test_minicpm_format_coarse_lse_and_dense_len(tmp_path, runtime_backend, one_thread):
     """A tiny MiniCPM4.1-format checkpoint (muP, LongRoPE, coarse LSE), dense below dense_len."""
     from forecastkv import ForecastKVForCausalLM
     from tests.modeling.test_checkpoints import DENSE_MINICPM, minicpm_dir

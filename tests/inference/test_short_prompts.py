@@ -104,3 +104,48 @@ def test_short_prompts_interpreted_backends(runtime_backend, one_thread):
 def test_short_prompts_grid_interpreted_backends(block, policy, runtime_backend, one_thread):
     left_padded_batch(block, policy)
     batch_1(block, policy)
+
+
+ISSUE_CASE = """
+import os, torch
+from forecastkv import SparseCache, kernels
+from forecastkv.inference import OffloadedSparseCache
+from forecastkv.kernels._common import interpreting
+from tests.helpers import left_padded, rel, tiny_model
+from tests.inference.test_offloaded import generate
+
+torch.set_num_threads(1)
+assert not interpreting() and kernels.get_backend("decode") == "kernels" and not kernels.use_triton("cpu")
+calls = []
+original = kernels.sparse_decode_slots_reference
+kernels.sparse_decode_slots_reference = lambda *a, **k: (calls.append(1), original(*a, **k))[1]
+model = tiny_model({"policy": "infllmv2", "selector": "query", "block_size": 16, "kernel_size": 8, "kernel_stride": 4,
+                    "window_size": 32, "topk": 3}, seed=0)
+ids, mask = left_padded([200])
+with kernels.use_backend(decode="gather"):
+    ref = generate(model, ids, mask, SparseCache(model.config), 8)
+out = generate(model, ids, mask, OffloadedSparseCache.for_model(model, mode="sparse-offload"), 8)
+logits, ref_logits = torch.stack(out.logits, 1), torch.stack(ref.logits, 1)
+assert not logits.isnan().any(), "NaN logits"
+assert torch.equal(out.sequences, ref.sequences), (out.sequences[0, -8:].tolist(), ref.sequences[0, -8:].tolist())
+assert rel(logits, ref_logits) < 1e-5
+assert len(calls) == 7 * 2  # every decode step of the two offloaded layers ran the reference
+print("ok", out.sequences[0, -8:].tolist())
+"""
+
+
+def test_issue_case_kernel_references_without_interpreter():
+    """The issue's case as a serving engine on a CPU runs it: a 3-layer Llama (hidden 96, 6 heads,
+    2 KV heads), block 16, top-k 3, window 32, a 200-token prompt, sparse-offload, decode through
+    the kernels' PyTorch references in a process without TRITON_INTERPRET (set for this suite
+    before any import, so it takes a fresh interpreter)."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(FORECASTKV_BACKEND="decode=kernels", PYTHONPATH=os.pathsep.join([root, env.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", ISSUE_CASE], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert proc.stdout.startswith("ok")
