@@ -207,7 +207,7 @@ def test_a_bad_block_is_a_miss_for_its_chain(tmp_path, case):
     model, _ = filled_store(tmp_path)
     damage(tmp_path)
     before = snapshot(tmp_path)
-    with pytest.warns(disk.ContextStoreWarning, match=message):
+    with pytest.warns(UserWarning, match=message):  # a ContextStoreWarning
         store = ContextStore(model, tmp_path, namespace="alice", selector="query")
     assert snapshot(tmp_path) == before
     kept = store.stats()["blocks"]
