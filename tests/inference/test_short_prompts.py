@@ -22,7 +22,7 @@ GEOMETRIES = {
     64: (dict(block_size=64, kernel_size=16, kernel_stride=8, window_size=64), [1, 2, 15, 16, 17, 63, 64, 65]),
     16: (dict(block_size=16, kernel_size=8, kernel_stride=4, window_size=16), list(range(1, 18))),
 }
-NEW_TOKENS = 5  # crosses a block boundary from prompts of 15/16 (block 16) and 63/64 (block 64)
+NEW_TOKENS = 4  # decode steps at positions n .. n+2: across a block boundary from prompts of 15/16 (block 16) and 63/64 (block 64)
 POLICIES = ("infllmv2", "nosa")
 
 
