@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -217,7 +218,9 @@ def test_a_bad_block_is_a_miss_for_its_chain(tmp_path, case):
         prompt = torch.cat([doc, question])
         cache, matched = store.lookup(prompt)
         assert torch.equal(generate(model, prompt, cache), generate(model, prompt, fresh_cache(model, None, "query")))
-    store.save()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", disk.ContextStoreWarning)  # the save sees the bad entry again, and drops it
+        store.save()
     assert len(json.loads((tmp_path / "alice" / "index.json").read_text())["entries"]) == kept
     assert ContextStore(model, tmp_path, namespace="alice", selector="query").stats()["blocks"] == kept
 
