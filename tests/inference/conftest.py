@@ -1,7 +1,9 @@
-"""The three backends a runtime parity test runs under (shared/DESIGN.md, "Conventions"):
+"""The backends a runtime parity test runs under (every edge on both sides, in every backend):
 
     auto               the backend setting's defaults (here: decode by gather + SDPA, the
                        kernels part Triton in the interpreter where TRITON_INTERPRET=1)
+    cpu-default        what `auto` is on a CPU without the interpreter: gather + SDPA decode with
+                       the block gather on its PyTorch reference
     kernels-reference  decode=kernels with every kernel call on its PyTorch reference: what a
                        CPU without Triton runs (the kernels part "reference" is the dispatch's
                        own switch, so no interpreter is involved even though the suite sets it)
@@ -22,6 +24,7 @@ from forecastkv.kernels._common import interpreting, triton_available
 
 _PARTS = {
     "auto": dict(kernels="auto", decode="auto", prefill="auto"),
+    "cpu-default": dict(kernels="reference", decode="auto", prefill="auto"),
     "kernels-reference": dict(kernels="reference", decode="kernels", prefill="auto"),
     "kernels-triton": dict(kernels="auto", decode="kernels", prefill="auto"),
 }
@@ -49,7 +52,7 @@ def runtime_backend(request):
     name = request.param
     with kernels.use_backend(**_PARTS[name]):
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        if name == "kernels-reference":
+        if name in ("kernels-reference", "cpu-default"):
             assert not kernels.use_triton(device)
         elif name == "kernels-triton":
             assert kernels.use_triton(device)
