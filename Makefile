@@ -7,7 +7,7 @@ TORCH := torch==2.13.0
 TRITON := triton==3.7.1
 OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 
-.PHONY: install demo test clean
+.PHONY: install demo test readme-check clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -25,8 +25,13 @@ test: install
 	@# the linter first (pyflakes + import order, configured in pyproject.toml)
 	$(VENV)/bin/ruff check .
 	@# pytest exits 5 when it collected nothing: say so, and fail
-	$(OFFLINE) TRITON_INTERPRET=1 $(PY) -m pytest -q -x --timeout=900; rc=$$?; \
+	$(OFFLINE) TRITON_INTERPRET=1 $(PY) -m pytest -q -x --timeout=900 -m "not readme_full"; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
+# the README's eval example, its Python blocks and the demo at full size (about 35 min on 2 cores;
+# the demo part resumes runs/demo when `make demo` left it there)
+readme-check: install
+	$(OFFLINE) TRITON_INTERPRET=1 $(PY) -m pytest -q -x --timeout=3600 -m readme_full tests/test_readme.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -235,6 +235,7 @@ def test_readme_quickstart_commands_run(trained):
     assert "<|endoftext|>" not in generate.stdout
 
 
+@pytest.mark.readme_full
 @pytest.mark.slow  # the README's eval example as written: one example per task and length, 2K-8K (~10 min on 2 cores)
 @pytest.mark.bundled
 def test_readme_eval_example_runs(tmp_path, bundled_path):
@@ -251,6 +252,7 @@ def _as_this_transformers(code: str) -> str:
     return code if CACHE_KWARG == "cache" else re.sub(r"\bcache=(?=\w)", "past_key_values=", code)
 
 
+@pytest.mark.readme_full
 @pytest.mark.slow  # every Python block of the README, in order, in one namespace
 @pytest.mark.bundled
 def test_readme_python_blocks_run(trained, monkeypatch):
@@ -270,6 +272,7 @@ def test_readme_python_blocks_run(trained, monkeypatch):
     assert namespace["store"].stats()["hit_tokens"] > 0  # the second question found the first one's prefix
 
 
+@pytest.mark.readme_full
 @pytest.mark.slow  # the demo at its full size (resumes runs/demo when a `make demo` left it there)
 @pytest.mark.bundled
 def test_readme_quotes_what_the_demo_prints(bundled_path, capsys):
