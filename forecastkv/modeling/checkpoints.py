@@ -226,6 +226,10 @@ def load_model(
         from .forecast_init import apply_forecast_init
 
         apply_forecast_init(model, model_config.forecast_config.init)
+    from ..inference.hf_cache import load_generation_config
+
+    # the checkpoint's generation defaults, its offload mode (`forecastkv_cache`) included
+    model.generation_config = load_generation_config(directory) or model.generation_config
     return model.eval()  # tensors sit on their device_map devices; the decoder loop moves activations
 
 
