@@ -1,5 +1,5 @@
-"""Strict-device harness: check on the CPU what a GPU would check (shared/DESIGN.md, "The cache
-and the runtime").
+"""Strict-device harness: check on the CPU what a GPU would check (the README's "Offloaded runtime":
+no CPU shortcut around transfer code, no host read in a decode step).
 
 On a CPU-only machine the "host" tier (the offloaded KV in `HostKVStore`) and the "device" tier are
 both CPU tensors, so a test cannot see an op that mixes them (on CUDA: "indices should be either on

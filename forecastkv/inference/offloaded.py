@@ -1,6 +1,6 @@
 """`OffloadedSparseCache`: full KV in (pinned) host memory, only the selected blocks on the device.
 
-Per offloaded layer (shared/DESIGN.md, "The cache and the runtime"):
+Per offloaded layer (the README's "Offloaded runtime"):
 
 * a `HostKVStore` holds every position's K/V (and NOSA's CIS) in blocks of a shared, paged
   `HostBlockPool` through a block table; new tokens are written through to it (a decode step's row

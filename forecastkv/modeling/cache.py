@@ -1,6 +1,6 @@
 """`SparseCache`: the resident KV cache behind `generate()`, a transformers `Cache`.
 
-The attention module talks to a cache layer through four calls (shared/DESIGN.md):
+The attention module talks to a cache layer through these calls:
 
     layer.append(k, v, cis, positions)   # store new tokens, update compressed keys
     layer.compressed_keys()              # [B, C, H, d]

@@ -5,7 +5,7 @@ Notation (all tensors batch-first):
   d head dim, C compressed keys, NB key blocks, K selection width.
   p = kernel_size, s = kernel_stride, bs = block_size.
 
-Conventions (InfLLM-v2 / MiniCPM4.1 as documented in research/nosa-infllmv2.md §1.3, §7):
+Conventions (InfLLM-v2 / MiniCPM4.1 as the InfLLM-v2 and NOSA reference code does them):
   * compressed key c is the mean of post-RoPE keys [c*s, c*s + p); only complete windows exist;
   * a query at position t sees compressed key c when its window ended: c*s + p - 1 + lag <= t
     (`lag = 1` for the forecast selector, which scores the next layer's keys *before* that layer
@@ -506,7 +506,7 @@ def forecast_recall_counts(
 
 
 # ----------------------------------------------------------------------------------------------
-# the recall protocol's sums and report (shared/DESIGN.md "Forecast recall"); the runner that
+# the recall protocol's sums and report (the README's "Training Forecast heads"); the runner that
 # measures them on a model is `training.recall.measure_recall_counts`
 # ----------------------------------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""The Forecast training objective (SparDA, research/sparda-dsa.md §3.2-§3.4).
+"""The Forecast training objective (the SparDA paper, §3.2-§3.4).
 
 For one layer l and every KV group g and query row t:
 

@@ -1,4 +1,4 @@
-"""Fine-tune the Forecast heads of a frozen sparse base model (SparDA §3, shared/DESIGN.md "Training").
+"""Fine-tune the Forecast heads of a frozen sparse base model (SparDA §3; the README's "Training Forecast heads").
 
 Read top to bottom:
 

@@ -6,7 +6,7 @@ import pytest
 from forecastkv.modeling.checkpoints import config_from_raw, detect_format
 from forecastkv.modeling.configuration import ForecastKVConfig
 
-# MiniCPM4.1-8B's config.json fields (research/nosa-infllmv2.md §1.1-1.2; LongRoPE lists shortened)
+# MiniCPM4.1-8B's config.json fields (the openbmb/MiniCPM4.1-8B model card; LongRoPE lists shortened)
 MINICPM41_CONFIG = {
     "architectures": ["MiniCPMForCausalLM"], "model_type": "minicpm",
     "auto_map": {"AutoConfig": "configuration_minicpm.MiniCPMConfig", "AutoModelForCausalLM": "modeling_minicpm.MiniCPMForCausalLM"},

@@ -1,4 +1,4 @@
-"""The Forecast loss against a plain-loops reference (research/sparda-dsa.md §3.2-§3.4)."""
+"""The Forecast loss against a plain-loops reference (the SparDA paper §3.2-§3.4)."""
 
 import math
 
