@@ -4,7 +4,8 @@ Each sub-command is one `_<name>` function and one entry of `SUBCOMMANDS` (its p
 `train-forecast`, `forecast-recall` and `lm-eval` hand their arguments to a program that parses
 them itself (`PASSTHROUGH`).  A user error (`is_user_error`) prints one line, `forecastkv: error:
 <message>`, and exits with status 2, as argparse does; `forecastkv --debug <command> ...` shows the
-traceback.  Any other exception is a bug and keeps its traceback.
+traceback.  Any other exception is a bug: it keeps its traceback, and a last line (`BUG_HINT`) asks
+to file it.
 """
 
 from __future__ import annotations
@@ -17,11 +18,8 @@ from pathlib import Path
 
 from .context.cli import register_context_cache_command  # imports no torch
 from .errors import ForecastKVWarning, UserInputError  # imports no torch
+from .modes import FORECAST_MODES, MODES, SELECTING_MODES  # imports nothing
 
-# forecastkv.inference.MODES, spelled here so --help needs no torch import; a test keeps them equal
-OFFLOAD_MODES = ("no-offload", "sparse-offload", "forecast-sync", "forecast-offload", "dense-offload")
-# forecastkv.inference.offloaded.MODE_SELECTOR's forecast modes (the same test keeps them equal)
-FORECAST_OFFLOAD_MODES = ("forecast-sync", "forecast-offload")
 USAGE_STATUS = 2
 
 
@@ -106,7 +104,7 @@ def _check_preset(option: str, name: str | None) -> None:
 
 def _check_offload_needs(mode: str | None, model_option: str, path: str, forecast_given: bool) -> None:
     """Before loading: a forecast offload mode needs Forecast heads (created or loaded)."""
-    if mode not in FORECAST_OFFLOAD_MODES or forecast_given:
+    if mode not in FORECAST_MODES or forecast_given:
         return
     from .modeling.checkpoints import has_forecast_heads
 
@@ -117,7 +115,7 @@ def _check_offload_needs(mode: str | None, model_option: str, path: str, forecas
 
 
 def _check_sparse(mode: str | None, model) -> None:
-    if mode in ("sparse-offload", *FORECAST_OFFLOAD_MODES) and model.config.sparse is None:
+    if mode in SELECTING_MODES and model.config.sparse is None:
         raise UsageError(f"--offload {mode} needs a sparse model, and this checkpoint is dense: add --sparse-config PRESET (e.g. smollm2-135m)")
 
 
@@ -357,7 +355,7 @@ def _add_generate(commands) -> None:
     gen.add_argument("--seed", type=seed, default=None, help="seed torch's generator first (reproducible sampling)")
     gen.add_argument("--stream", action="store_true", help="print the text as tokens come")
     gen.add_argument("--stats", action="store_true", help="print the share of KV blocks read per decode step (with --offload: bytes moved, hit rates)")
-    gen.add_argument("--offload", default=None, choices=OFFLOAD_MODES, help="keep the KV cache in host memory, moving blocks as this mode does")
+    gen.add_argument("--offload", default=None, choices=MODES, help="keep the KV cache in host memory, moving blocks as this mode does")
     gen.add_argument("--forecast-init", default=None, choices=("next_query", "kaiming"), help="create Forecast heads the checkpoint lacks (needed by the forecast-* modes)")
     from .context.cli import add_context_cache_arguments
 
@@ -434,10 +432,27 @@ def main(argv: list[str] | None = None) -> int:
             return USAGE_STATUS
         raise
     except Exception as error:
-        if debug or not is_user_error(error):
+        if not is_user_error(error):
+            _mark_as_bug(error)
+            raise
+        if debug:
             raise
         _print_error(error)
         return USAGE_STATUS
+
+
+# the line printed below a bug's traceback
+BUG_HINT = "forecastkv: this is a bug in forecastkv, not in your input: please file an issue with the command and the traceback above"
+
+
+def _mark_as_bug(error: BaseException) -> None:
+    """Add `BUG_HINT` to an exception that is no user error, which goes on with its traceback.
+    Python prints an exception's notes below its traceback (3.11+); 3.10 has no notes, so there
+    the hint goes to stderr first."""
+    if hasattr(error, "add_note"):
+        error.add_note(BUG_HINT)
+    else:
+        print(BUG_HINT, file=sys.stderr)
 
 
 # OSErrors that name a path the user gave (a missing --config, an unwritable output directory)

@@ -11,7 +11,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from forecastkv import ForecastKVForCausalLM
-from forecastkv.cli import FORECAST_OFFLOAD_MODES, PASSTHROUGH, build_parser, main
+from forecastkv.cli import BUG_HINT, PASSTHROUGH, build_parser, main
 
 
 def test_parser_knows_every_command():
@@ -21,10 +21,14 @@ def test_parser_knows_every_command():
     assert set(PASSTHROUGH) == {"train-forecast", "forecast-recall", "lm-eval"}
 
 
-def test_forecast_offload_modes_match_the_runtime():
-    from forecastkv.inference.offloaded import MODE_SELECTOR
+def test_mode_names_import_nothing():
+    """forecastkv/modes.py, which the console script reads for --offload, imports nothing (so no torch)."""
+    import ast
+    import forecastkv.modes
 
-    assert FORECAST_OFFLOAD_MODES == tuple(mode for mode, selector in MODE_SELECTOR.items() if selector == "forecast")
+    tree = ast.parse(open(forecastkv.modes.__file__, encoding="utf-8").read())
+    imported = [node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))]
+    assert [getattr(node, "module", None) for node in imported] == ["__future__"]
 
 
 def test_train_forecast_help_reaches_the_trainer(capsys):
@@ -89,6 +93,28 @@ def test_each_user_error_is_one_line_and_status_2(tmp_path, capsys):
     assert line == "forecastkv: error: generate: argument --max-new-tokens: must be at least 1, got -3"
     line = _user_error(["convert", str(tmp_path / "missing"), str(tmp_path / "out")], capsys)
     assert line == f"forecastkv: error: source {tmp_path / 'missing'}: no such checkpoint directory"
+
+
+def test_a_bug_keeps_its_traceback_and_a_hint_to_file_it(monkeypatch, capsys):
+    """An exception that is no user error (here a plain ValueError) is not turned into a one-line
+    usage error: it goes on, and its traceback ends with BUG_HINT."""
+    import traceback
+
+    import forecastkv.cli as cli
+
+    def broken(args):
+        raise ValueError("an internal invariant broke")
+
+    monkeypatch.setattr(cli, "_convert", broken)
+    with pytest.raises(ValueError, match="an internal invariant broke") as raised:
+        main(["convert", "a", "b"])
+    printed = "".join(traceback.format_exception(raised.value)).rstrip().splitlines()
+    if hasattr(raised.value, "add_note"):  # Python 3.11+: the hint is a note, printed below the traceback
+        assert capsys.readouterr().err == ""  # no `forecastkv: error:` line
+        assert printed[-2:] == ["ValueError: an internal invariant broke", BUG_HINT]
+    else:  # 3.10: the hint goes to stderr before the traceback
+        assert capsys.readouterr().err == BUG_HINT + "\n"
+        assert printed[-1] == "ValueError: an internal invariant broke"
 
 
 def test_debug_shows_the_traceback(tmp_path):

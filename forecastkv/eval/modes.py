@@ -5,8 +5,8 @@ Attention modes, all on one loaded model (only `config.sparse_config` changes be
   * ``infllmv2-query``     InfLLM-v2, blocks chosen by the layer's own queries;
   * ``infllmv2-forecast``  InfLLM-v2, blocks chosen by the previous layer's Forecast head;
   * ``nosa`` / ``nosa-forecast``  NOSA's policy (query-aware shortlist + CIS fill); needs A/delta.
-Cache modes: ``resident`` (`SparseCache`, the default) or any mode of
-`forecastkv.inference.OffloadedSparseCache.for_model(model, mode=...)` when that package imports.
+Cache modes: ``resident`` (`SparseCache`, the default) or any of `forecastkv.modes.MODES`
+(`forecastkv.inference.OffloadedSparseCache.for_model(model, mode=...)`) when that package imports.
 
 A mode is written ``<attention>`` or ``<attention>@<cache>``, e.g. ``infllmv2-forecast@forecast-offload``.
 """
@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from ..errors import ConfigError
 from ..modeling import routing
+from ..modes import MODE_SELECTOR, MODES
 
 ATTENTION_MODES = {
     # name -> (policy, selector); None = dense
@@ -28,8 +29,6 @@ ATTENTION_MODES = {
     "nosa-forecast": ("nosa", "forecast"),
 }
 RESIDENT = "resident"
-# The offloaded runtime's modes (forecastkv.inference); checked again against the package when it imports.
-OFFLOAD_MODES = ("no-offload", "sparse-offload", "forecast-sync", "forecast-offload", "dense-offload")
 
 
 @dataclass(frozen=True)
@@ -59,14 +58,10 @@ class Mode:
 def offload_modes() -> tuple[tuple[str, ...], str | None]:
     """(cache modes the offloaded runtime offers, why it is unavailable or None)."""
     try:
-        from .. import inference
+        from .. import inference  # noqa: F401 - only whether it imports
     except Exception as error:  # noqa: BLE001 - any import failure means "not available here"
         return (), f"forecastkv.inference does not import ({type(error).__name__}: {error})"
-    cls = getattr(inference, "OffloadedSparseCache", None)
-    if cls is None or not hasattr(cls, "for_model"):
-        return (), "forecastkv.inference has no OffloadedSparseCache.for_model"
-    modes = getattr(inference, "MODES", None) or getattr(cls, "MODES", None) or OFFLOAD_MODES
-    return tuple(modes), None
+    return MODES, None
 
 
 def parse_mode(text: str) -> Mode:
@@ -83,8 +78,6 @@ def parse_mode(text: str) -> Mode:
             raise ConfigError(f"cache mode {cache!r} in mode {text!r} needs the offloaded runtime: {why}")
         if cache not in available:
             raise ConfigError(f"unknown cache mode {cache!r} in mode {text!r}; known: {[RESIDENT, *available]}")
-        from ..inference.offloaded import MODE_SELECTOR
-
         wants = MODE_SELECTOR.get(cache)
         selector = ATTENTION_MODES[attention][1] if ATTENTION_MODES[attention] else None
         if wants is not None and wants != selector:

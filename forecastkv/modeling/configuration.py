@@ -10,9 +10,11 @@ import difflib
 import functools
 import inspect
 import json
+import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from importlib import resources
-from typing import Any
+from typing import Any, TypeVar
 
 from transformers import PreTrainedConfig
 
@@ -23,10 +25,24 @@ from ..errors import ConfigError
 PRESET_DIR = resources.files("forecastkv") / "presets"
 
 
-def _check_keys(kind: str, given: dict, allowed: set[str]) -> None:
-    unknown = sorted(set(given) - allowed)
+Config = TypeVar("Config")
+
+
+def strict_from_dict(cls: type[Config], values: Mapping | Config, what: str) -> Config:
+    """`cls(**values)` for the config dataclass `cls`, strictly: `values` is a mapping (or a `cls`
+    already, returned as it is) whose keys are all fields of `cls`.  Anything else is a
+    `ConfigError` naming `what` (the section, e.g. "sparse_config") and the allowed keys; the
+    values themselves are checked by `cls.__post_init__`.  The one `from_dict` of `SparseConfig`,
+    `ForecastConfig`, `MupConfig` and `training.objective.ObjectiveConfig`."""
+    if isinstance(values, cls):
+        return values
+    if not isinstance(values, Mapping):
+        raise ConfigError(f"{what} must be a mapping of {what} keys, got {values!r}")
+    allowed = {f.name for f in fields(cls)}
+    unknown = sorted(set(values) - allowed)
     if unknown:
-        raise ConfigError(f"unknown {kind} key(s) {unknown}; allowed keys are {sorted(allowed)}")
+        raise ConfigError(f"unknown {what} key(s) {unknown}; allowed keys are {sorted(allowed)}")
+    return cls(**values)
 
 
 @dataclass(frozen=True)
@@ -97,26 +113,18 @@ class SparseConfig:
         return self.topk + self.local_blocks
 
     @property
-    def forced_blocks(self) -> int:
-        """Blocks forced in for a query deep in the sequence: init + (local_blocks + 1)."""
-        return self.init_blocks + self.local_blocks + 1
-
-    @property
     def coarse_kernel(self) -> tuple[int, int]:
         """MiniCPM4.1's second compression level (4x kernel, 4x stride), used only for the LSE."""
         return 4 * self.kernel_size, 4 * self.kernel_stride
 
     def is_dense_at(self, kv_len: int) -> bool:
+        """MiniCPM's dense rule: a sequence of `kv_len` keys shorter than `dense_len` (> 0) attends
+        densely; `dense_len` 0 or -1 means always sparse."""
         return self.dense_len > 0 and kv_len < self.dense_len
 
     @classmethod
     def from_dict(cls, values: dict | None) -> "SparseConfig | None":
-        if values is None:
-            return None
-        if isinstance(values, SparseConfig):
-            return values
-        _check_keys("sparse_config", values, {f.name for f in fields(cls)})
-        return cls(**values)
+        return None if values is None else strict_from_dict(cls, values, "sparse_config")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -138,12 +146,7 @@ class ForecastConfig:
 
     @classmethod
     def from_dict(cls, values: dict | None) -> "ForecastConfig":
-        if values is None:
-            return cls()
-        if isinstance(values, ForecastConfig):
-            return values
-        _check_keys("forecast", values, {f.name for f in fields(cls)})
-        return cls(**values)
+        return cls() if values is None else strict_from_dict(cls, values, "forecast")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -158,14 +161,17 @@ class MupConfig:
     scale_depth: float = 1.0
     dim_model_base: int = 1
 
+    def __post_init__(self) -> None:
+        for name in ("scale_emb", "scale_depth"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ConfigError(f"mup.{name} must be a finite number, got {value!r}")
+        if isinstance(self.dim_model_base, bool) or not isinstance(self.dim_model_base, int) or self.dim_model_base < 1:
+            raise ConfigError(f"mup.dim_model_base must be a positive integer, got {self.dim_model_base!r}")
+
     @classmethod
     def from_dict(cls, values: dict | None) -> "MupConfig | None":
-        if values is None:
-            return None
-        if isinstance(values, MupConfig):
-            return values
-        _check_keys("mup", values, {f.name for f in fields(cls)})
-        return cls(**values)
+        return None if values is None else strict_from_dict(cls, values, "mup")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -373,7 +379,3 @@ class ForecastKVConfig(PreTrainedConfig):
     @property
     def mup_config(self) -> MupConfig | None:
         return self.__dict__["_parsed_mup"]
-
-    @property
-    def num_key_value_groups(self) -> int:
-        return self.num_attention_heads // self.num_key_value_heads

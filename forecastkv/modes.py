@@ -1,0 +1,30 @@
+"""The offloaded runtime's cache modes, named once.
+
+The runtime (`forecastkv.inference`), the console script (`--offload`), the eval suites (`<attention>@<mode>`),
+lm-eval (`offload=`) and the context store all read these names from here.  This module imports nothing, so
+the console script can offer the modes without importing torch.
+
+A mode says which selector picks the blocks and when an offloaded layer fetches them:
+
+  * ``no-offload``        every layer resident (the `SparseCache` behaviour);
+  * ``sparse-offload``    query selector, blocks fetched at the consuming layer;
+  * ``forecast-sync``     forecast selector, blocks fetched at the consuming layer;
+  * ``forecast-offload``  forecast selector, blocks fetched one layer ahead;
+  * ``dense-offload``     every offloaded layer's whole KV copied to the device each step.
+"""
+
+from __future__ import annotations
+
+MODES = ("no-offload", "sparse-offload", "forecast-sync", "forecast-offload", "dense-offload")
+
+# mode -> the selector that picks its blocks ("query": the layer's own queries; "forecast": the previous
+# layer's Forecast heads); a mode not listed attends as the model's own config says
+MODE_SELECTOR = {"sparse-offload": "query", "forecast-sync": "forecast", "forecast-offload": "forecast"}
+
+# mode -> how an offloaded layer gets its blocks: "sync" (at the consuming layer), "prefetch" (one layer
+# ahead) or "dense" (every block, every step)
+MODE_FETCH = {"sparse-offload": "sync", "forecast-sync": "sync", "forecast-offload": "prefetch", "dense-offload": "dense"}
+
+# the modes that select blocks (so need a sparse model), and those that select with Forecast heads
+SELECTING_MODES = tuple(mode for mode in MODES if mode in MODE_SELECTOR)
+FORECAST_MODES = tuple(mode for mode in MODES if MODE_SELECTOR.get(mode) == "forecast")
