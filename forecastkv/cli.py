@@ -66,7 +66,9 @@ def argument_type(convert, ok, limit: str, expected: str):
 
 
 positive_int = argument_type(int, lambda value: value >= 1, "must be at least 1", "a positive integer")
-positive_float = argument_type(float, lambda value: math.isfinite(value) and value > 0, "must be a finite number > 0", "a number")
+positive_float = argument_type(
+    float, lambda value: math.isfinite(value) and value > 0, "must be a finite number > 0", "a number"
+)
 probability = argument_type(float, lambda value: 0 < value <= 1, "must lie in (0, 1]", "a number in (0, 1]")
 seed = argument_type(int, lambda value: 0 <= value < 2**63, "must lie in [0, 2**63)", "an integer")
 
@@ -87,7 +89,11 @@ def _model_path(option: str, value: str) -> str:
     local = Path(path).expanduser()
     if path.startswith((".", "/", "~")) or local.exists():
         if not local.is_dir():
-            raise UsageError(f"{option} {value}: no such checkpoint directory" if not local.exists() else f"{option} {value}: not a directory")
+            raise UsageError(
+                f"{option} {value}: no such checkpoint directory"
+                if not local.exists()
+                else f"{option} {value}: not a directory"
+            )
         if not (local / "config.json").is_file():
             raise UsageError(f"{option} {value}: no config.json in that directory (not a checkpoint)")
     return str(local) if local.exists() else path
@@ -110,13 +116,18 @@ def _check_offload_needs(mode: str | None, model_option: str, path: str, forecas
 
     if not has_forecast_heads(path):
         raise UsageError(
-            f"--offload {mode} selects blocks with Forecast heads, and {model_option} {path} has none: add --forecast-init next_query "
-            "(untrained heads made from the next layer's queries) or --forecast-weights DIR (a train-forecast output)")
+            f"--offload {mode} selects blocks with Forecast heads, and {model_option} {path} has none: "
+            "add --forecast-init next_query (untrained heads made from the next layer's queries) "
+            "or --forecast-weights DIR (a train-forecast output)"
+        )
 
 
 def _check_sparse(mode: str | None, model) -> None:
     if mode in SELECTING_MODES and model.config.sparse is None:
-        raise UsageError(f"--offload {mode} needs a sparse model, and this checkpoint is dense: add --sparse-config PRESET (e.g. smollm2-135m)")
+        raise UsageError(
+            f"--offload {mode} needs a sparse model, and this checkpoint is dense: "
+            "add --sparse-config PRESET (e.g. smollm2-135m)"
+        )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -127,7 +138,9 @@ def _check_sparse(mode: str | None, model) -> None:
 def _demo(args) -> int:
     from .demo import run_demo
 
-    run_demo(output=args.output, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, progress=not args.no_progress)
+    run_demo(
+        output=args.output, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, progress=not args.no_progress
+    )
     return 0
 
 
@@ -158,8 +171,13 @@ def _prompt_ids(tokenizer, prompt: str, source: str, chat: bool, model_path: str
     """The prompt's token ids [1, T] (through the chat template with --chat); at least one token."""
     if chat:
         if not getattr(tokenizer, "chat_template", None):
-            raise UsageError(f"--chat: the tokenizer of {model_path} has no chat template (an instruct model's tokenizer has one); leave out --chat")
-        encoded = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, return_dict=True, return_tensors="pt")
+            raise UsageError(
+                f"--chat: the tokenizer of {model_path} has no chat template "
+                "(an instruct model's tokenizer has one); leave out --chat"
+            )
+        encoded = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, return_dict=True, return_tensors="pt"
+        )
         ids = encoded["input_ids"]
     else:
         ids = tokenizer(prompt, return_tensors="pt").input_ids
@@ -177,8 +195,11 @@ def _cap_new_tokens(requested: int, prompt_tokens: int, max_positions: int) -> i
             "no position is left for a new token; shorten the prompt"
         )
     if requested > left:
-        _print_error(f"--max-new-tokens {requested} capped at {left}, the positions a {prompt_tokens}-token prompt leaves of the model's "
-                     f"max_position_embeddings={max_positions}", "note")
+        _print_error(
+            f"--max-new-tokens {requested} capped at {left}, the positions a {prompt_tokens}-token prompt leaves "
+            f"of the model's max_position_embeddings={max_positions}",
+            "note",
+        )
         return left
     return requested
 
@@ -191,6 +212,7 @@ def _generation_streamer(tokenizer, stream: bool):
 
     class Collect(BaseStreamer):
         def __init__(self) -> None:
+            self.tokenizer = tokenizer  # decodes what was generated when the run stops early
             self.ids: list[int] = []
             self.prompt_seen = False
             self.printer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if stream else None
@@ -216,7 +238,9 @@ def _generate(args) -> int:
     _check_offload_needs(args.offload, "--model", path, bool(args.forecast_init or args.forecast_weights))
     sampling = args.temperature is not None or args.top_p is not None
     if args.context_cache and (sampling or args.stream):
-        raise UsageError("--context-cache generates greedily and prints at the end: leave out --temperature, --top-p and --stream")
+        raise UsageError(
+            "--context-cache generates greedily and prints at the end: leave out --temperature, --top-p and --stream"
+        )
     prompt, source = _read_prompt(args)
     if not prompt and not args.chat:
         raise UsageError(f"{source} is empty: give a prompt of at least one token")
@@ -227,11 +251,15 @@ def _generate(args) -> int:
     from transformers import AutoTokenizer
 
     from . import ForecastKVForCausalLM
-    from .modeling.modeling import CACHE_KWARG
 
     forecast = {"init": args.forecast_init} if args.forecast_init else None
-    model = ForecastKVForCausalLM.from_pretrained(path, sparse_config=args.sparse_config, forecast_weights=args.forecast_weights, forecast=forecast,
-                                                  allow_geometry_mismatch=args.allow_geometry_mismatch)
+    model = ForecastKVForCausalLM.from_pretrained(
+        path,
+        sparse_config=args.sparse_config,
+        forecast_weights=args.forecast_weights,
+        forecast=forecast,
+        allow_geometry_mismatch=args.allow_geometry_mismatch,
+    )
     _check_sparse(args.offload, model)
     tokenizer = AutoTokenizer.from_pretrained(path)
     ids = _prompt_ids(tokenizer, prompt, source, args.chat, path)
@@ -240,45 +268,73 @@ def _generate(args) -> int:
         from .context.cli import run_generate_with_context_cache
 
         return run_generate_with_context_cache(args, model, tokenizer, ids)
-    if args.offload:
-        from .inference import OffloadedSparseCache
-
-        cache = OffloadedSparseCache.for_model(model, mode=args.offload)
-    else:
-        from .modeling.cache import SparseCache
-
-        cache = SparseCache(model.config)
-    options = {"do_sample": sampling}
-    if sampling:
-        options.update(temperature=args.temperature or 1.0, top_p=args.top_p or 1.0)
+    cache = _new_cache(model, args.offload)
     if args.seed is not None:
         torch.manual_seed(args.seed)
     streamer = _generation_streamer(tokenizer, args.stream)
     start = time.perf_counter()
-    try:
-        with torch.no_grad():
-            model.generate(ids, max_new_tokens=args.max_new_tokens, pad_token_id=model.config.eos_token_id, streamer=streamer,
-                           **options, **{CACHE_KWARG: cache})
-    except BaseException:  # nothing generated is lost: print it before the error (or Ctrl-C) goes on
-        if streamer.ids:
-            if not args.stream:
-                print(tokenizer.decode(streamer.ids, skip_special_tokens=True), flush=True)
-            _print_error(f"generation stopped after {len(streamer.ids)} new tokens (printed above)", "note")
-        raise
+    _run_generation(model, ids, cache, streamer, args, sampling)
     seconds = time.perf_counter() - start
     if not args.stream:
         print(tokenizer.decode(streamer.ids, skip_special_tokens=True))
     if args.stats:
-        if args.offload:
-            from .inference.report import format_stats
-
-            print(f"[{ids.shape[1]} prompt tokens, {len(streamer.ids)} new, {seconds:.1f}s]", file=sys.stderr)
-            print(format_stats(cache.stats()), file=sys.stderr)
-        else:
-            stats = cache.stats()
-            share = "n/a (dense)" if stats["block_share"] is None else f"{100 * stats['block_share']:.1f}%"
-            print(f"[{ids.shape[1]} prompt tokens, {len(streamer.ids)} new, {seconds:.1f}s, blocks read per step: {share}]", file=sys.stderr)
+        _print_stats(cache, args.offload, ids.shape[1], len(streamer.ids), seconds)
     return 0
+
+
+def _new_cache(model, offload: str | None):
+    """The cache `generate` decodes into: the offloaded one of `--offload`, else a `SparseCache`."""
+    if offload:
+        from .inference import OffloadedSparseCache
+
+        return OffloadedSparseCache.for_model(model, mode=offload)
+    from .modeling.cache import SparseCache
+
+    return SparseCache(model.config)
+
+
+def _run_generation(model, ids, cache, streamer, args, sampling: bool) -> None:
+    """`model.generate` of prompt `ids` [1, T] into `cache`, the new ids collected by `streamer`
+    (greedy, or sampled with --temperature / --top-p)."""
+    import torch
+
+    from .modeling.modeling import CACHE_KWARG
+
+    options = {"do_sample": sampling}
+    if sampling:
+        options.update(temperature=args.temperature or 1.0, top_p=args.top_p or 1.0)
+    try:
+        with torch.no_grad():
+            model.generate(
+                ids,
+                max_new_tokens=args.max_new_tokens,
+                pad_token_id=model.config.eos_token_id,
+                streamer=streamer,
+                **options,
+                **{CACHE_KWARG: cache},
+            )
+    except BaseException:  # nothing generated is lost: print it before the error (or Ctrl-C) goes on
+        if streamer.ids:
+            if not args.stream:
+                print(streamer.tokenizer.decode(streamer.ids, skip_special_tokens=True), flush=True)
+            _print_error(f"generation stopped after {len(streamer.ids)} new tokens (printed above)", "note")
+        raise
+
+
+def _print_stats(cache, offload: str | None, prompt_tokens: int, new_tokens: int, seconds: float) -> None:
+    """--stats on stderr: the offloaded cache's bytes and hit rates, or the resident cache's block share."""
+    if offload:
+        from .inference.report import format_stats
+
+        print(f"[{prompt_tokens} prompt tokens, {new_tokens} new, {seconds:.1f}s]", file=sys.stderr)
+        print(format_stats(cache.stats()), file=sys.stderr)
+        return
+    stats = cache.stats()
+    share = "n/a (dense)" if stats["block_share"] is None else f"{100 * stats['block_share']:.1f}%"
+    print(
+        f"[{prompt_tokens} prompt tokens, {new_tokens} new, {seconds:.1f}s, blocks read per step: {share}]",
+        file=sys.stderr,
+    )
 
 
 def _convert(args) -> int:
@@ -288,12 +344,19 @@ def _convert(args) -> int:
     from . import ForecastKVForCausalLM
     from .modeling.checkpoints import copy_tokenizer_files
 
-    model = ForecastKVForCausalLM.from_pretrained(source, sparse_config=args.sparse_config, forecast_weights=args.forecast_weights,
-                                                  allow_geometry_mismatch=args.allow_geometry_mismatch)
+    model = ForecastKVForCausalLM.from_pretrained(
+        source,
+        sparse_config=args.sparse_config,
+        forecast_weights=args.forecast_weights,
+        allow_geometry_mismatch=args.allow_geometry_mismatch,
+    )
     model.save_pretrained(args.output)
     copied = copy_tokenizer_files(source, args.output)
-    print(f"wrote {args.output} (model_type forecastkv; loads with AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True); "
-          f"tokenizer files: {', '.join(copied) if copied else 'none in the source'})")
+    print(
+        f"wrote {args.output} (model_type forecastkv; loads with "
+        "AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True); "
+        f"tokenizer files: {', '.join(copied) if copied else 'none in the source'})"
+    )
     return 0
 
 
@@ -323,40 +386,95 @@ def _lm_eval(argv: list[str]) -> int:
 PASSTHROUGH = {
     "train-forecast": (_train_forecast, "fit the Forecast heads on a frozen base (see --help)"),
     "forecast-recall": (_forecast_recall, "held-out forecast recall of saved heads (see --help)"),
-    "lm-eval": (_lm_eval, "lm-evaluation-harness with `--model forecastkv` registered (lm_eval's own arguments; see --help)"),
+    "lm-eval": (
+        _lm_eval,
+        "lm-evaluation-harness with `--model forecastkv` registered (lm_eval's own arguments; see --help)",
+    ),
 }
 
 
 def _add_demo(commands) -> None:
-    demo = commands.add_parser("demo", help="the main job on the bundled SmolLM2: train Forecast heads, evaluate, generate offloaded, report")
-    demo.add_argument("--output", default="runs/demo", help="where the heads, eval results and report.md go (a rerun resumes)")
-    demo.add_argument("--prompt-tokens", type=positive_int, default=None,
-                      help="prompt of the offloaded generation (default: the 8K curve's prompt, whose prefill it continues)")
-    demo.add_argument("--new-tokens", type=positive_int, default=None, help="tokens the offloaded generation adds (default: presets/demo/curves.yaml's)")
+    demo = commands.add_parser(
+        "demo", help="the main job on the bundled SmolLM2: train Forecast heads, evaluate, generate offloaded, report"
+    )
+    demo.add_argument(
+        "--output", default="runs/demo", help="where the heads, eval results and report.md go (a rerun resumes)"
+    )
+    demo.add_argument(
+        "--prompt-tokens",
+        type=positive_int,
+        default=None,
+        help="prompt of the offloaded generation (default: the 8K curve's prompt, whose prefill it continues)",
+    )
+    demo.add_argument(
+        "--new-tokens",
+        type=positive_int,
+        default=None,
+        help="tokens the offloaded generation adds (default: presets/demo/curves.yaml's)",
+    )
     demo.add_argument("--no-progress", action="store_true", help="no progress bars")
     demo.set_defaults(run=_demo)
 
 
 def _add_generate(commands) -> None:
-    gen = commands.add_parser("generate", help="generation from a prompt (--prompt, --prompt-file or stdin): greedy, or sampled with --temperature / --top-p")
-    gen.add_argument("--model", default="smollm2-135m", help="a checkpoint directory, hub id, bundled:NAME or smollm2-135m")
-    gen.add_argument("--sparse-config", default=None,
-                     help="a preset name from forecastkv/presets (default: the checkpoint's, else the --forecast-weights heads' own)")
+    gen = commands.add_parser(
+        "generate",
+        help="generation from a prompt (--prompt, --prompt-file or stdin): "
+        "greedy, or sampled with --temperature / --top-p",
+    )
+    gen.add_argument(
+        "--model", default="smollm2-135m", help="a checkpoint directory, hub id, bundled:NAME or smollm2-135m"
+    )
+    gen.add_argument(
+        "--sparse-config",
+        default=None,
+        help="a preset name from forecastkv/presets "
+        "(default: the checkpoint's, else the --forecast-weights heads' own)",
+    )
     gen.add_argument("--forecast-weights", default=None, help="a directory written by train-forecast")
     _add_geometry_option(gen)
     prompt = gen.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", default=None, help="the prompt text (default: read stdin)")
     prompt.add_argument("--prompt-file", default=None, metavar="PATH", help="read the prompt from this UTF-8 file")
-    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template as a user turn (instruct models)")
-    gen.add_argument("--max-new-tokens", type=positive_int, default=64,
-                     help="at most this many new tokens (capped by the positions the prompt leaves of max_position_embeddings)")
-    gen.add_argument("--temperature", type=positive_float, default=None, help="sample at this temperature (> 0; default: greedy)")
-    gen.add_argument("--top-p", type=probability, default=None, help="sample from the smallest token set of this probability mass, in (0, 1]")
+    gen.add_argument(
+        "--chat",
+        action="store_true",
+        help="wrap the prompt in the tokenizer's chat template as a user turn (instruct models)",
+    )
+    gen.add_argument(
+        "--max-new-tokens",
+        type=positive_int,
+        default=64,
+        help="at most this many new tokens (capped by the positions the prompt leaves of max_position_embeddings)",
+    )
+    gen.add_argument(
+        "--temperature", type=positive_float, default=None, help="sample at this temperature (> 0; default: greedy)"
+    )
+    gen.add_argument(
+        "--top-p",
+        type=probability,
+        default=None,
+        help="sample from the smallest token set of this probability mass, in (0, 1]",
+    )
     gen.add_argument("--seed", type=seed, default=None, help="seed torch's generator first (reproducible sampling)")
     gen.add_argument("--stream", action="store_true", help="print the text as tokens come")
-    gen.add_argument("--stats", action="store_true", help="print the share of KV blocks read per decode step (with --offload: bytes moved, hit rates)")
-    gen.add_argument("--offload", default=None, choices=MODES, help="keep the KV cache in host memory, moving blocks as this mode does")
-    gen.add_argument("--forecast-init", default=None, choices=("next_query", "kaiming"), help="create Forecast heads the checkpoint lacks (needed by the forecast-* modes)")
+    gen.add_argument(
+        "--stats",
+        action="store_true",
+        help="print the share of KV blocks read per decode step (with --offload: bytes moved, hit rates)",
+    )
+    gen.add_argument(
+        "--offload",
+        default=None,
+        choices=MODES,
+        help="keep the KV cache in host memory, moving blocks as this mode does",
+    )
+    gen.add_argument(
+        "--forecast-init",
+        default=None,
+        choices=("next_query", "kaiming"),
+        help="create Forecast heads the checkpoint lacks (needed by the forecast-* modes)",
+    )
     from .context.cli import add_context_cache_arguments
 
     add_context_cache_arguments(gen)
@@ -364,7 +482,10 @@ def _add_generate(commands) -> None:
 
 
 def _add_convert(commands) -> None:
-    convert = commands.add_parser("convert", help="convert a MiniCPM / NOSA / Llama / SparDA checkpoint to our format (weights, tokenizer, auto_map)")
+    convert = commands.add_parser(
+        "convert",
+        help="convert a MiniCPM / NOSA / Llama / SparDA checkpoint to our format (weights, tokenizer, auto_map)",
+    )
     convert.add_argument("source")
     convert.add_argument("output")
     convert.add_argument("--sparse-config", default=None)
@@ -374,8 +495,11 @@ def _add_convert(commands) -> None:
 
 
 def _add_geometry_option(parser) -> None:
-    parser.add_argument("--allow-geometry-mismatch", action="store_true",
-                        help="load --forecast-weights trained for another block geometry than --sparse-config's (a warning names both)")
+    parser.add_argument(
+        "--allow-geometry-mismatch",
+        action="store_true",
+        help="load --forecast-weights trained for another block geometry than --sparse-config's (a warning names both)",
+    )
 
 
 def _add_eval(commands) -> None:
@@ -388,8 +512,13 @@ def _add_eval(commands) -> None:
 
 
 # name -> the function that adds its sub-parser; a new sub-command is one function and one entry
-SUBCOMMANDS = {"demo": _add_demo, "generate": _add_generate, "convert": _add_convert, "eval": _add_eval,
-               "context-cache": register_context_cache_command}
+SUBCOMMANDS = {
+    "demo": _add_demo,
+    "generate": _add_generate,
+    "convert": _add_convert,
+    "eval": _add_eval,
+    "context-cache": register_context_cache_command,
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -442,7 +571,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # the line printed below a bug's traceback
-BUG_HINT = "forecastkv: this is a bug in forecastkv, not in your input: please file an issue with the command and the traceback above"
+BUG_HINT = (
+    "forecastkv: this is a bug in forecastkv, not in your input: "
+    "please file an issue with the command and the traceback above"
+)
 
 
 def _mark_as_bug(error: BaseException) -> None:

@@ -2,9 +2,10 @@
 
 A `UserInputError` is a value the user gave that forecastkv refuses; its message names the value
 and the limit.  The console script prints it as one line, `forecastkv: error: <message>`, and exits
-with status 2; any other exception is a bug and keeps its traceback.  Each subclass is a
-`ValueError`, so `except ValueError` callers keep working.  This module imports nothing, so the
-console script can test for these types without importing torch.
+with status 2; any other exception is a bug and keeps its traceback (plus a line asking to file
+it).  Each subclass is a `ValueError`, so `except ValueError` callers keep working.  This module
+imports nothing at its top (yaml only inside `read_yaml_mapping`), so the console script can test
+for these types without importing torch.
 """
 
 from __future__ import annotations
@@ -49,7 +50,10 @@ def read_yaml_mapping(path, what: str) -> dict:
     except IsADirectoryError:
         raise ConfigError(f"{what} {name!r} is a directory, not a YAML file") from None
     except UnicodeDecodeError as error:
-        raise ConfigError(f"{what} {name!r} is not a YAML file: byte {error.object[error.start]:#04x} at offset {error.start} is not UTF-8") from None
+        raise ConfigError(
+            f"{what} {name!r} is not a YAML file: "
+            f"byte {error.object[error.start]:#04x} at offset {error.start} is not UTF-8"
+        ) from None
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""

@@ -23,7 +23,12 @@ MODE_SELECTOR = {"sparse-offload": "query", "forecast-sync": "forecast", "foreca
 
 # mode -> how an offloaded layer gets its blocks: "sync" (at the consuming layer), "prefetch" (one layer
 # ahead) or "dense" (every block, every step)
-MODE_FETCH = {"sparse-offload": "sync", "forecast-sync": "sync", "forecast-offload": "prefetch", "dense-offload": "dense"}
+MODE_FETCH = {
+    "sparse-offload": "sync",
+    "forecast-sync": "sync",
+    "forecast-offload": "prefetch",
+    "dense-offload": "dense",
+}
 
 # the modes that select blocks (so need a sparse model), and those that select with Forecast heads
 SELECTING_MODES = tuple(mode for mode in MODES if mode in MODE_SELECTOR)

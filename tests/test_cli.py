@@ -24,6 +24,7 @@ def test_parser_knows_every_command():
 def test_mode_names_import_nothing():
     """forecastkv/modes.py, which the console script reads for --offload, imports nothing (so no torch)."""
     import ast
+
     import forecastkv.modes
 
     tree = ast.parse(open(forecastkv.modes.__file__, encoding="utf-8").read())
@@ -40,8 +41,17 @@ def test_train_forecast_help_reaches_the_trainer(capsys):
 
 def tiny_llama_dir(path):
     torch.manual_seed(0)
-    llama = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+    llama = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+        )
+    )
     llama.save_pretrained(path)
     return llama
 
@@ -57,8 +67,12 @@ def test_convert_writes_our_format(tmp_path):
     assert torch.equal(model.model.layers[1].mlp.up_proj.weight, llama.model.layers[1].mlp.up_proj.weight)
     for name, text in tokenizer_files.items():  # copied byte for byte
         assert (tmp_path / "ours" / name).read_text() == text
-    assert json.loads((tmp_path / "ours" / "config.json").read_text())["auto_map"]["AutoModelForCausalLM"] == "modeling_forecastkv.ForecastKVForCausalLM"
-    assert (tmp_path / "ours" / "modeling_forecastkv.py").is_file() and (tmp_path / "ours" / "configuration_forecastkv.py").is_file()
+    assert (
+        json.loads((tmp_path / "ours" / "config.json").read_text())["auto_map"]["AutoModelForCausalLM"]
+        == "modeling_forecastkv.ForecastKVForCausalLM"
+    )
+    for module in ("modeling_forecastkv.py", "configuration_forecastkv.py"):
+        assert (tmp_path / "ours" / module).is_file()
 
 
 # -- user errors: one line on stderr, status 2, no traceback ---------------------------------------
@@ -86,7 +100,20 @@ def test_each_user_error_is_one_line_and_status_2(tmp_path, capsys):
     assert "--sparse-config 'nope' is not a preset; known presets: " in line and "smollm2-135m" in line
     line = _user_error(["generate", "--model", str(tmp_path / "missing"), "--prompt", "x"], capsys)
     assert line == f"forecastkv: error: --model {tmp_path / 'missing'}: no such checkpoint directory"
-    line = _user_error(["generate", "--model", llama, "--sparse-config", "smollm2-135m", "--offload", "forecast-offload", "--prompt", "x"], capsys)
+    line = _user_error(
+        [
+            "generate",
+            "--model",
+            llama,
+            "--sparse-config",
+            "smollm2-135m",
+            "--offload",
+            "forecast-offload",
+            "--prompt",
+            "x",
+        ],
+        capsys,
+    )
     assert "--offload forecast-offload selects blocks with Forecast heads" in line
     assert "--forecast-init next_query" in line and "--forecast-weights DIR" in line and "forecast={" not in line
     line = _user_error(["generate", "--max-new-tokens", "-3", "--prompt", "x"], capsys)
@@ -127,10 +154,17 @@ def test_debug_shows_the_traceback(tmp_path):
 @pytest.mark.slow  # a fresh interpreter importing torch and transformers
 def test_console_script_prints_no_traceback(tmp_path):
     """The installed entry point, in its own process: one line, status 2."""
-    done = subprocess.run([sys.executable, "-m", "forecastkv.cli", "generate", "--model", str(tmp_path / "missing"), "--prompt", "x"],
-                          capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", "forecastkv.cli", "generate", "--model", str(tmp_path / "missing"), "--prompt", "x"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        timeout=300,
+    )
     assert done.returncode == 2
-    assert done.stderr.strip().splitlines() == [f"forecastkv: error: --model {tmp_path / 'missing'}: no such checkpoint directory"]
+    assert done.stderr.strip().splitlines() == [
+        f"forecastkv: error: --model {tmp_path / 'missing'}: no such checkpoint directory"
+    ]
 
 
 FRESH_LOAD = """
@@ -147,7 +181,8 @@ ids = plain(prompt, return_tensors="pt").input_ids
 assert declined(prompt).input_ids == trusted(prompt).input_ids == ids[0].tolist()
 tokens = model.generate(ids, max_new_tokens=8, do_sample=False)[0].tolist()
 with open(out, "w") as f:
-    json.dump({"class": type(model).__module__ + "." + type(model).__name__, "prompt": ids[0].tolist(), "tokens": tokens}, f)
+    model_class = type(model).__module__ + "." + type(model).__name__
+    json.dump({"class": model_class, "prompt": ids[0].tolist(), "tokens": tokens}, f)
 """
 
 
@@ -161,9 +196,15 @@ def test_converted_bundled_model_loads_with_plain_transformers(bundled_path, tmp
     out = tmp_path / "converted"
     assert main(["convert", bundled_path, str(out), "--sparse-config", "smollm2-135m"]) == 0
     prompt = "The quick brown fox jumps over the lazy dog. The quick brown fox"
-    done = subprocess.run([sys.executable, "-c", FRESH_LOAD, str(out), prompt, str(tmp_path / "fresh.json")], capture_output=True, text=True,
-                          cwd=tmp_path, stdin=subprocess.DEVNULL, env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")},
-                          timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-c", FRESH_LOAD, str(out), prompt, str(tmp_path / "fresh.json")],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        stdin=subprocess.DEVNULL,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")},
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     fresh = json.loads((tmp_path / "fresh.json").read_text())
     assert fresh["class"] == "forecastkv.modeling.modeling.ForecastKVForCausalLM"

@@ -45,11 +45,34 @@ def installed(tmp_path_factory):
         shutil.copy2(ROOT / name, source / name)
     shutil.copytree(ROOT / "forecastkv", source / "forecastkv", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     dist = work / "dist"
-    build = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q", "-w", str(dist), str(source)]
+    build = [
+        sys.executable,
+        "-m",
+        "pip",
+        "wheel",
+        "--no-deps",
+        "--no-build-isolation",
+        "--no-index",
+        "-q",
+        "-w",
+        str(dist),
+        str(source),
+    ]
     subprocess.run(build, check=True, cwd=work, timeout=300)
     (wheel,) = dist.glob("forecastkv-*.whl")
     site = work / "site"
-    install = [sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "-q", "--target", str(site), str(wheel)]
+    install = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "--no-deps",
+        "--no-index",
+        "-q",
+        "--target",
+        str(site),
+        str(wheel),
+    ]
     subprocess.run(install, check=True, cwd=work, timeout=300)
     return site, wheel
 
@@ -58,7 +81,9 @@ def test_wheel_contains_every_preset(installed):
     """Every file under forecastkv/presets (model presets, the demo's recipe and suites) ships."""
     _, wheel = installed
     presets = ROOT / "forecastkv" / "presets"
-    shipped = sorted(str(p.relative_to(ROOT)) for p in presets.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
+    shipped = sorted(
+        str(p.relative_to(ROOT)) for p in presets.rglob("*") if p.is_file() and "__pycache__" not in p.parts
+    )
     assert any(name.endswith(".json") for name in shipped), "no presets in forecastkv/presets"
     with zipfile.ZipFile(wheel) as archive:
         in_wheel = sorted(n for n in archive.namelist() if n.startswith("forecastkv/presets/"))
@@ -68,8 +93,12 @@ def test_wheel_contains_every_preset(installed):
 def test_installed_wheel_loads_every_preset(installed):
     site, _ = installed
     run = subprocess.run(
-        [sys.executable, "-c", CHECK], cwd=site.parent, env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"},
-        capture_output=True, text=True, timeout=300,
+        [sys.executable, "-c", CHECK],
+        cwd=site.parent,
+        env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(run.stdout.strip().splitlines()[-1])
@@ -80,8 +109,10 @@ def test_installed_wheel_loads_every_preset(installed):
     for name, got in report["presets"].items():
         preset = json.loads((ROOT / "forecastkv" / "presets" / f"{name}.json").read_text())["sparse_config"]
         loaded = got["sparse_config"]
-        assert {key: loaded[key] for key in preset} == preset, name                      # every key the file sets
-        assert {key: loaded[key] for key in loaded.keys() - preset.keys()} == {key: defaults[key] for key in loaded.keys() - preset.keys()}, name  # the rest: defaults
+        assert {key: loaded[key] for key in preset} == preset, name  # every key the file sets
+        assert {key: loaded[key] for key in loaded.keys() - preset.keys()} == {
+            key: defaults[key] for key in loaded.keys() - preset.keys()
+        }, name  # the rest: defaults
     # MiniCPM4.1-8B: 64 top-k + 2048 / 64 local = 96 blocks; NOSA-8B: 48 + 16 = 64
     assert report["presets"]["minicpm4.1-8b"]["budget"] == 96
     assert report["presets"]["nosa-8b"]["budget"] == 64

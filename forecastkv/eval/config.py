@@ -1,15 +1,15 @@
 """The suite file (`configs/eval/<suite>.yaml`): defaults, validation and the work list.
 
-    model:      path (dir / hub id / bundled:<name>) or config (a dict: a random model, for tests);
-                sparse_config (preset name or dict), forecast (creates heads), forecast_weights, dtype
-    tokenizer:  a path (default: the model's) or "bytes"
-    modes:      ["dense", "infllmv2-query", "infllmv2-forecast@forecast-offload", ...]
-    tasks:      [{name, lengths, examples, depths, max_new_tokens, options}]   (see tasks.TASKS)
-    longbench:  {dir (official JSONL files; null = `datasets`), tasks, lengths, examples, e}
-    seed, prefill_chunk, bucket_tokens, output_dir
-    recall:     "forecast" (measure forecast recall in forecast-selector modes), "all" (every sparse
-                mode with heads: costs a second selection per layer), or "none";
-                recall_start: first prefill row counted (null: budget blocks x block size)
+model:      path (dir / hub id / bundled:<name>) or config (a dict: a random model, for tests);
+            sparse_config (preset name or dict), forecast (creates heads), forecast_weights, dtype
+tokenizer:  a path (default: the model's) or "bytes"
+modes:      ["dense", "infllmv2-query", "infllmv2-forecast@forecast-offload", ...]
+tasks:      [{name, lengths, examples, depths, max_new_tokens, options}]   (see tasks.TASKS)
+longbench:  {dir (official JSONL files; null = `datasets`), tasks, lengths, examples, e}
+seed, prefill_chunk, bucket_tokens, output_dir
+recall:     "forecast" (measure forecast recall in forecast-selector modes), "all" (every sparse
+            mode with heads: costs a second selection per layer), or "none";
+            recall_start: first prefill row counted (null: budget blocks x block size)
 """
 
 from __future__ import annotations
@@ -24,8 +24,15 @@ from .modes import parse_mode
 from .tasks import TASKS
 
 DEFAULTS = {
-    "model": {"path": None, "config": None, "seed": 0, "sparse_config": None, "forecast": None,
-              "forecast_weights": None, "dtype": None},
+    "model": {
+        "path": None,
+        "config": None,
+        "seed": 0,
+        "sparse_config": None,
+        "forecast": None,
+        "forecast_weights": None,
+        "dtype": None,
+    },
     "tokenizer": None,
     "modes": ["dense", "infllmv2-query"],
     "tasks": [],
@@ -117,12 +124,7 @@ def _validated(raw: dict, overrides: dict | None) -> dict:
     _check_model(model)
     if not isinstance(config["modes"], list):
         raise ConfigError(f"modes must be a list of mode names, got {config['modes']!r}")
-    try:
-        config["modes"] = [parse_mode(m).name for m in config["modes"]]
-    except ConfigError:
-        raise
-    except ValueError as error:  # parse_mode's refusal of a mode name
-        raise ConfigError(str(error)) from None
+    config["modes"] = [parse_mode(m).name for m in config["modes"]]  # a ConfigError names a bad one
     if not config["modes"] or len(set(config["modes"])) != len(config["modes"]):
         raise ConfigError(f"modes must be a non-empty list without repeats, got {config['modes']}")
     if not isinstance(config["tasks"], list):
@@ -133,7 +135,9 @@ def _validated(raw: dict, overrides: dict | None) -> dict:
     if bench is not None:
         _check_keys("longbench", bench, LONGBENCH_KEYS)
         if not isinstance(bench.get("tasks"), list) or not bench["tasks"]:
-            raise ConfigError(f"longbench.tasks must be a non-empty list of LongBench task names, got {bench.get('tasks')!r}")
+            raise ConfigError(
+                f"longbench.tasks must be a non-empty list of LongBench task names, got {bench.get('tasks')!r}"
+            )
         for name in bench["tasks"]:
             if name not in longbench.PROMPTS:
                 raise ConfigError(f"unknown LongBench task {name!r}; known: {sorted(longbench.PROMPTS)}")
@@ -179,8 +183,11 @@ def _check_task(where: str, task) -> None:
     _integer(f"{where}.max_new_tokens", task.get("max_new_tokens"), optional=True)
     _one_of(f"{where}.options", task.get("options"), (dict,))
     depths = task.get("depths")
-    if depths is not None and not (isinstance(depths, list) and depths and all(isinstance(d, (int, float)) and not isinstance(d, bool)
-                                                                                 and 0 <= d <= 1 for d in depths)):
+    if depths is not None and not (
+        isinstance(depths, list)
+        and depths
+        and all(isinstance(d, (int, float)) and not isinstance(d, bool) and 0 <= d <= 1 for d in depths)
+    ):
         raise ConfigError(f"{where}.depths must be a non-empty list of numbers in [0, 1], got {depths!r}")
 
 

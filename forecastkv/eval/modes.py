@@ -82,8 +82,10 @@ def parse_mode(text: str) -> Mode:
         selector = ATTENTION_MODES[attention][1] if ATTENTION_MODES[attention] else None
         if wants is not None and wants != selector:
             fits = sorted(a for a, spec in ATTENTION_MODES.items() if spec and spec[1] == wants)
-            raise ConfigError(f"cache mode {cache!r} selects blocks with the {wants} selector, so mode {text!r} "
-                             f"cannot run; pair it with one of {fits}")
+            raise ConfigError(
+                f"cache mode {cache!r} selects blocks with the {wants} selector, so mode {text!r} "
+                f"cannot run; pair it with one of {fits}"
+            )
     return Mode(attention, cache)
 
 
@@ -92,14 +94,19 @@ def check_model_supports(model, mode: Mode) -> None:
     if not mode.sparse:
         return
     if model.config.sparse is None:
-        raise ConfigError(f"mode {mode.name!r} needs a sparse geometry: set model.sparse_config (a preset name or dict)")
+        raise ConfigError(
+            f"mode {mode.name!r} needs a sparse geometry: set model.sparse_config (a preset name or dict)"
+        )
     if mode.selector == "forecast" and not model.config.forecast_config.enabled:
         raise ConfigError(
             f"mode {mode.name!r} needs forecast heads, but the model has none: give model.forecast_weights "
-            "(a train-forecast output) or model.forecast (e.g. {init: next_query}) to create them")
+            "(a train-forecast output) or model.forecast (e.g. {init: next_query}) to create them"
+        )
     if mode.policy == "nosa" and not hasattr(model.model.layers[0].self_attn, "A"):
-        raise ConfigError(f"mode {mode.name!r} needs NOSA's A/delta weights; the checkpoint has none (policy "
-                         f"{model.config.sparse.policy!r})")
+        raise ConfigError(
+            f"mode {mode.name!r} needs NOSA's A/delta weights; the checkpoint has none (policy "
+            f"{model.config.sparse.policy!r})"
+        )
 
 
 def mode_sparse_config(base: dict | None, mode: Mode) -> dict | None:

@@ -61,10 +61,10 @@ class SparseConfig:
     topk: int = 64
     dense_len: int = 8192
     use_nope: bool = False
-    lse: str = "exact"            # "exact" | "coarse" (MiniCPM4.1's k2 estimate)
-    policy: str = "infllmv2"      # "infllmv2" | "nosa"
-    query_blocks: int = 16        # NOSA: query-aware blocks besides init + local
-    selector: str = "query"       # "query" | "forecast"
+    lse: str = "exact"  # "exact" | "coarse" (MiniCPM4.1's k2 estimate)
+    policy: str = "infllmv2"  # "infllmv2" | "nosa"
+    query_blocks: int = 16  # NOSA: query-aware blocks besides init + local
+    selector: str = "query"  # "query" | "forecast"
     # NOSA: whether dense attention (below dense_len) adds the CIS bias as sparse attention does;
     # SparDA-NOSA's dense fallback adds none (its preset sets False)
     dense_cis_bias: bool = True
@@ -84,13 +84,11 @@ class SparseConfig:
             )
         if self.block_size % self.kernel_stride:
             raise ConfigError(
-                f"sparse_config.block_size={self.block_size} must be a multiple of "
-                f"kernel_stride={self.kernel_stride}"
+                f"sparse_config.block_size={self.block_size} must be a multiple of kernel_stride={self.kernel_stride}"
             )
         if self.window_size % self.block_size:
             raise ConfigError(
-                f"sparse_config.window_size={self.window_size} must be a multiple of "
-                f"block_size={self.block_size}"
+                f"sparse_config.window_size={self.window_size} must be a multiple of block_size={self.block_size}"
             )
         if not isinstance(self.dense_len, int) or self.dense_len < -1:
             raise ConfigError(f"sparse_config.dense_len must be an integer >= -1, got {self.dense_len!r}")
@@ -136,7 +134,7 @@ class ForecastConfig:
 
     enabled: bool = False
     heads_per_group: int = 1
-    init: str = "kaiming"          # "kaiming" | "next_query"
+    init: str = "kaiming"  # "kaiming" | "next_query"
 
     def __post_init__(self) -> None:
         if not isinstance(self.heads_per_group, int) or self.heads_per_group < 1:
@@ -293,7 +291,7 @@ class ForecastKVConfig(PreTrainedConfig):
             rope_parameters.setdefault("rope_type", rope_parameters.pop("type", "default"))
             rope_parameters.setdefault("rope_theta", legacy_theta if legacy_theta is not None else 10000.0)
         self.rope_parameters = rope_parameters
-        self.mup = mup                      # validated and parsed in __setattr__
+        self.mup = mup  # validated and parsed in __setattr__
         self.sparse_config = sparse_config  # a preset name, a dict, a SparseConfig or None
         self.forecast = forecast
         if not isinstance(query_chunk_size, int) or query_chunk_size < 1:
@@ -301,7 +299,10 @@ class ForecastKVConfig(PreTrainedConfig):
         self.query_chunk_size = query_chunk_size
         # rows per forward call of a long prefill (ForecastKVModel.forward_chunked); 0 = one call
         if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 0:
-            raise ConfigError(f"prefill_chunk must be a non-negative integer (0 = the whole prompt in one call), got {prefill_chunk!r}")
+            raise ConfigError(
+                "prefill_chunk must be a non-negative integer (0 = the whole prompt in one call), "
+                f"got {prefill_chunk!r}"
+            )
         self.prefill_chunk = prefill_chunk
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
