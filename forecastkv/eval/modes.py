@@ -65,7 +65,7 @@ def offload_modes() -> tuple[tuple[str, ...], str | None]:
 
 
 def parse_mode(text: str) -> Mode:
-    """'<attention>[@<cache>]' -> Mode; a ValueError names the unknown part and the known ones."""
+    """'<attention>[@<cache>]' -> Mode; a ConfigError names the unknown part and the known ones."""
     if not isinstance(text, str) or not text:
         raise ConfigError(f"a mode must be a non-empty string like 'infllmv2-query', got {text!r}")
     attention, _, cache = text.partition("@")
@@ -90,7 +90,7 @@ def parse_mode(text: str) -> Mode:
 
 
 def check_model_supports(model, mode: Mode) -> None:
-    """Raise a ValueError when `model` lacks what `mode` needs (a sparse geometry, forecast heads, A/delta)."""
+    """Raise a ConfigError when `model` lacks what `mode` needs (a sparse geometry, forecast heads, A/delta)."""
     if not mode.sparse:
         return
     if model.config.sparse is None:
