@@ -668,201 +668,305 @@ def train_forecast(config_path_or_dict, overwrite: bool = False, **overrides) ->
 
 
 def _train(config_path_or_dict, overwrite: bool, overrides: dict, signals: "_Signals") -> TrainResult:
-    """`train_forecast`'s body, under its signal handlers."""
-    from accelerate import Accelerator
-
-    # -- recipe, processes, run directory ------------------------------------------------------
+    """`train_forecast`'s body, under its signal handlers: set up, the loop, the guard, the outputs."""
     recipe = resolve_recipe(config_path_or_dict, **overrides)
-    ckpt.check_storable(recipe, "recipe")   # fail now, not at the first checkpoint
-    train, data_cfg = recipe["train"], recipe["data"]
-    objective = ObjectiveConfig.from_dict(recipe["objective"])
-    cuda = torch.cuda.is_available()
-    mixed = "bf16" if cuda and recipe["model"]["dtype"] != "float32" else "no"
-    accelerator = Accelerator(cpu=not cuda, mixed_precision=mixed)
-    rank, world, main = accelerator.process_index, accelerator.num_processes, accelerator.is_main_process
-    check_recipe(recipe, world)
-    out_dir = Path(recipe["output_dir"])
-    if main:
-        for stale in ckpt.remove_stale_temporaries(out_dir):
-            _say(main, f"removed {stale}, left by a write a kill interrupted")
-    if not recipe["resume"]:
-        recipe["resume"] = prepare_run_dir(out_dir, overwrite, main)
-    torch.manual_seed(train["seed"])
-    random.seed(train["seed"])
-    if train["threads"] is not None:
-        torch.set_num_threads(train["threads"])
+    ckpt.check_storable(recipe, "recipe")  # fail now, not at the first checkpoint
+    session = _Session(recipe, overwrite, signals)
+    try:
+        session.loop()
+        session.guard_and_last_eval()
+    except _Stop:
+        session.interrupted()  # raises TrainingInterrupted
+    return session.finish()
 
-    # -- model, data, optimizer ----------------------------------------------------------------
-    model, base = build_model(recipe["model"], accelerator.device)
-    check_against_model(recipe, model, objective)
-    fresh_heads = not recipe["model"]["forecast_weights"]
-    if fresh_heads:
-        apply_forecast_init(model, recipe["model"]["forecast"]["init"], seed=train["seed"])
-    params = freeze_base(model)
-    fingerprint = ckpt.model_fingerprint(model)
-    data, eval_seqs, val_seqs = _datasets(recipe, _tokenizer(data_cfg, model, recipe["model"]["path"]))
-    optimizer, scheduler = _optimizer(params, train)
 
-    # -- resume, outputs -----------------------------------------------------------------------
-    metrics_path = out_dir / "metrics.jsonl"
-    run = _resume(recipe["resume"], model, optimizer, scheduler, data, fingerprint, base) if recipe["resume"] else Progress()
-    if main:
+class _Session:
+    """One `train_forecast` run: what it set up (processes, run directory, model, data, optimizer,
+    progress) and its parts as methods, in the order they run: `loop`, `guard_and_last_eval`,
+    `finish` (or `interrupted` after a stop signal)."""
+
+    def __init__(self, recipe: dict, overwrite: bool, signals: "_Signals") -> None:
+        self.recipe, self.signals = recipe, signals
+        self.train, self.data_cfg = recipe["train"], recipe["data"]
+        self.objective = ObjectiveConfig.from_dict(recipe["objective"])
+        self._start_processes()
+        self._prepare_directory(overwrite)
+        self._build()
+        self._resume_or_start()
+        self._plan_rounds()
+
+    # -- set-up ---------------------------------------------------------------------------------
+
+    def _start_processes(self) -> None:
+        """The `accelerate` state (one or many processes) and the recipe checked against it."""
+        from accelerate import Accelerator
+
+        cuda = torch.cuda.is_available()
+        self.mixed = "bf16" if cuda and self.recipe["model"]["dtype"] != "float32" else "no"
+        self.accelerator = accelerator = Accelerator(cpu=not cuda, mixed_precision=self.mixed)
+        self.rank, self.world = accelerator.process_index, accelerator.num_processes
+        self.main = accelerator.is_main_process
+        check_recipe(self.recipe, self.world)
+        self.out_dir = Path(self.recipe["output_dir"])
+
+    def _prepare_directory(self, overwrite: bool) -> None:
+        """Clean up after killed writes, decide fresh start or resume (`prepare_run_dir`), seed."""
+        if self.main:
+            for stale in ckpt.remove_stale_temporaries(self.out_dir):
+                _say(self.main, f"removed {stale}, left by a write a kill interrupted")
+        if not self.recipe["resume"]:
+            self.recipe["resume"] = prepare_run_dir(self.out_dir, overwrite, self.main)
+        torch.manual_seed(self.train["seed"])
+        random.seed(self.train["seed"])
+        if self.train["threads"] is not None:
+            torch.set_num_threads(self.train["threads"])
+
+    def _build(self) -> None:
+        """The frozen model with initialised heads, the data streams, the optimizer."""
+        recipe, train = self.recipe, self.train
+        self.model, self.base = build_model(recipe["model"], self.accelerator.device)
+        check_against_model(recipe, self.model, self.objective)
+        self.fresh_heads = not recipe["model"]["forecast_weights"]
+        if self.fresh_heads:
+            apply_forecast_init(self.model, recipe["model"]["forecast"]["init"], seed=train["seed"])
+        self.params = freeze_base(self.model)
+        self.fingerprint = ckpt.model_fingerprint(self.model)
+        tokenizer = _tokenizer(self.data_cfg, self.model, recipe["model"]["path"])
+        self.data, self.eval_seqs, self.val_seqs = _datasets(recipe, tokenizer)
+        self.optimizer, self.scheduler = _optimizer(self.params, train)
+
+    def _resume_or_start(self) -> None:
+        """The run's progress (a resumed checkpoint's, or none), metrics.jsonl cut to it, recipe.json."""
+        recipe = self.recipe
+        self.metrics_path = self.out_dir / "metrics.jsonl"
         if recipe["resume"]:
-            _truncate_metrics(metrics_path, run.step)
+            self.run = _resume(
+                recipe["resume"], self.model, self.optimizer, self.scheduler, self.data, self.fingerprint, self.base
+            )
         else:
-            metrics_path.unlink(missing_ok=True)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(out_dir / "recipe.json", json.dumps({**recipe, "processes": world}, indent=2, default=str))
+            self.run = Progress()
+        if self.main:
+            if recipe["resume"]:
+                _truncate_metrics(self.metrics_path, self.run.step)
+            else:
+                self.metrics_path.unlink(missing_ok=True)
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            recipe_text = json.dumps({**recipe, "processes": self.world}, indent=2, default=str)
+            write_text_atomic(self.out_dir / "recipe.json", recipe_text)
+        self.saved_step = self.run.step if recipe["resume"] else None  # the step of the newest checkpoint
+        self.saved_path = None  # the checkpoint this call wrote last
 
-    # -- this process's share of a global batch ------------------------------------------------
-    end, per_round, micro = last_step(train), train["steps_per_round"], train["micro_batch"]
-    per_rank = train["global_batch"] // world
-    first_chunk = rank * per_rank // micro   # global index of this process's first micro-batch
-    denominator = float(train["global_batch"] * model.config.num_key_value_heads * rows_per_sequence(recipe))
-    round_start = data.state_dict()          # the data position the current round was taken at
-    show = main and train["progress"]
-    cache = RoundCache(out_dir / FEATURE_DIR, feature_identity(recipe, model, fingerprint, accelerator.device, mixed))
-    layers = model.config.num_hidden_layers
+    def _plan_rounds(self) -> None:
+        """This process's share of a global batch, the feature cache, the counters."""
+        train, model = self.train, self.model
+        self.end, self.per_round, self.micro = last_step(train), train["steps_per_round"], train["micro_batch"]
+        self.per_rank = train["global_batch"] // self.world
+        self.first_chunk = self.rank * self.per_rank // self.micro  # global index of this process's first micro-batch
+        rows = train["global_batch"] * model.config.num_key_value_heads * rows_per_sequence(self.recipe)
+        self.denominator = float(rows)
+        self.round_start = self.data.state_dict()  # the data position the current round was taken at
+        self.show = self.main and train["progress"]
+        identity = feature_identity(self.recipe, model, self.fingerprint, self.accelerator.device, self.mixed)
+        self.cache = RoundCache(self.out_dir / FEATURE_DIR, identity)
+        self.layers = model.config.num_hidden_layers
+        self.bar = None  # the steps' bar, opened after the first round's features
+        self.building = False  # inside a round's feature build (a stop there saves the round's start)
+        self.feature_seconds, self.step_seconds, self.steps_run = 0.0, 0.0, 0
 
-    def stop_requested() -> bool:
+    # -- safe points ----------------------------------------------------------------------------
+
+    def stop_requested(self) -> bool:
         """Whether a stop signal arrived, agreed by every process (a safe point for all)."""
-        flag = torch.tensor([1.0 if signals.received is not None else 0.0])
-        if world > 1:
-            flag = accelerator.reduce(flag.to(accelerator.device), reduction="sum").cpu()
+        flag = torch.tensor([1.0 if self.signals.received is not None else 0.0])
+        if self.world > 1:
+            flag = self.accelerator.reduce(flag.to(self.accelerator.device), reduction="sum").cpu()
         return bool(flag.item() > 0)
 
-    def check_local() -> None:
+    def check_local(self) -> None:
         """A safe point inside work no other process waits on (one process only)."""
-        if world == 1 and signals.received is not None:
+        if self.world == 1 and self.signals.received is not None:
             raise _Stop
 
-    def next_round(step: int) -> Features:
+    # -- the loop -------------------------------------------------------------------------------
+
+    def loop(self) -> None:
+        """The training loop: every `steps_per_round` steps a new round's features, each step one
+        AdamW step on them; metrics, evaluations and checkpoints on their schedules, a stop signal
+        honoured after every step."""
+        run, train = self.run, self.train
+        if run.step == 0 and train["eval_every"] >= 0 and train["eval_at_start"]:
+            self.run_eval(0)
+        features = None
+        for step in range(run.step, self.end):  # `step` optimizer steps are done; this one makes step + 1
+            if features is None or step % self.per_round == 0:
+                features = None  # free the previous round first
+                features = self.take_round(step)
+            if self.bar is None:  # after the first round's features: its rate (and ETA) counts steps only
+                self.bar = _bar("forecast" if self.show else None, train["steps"], initial=run.step)
+            started = time.time()
+            self.optimizer.zero_grad(set_to_none=True)
+            loss = backward_step(
+                self.model, self.params, features, self.first_chunk, step, self.recipe, self.objective,
+                self.denominator, self.accelerator,
+            )
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, train["grad_clip"]))
+            lr = self.scheduler.get_last_lr()[0]
+            self.optimizer.step()
+            self.scheduler.step()
+            self.step_seconds += time.time() - started
+            self.steps_run += 1
+            run.step = done = step + 1
+            run.losses.append((done, loss))
+            if self.main and (done % train["log_every"] == 0 or done == self.end):
+                row = {"step": done, "loss": loss, "grad_norm": grad_norm, "lr": lr, **self.speed()}
+                _append_metrics(self.metrics_path, row)
+            if train["eval_every"] > 0 and done % train["eval_every"] == 0 and done < self.end:
+                self.run_eval(done)
+            recall = {"recall": f"{run.history[-1]['mean_recall']:.3f}"} if run.history else {}
+            self.bar.set_postfix({"loss": f"{loss:.4f}", **recall})
+            self.bar.update(1)
+            if done % train["save_every"] == 0 and done < self.end:
+                self.save(done)
+            if self.stop_requested():
+                raise _Stop
+        if self.bar is not None:
+            self.bar.close()
+
+    def take_round(self, step: int) -> Features:
+        """The round starting at `step`: its data position kept, its features built (timed); a stop
+        signal that arrived meanwhile stops here."""
+        self.round_start = self.data.state_dict()
+        started, self.building = time.time(), True
+        features = self.next_round(step)
+        self.feature_seconds += time.time() - started
+        if self.stop_requested():
+            raise _Stop  # the data stream already moved past this round: save its start
+        self.building = False
+        return features
+
+    def next_round(self, step: int) -> Features:
         """Cache the next global batch's features (this process's slice); the first round also
         calibrates fresh heads and keeps the starting heads for the guard."""
-        batch = data.take(train["global_batch"])[rank * per_rank : (rank + 1) * per_rank]
-        count = -(-batch.shape[0] // micro)
-        bar = _bar(f"features, round {step // per_round} ({batch.shape[0]} sequences x {layers} layers)" if show else None,
-                   count * layers, unit="layer", leave=False)
+        batch = self.data.take(self.train["global_batch"])[self.rank * self.per_rank : (self.rank + 1) * self.per_rank]
+        count = -(-batch.shape[0] // self.micro)
+        round_index = step // self.per_round
+        label = f"features, round {round_index} ({batch.shape[0]} sequences x {self.layers} layers)"
+        bar = _bar(label if self.show else None, count * self.layers, unit="layer", leave=False)
 
         def on_layer_done(n: int) -> None:
             bar.update(n)
-            check_local()
+            self.check_local()
 
+        cache = self.cache
         before = (cache.built, cache.loaded, cache.saved_s, cache.load_s)
         started = time.perf_counter()
         try:
-            with accelerator.autocast():
-                parts = build_round(model, batch, first_chunk, step // per_round, recipe, objective, accelerator.device, cache, on_layer_done)
+            with self.accelerator.autocast():
+                parts = build_round(
+                    self.model, batch, self.first_chunk, round_index, self.recipe, self.objective,
+                    self.accelerator.device, cache, on_layer_done,
+                )
         finally:
             bar.close()
         built, loaded = cache.built - before[0], cache.loaded - before[1]
         note = f"built {built} in {time.perf_counter() - started:.1f} s" if built else ""
         if loaded:
             saved, took = cache.saved_s - before[2], cache.load_s - before[3]
-            note += ("; " if note else "") + f"read {loaded} from the run's cache in {took:.1f} s (building them took {saved:.1f} s)"
-        _say(show or (main and loaded > 0), f"features, round {step // per_round}: {count} micro-batch{'es' if count != 1 else ''} of this process: {note}")
-        if step == 0 and fresh_heads and recipe["model"]["calibrate_init"]:
-            calibrate_from_features(model, parts, accelerator)
-        if step == 0 and val_seqs is not None:
-            run.start_heads = _head_copy(model)
+            note += ("; " if note else "") + (
+                f"read {loaded} from the run's cache in {took:.1f} s (building them took {saved:.1f} s)"
+            )
+        plural = "es" if count != 1 else ""
+        _say(
+            self.show or (self.main and loaded > 0),
+            f"features, round {round_index}: {count} micro-batch{plural} of this process: {note}",
+        )
+        if step == 0 and self.fresh_heads and self.recipe["model"]["calibrate_init"]:
+            calibrate_from_features(self.model, parts, self.accelerator)
+        if step == 0 and self.val_seqs is not None:
+            self.run.start_heads = _head_copy(self.model)
         return Features.merge(parts)
 
-    def run_eval(step: int) -> None:
-        if eval_seqs is not None:
-            label = f"recall at step {step} ({eval_seqs.shape[0]} held-out sequences)" if show else None
-            result = {"step": step, **evaluate(model, eval_seqs, eval_window(data_cfg)[1], data_cfg["eval_backbone"], accelerator, label, check_local)}
-            run.history.append(result)
-            if main:
-                _append_metrics(metrics_path, {"step": step, "eval": result})
+    def run_eval(self, step: int) -> None:
+        """Held-out recall at `step` (when the recipe has eval data), kept in the history and logged."""
+        if self.eval_seqs is None:
+            return
+        label = f"recall at step {step} ({self.eval_seqs.shape[0]} held-out sequences)" if self.show else None
+        recall = evaluate(
+            self.model, self.eval_seqs, eval_window(self.data_cfg)[1], self.data_cfg["eval_backbone"],
+            self.accelerator, label, self.check_local,
+        )
+        result = {"step": step, **recall}
+        self.run.history.append(result)
+        if self.main:
+            _append_metrics(self.metrics_path, {"step": step, "eval": result})
 
-    saved = {"step": run.step if recipe["resume"] else None, "path": None}
-
-    def save(step: int, position: dict | None = None) -> None:
-        if main:
+    def save(self, step: int, position: dict | None = None) -> None:
+        """A checkpoint at `step` (main process); position: the data position it resumes from."""
+        if self.main:
             # mid-round: the round's start, so a resume rebuilds (or reads) the same cached features
             if position is None:
-                position = round_start if step % per_round else data.state_dict()
-            saved["path"] = ckpt.save_checkpoint(out_dir, step, {
-                "step": step, "trainable": _head_copy(model), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                "rng": ckpt.rng_state(), "data": position, "recipe": recipe, "fingerprint": fingerprint, "base_model": base,
+                position = self.round_start if step % self.per_round else self.data.state_dict()
+            run, model = self.run, self.model
+            state = {
+                "step": step, "trainable": _head_copy(model), "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "rng": ckpt.rng_state(), "data": position,
+                "recipe": self.recipe, "fingerprint": self.fingerprint, "base_model": self.base,
                 "sparse_config": model.config.sparse.to_dict(), "forecast": model.config.forecast_config.to_dict(),
                 "history": run.history, "losses": run.losses, "start_heads": run.start_heads, "guard": run.guard,
-            }, train["keep_last"])
-        saved["step"] = step
-        accelerator.wait_for_everyone()
+            }
+            self.saved_path = ckpt.save_checkpoint(self.out_dir, step, state, self.train["keep_last"])
+        self.saved_step = step
+        self.accelerator.wait_for_everyone()
 
-    features, feature_seconds, step_seconds, steps_run = None, 0.0, 0.0, 0
-    bar = None
-    building = False
-    try:
-        # -- the loop ----------------------------------------------------------------------
-        if run.step == 0 and train["eval_every"] >= 0 and train["eval_at_start"]:
-            run_eval(0)
-        for step in range(run.step, end):        # `step` optimizer steps are done; this one makes step + 1
-            if features is None or step % per_round == 0:
-                round_start, features = data.state_dict(), None   # free the previous round first
-                started, building = time.time(), True
-                features = next_round(step)
-                feature_seconds += time.time() - started
-                if stop_requested():
-                    raise _Stop   # the data stream already moved past this round: save its start
-                building = False
-            if bar is None:   # after the first round's features: its rate (and ETA) counts steps only
-                bar = _bar("forecast" if show else None, train["steps"], initial=run.step)
-            started = time.time()
-            optimizer.zero_grad(set_to_none=True)
-            loss = backward_step(model, params, features, first_chunk, step, recipe, objective, denominator, accelerator)
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, train["grad_clip"]))
-            lr = scheduler.get_last_lr()[0]
-            optimizer.step()
-            scheduler.step()
-            step_seconds += time.time() - started
-            steps_run += 1
-            run.step = done = step + 1
-            run.losses.append((done, loss))
-            if main and (done % train["log_every"] == 0 or done == end):
-                _append_metrics(metrics_path, {"step": done, "loss": loss, "grad_norm": grad_norm, "lr": lr, **_speed(steps_run, step_seconds, feature_seconds)})
-            if train["eval_every"] > 0 and done % train["eval_every"] == 0 and done < end:
-                run_eval(done)
-            bar.set_postfix({"loss": f"{loss:.4f}", **({"recall": f"{run.history[-1]['mean_recall']:.3f}"} if run.history else {})})
-            bar.update(1)
-            if done % train["save_every"] == 0 and done < end:
-                save(done)
-            if stop_requested():
-                raise _Stop
-        if bar is not None:
-            bar.close()
+    def speed(self) -> dict:
+        return _speed(self.steps_run, self.step_seconds, self.feature_seconds)
 
-        # -- the end: guard, last evaluation -----------------------------------------------
-        if val_seqs is not None and run.guard is None and run.step >= train["steps"]:  # not when max_steps cut the run short
+    # -- the end --------------------------------------------------------------------------------
+
+    def guard_and_last_eval(self) -> None:
+        """The per-layer guard (a finished run with validation windows), then the last evaluation."""
+        run, train, data_cfg = self.run, self.train, self.data_cfg
+        if self.val_seqs is not None and run.guard is None and run.step >= train["steps"]:  # not when max_steps cut it
             if run.start_heads is None:
-                raise UserInputError("data.val_sequences > 0, but the resumed checkpoint holds no starting heads to guard with")
-            guard = guard_layers(model, run.start_heads, val_seqs, val_window(data_cfg)[1], data_cfg["eval_backbone"], accelerator, show, check_local)
-            run.guard = guard
-            if main:
-                _append_metrics(metrics_path, {"step": run.step, "guard": run.guard})
+                raise UserInputError(
+                    "data.val_sequences > 0, but the resumed checkpoint holds no starting heads to guard with"
+                )
+            run.guard = guard_layers(
+                self.model, run.start_heads, self.val_seqs, val_window(data_cfg)[1], data_cfg["eval_backbone"],
+                self.accelerator, self.show, self.check_local,
+            )
+            if self.main:
+                _append_metrics(self.metrics_path, {"step": run.step, "guard": run.guard})
             if run.history and run.history[-1]["step"] == run.step:
                 run.history.pop()  # measured before the guard gave layers their starting heads back
         if train["eval_every"] >= 0 and (not run.history or run.history[-1]["step"] != run.step):
-            run_eval(run.step)
-    except _Stop:
-        if bar is not None:
-            bar.close()
-        if run.step > 0 and saved["step"] != run.step:
-            _say(main, f"{signal.Signals(signals.received).name}: writing a checkpoint at step {run.step}")
-            save(run.step, round_start if building else None)
-        path = saved["path"] or (ckpt.find_checkpoint(out_dir) if run.step > 0 else None)
-        raise TrainingInterrupted(signals.received, run.step, path, out_dir) from None
+            self.run_eval(run.step)
 
-    # -- checkpoint, weights -------------------------------------------------------------------
-    _say(show, f"writing the last checkpoint and {out_dir / 'forecast.safetensors'}")
-    save(run.step)
-    if main:
-        model.save_forecast_weights(out_dir, base_model=base)
-        write_text_atomic(out_dir / "recall.md", _recall_table(run.history) + _guard_note(run.guard))
-        if run.step >= train["steps"]:   # finished: nothing resumes into its rounds again
-            shutil.rmtree(out_dir / FEATURE_DIR, ignore_errors=True)
-    accelerator.wait_for_everyone()
-    speed = {**_speed(steps_run, step_seconds, feature_seconds), "features_built": cache.built, "features_read": cache.loaded,
-             "feature_read_s": cache.load_s, "feature_saved_s": cache.saved_s}
-    return TrainResult(out_dir, run.step, model, run.history, run.losses, speed, run.guard)
+    def interrupted(self) -> None:
+        """After a stop signal: a checkpoint at the last step done (unless one is there); raises
+        `TrainingInterrupted`."""
+        if self.bar is not None:
+            self.bar.close()
+        step = self.run.step
+        if step > 0 and self.saved_step != step:
+            _say(self.main, f"{signal.Signals(self.signals.received).name}: writing a checkpoint at step {step}")
+            self.save(step, self.round_start if self.building else None)
+        path = self.saved_path or (ckpt.find_checkpoint(self.out_dir) if step > 0 else None)
+        raise TrainingInterrupted(self.signals.received, step, path, self.out_dir) from None
+
+    def finish(self) -> TrainResult:
+        """The last checkpoint, forecast.safetensors (+ config) and recall.md; the run's result."""
+        run, out_dir, cache = self.run, self.out_dir, self.cache
+        _say(self.show, f"writing the last checkpoint and {out_dir / 'forecast.safetensors'}")
+        self.save(run.step)
+        if self.main:
+            self.model.save_forecast_weights(out_dir, base_model=self.base)
+            write_text_atomic(out_dir / "recall.md", _recall_table(run.history) + _guard_note(run.guard))
+            if run.step >= self.train["steps"]:  # finished: nothing resumes into its rounds again
+                shutil.rmtree(out_dir / FEATURE_DIR, ignore_errors=True)
+        self.accelerator.wait_for_everyone()
+        speed = {
+            **self.speed(), "features_built": cache.built, "features_read": cache.loaded,
+            "feature_read_s": cache.load_s, "feature_saved_s": cache.saved_s,
+        }
+        return TrainResult(out_dir, run.step, self.model, run.history, run.losses, speed, run.guard)
