@@ -8,6 +8,7 @@ limit it broke.
 from __future__ import annotations
 
 import os
+import types
 from typing import Callable, Iterable
 
 import torch
@@ -41,19 +42,33 @@ class LazyKernel:
 
     `triton.jit` decides between the compiler and the interpreter when it runs, from
     `TRITON_INTERPRET`; jitting lazily (once per mode) means the kernel modules can be imported in
-    any order relative to setting that variable.
+    any order relative to setting that variable.  `helpers` are plain functions the kernel calls by
+    their global names (device functions such as `lse.online_lse`): they are jitted with it, in the
+    same mode, and the kernel sees them through a copy of its globals (`source`).
     """
 
-    def __init__(self, fn: Callable) -> None:
+    def __init__(self, fn: Callable, helpers: tuple[Callable, ...] = ()) -> None:
         self.fn = fn
+        self.helpers = helpers
         self._jitted: dict[bool, object] = {}
+
+    def source(self, jit: Callable) -> Callable:
+        """The kernel function to hand to `jit`: `fn` itself, or with helpers a copy of it whose
+        globals map each helper's name to `jit(helper)`."""
+        if not self.helpers:
+            return self.fn
+        scope = dict(self.fn.__globals__)
+        scope.update({helper.__name__: jit(helper) for helper in self.helpers})
+        clone = types.FunctionType(self.fn.__code__, scope, self.fn.__name__, self.fn.__defaults__, self.fn.__closure__)
+        clone.__qualname__, clone.__module__, clone.__doc__ = self.fn.__qualname__, self.fn.__module__, self.fn.__doc__
+        return clone
 
     def __getitem__(self, grid):
         if triton is None:
             raise RuntimeError("triton is not installed; use the reference backend (FORECASTKV_BACKEND=kernels=reference)")
         mode = interpreting()
         if mode not in self._jitted:
-            self._jitted[mode] = triton.jit(self.fn)
+            self._jitted[mode] = triton.jit(self.source(triton.jit))
         return self._jitted[mode][grid]
 
 

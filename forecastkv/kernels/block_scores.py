@@ -35,6 +35,7 @@ from ._common import (
     next_pow2,
     tl,
 )
+from .lse import online_lse
 
 KINDS = ("query", "forecast")
 
@@ -56,6 +57,8 @@ _DOC = """Block scores of one decode row per sequence: `selection.score_blocks` 
     lse_keys    [B, C2, H_kv, d] or None  kind "query" only: MiniCPM4.1's coarse keys (kernel
                                  `sparse.coarse_kernel`); each head is normalised by the LSE over
                                  the coarse keys it sees (the exact LSE where it sees none)
+    check_ids   bool             check every argument.  False: the caller vouches for them; the
+                                 reference then checks nothing, the kernel still checks them
 
     Returns float32 [B, H_kv, n_blocks]: the max over each block's overlapping compressed keys
     (`selection.block_pool_geometry`), +inf for init and local blocks (`selection.force_blocks`),
@@ -136,10 +139,14 @@ def _pool_and_force(scores: torch.Tensor, positions: torch.Tensor, sparse, n_blo
 
 
 @_doc
-def block_scores_reference(vectors, ckeys, positions, sparse, n_blocks, kind="query", lag=None, out=None, lse_keys=None):
-    lag, group = validate_block_scores(vectors, ckeys, positions, sparse, n_blocks, kind, lag, out, lse_keys)
+def block_scores_reference(
+    vectors, ckeys, positions, sparse, n_blocks, kind="query", lag=None, out=None, lse_keys=None, check_ids=True
+):
+    if check_ids:
+        validate_block_scores(vectors, ckeys, positions, sparse, n_blocks, kind, lag, out, lse_keys)
     batch, _, dim = vectors.shape
     heads = ckeys.shape[2]
+    group = vectors.shape[1] // heads
     p, s = sparse.kernel_size, sparse.kernel_stride
     visible = _visible(positions, ckeys.shape[1], p, s, lag)[:, None, None]           # [B, 1, 1, C]
     vec = vectors.float().view(batch, heads, group, dim)
@@ -188,14 +195,16 @@ _AGNOSTIC_DOC = """NOSA's query-agnostic block scores of one decode row per sequ
     positions   [B]              int32/int64; < 0 = padding (all -inf)
     sparse, n_blocks, lag        as `block_scores` (lag 0 for the query selector, 1 for forecast)
     out         [B, H_kv, n_blocks] float32 or None
+    check_ids   bool             as `block_scores`
 
     Returns float32 [B, H_kv, n_blocks]: max of the visible pooled CIS over each block's compressed
     keys, +inf for init and local blocks, then -inf for blocks after the row's own (j > pos // bs).
     """
 
 
-def agnostic_scores_reference(pooled_cis, positions, sparse, n_blocks, lag=0, out=None):
-    validate_agnostic(pooled_cis, positions, sparse, n_blocks, lag, out)
+def agnostic_scores_reference(pooled_cis, positions, sparse, n_blocks, lag=0, out=None, check_ids=True):
+    if check_ids:
+        validate_agnostic(pooled_cis, positions, sparse, n_blocks, lag, out)
     visible = _visible(positions, pooled_cis.shape[1], sparse.kernel_size, sparse.kernel_stride, lag)
     scores = pooled_cis.float().permute(0, 2, 1).masked_fill(~visible[:, None], float("-inf"))
     result = _pool_and_force(scores, positions, sparse, n_blocks)
@@ -235,38 +244,15 @@ def _block_scores_kernel(
     vec = tl.load(vec_ptr + b * sv_b + (h * GROUP + g)[:, None] * sv_h + dd[None, :] * sv_d,
                   mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
     lse = tl.zeros([GP], tl.float32)
-    cc = tl.arange(0, BLOCK_C)
     if SOFTMAX:
-        # pass 1: each head's log-sum-exp over the compressed keys it sees (which = 0: exact), then,
-        # for MiniCPM4.1, over the coarse keys (which = 1), used wherever the row sees one
-        for which in tl.static_range(2 if COARSE else 1):
-            if which == 0:
-                keys_ptr, n_keys, size, stride = ck_ptr + b * sc_b + h * sc_h, n_ckeys, kernel_size, kernel_stride
-                st_c, st_d = sc_c, sc_d
-            else:
-                keys_ptr, n_keys, size, stride = ck2_ptr + b * s2_b + h * s2_h, n_coarse, coarse_size, coarse_stride
-                st_c, st_d = s2_c, s2_d
-            m_i = tl.full([GP], float("-inf"), tl.float32)
-            l_i = tl.zeros([GP], tl.float32)
-            for c0 in range(0, n_keys, BLOCK_C):
-                c = tl.cast(c0, tl.int64) + cc
-                vis = (c < n_keys) & (c * stride + size - 1 + lag <= pos)
-                key = tl.load(keys_ptr + c[:, None] * st_c + dd[None, :] * st_d,
-                              mask=vis[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-                if USE_DOT:
-                    s = tl.dot(vec, tl.trans(key), input_precision="ieee")
-                else:
-                    s = tl.sum(vec[:, None, :] * key[None, :, :], axis=2)
-                s = tl.where(vis[None, :], s * scale, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, axis=1))
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                l_i = l_i * tl.exp(m_i - m_safe) + tl.sum(tl.exp(s - m_safe[:, None]), axis=1)
-                m_i = m_new
-            pass_lse = m_i + tl.log(tl.where(l_i > 0.0, l_i, 1.0))
-            if which == 0:
-                lse = tl.where(l_i > 0.0, pass_lse, 0.0)
-            else:
-                lse = tl.where(l_i > 0.0, pass_lse, lse)
+        # pass 1: each head's log-sum-exp over the compressed keys it sees (exact), then, for
+        # MiniCPM4.1, over the coarse keys, used wherever the row sees one
+        rows_pos = tl.zeros([GP], tl.int64) + pos
+        lse = online_lse(lse, vec, rows_pos, ck_ptr + b * sc_b + h * sc_h, sc_c, sc_d, n_ckeys, kernel_size,
+                         kernel_stride, lag, scale, dd, d_ok, GP, BLOCK_C, USE_DOT, True)
+        if COARSE:
+            lse = online_lse(lse, vec, rows_pos, ck2_ptr + b * s2_b + h * s2_h, s2_c, s2_d, n_coarse, coarse_size,
+                             coarse_stride, lag, scale, dd, d_ok, GP, BLOCK_C, USE_DOT, True)
     # pass 2: block j max-pools compressed keys c = j*pool_stride - pool_pad + w, w < WINDOW
     nn = tl.arange(0, BLOCK_N)
     current = pos // block_size  # only used where pos >= 0
@@ -292,11 +278,14 @@ def _block_scores_kernel(
         tl.store(out_ptr + b * so_b + h * so_h + j * so_n, best, mask=j < n_blocks)
 
 
-_KERNEL = LazyKernel(_block_scores_kernel)
+_KERNEL = LazyKernel(_block_scores_kernel, helpers=(online_lse,))
 
 
 @_doc
-def block_scores_triton(vectors, ckeys, positions, sparse, n_blocks, kind="query", lag=None, out=None, lse_keys=None):
+def block_scores_triton(
+    vectors, ckeys, positions, sparse, n_blocks, kind="query", lag=None, out=None, lse_keys=None, check_ids=True
+):
+    # the kernel reads through raw pointers: its arguments are checked whatever check_ids says
     lag, group = validate_block_scores(vectors, ckeys, positions, sparse, n_blocks, kind, lag, out, lse_keys)
     batch, _, dim = vectors.shape
     n_ckeys, heads = ckeys.shape[1], ckeys.shape[2]
@@ -353,7 +342,7 @@ def _agnostic_kernel(
 _AGNOSTIC_KERNEL = LazyKernel(_agnostic_kernel)
 
 
-def agnostic_scores_triton(pooled_cis, positions, sparse, n_blocks, lag=0, out=None):
+def agnostic_scores_triton(pooled_cis, positions, sparse, n_blocks, lag=0, out=None, check_ids=True):
     validate_agnostic(pooled_cis, positions, sparse, n_blocks, lag, out)
     batch, n_ckeys, heads = pooled_cis.shape
     out = torch.empty((batch, heads, n_blocks), dtype=torch.float32, device=pooled_cis.device) if out is None else out

@@ -43,8 +43,10 @@ _ARGS_DOC = """
     scale           float or None      logit scale, default 1/sqrt(d); the bias is added after it
     out             [B, H_q, d] or None  q.dtype; written in place when given
     lse             [B, H_q] or None     float32; written in place when given
-    check_ids       bool               check index ranges before launch (one device sync); the
-                                       kernel clamps them anyway, so it never reads out of bounds
+    check_ids       bool               check every argument, index ranges included (one device
+                                       sync).  False: the caller vouches for them; the reference
+                                       then checks nothing (its indexing cannot leave the buffers),
+                                       the kernel still checks shapes and clamps every index
 
     Returns (out [B, H_q, d] in q.dtype, lse [B, H_q] float32): softmax attention over the valid
     keys in fp32 (online softmax in the kernel), lse = natural log-sum-exp of the scaled and biased
@@ -186,7 +188,8 @@ def _attend_fp32(q, keys, values, allowed, bias, scale, out, lse):
 
 @_doc(_SLOTS_DOC)
 def sparse_decode_slots_reference(q, k_slots, v_slots, slot_lens, block_size, scale=None, bias_slots=None, out=None, lse=None, check_ids=True):
-    validate_slots(q, k_slots, v_slots, slot_lens, block_size, scale, bias_slots, out, lse, check_ids)
+    if check_ids:
+        validate_slots(q, k_slots, v_slots, slot_lens, block_size, scale, bias_slots, out, lse, check_ids)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     batch, rows, heads, _ = k_slots.shape
     offsets = torch.arange(block_size, device=q.device)
@@ -197,9 +200,11 @@ def sparse_decode_slots_reference(q, k_slots, v_slots, slot_lens, block_size, sc
 
 @_doc(_BLOCKS_DOC)
 def sparse_decode_blocks_reference(q, k_cache, v_cache, block_ids, lengths, block_size, scale=None, bias=None, out=None, lse=None, check_ids=True):
-    n_blocks = validate_blocks(q, k_cache, v_cache, block_ids, lengths, block_size, scale, bias, out, lse, check_ids)
+    if check_ids:
+        validate_blocks(q, k_cache, v_cache, block_ids, lengths, block_size, scale, bias, out, lse, check_ids)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     batch, seq, heads, dim = k_cache.shape
+    n_blocks = -(-seq // block_size)
     ids = block_ids.long()
     width = ids.shape[-1]
     # the same gather as SparseCacheLayer.blocks(): positions of every selected row, then validity

@@ -40,6 +40,7 @@ from ._common import (
     tl,
 )
 from .block_scores import pool_geometry
+from .lse import online_lse
 
 BLOCK_M = 64  # query rows per program on CUDA (tiny under the interpreter)
 BLOCK_N = 32  # key blocks per program
@@ -96,40 +97,22 @@ def _lse_kernel(
     pos = tl.load(pos_ptr + b * sp_b + m * sp_t, mask=m_ok, other=-1).to(tl.int64)
     dd = tl.arange(0, D_P)
     d_ok = dd < D
-    vec = tl.load(vec_ptr + b * sv_b + m[:, None] * sv_t + hq * sv_h + dd[None, :] * sv_d, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+    vec_mask = m_ok[:, None] & d_ok[None, :]
+    vec = tl.load(vec_ptr + b * sv_b + m[:, None] * sv_t + hq * sv_h + dd[None, :] * sv_d, mask=vec_mask, other=0.0)
     if UPCAST:
         vec = vec.to(tl.float32)
-    cc = tl.arange(0, BC)
     lse = tl.zeros([BM], tl.float32)  # 0 where a row sees nothing (selection's nan_to_num(neginf=0))
     # the exact pass is needed where a real row sees no coarse key (or there are no coarse keys)
     need_exact = 1
     if COARSE:
         blind = m_ok & (pos >= 0) & ((pos < coarse_size - 1 + lag) | (n_coarse == 0))
         need_exact = tl.max(blind.to(tl.int32), axis=0)
-    for which in tl.static_range(2 if COARSE else 1):
-        if which == 0:
-            keys_ptr, n_keys, size, stride, st_c, st_d, run = ck_ptr + b * sc_b + h * sc_h, n_ckeys, kernel_size, kernel_stride, sc_c, sc_d, need_exact
-        else:
-            keys_ptr, n_keys, size, stride, st_c, st_d, run = ck2_ptr + b * s2_b + h * s2_h, n_coarse, coarse_size, coarse_stride, s2_c, s2_d, 1
-        if run > 0:
-            m_i = tl.full([BM], float("-inf"), tl.float32)
-            l_i = tl.zeros([BM], tl.float32)
-            for c0 in range(0, n_keys, BC):
-                c = tl.cast(c0, tl.int64) + cc
-                c_ok = c < n_keys
-                key = tl.load(keys_ptr + c[:, None] * st_c + dd[None, :] * st_d, mask=c_ok[:, None] & d_ok[None, :], other=0.0)
-                if UPCAST:
-                    s = tl.dot(vec, tl.trans(key.to(tl.float32)), input_precision="ieee")
-                else:
-                    s = tl.dot(vec, tl.trans(key))
-                vis = c_ok[None, :] & (c[None, :] * stride + size - 1 + lag <= pos[:, None])
-                s = tl.where(vis, s * scale, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, axis=1))
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                l_i = l_i * tl.exp(m_i - m_safe) + tl.sum(tl.exp(s - m_safe[:, None]), axis=1)
-                m_i = m_new
-            found = m_i + tl.log(tl.where(l_i > 0.0, l_i, 1.0))
-            lse = tl.where(l_i > 0.0, found, lse)  # the coarse LSE wherever the row sees a coarse key
+    if need_exact > 0:
+        lse = online_lse(lse, vec, pos, ck_ptr + b * sc_b + h * sc_h, sc_c, sc_d, n_ckeys, kernel_size, kernel_stride,
+                         lag, scale, dd, d_ok, BM, BC, True, UPCAST)
+    if COARSE:  # the coarse LSE wherever the row sees a coarse key
+        lse = online_lse(lse, vec, pos, ck2_ptr + b * s2_b + h * s2_h, s2_c, s2_d, n_coarse, coarse_size, coarse_stride,
+                         lag, scale, dd, d_ok, BM, BC, True, UPCAST)
     tl.store(lse_ptr + b * sl_b + hq * sl_h + m * sl_t, lse, mask=m_ok)
 
 
@@ -192,7 +175,7 @@ def _block_kernel(
         tl.store(ag_ptr + b * sa_b + h * sa_h + m[:, None] * sa_t + j[None, :] * sa_n, agnostic, mask=mask)
 
 
-_LSE_KERNEL = LazyKernel(_lse_kernel)
+_LSE_KERNEL = LazyKernel(_lse_kernel, helpers=(online_lse,))
 _BLOCK_KERNEL = LazyKernel(_block_kernel)
 
 

@@ -118,7 +118,7 @@ def compile_in_process(launch) -> list:
 
     def fake_getitem(self, grid):
         def compile_call(*args, **kwargs):
-            jit = JITFunction(self.fn)
+            jit = JITFunction(self.source(triton.jit))  # with its device-function helpers, compiled
             options = {"num_warps": kwargs.pop("num_warps", 4)}
             signature, constexprs = {}, {}
             for name, value in zip(jit.arg_names, args):
