@@ -53,7 +53,9 @@ def weights_digest(model) -> str:
     weights (benchmarks/context_identity.py measures it)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    named = [("parameter", name, t) for name, t in model.named_parameters()] + [("buffer", name, t) for name, t in model.named_buffers()]
+    named = [("parameter", name, t) for name, t in model.named_parameters()] + [
+        ("buffer", name, t) for name, t in model.named_buffers()
+    ]
     workers = max(1, min(8, os.cpu_count() or 1))
     with ThreadPoolExecutor(max_workers=workers) as pool:
         digests = list(pool.map(lambda item: tensor_sha256(item[2]), named))
@@ -64,7 +66,17 @@ def weights_digest(model) -> str:
 
 
 # config fields that change the K/V of a token beyond the weights and the geometry
-CONFIG_FIELDS = ("hidden_act", "rms_norm_eps", "rope_parameters", "mup", "max_position_embeddings", "num_attention_heads", "intermediate_size", "attention_bias", "mlp_bias")
+CONFIG_FIELDS = (
+    "hidden_act",
+    "rms_norm_eps",
+    "rope_parameters",
+    "mup",
+    "max_position_embeddings",
+    "num_attention_heads",
+    "intermediate_size",
+    "attention_bias",
+    "mlp_bias",
+)
 
 
 def config_digest(config) -> str:
@@ -92,7 +104,12 @@ def model_identity(model, selector: str | None) -> dict:
     geometry["selector"] = selector if sparse is not None else None
     with_cis = sparse is not None and sparse.policy == "nosa"
     return {
-        "model": {"weights": weights_digest(model), "config": config_digest(config), "vocab_size": config.vocab_size, "hidden_size": config.hidden_size},
+        "model": {
+            "weights": weights_digest(model),
+            "config": config_digest(config),
+            "vocab_size": config.vocab_size,
+            "hidden_size": config.hidden_size,
+        },
         "geometry": geometry,
         "dtype": {"kv": dtype_name(dtype), "cis": dtype_name(dtype) if with_cis else None},
     }

@@ -20,10 +20,26 @@ import time
 
 def add_context_cache_arguments(parser: argparse.ArgumentParser) -> None:
     """The generate command's context-cache options."""
-    parser.add_argument("--context-cache", default=None, metavar="DIR",
-                        help="reuse prefilled prompt prefixes stored in DIR and store this prompt's blocks there (see `forecastkv context-cache`)")
-    parser.add_argument("--context-namespace", default=None, metavar="NAME", help="the private part of DIR to use (default: your login name)")
-    parser.add_argument("--context-max-bytes", default=None, type=int, metavar="N", help="cap on the stored blocks' bytes; least recently used blocks go first")
+    parser.add_argument(
+        "--context-cache",
+        default=None,
+        metavar="DIR",
+        help="reuse prefilled prompt prefixes stored in DIR and store this prompt's blocks there "
+        "(see `forecastkv context-cache`)",
+    )
+    parser.add_argument(
+        "--context-namespace",
+        default=None,
+        metavar="NAME",
+        help="the private part of DIR to use (default: your login name)",
+    )
+    parser.add_argument(
+        "--context-max-bytes",
+        default=None,
+        type=int,
+        metavar="N",
+        help="cap on the stored blocks' bytes; least recently used blocks go first",
+    )
 
 
 def run_generate_with_context_cache(args, model, tokenizer, ids, out=None, err=None) -> int:
@@ -47,7 +63,13 @@ def run_generate_with_context_cache(args, model, tokenizer, ids, out=None, err=N
 
     reserve = ids.shape[1] + args.max_new_tokens
     try:
-        store = ContextStore(model, args.context_cache, max_bytes=args.context_max_bytes, namespace=args.context_namespace, selector=selector)
+        store = ContextStore(
+            model,
+            args.context_cache,
+            max_bytes=args.context_max_bytes,
+            namespace=args.context_namespace,
+            selector=selector,
+        )
     except (ContextStoreError, OSError) as error:  # a store that cannot be opened is a miss, not a failed generate
         print(f"[context cache {args.context_cache}: not used ({error}); generating without it]", file=err)
         store = None
@@ -62,8 +84,13 @@ def run_generate_with_context_cache(args, model, tokenizer, ids, out=None, err=N
             cache = OffloadedSparseCache.for_model(model, mode=mode)
             cache.reserve(reserve)
     with torch.no_grad():
-        generated = model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=model.config.eos_token_id,
-                                   **({} if cache is None else {CACHE_KWARG: cache}))
+        generated = model.generate(
+            ids,
+            max_new_tokens=args.max_new_tokens,
+            do_sample=False,
+            pad_token_id=model.config.eos_token_id,
+            **({} if cache is None else {CACHE_KWARG: cache}),
+        )
     seconds = time.perf_counter() - start
     added, directory = 0, None
     if store is not None:
@@ -72,14 +99,20 @@ def run_generate_with_context_cache(args, model, tokenizer, ids, out=None, err=N
             directory = store.save()
         except (ContextStoreError, OSError) as error:  # the continuation is still right: say why nothing was stored
             print(f"[context cache {args.context_cache}: this prompt's blocks were not stored ({error})]", file=err)
-    print(tokenizer.decode(generated[0, ids.shape[1]:], skip_special_tokens=True), file=out)
+    print(tokenizer.decode(generated[0, ids.shape[1] :], skip_special_tokens=True), file=out)
     if getattr(args, "stats", False):
-        print(f"[{ids.shape[1]} prompt tokens: {matched} from the context cache, {ids.shape[1] - matched} prefilled; "
-              f"{generated.shape[1] - ids.shape[1]} new, {seconds:.1f}s]", file=err)
+        print(
+            f"[{ids.shape[1]} prompt tokens: {matched} from the context cache, {ids.shape[1] - matched} prefilled; "
+            f"{generated.shape[1] - ids.shape[1]} new, {seconds:.1f}s]",
+            file=err,
+        )
         if directory is not None:
             stats = store.stats()
-            print(f"[context cache {directory}: {stats['blocks']} blocks ({stats['bytes'] / 2**20:.2f} MiB), {added} added, "
-                  f"{stats['evictions']} evicted]", file=err)
+            print(
+                f"[context cache {directory}: {stats['blocks']} blocks ({stats['bytes'] / 2**20:.2f} MiB), "
+                f"{added} added, {stats['evictions']} evicted]",
+                file=err,
+            )
     return 0
 
 
@@ -114,8 +147,11 @@ def _readable(args, err) -> tuple[list[tuple[str, list[dict], dict]], int]:
         try:
             found.append((namespace, *_read(args, namespace)))
         except (ContextStoreError, OSError) as error:
-            print(f"{namespace}: {error}; `forecastkv context-cache repair {args.dir} --namespace {namespace}` keeps its good blocks, "
-                  f"`rm --all` empties it", file=err)
+            print(
+                f"{namespace}: {error}; `forecastkv context-cache repair {args.dir} --namespace {namespace}` "
+                "keeps its good blocks, `rm --all` empties it",
+                file=err,
+            )
             status = 1
     return found, status
 
@@ -140,12 +176,22 @@ def _ls(args, out=None, err=None) -> int:
     found, status = _readable(args, err or sys.stderr)
     for namespace, entries, index in found:
         identity = index.get("identity") or {}
+        weights = str((identity.get("model") or {}).get("weights"))[:12]
+        selector = (identity.get("geometry") or {}).get("selector")
+        mib = sum(e["bytes"] for e in entries) / 2**20
         bad = len(index["entries"]) - len(entries)
-        print(f"{namespace}: {len(entries)} blocks of {index.get('block_size')} tokens, {sum(e['bytes'] for e in entries) / 2**20:.2f} MiB, "
-              f"model {str((identity.get('model') or {}).get('weights'))[:12]}, selector {(identity.get('geometry') or {}).get('selector')}, "
-              f"{(identity.get('dtype') or {}).get('kv')}" + (f"; {bad} bad entries (repair drops them)" if bad else ""), file=out)
+        print(
+            f"{namespace}: {len(entries)} blocks of {index.get('block_size')} tokens, {mib:.2f} MiB, "
+            f"model {weights}, selector {selector}, {(identity.get('dtype') or {}).get('kv')}"
+            + (f"; {bad} bad entries (repair drops them)" if bad else ""),
+            file=out,
+        )
         for chain in _chains(entries):
-            print(f"  {chain[-1]['hash'][:16]}  {len(chain) * index['block_size']} tokens  {sum(e['bytes'] for e in chain) / 2**20:.2f} MiB", file=out)
+            print(
+                f"  {chain[-1]['hash'][:16]}  {len(chain) * index['block_size']} tokens  "
+                f"{sum(e['bytes'] for e in chain) / 2**20:.2f} MiB",
+                file=out,
+            )
     return status
 
 
@@ -194,12 +240,21 @@ def _rm(args, out=None) -> int:
             grown = True
             while grown:  # a removed block's descendants can never be reached again
                 before = len(doomed)
-                doomed |= {entry["hash"] for entry in entries if isinstance(entry, dict) and entry.get("parent") in doomed}
+                doomed |= {
+                    entry["hash"] for entry in entries if isinstance(entry, dict) and entry.get("parent") in doomed
+                }
                 grown = len(doomed) > before
         kept = [entry for entry in entries if not (isinstance(entry, dict) and entry.get("hash") in doomed)]
         generation = (index or {}).get("generation", 0) + 1
-        disk.write_index(space, disk.new_index(args.namespace, (index or {}).get("identity"), (index or {}).get("block_size"), kept, generation))
-        freed = disk.remove_unlisted(space, {entry["file"] for entry in kept if isinstance(entry, dict) and isinstance(entry.get("file"), str)})
+        disk.write_index(
+            space,
+            disk.new_index(
+                args.namespace, (index or {}).get("identity"), (index or {}).get("block_size"), kept, generation
+            ),
+        )
+        freed = disk.remove_unlisted(
+            space, {entry["file"] for entry in kept if isinstance(entry, dict) and isinstance(entry.get("file"), str)}
+        )
     print(f"removed {len(doomed)} blocks ({freed / 2**20:.2f} MiB) from {args.namespace}", file=out)
     return 0
 
@@ -212,24 +267,39 @@ def _repair(args, out=None) -> int:
     out = out or sys.stdout
     for namespace in _namespaces(args):
         kept, dropped, problems = disk.repair(args.dir, namespace)
-        print(f"{namespace}: kept {kept} blocks, dropped {dropped}" + "".join(f"\n  {problem}" for problem in problems), file=out)
+        print(
+            f"{namespace}: kept {kept} blocks, dropped {dropped}" + "".join(f"\n  {problem}" for problem in problems),
+            file=out,
+        )
     return 0
 
 
 def register_context_cache_command(subparsers) -> argparse.ArgumentParser:
     """`forecastkv context-cache {ls,du,rm,repair} DIR [--namespace NAME]` (rm: `--block HASH` or `--all`)."""
-    parser = subparsers.add_parser("context-cache", help="list, size or remove stored prompt prefixes (generate --context-cache DIR)")
+    parser = subparsers.add_parser(
+        "context-cache", help="list, size or remove stored prompt prefixes (generate --context-cache DIR)"
+    )
     actions = parser.add_subparsers(dest="context_action", required=True)
-    for name, action, text in (("ls", _ls, "namespaces and their chains of blocks"), ("du", _du, "bytes per namespace"),
-                               ("rm", _rm, "remove blocks with their descendants, or a whole namespace"),
-                               ("repair", _repair, "keep the good blocks of a damaged store, drop the rest")):
+    for name, action, text in (
+        ("ls", _ls, "namespaces and their chains of blocks"),
+        ("du", _du, "bytes per namespace"),
+        ("rm", _rm, "remove blocks with their descendants, or a whole namespace"),
+        ("repair", _repair, "keep the good blocks of a damaged store, drop the rest"),
+    ):
         sub = actions.add_parser(name, help=text)
         sub.add_argument("dir", help="the directory given to generate --context-cache")
         sub.add_argument("--namespace", default=None, help="one namespace (default: every one in DIR; rm needs it)")
         if name == "rm":
-            sub.add_argument("--block", dest="hashes", action="append", default=[], metavar="HASH",
-                             help="remove the block with this hash prefix and its descendants (ls prints chain tips); repeatable")
+            sub.add_argument(
+                "--block",
+                dest="hashes",
+                action="append",
+                default=[],
+                metavar="HASH",
+                help="remove the block with this hash prefix and its descendants (ls prints chain tips); repeatable",
+            )
             sub.add_argument("--all", action="store_true", help="every block of the namespace")
-        sub.set_defaults(run=action)  # errors are ValueErrors (ContextStoreError) or SystemExit("..."): the console script prints them
+        sub.set_defaults(
+            run=action
+        )  # errors are ValueErrors (ContextStoreError) or SystemExit("..."): the console script prints them
     return parser
-

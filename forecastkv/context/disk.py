@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import io
 import json
 import os
 import re
@@ -48,15 +49,14 @@ import struct
 import warnings
 from pathlib import Path
 
+from ..safetensors_header import DTYPE_NAMES, HeaderError, read_header
+
 FORMAT = 1
 INDEX = "index.json"
 BLOCKS = "blocks"
 LOCK = ".lock"
 NAMESPACE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 HASH = re.compile(r"^[0-9a-f]{64}$")
-# safetensors dtype codes <-> torch dtype names (what a KV cache can hold)
-DTYPE_NAMES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
-CODES = {name: code for code, name in DTYPE_NAMES.items()}
 HEAD_BYTES = 4096  # the index's generation and stamp are within its first bytes (`index_head`)
 O_DIR = os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 
@@ -78,7 +78,10 @@ def warn(message: str) -> None:
 
 def check_namespace_name(namespace: str) -> str:
     if not isinstance(namespace, str) or not NAMESPACE_NAME.match(namespace):
-        raise ContextStoreError(f"namespace {namespace!r} is not a valid name (letters, digits, '.', '_', '-'; at most 64; not starting with '.')")
+        raise ContextStoreError(
+            f"namespace {namespace!r} is not a valid name "
+            "(letters, digits, '.', '_', '-'; at most 64; not starting with '.')"
+        )
     return namespace
 
 
@@ -126,7 +129,10 @@ def _open_dir(name: str, dir_fd: int, where: str) -> int:
         return os.open(name, O_DIR, dir_fd=dir_fd)
     except OSError as error:
         if error.errno in (errno.ELOOP, errno.ENOTDIR, errno.EMLINK):
-            raise ContextStoreError(f"{where} is a symbolic link or not a directory: refused (a namespace must be a real directory of its own)") from None
+            raise ContextStoreError(
+                f"{where} is a symbolic link or not a directory: refused "
+                "(a namespace must be a real directory of its own)"
+            ) from None
         raise
 
 
@@ -135,9 +141,14 @@ def _check_owned(fd: int, where: str) -> None:
     if not stat.S_ISDIR(info.st_mode):
         raise ContextStoreError(f"{where} is not a directory")
     if info.st_uid != os.geteuid():
-        raise ContextStoreError(f"namespace directory {where} belongs to uid {info.st_uid}, not to this user (uid {os.geteuid()}): it is not your namespace")
+        raise ContextStoreError(
+            f"namespace directory {where} belongs to uid {info.st_uid}, not to this user (uid {os.geteuid()}): "
+            "it is not your namespace"
+        )
     if info.st_mode & 0o077:
-        raise ContextStoreError(f"namespace directory {where} has mode {oct(info.st_mode & 0o777)}; a namespace must be private (0700)")
+        raise ContextStoreError(
+            f"namespace directory {where} has mode {oct(info.st_mode & 0o777)}; a namespace must be private (0700)"
+        )
 
 
 class Namespace:
@@ -199,7 +210,12 @@ class Namespace:
         """The namespace's lock: exclusive for writers, shared for readers (`fcntl.flock`)."""
         import fcntl
 
-        fd = os.open(LOCK, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0), 0o600, dir_fd=self.fd)
+        fd = os.open(
+            LOCK,
+            os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0),
+            0o600,
+            dir_fd=self.fd,
+        )
         try:
             fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
             yield self
@@ -215,7 +231,9 @@ class Namespace:
         if folder != BLOCKS or not re.fullmatch(r"[0-9a-f]{64}\.safetensors", base):
             raise ContextStoreError(f"{relative!r} is not a block file of this namespace (blocks/<hash>.safetensors)")
         if self.blocks_fd is None:
-            raise FileNotFoundError(errno.ENOENT, f"{self.path / relative} does not exist (the namespace has no blocks/)")
+            raise FileNotFoundError(
+                errno.ENOENT, f"{self.path / relative} does not exist (the namespace has no blocks/)"
+            )
         return self.blocks_fd, base
 
     def read(self, relative: str, limit: int | None = None) -> bytes:
@@ -261,12 +279,17 @@ def write_atomic_at(dir_fd: int, name: str, data: bytes) -> None:
     """Write `data` to `name` in the directory `dir_fd` atomically: a new temporary file beside it
     (O_EXCL | O_NOFOLLOW), fsync, rename over `name`, fsync of the directory."""
     tmp = f".{name}.{secrets.token_hex(6)}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0), 0o600, dir_fd=dir_fd)
+    fd = os.open(
+        tmp,
+        os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0),
+        0o600,
+        dir_fd=dir_fd,
+    )
     try:
         try:
             view = memoryview(data)
             while view:
-                view = view[os.write(fd, view):]
+                view = view[os.write(fd, view) :]
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -341,9 +364,18 @@ def write_index(namespace: Namespace, index: dict) -> None:
     namespace.write(INDEX, (json.dumps(ordered, indent=1) + "\n").encode("utf-8"))
 
 
-def new_index(namespace: str, identity: dict | None, block_size: int | None, entries: list[dict], generation: int) -> dict:
-    return {"format": FORMAT, "generation": generation, "stamp": secrets.token_hex(8), "namespace": namespace,
-            "identity": identity, "block_size": block_size, "entries": entries}
+def new_index(
+    namespace: str, identity: dict | None, block_size: int | None, entries: list[dict], generation: int
+) -> dict:
+    return {
+        "format": FORMAT,
+        "generation": generation,
+        "stamp": secrets.token_hex(8),
+        "namespace": namespace,
+        "identity": identity,
+        "block_size": block_size,
+        "entries": entries,
+    }
 
 
 RECORD_KEYS = ("hash", "parent", "position", "tokens", "nbytes", "file", "bytes", "sha256")
@@ -370,15 +402,31 @@ def check_entries(index: dict, root: str | None = None) -> tuple[list[dict], lis
             continue
         label = f"block {name[:16]}"
         if record["file"] != block_file(name):
-            problems.append(f"{label} names the file {str(record['file'])[:80]!r}, not {block_file(name)!r} (paths outside blocks/ are refused)")
+            problems.append(
+                f"{label} names the file {str(record['file'])[:80]!r}, not {block_file(name)!r} "
+                "(paths outside blocks/ are refused)"
+            )
             continue
-        if not (isinstance(tokens, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in tokens) and len(tokens) == block_size):
+        if not (
+            isinstance(tokens, list)
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in tokens)
+            and len(tokens) == block_size
+        ):
             problems.append(f"{label} does not list {block_size} token ids")
             continue
-        if not (isinstance(position, int) and position >= 0 and (parent is None) == (position == 0) and (parent is None or (isinstance(parent, str) and HASH.match(parent)))):
-            problems.append(f"{label} is at position {position!r} with parent {str(parent)[:16]!r}: the index is corrupted")
+        if not (
+            isinstance(position, int)
+            and position >= 0
+            and (parent is None) == (position == 0)
+            and (parent is None or (isinstance(parent, str) and HASH.match(parent)))
+        ):
+            problems.append(
+                f"{label} is at position {position!r} with parent {str(parent)[:16]!r}: the index is corrupted"
+            )
             continue
-        if not all(isinstance(record[key], int) and record[key] >= 0 for key in ("bytes", "nbytes")) or not (isinstance(record["sha256"], str) and HASH.match(record["sha256"])):
+        if not all(isinstance(record[key], int) and record[key] >= 0 for key in ("bytes", "nbytes")) or not (
+            isinstance(record["sha256"], str) and HASH.match(record["sha256"])
+        ):
             problems.append(f"{label} has a malformed size or checksum")
             continue
         if root is None or block_hash(parent or root, tokens) != name:
@@ -405,18 +453,14 @@ def block_bytes(tensors: dict, name: str) -> bytes:
 
 
 def parse_header(data: bytes, where: str) -> tuple[dict, int]:
-    """(the safetensors header without metadata, the offset of its data) of a block file's bytes."""
-    if len(data) < 8:
-        raise ContextStoreError(f"{where} is truncated ({len(data)} bytes)")
-    (size,) = struct.unpack("<Q", data[:8])
+    """(the safetensors header without metadata, the offset of its data) of a block file's bytes
+    (`safetensors_header.read_header`); `where` names the file in the `ContextStoreError`."""
     try:
-        header = json.loads(data[8 : 8 + size])
-    except (UnicodeDecodeError, json.JSONDecodeError):
+        return read_header(io.BytesIO(data), len(data))
+    except HeaderError as error:
+        if error.problem == "short":
+            raise ContextStoreError(f"{where} is truncated ({len(data)} bytes)") from None
         raise ContextStoreError(f"{where} has a corrupted safetensors header") from None
-    if not isinstance(header, dict):
-        raise ContextStoreError(f"{where} has a corrupted safetensors header")
-    header.pop("__metadata__", None)
-    return header, 8 + size
 
 
 def verified_block(namespace: Namespace, entry: dict, shapes: dict[str, tuple[tuple[int, ...], str]]) -> bytes:
@@ -426,7 +470,9 @@ def verified_block(namespace: Namespace, entry: dict, shapes: dict[str, tuple[tu
     where = namespace.path / entry["file"]
     data = namespace.read(entry["file"])
     if len(data) != entry["bytes"]:
-        raise ContextStoreError(f"{where} is truncated or extended: {len(data)} bytes, the index records {entry['bytes']}")
+        raise ContextStoreError(
+            f"{where} is truncated or extended: {len(data)} bytes, the index records {entry['bytes']}"
+        )
     if hashlib.sha256(data).hexdigest() != entry["sha256"]:
         raise ContextStoreError(f"{where} fails its checksum (sha256 differs from the index): the file is corrupted")
     header, start = parse_header(data, str(where))
@@ -437,7 +483,9 @@ def verified_block(namespace: Namespace, entry: dict, shapes: dict[str, tuple[tu
         if DTYPE_NAMES.get(info.get("dtype")) != dtype:
             raise ContextStoreError(f"{where}: {name} has dtype {info.get('dtype')}, this model's cache holds {dtype}")
         if tuple(info.get("shape", ())) != tuple(shape):
-            raise ContextStoreError(f"{where}: {name} has shape {list(info.get('shape', ()))}, this model's blocks are {list(shape)}")
+            raise ContextStoreError(
+                f"{where}: {name} has shape {list(info.get('shape', ()))}, this model's blocks are {list(shape)}"
+            )
         begin, end = info["data_offsets"]
         if not 0 <= begin <= end <= len(data) - start:
             raise ContextStoreError(f"{where}: {name} lies outside the file")
@@ -452,7 +500,10 @@ class DiskBlock:
 
         header, start = parse_header(data, where)
         self.data = bytearray(data)
-        self.tensors = {name: (getattr(torch, DTYPE_NAMES[info["dtype"]]), tuple(info["shape"]), start + info["data_offsets"][0]) for name, info in header.items()}
+        self.tensors = {
+            name: (getattr(torch, DTYPE_NAMES[info["dtype"]]), tuple(info["shape"]), start + info["data_offsets"][0])
+            for name, info in header.items()
+        }
 
     def _read(self, name: str, index: int):
         import torch
@@ -460,7 +511,16 @@ class DiskBlock:
         dtype, shape, begin = self.tensors[name]
         row = shape[1:]
         size = torch.Size(row).numel() * torch.empty((), dtype=dtype).element_size()
-        return torch.frombuffer(self.data, dtype=dtype, count=size // torch.empty((), dtype=dtype).element_size(), offset=begin + index * size).view(row).clone()
+        return (
+            torch.frombuffer(
+                self.data,
+                dtype=dtype,
+                count=size // torch.empty((), dtype=dtype).element_size(),
+                offset=begin + index * size,
+            )
+            .view(row)
+            .clone()
+        )
 
     def layer(self, index: int):
         """Layer `index`'s rows: keys, values [bs, H, d], cis [bs, H] or None (fresh host tensors)."""
@@ -527,6 +587,10 @@ def list_namespaces(root: str | os.PathLike) -> list[str]:
         return []
     names = []
     for item in items:
-        if item.is_dir(follow_symlinks=False) and NAMESPACE_NAME.match(item.name) and os.path.lexists(os.path.join(item.path, INDEX)):
+        if (
+            item.is_dir(follow_symlinks=False)
+            and NAMESPACE_NAME.match(item.name)
+            and os.path.lexists(os.path.join(item.path, INDEX))
+        ):
             names.append(item.name)
     return sorted(names)

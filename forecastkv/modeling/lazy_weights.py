@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -20,12 +19,10 @@ import torch
 from torch import nn
 
 from ..errors import UserInputError
+from ..safetensors_header import DTYPE_NAMES, HeaderError, read_header
 
-SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
+# safetensors dtype code -> torch dtype, for every code the header reader knows
+SAFETENSORS_DTYPES = {code: getattr(torch, name) for code, name in DTYPE_NAMES.items()}
 INDEX_FILE = "model.safetensors.index.json"
 
 
@@ -37,35 +34,48 @@ def read_safetensors_header(path: Path) -> tuple[dict, int]:
     """({name: {"dtype", "shape", "data_offsets"}}, byte offset of the data) of a safetensors file;
     every tensor's byte range is checked against the file size (a truncated file is an error)."""
     size = path.stat().st_size
+    corrupt = f"corrupt checkpoint file {path}"
     with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) < 8:
-            raise LazyCheckpointError(f"corrupt checkpoint file {path}: {size} bytes, too short for a safetensors header")
-        (length,) = struct.unpack("<Q", raw)
-        if length > size - 8:
-            raise LazyCheckpointError(f"corrupt checkpoint file {path}: header of {length} bytes in a {size}-byte file")
         try:
-            header = json.loads(f.read(length))
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            raise LazyCheckpointError(f"corrupt checkpoint file {path}: unreadable header ({error})") from error
-    if not isinstance(header, dict):
-        raise LazyCheckpointError(f"corrupt checkpoint file {path}: its header is not a JSON object")
-    header.pop("__metadata__", None)
-    start = 8 + length
+            header, start = read_header(f, size)
+        except HeaderError as error:
+            reason = {
+                "short": f"{size} bytes, too short for a safetensors header",
+                "length": f"header of {error.length} bytes in a {size}-byte file",
+                "json": f"unreadable header ({error.detail})",
+                "object": "its header is not a JSON object",
+            }[error.problem]
+            raise LazyCheckpointError(f"{corrupt}: {reason}") from error
     for name, entry in header.items():
-        if not (isinstance(entry, dict) and isinstance(entry.get("shape"), list) and isinstance(entry.get("data_offsets"), list)
-                and len(entry["data_offsets"]) == 2 and all(isinstance(v, int) for v in entry["data_offsets"] + entry["shape"])):
-            raise LazyCheckpointError(f"corrupt checkpoint file {path}: tensor {name!r} has no valid dtype / shape / data_offsets in the header")
-        begin, end = entry["data_offsets"]
-        if entry.get("dtype") not in SAFETENSORS_DTYPES:
-            raise LazyCheckpointError(f"tensor {name} in {path} has dtype {entry['dtype']}; readable: {sorted(SAFETENSORS_DTYPES)}")
-        expected = SAFETENSORS_DTYPES[entry["dtype"]].itemsize * _numel(entry["shape"])
-        if not 0 <= begin <= end or end - begin != expected or start + end > size:
-            raise LazyCheckpointError(
-                f"corrupt checkpoint file {path}: tensor {name} needs bytes [{start + begin}, {start + end}) "
-                f"({expected} expected) of a {size}-byte file"
-            )
+        _check_tensor_entry(path, name, entry, start, size)
     return header, start
+
+
+def _check_tensor_entry(path: Path, name: str, entry, start: int, size: int) -> None:
+    """Raise unless header `entry` of tensor `name` has a readable dtype, an int shape and the
+    byte range [start + begin, start + end) of exactly its size inside the file's `size` bytes."""
+    shape = entry.get("shape") if isinstance(entry, dict) else None
+    offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+    if not (
+        isinstance(shape, list)
+        and isinstance(offsets, list)
+        and len(offsets) == 2
+        and all(isinstance(v, int) for v in offsets + shape)
+    ):
+        raise LazyCheckpointError(
+            f"corrupt checkpoint file {path}: tensor {name!r} has no valid dtype / shape / data_offsets in the header"
+        )
+    begin, end = offsets
+    if entry.get("dtype") not in SAFETENSORS_DTYPES:
+        raise LazyCheckpointError(
+            f"tensor {name} in {path} has dtype {entry['dtype']}; readable: {sorted(SAFETENSORS_DTYPES)}"
+        )
+    expected = SAFETENSORS_DTYPES[entry["dtype"]].itemsize * _numel(shape)
+    if not 0 <= begin <= end or end - begin != expected or start + end > size:
+        raise LazyCheckpointError(
+            f"corrupt checkpoint file {path}: tensor {name} needs bytes [{start + begin}, {start + end}) "
+            f"({expected} expected) of a {size}-byte file"
+        )
 
 
 def _numel(shape) -> int:
@@ -82,7 +92,9 @@ class LazyCheckpoint:
     `rename` maps a stored name to ours (None drops it).
     """
 
-    def __init__(self, directory: Path, rename: Callable[[str], str | None] = lambda name: name, skip: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, directory: Path, rename: Callable[[str], str | None] = lambda name: name, skip: tuple[str, ...] = ()
+    ) -> None:
         self.directory = directory
         index = directory / INDEX_FILE
         if index.is_file():
@@ -93,17 +105,21 @@ class LazyCheckpoint:
             files = [directory / name for name in sorted(set(weight_map.values()))]
             for file in files:
                 if not file.is_file():
-                    raise LazyCheckpointError(f"partial checkpoint: shard {file.name} listed in the index is missing from {directory}")
+                    raise LazyCheckpointError(
+                        f"partial checkpoint: shard {file.name} listed in the index is missing from {directory}"
+                    )
         else:
             files = sorted(f for f in directory.glob("*.safetensors") if f.name not in skip)
-        self._sources: dict[str, tuple[Path, str]] = {}   # our name -> (file, stored name)
+        self._sources: dict[str, tuple[Path, str]] = {}  # our name -> (file, stored name)
         self._shapes: dict[str, tuple[int, ...]] = {}
         self._headers: dict[Path, tuple[dict, int]] = {}
         self._binary: dict[str, torch.Tensor] | None = None
         if not files:
             binary = directory / "pytorch_model.bin"
             if not binary.is_file():
-                raise LazyCheckpointError(f"no weights in {directory}: expected model.safetensors (or shards) or pytorch_model.bin")
+                raise LazyCheckpointError(
+                    f"no weights in {directory}: expected model.safetensors (or shards) or pytorch_model.bin"
+                )
             self._binary = load_pickled_weights(binary)
             for stored, tensor in self._binary.items():
                 self._add(rename(stored), binary, stored, tuple(tensor.shape))
@@ -184,14 +200,20 @@ def load_pickled_weights(path: Path, state_dict: bool = True):
     except pickle.UnpicklingError as error:
         found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(error))
         if found is None:  # not a pickle torch wrote (e.g. "Unsupported operand 103")
-            raise LazyCheckpointError(f"corrupt checkpoint file {path}: not a torch checkpoint that torch.load can read") from error
+            raise LazyCheckpointError(
+                f"corrupt checkpoint file {path}: not a torch checkpoint that torch.load can read"
+            ) from error
         raise LazyCheckpointError(
-            f"{path} is a pickle that torch.load(weights_only=True) refuses (it stores {found.group(1)}): unpickling it could run code; "
-            "load it in code you trust and save the weights as model.safetensors"
+            f"{path} is a pickle that torch.load(weights_only=True) refuses (it stores {found.group(1)}): "
+            "unpickling it could run code; load it in code you trust and save the weights as model.safetensors"
         ) from error
     except (RuntimeError, OSError, EOFError, ValueError) as error:
-        raise LazyCheckpointError(f"corrupt checkpoint file {path}: torch.load cannot read it ({type(error).__name__}: {error})") from error
-    if state_dict and not (isinstance(state, dict) and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items())):
+        raise LazyCheckpointError(
+            f"corrupt checkpoint file {path}: torch.load cannot read it ({type(error).__name__}: {error})"
+        ) from error
+    if state_dict and not (
+        isinstance(state, dict) and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items())
+    ):
         raise LazyCheckpointError(f"{path} is not a state dict of named tensors (it holds a {type(state).__name__})")
     return state
 
@@ -224,7 +246,14 @@ def device_for(name: str, device_map: dict | None, default: torch.device) -> tor
         module = module.rpartition(".")[0]
 
 
-def load_into(model: nn.Module, checkpoint: LazyCheckpoint, names, dtype: torch.dtype, device: torch.device, device_map: dict | None = None) -> None:
+def load_into(
+    model: nn.Module,
+    checkpoint: LazyCheckpoint,
+    names,
+    dtype: torch.dtype,
+    device: torch.device,
+    device_map: dict | None = None,
+) -> None:
     """Read `names` from `checkpoint` into `model` (built on the meta device): each tensor cast to
     `dtype` (floating tensors only) and moved to its device, one at a time."""
     for name, tensor in checkpoint.tensors(names):

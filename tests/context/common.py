@@ -11,7 +11,11 @@ from forecastkv.modeling.modeling import CACHE_KWARG
 from tests.helpers import tiny_model
 
 # name -> (lookup mode, the store's selector): resident SparseCache, sparse- and forecast-offload
-MODES = {"resident": (None, "query"), "sparse-offload": ("sparse-offload", "query"), "forecast-offload": ("forecast-offload", "forecast")}
+MODES = {
+    "resident": (None, "query"),
+    "sparse-offload": ("sparse-offload", "query"),
+    "forecast-offload": ("forecast-offload", "forecast"),
+}
 POLICIES = ("infllmv2", "nosa")
 NEW_TOKENS = 6
 
@@ -40,5 +44,7 @@ def fresh_cache(model, mode: str | None, selector: str):
 def generate(model, ids: torch.Tensor, cache, new_tokens: int = NEW_TOKENS) -> torch.Tensor:
     """Greedy new tokens [new_tokens] of the prompt ids [T] through `cache`."""
     with torch.no_grad():
-        out = model.generate(ids[None], max_new_tokens=new_tokens, do_sample=False, pad_token_id=0, **{CACHE_KWARG: cache})
-    return out[0, ids.shape[0]:]
+        out = model.generate(
+            ids[None], max_new_tokens=new_tokens, do_sample=False, pad_token_id=0, **{CACHE_KWARG: cache}
+        )
+    return out[0, ids.shape[0] :]

@@ -10,7 +10,11 @@ import json
 import torch
 
 from forecastkv.context import ContextStore
-from forecastkv.context.cli import add_context_cache_arguments, register_context_cache_command, run_generate_with_context_cache
+from forecastkv.context.cli import (
+    add_context_cache_arguments,
+    register_context_cache_command,
+    run_generate_with_context_cache,
+)
 from tests.context.common import document_and_questions, fresh_cache, generate, model_for
 
 
@@ -45,7 +49,18 @@ def test_generate_with_context_cache_reuses_and_extends(tmp_path):
     texts, errs = [], []
     for question in questions[:2]:
         prompt = torch.cat([doc, question])
-        args = parser().parse_args(["generate", "--context-cache", str(tmp_path), "--context-namespace", "alice", "--stats", "--offload", "sparse-offload"])
+        args = parser().parse_args(
+            [
+                "generate",
+                "--context-cache",
+                str(tmp_path),
+                "--context-namespace",
+                "alice",
+                "--stats",
+                "--offload",
+                "sparse-offload",
+            ]
+        )
         out, err = io.StringIO(), io.StringIO()
         assert run_generate_with_context_cache(args, model, ByteTokenizer(), prompt[None], out=out, err=err) == 0
         expected = generate(model, prompt, fresh_cache(model, "sparse-offload", "query"))
@@ -73,13 +88,17 @@ def test_ls_du_rm(tmp_path, capsys):
     listing = run(["context-cache", "ls", str(tmp_path)], capsys)
     assert listing.startswith("alice: 8 blocks of 8 tokens") and "selector query, float32" in listing
     tips = [line.split()[0] for line in listing.splitlines()[1:]]
-    assert len(tips) == 2 and all(f"{n} tokens" in listing for n in (48, 56))  # two chains sharing the document's 5 blocks
+    assert len(tips) == 2 and all(
+        f"{n} tokens" in listing for n in (48, 56)
+    )  # two chains sharing the document's 5 blocks
     assert run(["context-cache", "du", str(tmp_path)], capsys) == f"{size}\talice\n{size}\ttotal\n"
 
     fork = next(entry["parent"] for entry in index["entries"] if entry["position"] == 6)  # the second chain's block 5
     removed = run(["context-cache", "rm", str(tmp_path), "--namespace", "alice", "--block", fork[:12]], capsys)
     assert removed.startswith("removed 2 blocks")  # the block and its descendant
     assert ContextStore(model, tmp_path, namespace="alice", selector="query").stats()["blocks"] == 6
-    assert run(["context-cache", "rm", str(tmp_path), "--namespace", "alice", "--all"], capsys).startswith("removed 6 blocks")
+    assert run(["context-cache", "rm", str(tmp_path), "--namespace", "alice", "--all"], capsys).startswith(
+        "removed 6 blocks"
+    )
     assert run(["context-cache", "du", str(tmp_path)], capsys) == "0\talice\n0\ttotal\n"
     assert not list((tmp_path / "alice" / "blocks").iterdir())

@@ -64,7 +64,9 @@ print(json.dumps(out))
 
 def run_python(code: str, *args: str) -> str:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-c", code, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", code, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
 
@@ -82,7 +84,9 @@ def test_tokens_after_save_and_load_in_a_new_process(tmp_path):
             answer(store, model, mode, torch.cat([doc, questions[0]]))
             store.save()
             combos.append((policy, name))
-            expected[f"{policy}-{name}"] = [generate(model, torch.cat([doc, q]), fresh_cache(model, mode, selector)).tolist() for q in questions]
+            expected[f"{policy}-{name}"] = [
+                generate(model, torch.cat([doc, q]), fresh_cache(model, mode, selector)).tolist() for q in questions
+            ]
     loaded = json.loads(run_python(LOADER, str(tmp_path), json.dumps(combos)).strip().splitlines()[-1])
     for key, want in expected.items():
         got = loaded[key]
@@ -95,14 +99,19 @@ def test_save_load_round_trip_reads_blocks_lazily(tmp_path):
     model, store = filled_store(tmp_path)
     loaded = ContextStore(model, tmp_path, namespace="alice", selector="query")
     assert loaded.stats()["blocks"] == store.stats()["blocks"] == 8 and loaded.nbytes == store.nbytes
-    assert all(pool.file is not None for pool in loaded.pools)  # on the CPU the pools map a file of the blocks: read when touched
+    assert all(
+        pool.file is not None for pool in loaded.pools
+    )  # on the CPU the pools map a file of the blocks: read when touched
     doc, questions = document_and_questions()
     prompt = torch.cat([doc, questions[2]])
     cache, matched = loaded.lookup(prompt)
     assert matched == 40
     assert torch.equal(generate(model, prompt, cache), generate(model, prompt, fresh_cache(model, None, "query")))
     name, entry = next(iter(loaded.entries.items()))
-    read, original = disk.DiskBlock((tmp_path / "alice" / entry.disk["file"]).read_bytes()).rows(), store.block_rows(name)
+    read, original = (
+        disk.DiskBlock((tmp_path / "alice" / entry.disk["file"]).read_bytes()).rows(),
+        store.block_rows(name),
+    )
     assert torch.equal(read.keys, original.keys) and torch.equal(read.values, original.values) and read.cis is None
 
 
@@ -161,7 +170,11 @@ def _give_away(root):
 # name -> (how the store or its reader differs, the loader's arguments, what the error says): refused
 BAD = {
     "other model": (None, dict(seed=6), r"another model: model: weights"),
-    "other geometry": (None, dict(topk=2), r"another geometry: geometry: budget_blocks 4 \(stored\) vs 3 \(this model\)"),
+    "other geometry": (
+        None,
+        dict(topk=2),
+        r"another geometry: geometry: budget_blocks 4 \(stored\) vs 3 \(this model\)",
+    ),
     "other dtype": (None, dict(dtype=torch.bfloat16), r"dtype: kv 'float32' \(stored\) vs 'bfloat16'"),
     "foreign namespace": (_move_namespace, dict(namespace="carol"), r"belongs to namespace 'alice', not 'carol'"),
     "open namespace": (_open_up, {}, r"has mode 0o755; a namespace must be private \(0700\)"),
@@ -240,13 +253,23 @@ def _torn(dir_fd, name, data):
 
 def _block_writes(original, block):
     """write_atomic_at with `block(original, dir_fd, name, data)` for block files; the index as usual."""
-    return lambda dir_fd, name, data: original(dir_fd, name, data) if name == disk.INDEX else block(original, dir_fd, name, data)
+    return lambda dir_fd, name, data: (
+        original(dir_fd, name, data) if name == disk.INDEX else block(original, dir_fd, name, data)
+    )
 
 
 KILL_POINTS = {
     "inside a block file": ("write_atomic_at", lambda original: _block_writes(original, lambda o, *args: _torn(*args))),
-    "after the first block file": ("write_atomic_at", lambda original: _block_writes(original, lambda o, *args: (o(*args), _kill()))),
-    "inside the index": ("write_atomic_at", lambda original: lambda dir_fd, name, data: _torn(dir_fd, name, data) if name == disk.INDEX else original(dir_fd, name, data)),
+    "after the first block file": (
+        "write_atomic_at",
+        lambda original: _block_writes(original, lambda o, *args: (o(*args), _kill())),
+    ),
+    "inside the index": (
+        "write_atomic_at",
+        lambda original: (
+            lambda dir_fd, name, data: _torn(dir_fd, name, data) if name == disk.INDEX else original(dir_fd, name, data)
+        ),
+    ),
     "after the index, before deleting": ("remove_unlisted", lambda original: lambda *args: _kill()),
 }
 
@@ -287,7 +310,11 @@ def test_a_mapped_pool_reads_the_file_and_never_writes_it(tmp_path):
 
     pool = HostBlockPool(4, 2, 3, torch.float32, True, torch.float16, pin=False)
     gen = torch.Generator().manual_seed(0)
-    keys, values, cis = torch.randn(2, 4, 2, 3, generator=gen), torch.randn(2, 4, 2, 3, generator=gen), torch.randn(2, 4, 2, generator=gen).half()
+    keys, values, cis = (
+        torch.randn(2, 4, 2, 3, generator=gen),
+        torch.randn(2, 4, 2, 3, generator=gen),
+        torch.randn(2, 4, 2, generator=gen).half(),
+    )
     layout = pool.file_layout(3)
     with open(tmp_path / "pool", "w+b") as file:
         for (offset, _), tensor in zip(layout, (keys, values, cis)):
@@ -297,14 +324,20 @@ def test_a_mapped_pool_reads_the_file_and_never_writes_it(tmp_path):
         assert pool.refs == [1, 1, 0] and pool.free_blocks() == 1
         with host_transfer():
             read = pool.read_rows([1, 0], 7)
-            assert torch.equal(read[0], torch.cat([keys[1], keys[0]])[:7]) and torch.equal(read[2], torch.cat([cis[1], cis[0]])[:7])
-            assert torch.equal(pool.keys[:2], keys) and torch.equal(pool.values[:2], values)  # the mapping holds the same rows
+            assert torch.equal(read[0], torch.cat([keys[1], keys[0]])[:7]) and torch.equal(
+                read[2], torch.cat([cis[1], cis[0]])[:7]
+            )
+            assert torch.equal(pool.keys[:2], keys) and torch.equal(
+                pool.values[:2], values
+            )  # the mapping holds the same rows
             (fresh,) = pool.allocate(1)
             pool.copy_block(0, fresh)
-            pool.keys[fresh, 0] = 7.0                # copy on write: this process's page, not the file's
-            assert pool.read_rows([fresh], 4)[0][0].eq(7.0).all() and torch.equal(pool.read_rows([fresh], 4)[0][1:], keys[0, 1:])
+            pool.keys[fresh, 0] = 7.0  # copy on write: this process's page, not the file's
+            assert pool.read_rows([fresh], 4)[0][0].eq(7.0).all() and torch.equal(
+                pool.read_rows([fresh], 4)[0][1:], keys[0, 1:]
+            )
         assert (tmp_path / "pool").read_bytes() == before
-        pool.allocate(1)                             # past the file: anonymous memory, rows kept
+        pool.allocate(1)  # past the file: anonymous memory, rows kept
         assert pool.file is None and pool.capacity == 4
         with host_transfer():
             assert torch.equal(pool.keys[:2], keys) and pool.keys[fresh, 0].eq(7.0).all()

@@ -35,7 +35,10 @@ def test_identity_sees_an_edit_of_any_single_weight(tmp_path):
     store.save()
     with pytest.raises(ContextStoreError, match="another model: model: weights"):
         ContextStore(edited, tmp_path, namespace="alice", selector="query")
-    code = "import json; from forecastkv.context.blocks import model_identity; from tests.context.common import model_for; print(json.dumps(model_identity(model_for('infllmv2'), 'query')))"
+    code = (
+        "import json; from forecastkv.context.blocks import model_identity; "
+        "from tests.context.common import model_for; print(json.dumps(model_identity(model_for('infllmv2'), 'query')))"
+    )
     assert json.loads(run_python(code).strip().splitlines()[-1]) == base
 
 
@@ -52,7 +55,9 @@ def test_insert_checks_ids_against_the_cache_record():
     cache = fresh_cache(model, None, "query")
     with torch.no_grad():
         model(doc[None], cache=cache)
-    with pytest.raises(ContextStoreError, match=r"token mismatch: ids\[0\] = \d+, but the cache was prefilled with \d+ there"):
+    with pytest.raises(
+        ContextStoreError, match=r"token mismatch: ids\[0\] = \d+, but the cache was prefilled with \d+ there"
+    ):
         store.insert(cache, other)
     assert store.stats()["blocks"] == 0
     copied = fresh_cache(model, None, "query")
@@ -77,4 +82,7 @@ def test_insert_checks_ids_against_the_cache_record():
         model(questions[3][None], cache=right)
     with pytest.raises(ContextStoreError, match="token mismatch"):
         store.insert(left, torch.cat([doc, questions[3]]))
-    assert store.insert(left, torch.cat([doc, questions[2]])) == 1 and store.insert(right, torch.cat([doc, questions[3]])) == 1
+    assert (
+        store.insert(left, torch.cat([doc, questions[2]])) == 1
+        and store.insert(right, torch.cat([doc, questions[3]])) == 1
+    )

@@ -19,6 +19,7 @@ import torch
 
 from forecastkv.context import ContextStore, ContextStoreError, disk
 from forecastkv.context.cli import register_context_cache_command, run_generate_with_context_cache
+from forecastkv.context.persist import DiskTier
 from tests.context.common import document_and_questions, fresh_cache, generate, model_for
 from tests.context.test_cli import ByteTokenizer, parser
 
@@ -130,7 +131,17 @@ def test_generate_treats_a_store_it_cannot_use_as_a_miss(tmp_path):
     (tmp_path / "broken").mkdir(mode=0o700)
     (tmp_path / "broken" / "index.json").write_text('{"format": 1, "entr')
     for namespace, said in (("broken", "is not a valid index"), ("other", r"not used \(.*another model")):
-        args = parser().parse_args(["generate", "--context-cache", str(tmp_path), "--context-namespace", namespace, "--offload", "sparse-offload"])
+        args = parser().parse_args(
+            [
+                "generate",
+                "--context-cache",
+                str(tmp_path),
+                "--context-namespace",
+                namespace,
+                "--offload",
+                "sparse-offload",
+            ]
+        )
         out, err = io.StringIO(), io.StringIO()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -152,7 +163,11 @@ def test_rm_waits_for_the_lock(tmp_path):
     handle = open(tmp_path / "alice" / ".lock", "a+")
     fcntl.flock(handle, fcntl.LOCK_EX)  # a save in progress
     result = {}
-    thread = threading.Thread(target=lambda: result.setdefault("rm", cli(["context-cache", "rm", str(tmp_path), "--namespace", "alice", "--all"])))
+    thread = threading.Thread(
+        target=lambda: result.setdefault(
+            "rm", cli(["context-cache", "rm", str(tmp_path), "--namespace", "alice", "--all"])
+        )
+    )
     thread.start()
     time.sleep(0.5)
     try:
@@ -168,22 +183,26 @@ def test_rm_waits_for_the_lock(tmp_path):
 
 def test_a_lazily_read_store_revalidates_when_another_process_changed_the_index(tmp_path, monkeypatch):
     """Item 6: a store whose blocks are read when a lookup needs them (CUDA's pinned pools;
-    here `_map_blocks` skipped) while another process evicts and saves: its lookups are misses
+    here `DiskTier.map_blocks` skipped) while another process evicts and saves: its lookups are misses
     past what is gone (never an error) and answer as fresh prefills, and its next save writes an
     index that names only files that exist."""
     model = model_for("infllmv2")
     doc, questions = document_and_questions()
     store = saved(model, tmp_path, doc)
     per_block = store.block_nbytes()
-    monkeypatch.setattr(ContextStore, "_map_blocks", lambda self, space, entries: None)
+    monkeypatch.setattr(DiskTier, "map_blocks", lambda self, space, entries: None)
     lazy = ContextStore(model, tmp_path, namespace="alice", selector="query")
     assert lazy.stats()["blocks"] == 6 and all(entry.blocks is None for entry in lazy.entries.values())
     monkeypatch.undo()
-    ContextStore(model, tmp_path, namespace="alice", selector="query", max_bytes=2 * per_block).save()  # another process evicts 4
+    ContextStore(
+        model, tmp_path, namespace="alice", selector="query", max_bytes=2 * per_block
+    ).save()  # another process evicts 4
     for number, question in enumerate(questions):
         prompt = torch.cat([doc, question])
         cache, matched = lazy.lookup(prompt)
-        assert matched == (16 if number == 0 else 40)  # the 2 blocks left (a chain's root goes last), then what the first insert put back
+        assert matched == (
+            16 if number == 0 else 40
+        )  # the 2 blocks left (a chain's root goes last), then what the first insert put back
         assert torch.equal(generate(model, prompt, cache), generate(model, prompt, fresh_cache(model, None, "query")))
         lazy.insert(cache, prompt)
     lazy.save()
@@ -191,7 +210,11 @@ def test_a_lazily_read_store_revalidates_when_another_process_changed_the_index(
     assert all((tmp_path / "alice" / entry["file"]).exists() for entry in index["entries"])
     with warnings.catch_warnings():
         warnings.simplefilter("error", disk.ContextStoreWarning)  # nothing skipped
-        assert ContextStore(model, tmp_path, namespace="alice", selector="query").stats()["blocks"] == len(index["entries"]) == 10
+        assert (
+            ContextStore(model, tmp_path, namespace="alice", selector="query").stats()["blocks"]
+            == len(index["entries"])
+            == 10
+        )
 
 
 def test_rm_all_and_repair_work_on_a_broken_store(tmp_path):
@@ -215,7 +238,11 @@ def test_rm_all_and_repair_work_on_a_broken_store(tmp_path):
     top = argparse.ArgumentParser()
     register_context_cache_command(top.add_subparsers(dest="command", required=True))
     args = top.parse_args(["context-cache", "ls", str(tmp_path)])
-    assert args.run(args, out=io.StringIO(), err=err) == 1 and "is not a valid index" in err.getvalue() and "repair" in err.getvalue()
+    assert (
+        args.run(args, out=io.StringIO(), err=err) == 1
+        and "is not a valid index" in err.getvalue()
+        and "repair" in err.getvalue()
+    )
     status, said = cli(["context-cache", "repair", str(tmp_path), "--namespace", "alice"])
     assert status == 0 and said.startswith("alice: kept 0 blocks")
     assert ContextStore(model, tmp_path, namespace="alice", selector="query").stats()["blocks"] == 0
@@ -288,7 +315,10 @@ def test_a_symlinked_namespace_is_refused(tmp_path):
     store.namespace = "alice"
     with pytest.raises(ContextStoreError, match="is a symbolic link"):
         store.save()
-    assert (mine / "blocks" / "notes.txt").read_text() == "keep me" and sorted(p.name for p in mine.rglob("*")) == ["blocks", "notes.txt"]
+    assert (mine / "blocks" / "notes.txt").read_text() == "keep me" and sorted(p.name for p in mine.rglob("*")) == [
+        "blocks",
+        "notes.txt",
+    ]
 
 
 def test_an_index_path_outside_the_namespace_is_refused(tmp_path):
@@ -313,6 +343,9 @@ def test_an_index_path_outside_the_namespace_is_refused(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", disk.ContextStoreWarning)
         store.save()
-    assert all(entry["file"].startswith("blocks/") and ".." not in entry["file"] for entry in json.loads(index_path.read_text())["entries"])
+    assert all(
+        entry["file"].startswith("blocks/") and ".." not in entry["file"]
+        for entry in json.loads(index_path.read_text())["entries"]
+    )
     assert len(json.loads(index_path.read_text())["entries"]) == 5
     assert (tmp_path / "outside" / "x.safetensors").read_bytes() == outside

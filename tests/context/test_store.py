@@ -54,7 +54,9 @@ def test_document_then_four_questions(policy, name):
         prompt = torch.cat([doc, question])
         cache, matched = store.lookup(prompt, mode=mode)
         assert cache.get_seq_length() == matched
-        assert torch.equal(generate(model, prompt, cache), generate(model, prompt, fresh_cache(model, mode, selector))), matched
+        assert torch.equal(
+            generate(model, prompt, cache), generate(model, prompt, fresh_cache(model, mode, selector))
+        ), matched
         store.insert(cache, prompt)
         matched_per_question.append(matched)
         total += prompt.shape[0]
@@ -92,16 +94,18 @@ def test_lru_respects_the_cap_and_never_evicts_a_referenced_block():
     per_block = sum(torch.empty(shape, dtype=dtype).nbytes for shape, dtype in block.values())
     store = ContextStore(model, max_bytes=6 * per_block)
     first, held = _filled(model, store, seed=1)  # 4 blocks, referenced by `held`
-    _, other = _filled(model, store, seed=2)     # 2 of its 4 blocks fit
+    _, other = _filled(model, store, seed=2)  # 2 of its 4 blocks fit
     assert store.stats()["blocks"] == 6 and store.nbytes <= store.max_bytes and store.stats()["rejected_blocks"] == 2
     del other
     gc.collect()
-    _filled(model, store, seed=3)               # evicts the released chain, tip first, never `held`'s
+    _filled(model, store, seed=3)  # evicts the released chain, tip first, never `held`'s
     stats = store.stats()
     assert store.nbytes <= store.max_bytes and stats["evictions"] == 2 and stats["blocks"] == 6
     probe, matched = store.lookup(torch.cat([first, first[:1]]))
     assert matched == 32  # the referenced chain is whole
-    assert store.stats()["referenced_blocks"] == 4  # `held` and `probe` share 4 blocks; the third cache is gone, so are its references
+    assert (
+        store.stats()["referenced_blocks"] == 4
+    )  # `held` and `probe` share 4 blocks; the third cache is gone, so are its references
     store.release(held)
     store.release(probe)
     _filled(model, store, seed=4)
@@ -182,7 +186,9 @@ def test_lookups_share_the_stored_host_blocks(name):
         caches.append(cache)
         sizes.append(host_bytes())
     per_layer_block = sum(p.block_nbytes() for p in pools)
-    assert sizes == [(32 + sum(own[: k + 1])) * per_layer_block for k in range(4)]  # exactly the store's blocks + each cache's own
+    assert sizes == [
+        (32 + sum(own[: k + 1])) * per_layer_block for k in range(4)
+    ]  # exactly the store's blocks + each cache's own
     assert max(own) <= 3 and sizes[3] <= 1.3 * sizes[0], (own, sizes[3] / sizes[0])
     assert store.stats()["referenced_blocks"] == 32
     store.release(caches[0])

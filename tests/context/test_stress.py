@@ -44,7 +44,8 @@ torch.manual_seed(0)
 model = model_for("infllmv2")
 docs = [document_and_questions(seed=seed)[0] for seed in range(3)]
 rng = random.Random(f"{role}-{doc_id}")
-counts = {"role": role, "doc": doc_id, "saves": 0, "loads": 0, "lookups": 0, "hits": 0, "removals": 0, "failures": 0, "warnings": 0, "errors": []}
+counts = {"role": role, "doc": doc_id, "errors": []}
+counts.update(dict.fromkeys(("saves", "loads", "lookups", "hits", "removals", "failures", "warnings"), 0))
 root_block = ContextStore(model, selector="query").root
 from forecastkv.context.blocks import chain_hashes
 first_block = chain_hashes(root_block, docs[0].tolist(), 8, 1)[0]
@@ -86,7 +87,8 @@ while time.time() < deadline:
                 tokens = generate(model, prompt, cache, new_tokens=2)
                 if matched:
                     counts["hits"] += 1
-                    if not torch.equal(tokens, generate(model, prompt, fresh_cache(model, None, "query"), new_tokens=2)):
+                    fresh = generate(model, prompt, fresh_cache(model, None, "query"), new_tokens=2)
+                    if not torch.equal(tokens, fresh):
                         fail(f"lookup of document {target} (matched {matched}) gave other tokens than a fresh prefill")
                 if role == "save":
                     store.insert(cache, prompt)
@@ -106,12 +108,23 @@ def test_three_savers_two_readers_and_rm_share_one_store(tmp_path):
     root, go = tmp_path / "store", tmp_path / "go"
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     roles = [("save", 0), ("save", 1), ("save", 2), ("read", 0), ("read", 1), ("rm", 0)]
-    workers = [subprocess.Popen([sys.executable, "-c", WORKER, role, str(root), str(go), str(SECONDS), str(doc)], cwd=REPO, env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for role, doc in roles]
+    workers = [
+        subprocess.Popen(
+            [sys.executable, "-c", WORKER, role, str(root), str(go), str(SECONDS), str(doc)],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for role, doc in roles
+    ]
     try:
         deadline = time.time() + 300
         while len(list(tmp_path.glob("go.ready-*"))) < len(workers) and time.time() < deadline:
-            assert all(worker.poll() is None for worker in workers), [worker.stderr.read()[-2000:] for worker in workers if worker.poll() is not None]
+            assert all(worker.poll() is None for worker in workers), [
+                worker.stderr.read()[-2000:] for worker in workers if worker.poll() is not None
+            ]
             time.sleep(0.1)
         go.write_text("go")
         results = []
@@ -123,7 +136,10 @@ def test_three_savers_two_readers_and_rm_share_one_store(tmp_path):
         for worker in workers:
             if worker.poll() is None:
                 worker.kill()
-    totals = {key: sum(result[key] for result in results) for key in ("saves", "loads", "lookups", "hits", "removals", "failures", "warnings")}
+    totals = {
+        key: sum(result[key] for result in results)
+        for key in ("saves", "loads", "lookups", "hits", "removals", "failures", "warnings")
+    }
     print(f"\nstress {SECONDS:.0f} s: {json.dumps(totals)}")
     for result in results:
         print(f"  {result['role']} {result['doc']}: " + json.dumps({key: result[key] for key in totals}))
@@ -147,7 +163,9 @@ def test_three_savers_two_readers_and_rm_share_one_store(tmp_path):
             cache, matched = store.lookup(prompt)
             if seed:  # documents no rm touched are complete
                 assert matched >= 40, (seed, matched)
-            assert torch.equal(generate(model, prompt, cache), generate(model, prompt, fresh_cache(model, None, "query")))
+            assert torch.equal(
+                generate(model, prompt, cache), generate(model, prompt, fresh_cache(model, None, "query"))
+            )
 
 
 def _nobody() -> int | None:
@@ -158,7 +176,10 @@ def _nobody() -> int | None:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not hasattr(os, "fork") or not hasattr(os, "geteuid") or os.geteuid() != 0, reason="another user's swaps need root (to become uid nobody)")
+@pytest.mark.skipif(
+    not hasattr(os, "fork") or not hasattr(os, "geteuid") or os.geteuid() != 0,
+    reason="another user's swaps need root (to become uid nobody)",
+)
 def test_another_user_swapping_the_namespace_for_a_symlink_gets_nothing():
     """Under a world-writable root without the sticky bit, uid nobody renames the owner's
     namespace away and puts a symlink to its own directory in its place, 100 times, while the
@@ -234,7 +255,10 @@ def test_another_user_swapping_the_namespace_for_a_symlink_gets_nothing():
                 refused += 1
         assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
         leaked = [str(path) for path in attacker.rglob("*") if path != attacker / "blocks"]
-        print(f"\nsymlink race: 100 swaps, {saves} saves done, {refused} refused, {len(leaked)} files outside the namespace")
+        print(
+            f"\nsymlink race: 100 swaps, {saves} saves done, {refused} refused, "
+            f"{len(leaked)} files outside the namespace"
+        )
         assert leaked == [] and saves > 0
         assert ContextStore(model, root, namespace="victim", selector="query") is not None
     finally:
