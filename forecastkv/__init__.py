@@ -6,6 +6,7 @@ Importing the package registers `ForecastKVConfig` / `ForecastKVForCausalLM` wit
 
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from . import inference  # noqa: F401  (registers the offload modes' cache for generate(): modeling/generation.py)
 from .bundled import bundled_model_path, bundled_texts
 from .modeling import ForecastKVConfig, ForecastKVForCausalLM, SparseCache, SparseConfig
 

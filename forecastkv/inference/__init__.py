@@ -1,4 +1,6 @@
-"""The offloading runtime: host store, device slot cache, prefetcher, and the offloaded `Cache`.
+"""The offloading runtime: host store (`host_store.py`), the layers' decode half (slots, fetch:
+`layers.py`) and multi-token half (staging, attach, fork: `staging.py`), and the offloaded
+`Cache` (`offloaded.py`).
 
     cache = OffloadedSparseCache.for_model(model, mode="forecast-offload", max_length=None)
     out = model.generate(ids, cache=cache, max_new_tokens=64)   # past_key_values= on 5.17
@@ -8,9 +10,8 @@
 """
 
 from .host_store import HostBlockPool, HostKVStore
-from .offloaded import MODES, OffloadedLayer, OffloadedSparseCache, ResidentLayer
-from .prefetch import StreamPrefetcher, SyncPrefetcher, make_prefetcher
-from .slots import diff_block_map
+from .layers import OffloadedLayer, ResidentLayer, RuntimePlan, StreamPrefetcher, SyncPrefetcher, diff_block_map, make_prefetcher
+from .offloaded import MODES, OffloadedSparseCache
 
 __all__ = [
     "MODES",
@@ -19,6 +20,7 @@ __all__ = [
     "OffloadedLayer",
     "OffloadedSparseCache",
     "ResidentLayer",
+    "RuntimePlan",
     "StreamPrefetcher",
     "SyncPrefetcher",
     "diff_block_map",

@@ -1,14 +1,17 @@
-"""`SparseCache`: the resident KV cache behind `generate()`, a transformers `Cache`.
+"""`SparseCache`: the resident KV cache behind `generate()`, a transformers `Cache`, and the
+contract every cache layer keeps with attention (`CacheLayer`).
 
-The attention module talks to a cache layer through these calls:
+Attention talks to a cache layer through six calls, whatever tier holds the KV:
 
-    layer.append(k, v, cis, positions)   # store new tokens, update compressed keys
-    layer.compressed_keys()              # [B, C, H, d]
-    layer.plan(selection)                # the blocks the next attention of this layer will read
-    layer.blocks(selection)              # K/V (and bias) of those blocks, ready to attend
+    layer.append(k, v, cis, positions, step)   # store new tokens, update the compressed keys
+    layer.compressed(key_count)                # (compressed keys, coarse keys, pooled CIS): what prefill selection scores
+    layer.decode_index()                       # the same at fixed shapes, for a decode step
+    layer.plan(selection)                      # the blocks a decode attention of this layer will read: a `Plan`
+    layer.decode_attention(q, plan)            # one token per sequence over those blocks
+    layer.full()                               # every stored K/V (prefill, dense rows)
 
-plus `pooled_compressed_cis()` for NOSA (CIS pooled incrementally, never re-pooled) and
-`full()` for prefill and dense rows.
+`SparseCacheLayer` keeps everything on the device; the offloaded runtime's layers
+(`inference/layers.py`) keep the full KV on the host and implement the same calls.
 
 Storage is indexed by *position*, per sequence: token t of sequence b lives at row t of sequence b,
 whatever column it came in.  Left padding (positions -1) is never stored, so every sequence of a
@@ -16,6 +19,13 @@ left-padded batch sees exactly the keys, compressed keys and blocks it would see
 
 Capacity is preallocated (`max_length`) or grown in fixed chunks of `GROWTH_CHUNK` rows, so decoding
 does not copy every layer's KV each time a power of two is crossed.
+
+`CallInfo` holds the host-side facts of one forward call, fixed before any layer runs.  A decode
+step adds exactly one token to every sequence, at its stored length, so everything a layer must
+decide on the host (dense or sparse, how many keys and blocks exist, the positions' bounds)
+follows from the cache's host counters: a decode step reads nothing back from the device.  A
+multi-token call reads its positions to the host once, and every layer and query chunk takes its
+bounds from that copy.
 """
 
 from __future__ import annotations
@@ -23,13 +33,16 @@ from __future__ import annotations
 import copy
 import dataclasses
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .. import kernels
+from . import selection as sel
+from .prefill import masked_attention
 from .selection import num_compressed
-from .step import CallInfo
+from .token_record import note_call
 
 GROWTH_CHUNK = 1024  # rows added per growth when no max_length was given
 
@@ -103,31 +116,120 @@ def new_rows(lengths: torch.Tensor, positions: torch.Tensor):
     return batch_idx, col_idx, positions[batch_idx, col_idx], new_lengths, int(new_lengths.max())
 
 
+@dataclass(frozen=True)
+class CallInfo:
+    """The host-side facts of one forward call.  lengths_before / lengths_after: stored positions
+    per sequence before and after the call; positions: the call's positions as a CPU int64 [B, T]
+    copy (None for a decode step, whose positions are lengths_before); dense: per sequence, whether
+    it attends densely in this call (`selection.dense_at`); stores: whether it stores a token.
+    decode, any_dense (a sequence storing a token attends densely), all_dense: fields, not
+    properties, so a decode step reads them without a call."""
+
+    lengths_before: tuple[int, ...]
+    lengths_after: tuple[int, ...]
+    positions: torch.Tensor | None
+    dense: tuple[bool, ...]
+    stores: tuple[bool, ...]
+    decode: bool
+    any_dense: bool
+    all_dense: bool
+    prepared: bool = False  # the cache did this call's host bookkeeping already (`SparseCache.begin_call`)
+
+    @classmethod
+    def for_decode(cls, lengths, sparse) -> "CallInfo":
+        """One token per sequence at position lengths[b] (no device read)."""
+        before = tuple(lengths)
+        after = tuple([n + 1 for n in before])  # lists, not generators: no call per sequence
+        dense = tuple([sel.dense_at(n, sparse) for n in after])
+        return cls(before, after, None, dense, (True,) * len(before), True, any(dense), all(dense))
+
+    @classmethod
+    def from_positions(cls, positions: torch.Tensor, lengths, sparse) -> "CallInfo":
+        """A multi-token call: positions [B, T] (-1 = padding) read to the host once."""
+        host = positions.detach().to("cpu", torch.int64)
+        last = host.amax(dim=1).tolist() if host.shape[1] else [-1] * host.shape[0]
+        before = tuple(int(n) for n in lengths) if lengths is not None else (0,) * host.shape[0]
+        after = tuple(max(n, p + 1) for n, p in zip(before, last))
+        dense = tuple(sel.dense_at(p + 1, sparse) for p in last)
+        stores = tuple(p >= 0 for p in last)
+        any_dense = any(d and s for d, s in zip(dense, stores))
+        return cls(before, after, host, dense, stores, False, any_dense, all(dense))
+
+    @property
+    def batch(self) -> int:
+        return len(self.lengths_after)
+
+    @property
+    def key_count(self) -> int:
+        """The longest sequence after the call (rows any layer holds)."""
+        return max(self.lengths_after, default=0)
+
+    def bounds(self, start: int = 0, stop: int | None = None) -> tuple[int, int]:
+        """(lowest, highest) position of the call's rows [start, stop), padding (-1) included."""
+        if self.positions is None:
+            return min(self.lengths_before), max(self.lengths_before)
+        rows = self.positions[:, start:stop]
+        if rows.numel() == 0:
+            return -1, -1
+        return int(rows.min()), int(rows.max())
+
+    def contiguous(self) -> bool:
+        """Every sequence's rows are the positions key_count - T .. key_count - 1 (no padding, one
+        common start): what FlexAttention's one `start` needs."""
+        rows = 1 if self.positions is None else self.positions.shape[1]
+        start = self.key_count - rows
+        if start < 0:
+            return False
+        if self.positions is None:
+            return all(n == start for n in self.lengths_before)
+        return bool((self.positions == torch.arange(start, self.key_count)).all())
+
+
 @dataclass
 class Plan:
-    """What one layer's next decode attention reads, made once per layer and step by `plan()` and
-    handed to the layer that consumes it (nothing is matched by tensor address).
+    """What one layer's next decode attention reads, made by `plan()` once per layer and step and
+    handed to the attention that consumes it (as an argument: nothing is matched by address).
 
-    selection [B, H, K] int64 block ids (-1 = none).  An offloaded layer adds its slot map:
-    slot_of [B, H, K] (the slot serving each selected block, -1 none), load_ids [B, H, M] (the
-    host block fetched into each slot, -1 nothing), `done` (the side stream's event, or None),
-    `fetched` (the fetch was launched), `dense` (dense-offload: the whole layer is copied instead).
-    """
+    selection [B, H, K] int64 block ids (-1 = none); share: a device scalar, blocks read / blocks
+    stored (resident layers' `SparseCache.stats`).  The offloaded runtime adds its slot map and
+    fetch in a subclass (`inference/layers.py:RuntimePlan`)."""
 
     selection: torch.Tensor
-    slot_of: torch.Tensor | None = None
-    load_ids: torch.Tensor | None = None
-    done: object = None
-    fetched: bool = True
-    dense: bool = False
-    counts: torch.Tensor | None = None  # device int64 [3]: blocks wanted / hit / missed (the step log's row)
-    share: torch.Tensor | None = None   # device scalar: blocks read / blocks stored (resident layers)
-    h2d_extra: int = 0                  # bytes moved outside the gather (dense-offload's whole-layer copy)
+    share: torch.Tensor | None = None
 
 
-def selection_of(plan: "Plan | torch.Tensor") -> torch.Tensor:
-    """The selection [B, H, K] of a `Plan`, or a bare selection as given (direct callers)."""
-    return plan.selection if isinstance(plan, Plan) else plan
+class CacheLayer(Protocol):
+    """The contract between `SparseAttention` and one layer of a cache.  Shapes: B sequences, H KV
+    heads, Hq query heads, d head dim, n new columns, C compressed keys, K selected blocks.
+
+    `host_lengths`: stored positions per sequence on the host (None before the first token);
+    `lengths`: the same on the device, int64 [B]; `is_initialized`: it holds a token."""
+
+    host_lengths: list[int] | None
+    lengths: torch.Tensor | None
+    is_initialized: bool
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor, cis: torch.Tensor | None, positions: torch.Tensor,
+               step: CallInfo | None = None) -> None:
+        """Store keys/values [B, n, H, d] and NOSA's cis [B, n, H] (or None) at positions [B, n]
+        (-1 = padding), and the compression windows they complete."""
+
+    def compressed(self, key_count: int | None = None) -> tuple:
+        """(compressed keys [B, C, H, d], coarse keys [B, C', H, d] or None, pooled CIS fp32
+        [B, C, H] or None) up to the longest sequence (`key_count` when given: no host read)."""
+
+    def decode_index(self) -> tuple:
+        """The same three at the fixed shapes a decode step scores (whole buffers; visibility masks
+        what is not complete yet), and the positions they span."""
+
+    def plan(self, selection: torch.Tensor) -> Plan:
+        """The `Plan` for selection [B, H, K] (-1 = none); a runtime layer starts its fetch here."""
+
+    def decode_attention(self, q: torch.Tensor, plan: Plan) -> torch.Tensor:
+        """One token per sequence, q [B, Hq, d], over the planned blocks -> [B, Hq, d]."""
+
+    def full(self) -> tuple:
+        """(keys, values [B, S, H, d], cis [B, S, H] or None, S): every stored row on the device."""
 
 
 def put_rows(buffer: torch.Tensor, rows: torch.Tensor, new: torch.Tensor, valid: torch.Tensor) -> None:
@@ -155,17 +257,22 @@ class SparseCacheLayer(CacheLayerMixin):
     `lengths` [B] counts the stored positions of each sequence (they are contiguous from 0), on the
     device; `host_lengths` is the same count on the host, kept from each call's `CallInfo`, so
     decisions that need a number (rows, keys, blocks) never read it back from the device.
+    `kernels`: the kernel choices (`kernels.kernel_set`) for its device, made when the first token
+    comes and carried.  Implements `CacheLayer`.
     """
 
     is_compileable = False
     is_sliding = False
     is_croppable = True
 
-    def __init__(self, kernel_size: int | None = None, kernel_stride: int | None = None, coarse: tuple[int, int] | None = None, max_length: int | None = None) -> None:
+    def __init__(self, kernel_size: int | None = None, kernel_stride: int | None = None,
+                 coarse: tuple[int, int] | None = None, max_length: int | None = None, block_size: int | None = None) -> None:
         super().__init__()
         self.kernel = (kernel_size, kernel_stride) if kernel_size else None
         self.coarse = coarse
         self.max_length = max_length
+        self.block_size = block_size
+        self.kernels: kernels.KernelSet | None = None
         self.reserved: int | None = None  # rows generate() will store at most (`SparseCache.reserve`)
         self.cis: torch.Tensor | None = None
         self.ckeys: torch.Tensor | None = None
@@ -173,7 +280,6 @@ class SparseCacheLayer(CacheLayerMixin):
         self.pooled_cis: torch.Tensor | None = None
         self.lengths: torch.Tensor | None = None
         self.host_lengths: list[int] | None = None
-        self.planned: torch.Tensor | None = None
         self.last_plan: Plan | None = None  # recorded into the step logs after the call (`record_plan`)
         self.block_shares: list[torch.Tensor] = []  # per planned decode step: blocks read / blocks stored
         self.columns = 0  # input columns seen, padding included (what generate() slices by)
@@ -181,6 +287,7 @@ class SparseCacheLayer(CacheLayerMixin):
     # -- transformers' CacheLayerMixin -------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
+        self.kernels = kernels.kernel_set(key_states.device)
         self.lengths = torch.zeros(key_states.shape[0], dtype=torch.long, device=key_states.device)
         self.is_initialized = True
 
@@ -198,7 +305,7 @@ class SparseCacheLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         reserved = self.reserved
-        self.__init__(*(self.kernel or (None, None)), coarse=self.coarse, max_length=self.max_length)
+        self.__init__(*(self.kernel or (None, None)), coarse=self.coarse, max_length=self.max_length, block_size=self.block_size)
         self.reserved = reserved
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -219,7 +326,7 @@ class SparseCacheLayer(CacheLayerMixin):
                 setattr(other, name, value.repeat_interleave(repeats, dim=0) if repeats > 1 else value.clone())
         if self.host_lengths is not None:
             other.host_lengths = [n for n in self.host_lengths for _ in range(repeats)]
-        other.planned, other.last_plan, other.block_shares = None, None, []
+        other.last_plan, other.block_shares = None, []
         return other
 
     def crop(self, tokens: int) -> None:
@@ -237,7 +344,6 @@ class SparseCacheLayer(CacheLayerMixin):
         self.columns -= drop
         self.lengths = (self.lengths - drop).clamp(min=0)
         self.host_lengths = [max(n - drop, 0) for n in self.host_lengths]
-        self.planned = None
 
     # -- the four calls --------------------------------------------------------------------------
     def append(self, keys: torch.Tensor, values: torch.Tensor, cis: torch.Tensor | None, positions: torch.Tensor, step: CallInfo | None = None) -> None:
@@ -294,7 +400,7 @@ class SparseCacheLayer(CacheLayerMixin):
 
     def _grow_windows_for(self, rows: int) -> None:
         """Room for the compression windows of `rows` positions (compressed keys, pooled CIS)."""
-        if self.kernel is None:
+        if self.kernel is None or self._windows_fit(rows):
             return
         for name, kernel in (("ckeys", self.kernel), ("pooled_cis", self.kernel), ("coarse_keys", self.coarse)):
             target = getattr(self, name)
@@ -302,6 +408,16 @@ class SparseCacheLayer(CacheLayerMixin):
                 size, stride = kernel
                 capacity, reserved = self._window_capacity(size, stride)
                 setattr(self, name, grow_rows(target, max(num_compressed(rows, size, stride), 1), target, capacity, max(GROWTH_CHUNK // stride, 1), reserved))
+
+    def _windows_fit(self, rows: int) -> bool:
+        """Whether every window buffer already holds the windows of `rows` positions (a decode
+        step of a reserved cache: nothing to grow, checked in a few calls)."""
+        need = max(num_compressed(rows, *self.kernel), 1)
+        if self.ckeys is None or self.ckeys.shape[1] < need:
+            return False
+        if self.pooled_cis is not None and self.pooled_cis.shape[1] < need:
+            return False
+        return self.coarse is None or self.coarse_keys is None or self.coarse_keys.shape[1] >= max(num_compressed(rows, *self.coarse), 1)
 
     def _append_one(self, keys: torch.Tensor, values: torch.Tensor, cis: torch.Tensor | None, pos: torch.Tensor) -> None:
         """A decode step without host syncs: keys/values [B, H, d], cis [B, H] or None, pos [B]
@@ -336,7 +452,9 @@ class SparseCacheLayer(CacheLayerMixin):
         """`_extend` for a one-token step: each sequence completes at most one window.  Fixed
         shapes, no host read; source is the layer's rows by position, or a ring (`compress_windows`)."""
         size, stride = kernel
-        first, last = (torch.where(n >= size, torch.div(n - size, stride, rounding_mode="floor") + 1, torch.zeros_like(n)) for n in (old_lengths, self.lengths))
+        # windows complete before and after the step (a list, not a generator: no call per item)
+        first, last = [torch.where(n >= size, torch.div(n - size, stride, rounding_mode="floor") + 1, torch.zeros_like(n))
+                       for n in (old_lengths, self.lengths)]
         rows = (first.unsqueeze(-1) * stride + torch.arange(size, device=first.device)).unsqueeze(1)  # [B, 1, size]
         window = compress_windows(source, rows, dtype, ring)[:, 0]
         index = first.clamp(max=target.shape[1] - 1)
@@ -379,14 +497,14 @@ class SparseCacheLayer(CacheLayerMixin):
         """The longest stored sequence: `length` when given, else the host counter (no read)."""
         return max(self.host_lengths, default=0) if length is None else length
 
-    def compressed_keys(self, length: int | None = None) -> torch.Tensor:
-        """[B, C, H, d]: compressed keys up to the longest sequence (visibility masks the rest)."""
-        return self.ckeys[:, : num_compressed(self._longest(length), *self.kernel)]
-
-    def coarse_compressed_keys(self, length: int | None = None) -> torch.Tensor | None:
-        if self.coarse is None:
-            return None
-        return self.coarse_keys[:, : num_compressed(self._longest(length), *self.coarse)]
+    def compressed(self, key_count: int | None = None) -> tuple:
+        """(compressed keys [B, C, H, d], coarse keys or None, pooled CIS fp32 [B, C, H] or None) up
+        to the longest sequence, `key_count` when given (visibility masks the rest)."""
+        longest = self._longest(key_count)
+        ckeys = self.ckeys[:, : num_compressed(longest, *self.kernel)]
+        coarse = None if self.coarse is None else self.coarse_keys[:, : num_compressed(longest, *self.coarse)]
+        pooled = None if self.pooled_cis is None else self.pooled_cis[:, : ckeys.shape[1]]
+        return ckeys, coarse, pooled
 
     def capacity_rows(self) -> int:
         """Positions per sequence the layer's buffers hold now (what a decode step may score)."""
@@ -399,45 +517,34 @@ class SparseCacheLayer(CacheLayerMixin):
         grows, which a reserved or max_length cache never does while decoding."""
         return self.ckeys, self.coarse_keys, self.pooled_cis, self.capacity_rows()
 
-    def pooled_compressed_cis(self, length: int | None = None) -> torch.Tensor:
-        """NOSA's CIS mean-pooled over the compression windows, fp32 [B, C, H], up to the longest
-        sequence (kept incrementally: what `selection.pooled_agnostic_scores` reads)."""
-        if self.pooled_cis is None:
-            raise ValueError("agnostic block scores need CIS: this layer stored none (is the policy nosa?)")
-        return self.pooled_cis[:, : num_compressed(self._longest(length), *self.kernel)]
-
-    def plan(self, selection: torch.Tensor, block_size: int | None = None) -> Plan:
-        """Resident cache: nothing to move.  Returns the `Plan`, with (given `block_size`) the
-        share of this step's stored blocks it reads.  selection [B, H, K] (-1 = none)."""
-        self.planned = selection
-        plan = Plan(selection)
-        if block_size is not None and self.lengths is not None:
-            stored = (-(-self.lengths.clamp(min=1) // block_size)).sum() * selection.shape[1]
-            plan.share = (selection >= 0).sum() / stored  # a device scalar: no sync while decoding
-        self.last_plan = plan
-        return plan
+    def plan(self, selection: torch.Tensor) -> Plan:
+        """Resident cache: nothing to move.  The `Plan` of selection [B, H, K] (-1 = none), with the
+        share of this step's stored blocks it reads (a device scalar: no sync while decoding)."""
+        stored = (-(-self.lengths.clamp(min=1) // self.block_size)).sum() * selection.shape[1]
+        self.last_plan = Plan(selection, share=(selection >= 0).sum() / stored)
+        return self.last_plan
 
     def record_plan(self) -> None:
-        """Move the last plan's counters into the step logs (after the call, on the host side)."""
+        """After the call, on the host side: the last plan's share into `block_shares`."""
         plan, self.last_plan = self.last_plan, None
-        if plan is None:
-            return
-        if plan.share is not None:
+        if plan is not None and plan.share is not None:
             self.block_shares.append(plan.share)
-        log = getattr(self, "log", None)  # the offloaded runtime's layers keep a step log
-        if log is not None and plan.counts is not None:
-            log.add(plan.counts, plan.h2d_extra)
 
-    def blocks(self, plan: "Plan | torch.Tensor", block_size: int):
-        """Gather the planned blocks.  plan: a `Plan` or a selection [B, H, K] (-1 = none) ->
-        keys, values [B, H, K*bs, d], key positions [B, H, K*bs] (-1 = not a key), bias [B, H, K*bs] or None."""
-        return gather_blocks(self.keys, self.values, self.cis, selection_of(plan), self.lengths, block_size)
+    def blocks(self, selection: torch.Tensor):
+        """Gather the blocks of selection [B, H, K] (-1 = none) -> keys, values [B, H, K*bs, d], key
+        positions [B, H, K*bs] (-1 = not a key), bias [B, H, K*bs] or None."""
+        return gather_blocks(self.keys, self.values, self.cis, selection, self.lengths, self.block_size)
 
-    def decode_attention(self, q: torch.Tensor, plan: "Plan | torch.Tensor", block_size: int) -> torch.Tensor:
-        """One decode token per sequence over its selected blocks through the `sparse_decode`
-        kernel (no gather copy, no host sync).  q [B, Hq, d], selection [B, H, K] -> [B, Hq, d].
-        Keys are those stored (position < length), which at decode is every key up to the token."""
-        return kernels.sparse_decode_blocks(q, self.keys, self.values, selection_of(plan), self.lengths, block_size, bias=self.cis, check_ids=False)[0]
+    def decode_attention(self, q: torch.Tensor, plan: Plan) -> torch.Tensor:
+        """One decode token per sequence, q [B, Hq, d], over the planned blocks -> [B, Hq, d]: the
+        `sparse_decode_blocks` kernel reading the blocks in place (no gather copy, no host sync), or
+        a gather + masked SDPA (`kernels.decode_kernels` decides).  Keys are those stored (position
+        < length), which at a decode step is every key up to the token."""
+        if self.kernels.decode_kernels:
+            return self.kernels.sparse_decode_blocks(q, self.keys, self.values, plan.selection, self.lengths, self.block_size,
+                                                     bias=self.cis, check_ids=False)[0]
+        return attend_gathered(q, *gather_blocks(self.keys, self.values, self.cis, plan.selection, self.lengths, self.block_size),
+                               self.lengths)
 
     # -- full views (prefill and dense paths) ----------------------------------------------------
     def full(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
@@ -447,11 +554,16 @@ class SparseCacheLayer(CacheLayerMixin):
         return self.keys[:, :rows], self.values[:, :rows], cis, rows
 
 
-def decode_kernels_enabled(device: torch.device) -> bool:
-    """Whether decode attention runs through the sparse_decode kernels: the backend setting's
-    decode part (`kernels.get_backend("decode")`); auto: on CUDA.  Else a gather + SDPA."""
-    choice = kernels.get_backend("decode")
-    return choice == "kernels" or (choice == "auto" and torch.device(device).type == "cuda")
+def attend_gathered(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_pos: torch.Tensor, bias: torch.Tensor | None,
+                    lengths: torch.Tensor) -> torch.Tensor:
+    """Decode attention over gathered blocks (`gather_blocks`' output): q [B, Hq, d], keys/values
+    [B, H, L, d], key_pos [B, H, L] (-1 = not a key), bias [B, H, L] or None, lengths [B] (the token
+    sits at lengths - 1) -> [B, Hq, d].  The G query heads of a KV head attend as rows of it."""
+    batch, heads, dim = q.shape
+    kv_heads = keys.shape[1]
+    allowed = ((key_pos >= 0) & (key_pos < lengths.view(-1, 1, 1))).unsqueeze(2)  # [B, H, 1, L]: one row, shared
+    out = masked_attention(q.view(batch, kv_heads, heads // kv_heads, dim), keys, values, allowed, bias, heads // kv_heads)
+    return out.reshape(batch, heads, dim)
 
 
 def block_rows(selection: torch.Tensor, block_size: int, lengths: torch.Tensor):
@@ -515,13 +627,15 @@ class SparseCache(Cache):
             raise ValueError(f"selector={selector!r} is not one of (None, 'query', 'forecast')")
         self.selector = selector
         self.signature = model_signature(config) if config is not None else None
+        self.unrecorded_from: tuple[int, ...] | None = None  # decode steps' first positions (`token_record.py`)
         super().__init__(layers=[self._make_layer(config, sparse, idx, max_length) for idx in range(num_layers)])
 
     @staticmethod
     def _make_layer(config, sparse, idx: int, max_length: int | None) -> SparseCacheLayer:
         kernel = (sparse.kernel_size, sparse.kernel_stride) if sparse is not None else (None, None)
         coarse = sparse.coarse_kernel if sparse is not None and sparse.lse == "coarse" else None
-        return SparseCacheLayer(*kernel, coarse=coarse, max_length=max_length)
+        block_size = sparse.block_size if sparse is not None else None
+        return SparseCacheLayer(*kernel, coarse=coarse, max_length=max_length, block_size=block_size)
 
     def check_model(self, config) -> None:
         """Raise if this cache was built for a model of another shape than `config`'s."""
@@ -557,16 +671,27 @@ class SparseCache(Cache):
             return CallInfo.for_decode(stored, sparse)
         return CallInfo.from_positions(positions, stored, sparse)
 
-    def begin_call(self, positions: torch.Tensor, sparse) -> CallInfo:
-        """`call_info`, then every layer's host bookkeeping for the call (`prepare`): what the
-        model does before its layers run, so the layers' part of a decode step reads no Python
-        number that changes from step to step."""
+    def begin_call(self, positions: torch.Tensor, sparse, input_ids: torch.Tensor | None = None) -> CallInfo:
+        """`call_info`, the cache's record of its tokens (`token_record.py`: a decode step only
+        keeps the first position it wrote), then every layer's host bookkeeping for the call
+        (`prepare`): what the model does before its layers run, so the layers' part of a decode
+        step reads no Python number that changes from step to step.  input_ids [B, T] or None."""
         step = call = self.call_info(positions, sparse)
-        if all(layer.is_initialized for layer in self.layers):
+        pending = self.unrecorded_from
+        if call.decode and pending is not None and len(pending) == len(call.lengths_before):
+            self.unrecorded_from = tuple(map(min, pending, call.lengths_before))
+        else:
+            note_call(self, input_ids, positions, call)
+        if all([layer.is_initialized for layer in self.layers]):
             for layer in self.layers:
                 layer.prepare(call, positions.shape[1])
             step = dataclasses.replace(call, prepared=True)
         return step
+
+    def compiles_decode(self, step: CallInfo) -> bool:
+        """Whether `compile_decode`'s graph covers this call: a decode step whose layers run fixed
+        shapes (no dense row: its keys grow with the sequence)."""
+        return step.decode and not step.any_dense
 
     def finish_call(self) -> None:
         """After the layers ran: each layer's plan counters into its step logs."""

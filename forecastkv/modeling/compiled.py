@@ -6,7 +6,8 @@ from step to step once the cache has reserved its length (generate() does), so
 the CPU an inductor kernel per fused region, on CUDA with `mode="reduce-overhead"` a CUDA graph.
 Everything else stays eager: the host side of each call (`SparseCache.begin_call` / `finish_call`),
 multi-token calls (prefill, draft verification: their shapes change call to call) and decode steps
-whose shapes grow by design (a dense row below `dense_len`, `dense-offload`'s whole-layer copy).
+whose shapes grow by design (a dense row below `dense_len`, `dense-offload`'s whole-layer copy):
+the cache says which calls the graph covers (`SparseCache.compiles_decode`).
 """
 
 from __future__ import annotations
@@ -14,11 +15,6 @@ from __future__ import annotations
 import torch
 
 EAGER_ATTRIBUTE = "_eager_decode_layers"
-
-
-def _fixed_shape_step(step, cache) -> bool:
-    """Whether this call is a decode step whose layers run fixed shapes (what the graph covers)."""
-    return step.decode and not step.any_dense and getattr(cache, "mode", None) != "dense-offload"
 
 
 def compile_decode(model, **compile_options):
@@ -38,9 +34,9 @@ def compile_decode(model, **compile_options):
     eager = inner.decode_layers
     compiled = torch.compile(eager, **{**compile_options, "fullgraph": True})
 
-    def decode_layers(hidden, positions, cos, sin, cache, step, selector, residual_scale, collect_selections=False, layer_callback=None):
-        run = compiled if _fixed_shape_step(step, cache) and layer_callback is None else eager
-        return run(hidden, positions, cos, sin, cache, step, selector, residual_scale, collect_selections, layer_callback)
+    def decode_layers(hidden, call, cache, collect_selections=False):
+        run = compiled if cache.compiles_decode(call.step) and call.layer_callback is None else eager
+        return run(hidden, call, cache, collect_selections)
 
     setattr(inner, EAGER_ATTRIBUTE, eager)
     inner.decode_layers = decode_layers  # the instance attribute shadows the method

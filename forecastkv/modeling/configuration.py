@@ -101,24 +101,20 @@ class SparseConfig:
         if self.use_nope:
             raise ConfigError("sparse_config.use_nope=True is not supported: selection uses post-RoPE keys")
 
-    @property
+    # cached: computed at the first read, then a plain attribute (selection reads them every step)
+    @functools.cached_property
     def local_blocks(self) -> int:
         return self.window_size // self.block_size
 
-    @property
+    @functools.cached_property
     def budget_blocks(self) -> int:
         """Most blocks one query attends to (`topk` + the local window)."""
         return self.topk + self.local_blocks
 
-    @property
+    @functools.cached_property
     def coarse_kernel(self) -> tuple[int, int]:
         """MiniCPM4.1's second compression level (4x kernel, 4x stride), used only for the LSE."""
         return 4 * self.kernel_size, 4 * self.kernel_stride
-
-    def is_dense_at(self, kv_len: int) -> bool:
-        """MiniCPM's dense rule: a sequence of `kv_len` keys shorter than `dense_len` (> 0) attends
-        densely; `dense_len` 0 or -1 means always sparse."""
-        return self.dense_len > 0 and kv_len < self.dense_len
 
     @classmethod
     def from_dict(cls, values: dict | None) -> "SparseConfig | None":
@@ -345,22 +341,22 @@ class ForecastKVConfig(PreTrainedConfig):
         config, unused = super().from_dict(config_dict, **kwargs)
         return config, {**unused, **held}
 
-    # The three parts are validated and parsed once, when assigned; reading `config.sparse` on the
-    # hot path (every layer, every step) returns the stored dataclass instead of rebuilding it.
-    _PARSED = {"sparse_config": "_parsed_sparse", "forecast": "_parsed_forecast", "mup": "_parsed_mup"}
+    # The three parts are validated and parsed once, when assigned, into plain attributes
+    # (`sparse`, `forecast_config`, `mup_config`): a decode step reads them without a call.
+    _PARSED = {"sparse_config": "sparse", "forecast": "forecast_config", "mup": "mup_config"}
 
     def __setattr__(self, key: str, value: Any) -> None:
         if key == "sparse_config":
             value = resolve_sparse_config(value)
-            super().__setattr__("_parsed_sparse", SparseConfig.from_dict(value))
+            super().__setattr__("sparse", SparseConfig.from_dict(value))
         elif key == "forecast":
             parsed = ForecastConfig.from_dict(value)
             value = parsed.to_dict()
-            super().__setattr__("_parsed_forecast", parsed)
+            super().__setattr__("forecast_config", parsed)
         elif key == "mup":
             parsed = MupConfig.from_dict(value)
             value = None if parsed is None else parsed.to_dict()
-            super().__setattr__("_parsed_mup", parsed)
+            super().__setattr__("mup_config", parsed)
         super().__setattr__(key, value)
 
     def to_dict(self) -> dict[str, Any]:
@@ -369,14 +365,3 @@ class ForecastKVConfig(PreTrainedConfig):
             output.pop(private, None)
         return output
 
-    @property
-    def sparse(self) -> SparseConfig | None:
-        return self.__dict__["_parsed_sparse"]
-
-    @property
-    def forecast_config(self) -> ForecastConfig:
-        return self.__dict__["_parsed_forecast"]
-
-    @property
-    def mup_config(self) -> MupConfig | None:
-        return self.__dict__["_parsed_mup"]

@@ -29,6 +29,14 @@ def scoring_head_weight(layers, layer: int) -> torch.Tensor:
     return getattr(layers[owner].self_attn, projection).weight
 
 
+def scoring_vectors(layers, scored: int, normed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Forecast vectors [B, T, H*n, d] that score layer `scored`'s blocks, from the post-norm input
+    normed [B, T, hidden] of the head's owning layer and RoPE cos/sin [B, T, d] (training and the
+    recall protocol; the model's own loop hands each layer's vectors to the next)."""
+    owner, projection = scoring_head(scored)
+    return layers[owner].self_attn.project_forecast(normed, cos, sin, projection)
+
+
 def trainable_head_names(num_layers: int) -> list[str]:
     """The heads that score some layer, in layer order: what forecast training fits."""
     return [scoring_head_name(m) for m in range(num_layers)]

@@ -6,9 +6,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
-from dataclasses import field, make_dataclass
+from dataclasses import dataclass, field, make_dataclass
 
 import torch
 import torch.nn.functional as F
@@ -17,12 +18,10 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.activations import ACT2FN
 from transformers.utils import ModelOutput
 
-from .attention import SparseAttention
-from .cache import SparseCache
+from .attention import SparseAttention, plan_decode
+from .cache import CallInfo, SparseCache
 from .configuration import ForecastKVConfig
-from .heads import scoring_head
 from .rope import RotaryEmbedding
-from .token_record import note_call
 
 # The cache keyword of this transformers version's generate loop: "cache" (5.24) or "past_key_values" (5.17).
 CACHE_KWARG = "cache" if "cache" in inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters else "past_key_values"
@@ -55,12 +54,67 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm attention and MLP, each added to the residual (scaled by muP's depth factor)."""
+
     def __init__(self, config, layer_idx: int) -> None:
         super().__init__()
         self.self_attn = SparseAttention(config, layer_idx)
         self.mlp = MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layer_idx = layer_idx
+
+    def forward(self, hidden: torch.Tensor, call: "LayerCall", cache_layer, forecast: torch.Tensor | None = None,
+                plan=None, next_cache_layer=None, selections_out: dict | None = None):
+        """hidden [B, T, hidden] -> (hidden, forecast vectors scoring the next layer or None, the
+        next layer's decode plan or None).
+
+        call: what every layer of the call shares (`LayerCall`).  forecast: the vectors scoring
+        this layer [B, T, H*n, d], from the layer before (None: layer 0 makes its own, or the query
+        selector).  plan: this layer's decode `Plan`, made by the layer before.  next_cache_layer:
+        the next layer's cache layer: with the forecast selector at a decode step its blocks are
+        planned here, before this layer attends, so a runtime can fetch them meanwhile."""
+        attn = self.self_attn
+        normed = self.input_layernorm(hidden)
+        if call.want_forecast and forecast is None and attn.scores_itself:
+            forecast = attn.project_forecast(normed, call.cos, call.sin, "current_proj")
+        next_forecast = next_plan = None
+        if call.want_forecast and next_cache_layer is not None:
+            next_forecast = attn.project_forecast(normed, call.cos, call.sin)
+            if call.plans_ahead and next_cache_layer.is_initialized:
+                vectors, positions = next_forecast.to(next_cache_layer.device), call.positions.to(next_cache_layer.device)
+                next_plan = plan_decode(vectors, positions, next_cache_layer, call.sparse, "forecast")
+        out = attn(normed, call.positions, call.cos, call.sin, cache_layer, forecast_in=forecast, plan=plan,
+                   selections_out=selections_out, selector=call.selector, step=call.step, sparse=call.sparse)
+        if call.layer_callback is not None:
+            call.layer_callback(self.layer_idx, normed, call.positions, call.cos, call.sin, cache_layer)
+        hidden = hidden + out * call.residual_scale
+        hidden = hidden + self.mlp(self.post_attention_layernorm(hidden)) * call.residual_scale
+        return hidden, next_forecast, next_plan
+
+
+@dataclass
+class LayerCall:
+    """What every decoder layer of one forward call shares: positions [B, T], RoPE cos/sin [B, T, d]
+    (moved to each layer's device under a device_map), the call's `CallInfo` and SparseConfig,
+    the selector in use, muP's residual scale, whether forecast vectors are made (`want_forecast`)
+    and whether layers plan the next layer's decode blocks (`plans_ahead`), and the training /
+    recall `layer_callback`."""
+
+    positions: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    step: CallInfo
+    sparse: object
+    selector: str | None
+    residual_scale: float
+    want_forecast: bool
+    plans_ahead: bool
+    layer_callback: object = None
+
+    def to(self, device) -> "LayerCall":
+        """This call with its tensors on `device` (layers spread over devices by a device_map)."""
+        return dataclasses.replace(self, positions=self.positions.to(device), cos=self.cos.to(device), sin=self.sin.to(device))
 
 
 # Causal-LM output: loss, logits, the cache under this transformers version's name (`CACHE_KWARG`;
@@ -127,13 +181,6 @@ class ForecastKVModel(ForecastKVPreTrainedModel):
 
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.embed_tokens = value
-
-    def scoring_vectors(self, scored: int, normed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Forecast vectors [B, T, H*n, d] that score layer `scored`'s blocks (`heads.scoring_head`:
-        layer 0's current_proj, else layer scored-1's forecast_proj), from that head's layer's
-        post-norm input normed [B, T, hidden] and RoPE cos/sin [B, T, d]."""
-        owner, projection = scoring_head(scored)
-        return self.layers[owner].self_attn.project_forecast(normed, cos, sin, projection)
 
     def positions_for(self, batch: int, length: int, cache: SparseCache, attention_mask, position_ids, device) -> torch.Tensor:
         """Positions [B, T] of the new tokens, -1 for padding.  Derived from the cache's stored
@@ -204,22 +251,23 @@ class ForecastKVModel(ForecastKVPreTrainedModel):
             cache = SparseCache(self.config)
         elif not isinstance(cache, SparseCache):
             raise TypeError(f"forecastkv models need a SparseCache (or a subclass), got {type(cache).__name__}")
-        cache.check_model(self.config)
+        config = self.config
+        sparse = config.sparse  # read once per call: `routing.attending_with` may swap it between calls
+        cache.check_model(config)
         positions = self.positions_for(batch, length, cache, attention_mask, position_ids, hidden.device)
-        note_call(cache, input_ids, positions)  # the cache's record of its tokens (modeling/token_record.py), no host read
-        step = cache.begin_call(positions, self.config.sparse)  # the call's host-side facts and bookkeeping, once
+        step = cache.begin_call(positions, sparse, input_ids)  # the call's host-side facts and bookkeeping, once
         cos, sin = self.rotary_emb(positions, hidden.dtype)
-
-        mup = self.config.mup_config
+        mup = config.mup_config
         residual_scale = 1.0
         if mup is not None:
             hidden = hidden * mup.scale_emb
-            residual_scale = mup.scale_depth / math.sqrt(self.config.num_hidden_layers)
-
-        sparse = self.config.sparse
+            residual_scale = mup.scale_depth / math.sqrt(config.num_hidden_layers)
         # a cache may carry a selector of its own (the runtime's modes compare selectors on one model)
-        selector = (getattr(cache, "selector", None) or sparse.selector) if sparse is not None else None
-        hidden, selections = self.decode_layers(hidden, positions, cos, sin, cache, step, selector, residual_scale, collect_selections, layer_callback)
+        selector = (cache.selector or sparse.selector) if sparse is not None else None
+        want_forecast = config.forecast_config.enabled and (selector == "forecast" or collect_selections)
+        plans_ahead = selector == "forecast" and step.decode and not step.any_dense
+        call = LayerCall(positions, cos, sin, step, sparse, selector, residual_scale, want_forecast, plans_ahead, layer_callback)
+        hidden, selections = self.decode_layers(hidden, call, cache, collect_selections)
         cache.finish_call()
         return self.norm(hidden.to(self.norm.weight.device)), cache, selections
 
@@ -264,48 +312,26 @@ class ForecastKVModel(ForecastKVPreTrainedModel):
             ]
         return torch.cat(hidden_parts, dim=1), cache, selections
 
-    def decode_layers(self, hidden, positions, cos, sin, cache, step, selector, residual_scale, collect_selections=False, layer_callback=None):
-        """The decoder layers over hidden [B, T, hidden] at positions [B, T] with RoPE cos/sin:
-        the part of a call that runs on the device.  The host side (positions, the `CallInfo`
-        and the cache's bookkeeping, the step logs) happens around it in `forward`, so a decode
-        step's layers read no Python number that changes from step to step: this is what
-        `torch.compile(fullgraph=True)` can take whole.  Returns (hidden, selections or None)."""
-        forecast_selector = selector == "forecast"
-        want_forecast = self.config.forecast_config.enabled and (forecast_selector or collect_selections)
+    def decode_layers(self, hidden: torch.Tensor, call: LayerCall, cache: SparseCache, collect_selections: bool = False):
+        """The decoder layers over hidden [B, T, hidden]: the part of a call that runs on the
+        device.  The host side (positions, the `CallInfo` and the cache's bookkeeping, the step
+        logs) happens around it in `forward`, so a decode step's layers read no Python number that
+        changes from step to step: what `torch.compile(fullgraph=True)` can take whole
+        (`compiled.py`).  Each layer hands the next its forecast vectors and decode plan.
+        Returns (hidden, per-layer selections or None)."""
         selections = [] if collect_selections else None
-        forecast, planned = None, None
+        forecast = plan = None
         last = len(self.layers) - 1
         for idx, layer in enumerate(self.layers):
-            attn = layer.self_attn
-            if hidden.device != layer.input_layernorm.weight.device:  # device_map: layers on several devices
-                hidden, positions, cos, sin, forecast = _to_device(layer.input_layernorm.weight.device, hidden, positions, cos, sin, forecast)
-            normed = layer.input_layernorm(hidden)
-            if want_forecast and idx == 0:
-                forecast = self.scoring_vectors(0, normed, cos, sin)
-            next_forecast = self.scoring_vectors(idx + 1, normed, cos, sin) if want_forecast and idx < last else None
-            planned_next = None
-            if forecast_selector and step.decode and not step.any_dense and next_forecast is not None and cache.layers[idx + 1].is_initialized:
-                # plan layer idx+1 before this layer attends, so a runtime can fetch its blocks
-                # meanwhile; the plan lives where layer idx+1 and its cache live
-                nxt = self.layers[idx + 1]
-                vectors, pos = _to_device(nxt.input_layernorm.weight.device, next_forecast, positions)
-                planned_next = nxt.self_attn.plan_decode(vectors, pos, cache.layers[idx + 1], "forecast", step)
+            device = layer.input_layernorm.weight.device
+            if hidden.device != device:  # device_map: layers on several devices
+                hidden, forecast, call = hidden.to(device), None if forecast is None else forecast.to(device), call.to(device)
             record = {} if collect_selections else None
-            out = attn(normed, positions, cos, sin, cache.layers[idx], forecast_in=forecast, plan=planned, selections_out=record, selector=selector, step=step)
-            if layer_callback is not None:
-                layer_callback(idx, normed, positions, cos, sin, cache.layers[idx])
-            planned = planned_next
+            next_cache_layer = cache.layers[idx + 1] if idx < last else None
+            hidden, forecast, plan = layer(hidden, call, cache.layers[idx], forecast, plan, next_cache_layer, record)
             if selections is not None:
                 selections.append(record)
-            hidden = hidden + out * residual_scale
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden)) * residual_scale
-            forecast = next_forecast
         return hidden, selections
-
-
-def _to_device(device, *tensors):
-    """Each tensor (or None) on `device`."""
-    return tuple(None if t is None else t.to(device) for t in tensors)
 
 
 def _pick_cache(cache, past_key_values):
@@ -398,8 +424,8 @@ class ForecastKVForCausalLM(ForecastKVPreTrainedModel, GenerationMixin):
 
     def _prepare_generation_config(self, generation_config=None, *args, **kwargs):
         """transformers' own, except that `cache_implementation` may name an offload mode
-        (`inference.MODES`), which transformers' validation would refuse (`inference/hf_cache.py`)."""
-        from ..inference.hf_cache import prepare_generation_config
+        (`inference.MODES`), which transformers' validation would refuse (`modeling/generation.py`)."""
+        from .generation import prepare_generation_config
 
         return prepare_generation_config(self, super()._prepare_generation_config, generation_config, *args, **kwargs)
 
@@ -416,7 +442,7 @@ class ForecastKVForCausalLM(ForecastKVPreTrainedModel, GenerationMixin):
             return None
         if generation_config.use_cache is False:
             return None
-        from ..inference.hf_cache import cache_for_generation
+        from .generation import cache_for_generation
 
         cache = cache_for_generation(self, generation_config)  # SparseCache, or the offload mode named as cache_implementation
         if rows is not None:

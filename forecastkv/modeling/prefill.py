@@ -69,12 +69,7 @@ def dense_sequences(positions: torch.Tensor, sparse) -> torch.Tensor:
     batch 1 this is exactly MiniCPM's rule, and a sequence decides the same alone or in a batch.
     positions [B, T] (-1 = padding).  A dense model (`sparse` None) is dense everywhere.
     """
-    key_lengths = positions.amax(dim=1) + 1
-    if sparse is None:
-        return torch.ones_like(key_lengths, dtype=torch.bool)
-    if sparse.dense_len <= 0:
-        return torch.zeros_like(key_lengths, dtype=torch.bool)
-    return key_lengths < sparse.dense_len
+    return sel.dense_at(positions.amax(dim=1) + 1, sparse)
 
 
 # ----------------------------------------------------------------------------------------------

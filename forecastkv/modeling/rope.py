@@ -66,11 +66,9 @@ class RotaryEmbedding(nn.Module):
         return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-
-
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, T, H, d], cos/sin [B, T, d] -> rotated x (NeoX rotate-half)."""
-    return x * cos.unsqueeze(2) + rotate_half(x) * sin.unsqueeze(2)
+    """x [B, T, H, d], cos/sin [B, T, d] -> rotated x (NeoX rotate-half: the halves swapped, the
+    first one negated)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos.unsqueeze(2) + rotated * sin.unsqueeze(2)

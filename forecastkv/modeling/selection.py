@@ -37,6 +37,16 @@ POS_INF = float("inf")
 # ----------------------------------------------------------------------------------------------
 
 
+def dense_at(key_length, sparse):
+    """MiniCPM's dense / sparse rule, the one definition: a sequence attends densely while its key
+    length is below `dense_len` (`dense_len <= 0`: never); a dense model (`sparse` None) always.
+    key_length: an int, or a tensor of them (then a bool tensor of the same shape)."""
+    if sparse is None or sparse.dense_len <= 0:
+        dense = sparse is None
+        return torch.full_like(key_length, dense, dtype=torch.bool) if isinstance(key_length, torch.Tensor) else dense
+    return key_length < sparse.dense_len
+
+
 def num_compressed(length: int, kernel_size: int, kernel_stride: int) -> int:
     """Number of complete compression windows over `length` keys."""
     return 0 if length < kernel_size else (length - kernel_size) // kernel_stride + 1
@@ -94,23 +104,20 @@ def visibility_lag(kind: str) -> int:
 _BMM_FP32_OUT = "dtype" in torch.ops.aten.bmm.overloads()
 
 
-def _tensor_core_logits(vectors: torch.Tensor, ckeys: torch.Tensor) -> bool:
-    """Half-precision CUDA inputs without autograd: a bf16 x bf16 (or fp16 x fp16) product is exact
-    in fp32, so a tensor-core matmul with fp32 accumulation and output gives the fp32 logits
-    (up to summation order) without upcast copies or a CUDA-core fp32 matmul."""
-    return (
-        _BMM_FP32_OUT and vectors.is_cuda and vectors.dtype in (torch.float16, torch.bfloat16)
-        and ckeys.dtype == vectors.dtype
-        and not (torch.is_grad_enabled() and (vectors.requires_grad or ckeys.requires_grad))
-    )
-
-
 def _head_logits(vectors: torch.Tensor, ckeys: torch.Tensor, scale: float) -> torch.Tensor:
-    """vectors [B, Tq, H*n, d], ckeys [B, C, H, d] -> fp32 logits [B, H, n, Tq, C]."""
+    """vectors [B, Tq, H*n, d], ckeys [B, C, H, d] -> fp32 logits [B, H, n, Tq, C].
+
+    Half-precision CUDA inputs without autograd take a tensor-core matmul with fp32 accumulation
+    and output: a bf16 x bf16 (or fp16 x fp16) product is exact in fp32, so that gives the fp32
+    logits (up to summation order) without upcast copies or a CUDA-core fp32 matmul."""
     batch, rows, heads_total, dim = vectors.shape
     count, heads = ckeys.shape[1], ckeys.shape[2]
     per = heads_total // heads
-    if _tensor_core_logits(vectors, ckeys):  # the n heads of a group fold into rows: K is read once
+    tensor_cores = (
+        _BMM_FP32_OUT and vectors.is_cuda and vectors.dtype in (torch.float16, torch.bfloat16) and ckeys.dtype == vectors.dtype
+        and not (torch.is_grad_enabled() and (vectors.requires_grad or ckeys.requires_grad))
+    )
+    if tensor_cores:  # the n heads of a group fold into rows: K is read once
         v = vectors.view(batch, rows, heads, per, dim).permute(0, 2, 3, 1, 4).reshape(batch * heads, per * rows, dim)
         k = ckeys.permute(0, 2, 3, 1).reshape(batch * heads, dim, count)
         logits = torch.bmm(v, k, out_dtype=torch.float32)

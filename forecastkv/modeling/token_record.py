@@ -1,10 +1,10 @@
 """A cache's own record of the token ids it was prefilled with, so a `ContextStore.insert(cache, ids)`
 can check `ids` against what the cache really holds instead of trusting them.
 
-`ForecastKVModel.forward` calls `note_call(cache, input_ids, positions)` once per forward call
-(before its layers run).  Nothing is read back to the host there: a multi-token call keeps a
-copy of its positions and ids (device tensors), a decode step only marks its
-position as unrecorded (decode steps are not recorded: it costs nothing per step), and
+`SparseCache.begin_call` notes each forward call (before its layers run).  Nothing is read back
+to the host there: a multi-token call keeps a copy of its positions and ids (device tensors), a
+run of decode steps only marks the first position it wrote as unrecorded (decode steps are not
+recorded: it costs nothing per step), and
 `recorded_tokens(cache)` turns the notes into token lists when a store asks.
 
 The record is a chain of immutable notes bound to the cache object, so a `fork()` (a shallow copy)
@@ -36,28 +36,35 @@ class Note:
     decode: tuple[int, ...] | None = None
 
 
-def note_call(cache, input_ids: torch.Tensor | None, positions: torch.Tensor) -> None:
+def note_call(cache, input_ids: torch.Tensor | None, positions: torch.Tensor, call) -> None:
     """Record a forward call storing `input_ids` [B, T] (None: inputs_embeds) at `positions`
-    [B, T] (-1 = padding) into `cache`.  A one-token call on a cache that holds tokens is a decode
-    step (its positions are the host lengths, as `positions_for` decides)."""
+    [B, T] (-1 = padding) into `cache`; `call` is its `CallInfo`.  A decode step's note only keeps
+    the first position it wrote: `SparseCache.begin_call` lowers `cache.unrecorded_from` in
+    place for the steps after it, without a call here, and the next note settles it."""
+    _settle_decode(cache)
+    if call.decode:
+        cache.unrecorded_from = call.lengths_before
+        return
     previous = getattr(cache, ATTRIBUTE, None)
-    batch, length = positions.shape
-    host = cache.host_lengths()
-    if length == 1 and host is not None:
-        start = tuple(int(n) for n in host)
-        if previous is not None and previous.decode is not None and previous.batch == batch:
-            # consecutive decode steps: everything from the first one's positions on is unknown
-            start = tuple(min(a, b) for a, b in zip(previous.decode, start))
-            previous = previous.previous
-        note = Note(previous, batch, decode=start)
-    else:
-        note = Note(previous, batch, positions=positions.detach().clone(), ids=None if input_ids is None else input_ids.detach().clone())
+    note = Note(previous, positions.shape[0], positions=positions.detach().clone(),
+                ids=None if input_ids is None else input_ids.detach().clone())
     setattr(cache, ATTRIBUTE, note)
+
+
+def _settle_decode(cache) -> None:
+    """Turn the decode steps since the last note (`cache.unrecorded_from`: per sequence the first
+    position they wrote) into one note: everything from there on is unknown."""
+    start = getattr(cache, "unrecorded_from", None)
+    if start is None:
+        return
+    cache.unrecorded_from = None
+    setattr(cache, ATTRIBUTE, Note(getattr(cache, ATTRIBUTE, None), len(start), decode=start))
 
 
 def set_tokens(cache, tokens: list[int]) -> None:
     """Start the record of a one-sequence cache filled with `tokens` at positions 0.. by other means
     than a forward call (a ContextStore lookup, which checked them against their blocks' names)."""
+    cache.unrecorded_from = None
     setattr(cache, ATTRIBUTE, Note(None, 1, tokens=(tuple(int(t) for t in tokens),)))
 
 
@@ -65,6 +72,7 @@ def recorded_tokens(cache) -> list[list[int]] | None:
     """Per sequence, the token ids the cache is known to hold from position 0 on (possibly fewer
     than it holds, never other ones); None if the cache has no usable record (never prefilled by a
     forward call, or its batch changed since).  Truncated to the cache's current lengths (a crop)."""
+    _settle_decode(cache)
     notes, note = [], getattr(cache, ATTRIBUTE, None)
     while note is not None:
         notes.append(note)

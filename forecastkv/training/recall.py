@@ -21,6 +21,7 @@ import torch
 from forecastkv.bundled import resolve_model_path
 from forecastkv.errors import ConfigError
 from forecastkv.modeling import selection as sel
+from forecastkv.modeling.heads import scoring_vectors
 from forecastkv.modeling.routing import BACKBONES, attending_with, backbone_sparse_config
 
 DEFAULT_START = 1024
@@ -63,12 +64,12 @@ def measure_recall_counts(model, input_ids: torch.Tensor, start: int, backbone: 
         keys, _, cis, _ = cache_layer.full()
         ckeys = sel.compress_keys(keys, sparse.kernel_size, sparse.kernel_stride)
         lse_keys = sel.compress_keys(keys, *sparse.coarse_kernel) if sparse.lse == "coarse" else None
-        forecast = inner.scoring_vectors(0, x, c, s) if idx == 0 else carried.pop("forecast")
+        forecast = scoring_vectors(inner.layers, 0, x, c, s) if idx == 0 else carried.pop("forecast")
         query_ids = sel.layer_selection(attn.queries(x, c, s), ckeys, pos, sparse, "query", lse_keys, cis)
         forecast_ids = sel.layer_selection(forecast, ckeys, pos, sparse, "forecast", cis=cis)
         counts[idx] = sel.recall_row_sums(query_ids, forecast_ids, pos, sparse, start)
         if idx < last:
-            carried["forecast"] = inner.scoring_vectors(idx + 1, x, c, s)
+            carried["forecast"] = scoring_vectors(inner.layers, idx + 1, x, c, s)
         cache_layer.reset()  # nothing reads this layer's K/V again: keep memory at one layer
         if on_layer_done is not None:
             on_layer_done(idx)

@@ -1,4 +1,4 @@
-"""The offload modes as a `cache_implementation` (inference/hf_cache.py): a plain `generate()`
+"""The offload modes as a `cache_implementation` (modeling/generation.py): a plain `generate()`
 call, a model whose generation_config names a mode, a generation_config.json and a transformers
 `pipeline` get the offloaded runtime without a cache built by hand, with the resident tokens."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from forecastkv.inference import OffloadedSparseCache
-from forecastkv.inference.hf_cache import GENERATION_KEY, load_generation_config, set_default_cache
+from forecastkv.modeling.generation import GENERATION_KEY, load_generation_config, set_default_cache
 from forecastkv.modeling.cache import SparseCache
 from forecastkv.modeling.modeling import CACHE_KWARG
 from tests.helpers import tiny_model

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from forecastkv.inference.slots import diff_block_map
+from forecastkv.inference.layers import diff_block_map
 
 
 def reference_row(block_map: list[int], wanted: list[int]):

@@ -10,6 +10,7 @@ import pytest
 from forecastkv.errors import ConfigError
 from forecastkv.modeling.checkpoints import config_from_raw, detect_format
 from forecastkv.modeling.configuration import ForecastConfig, ForecastKVConfig, MupConfig, SparseConfig
+from forecastkv.modeling.selection import dense_at
 
 # MiniCPM4.1-8B's config.json fields (the openbmb/MiniCPM4.1-8B model card; LongRoPE lists shortened)
 MINICPM41_CONFIG = {
@@ -156,5 +157,5 @@ def test_mup_values_are_checked(mup, message):
 
 def test_dense_rule():
     """MiniCPM's dense rule: fewer keys than dense_len attend densely; dense_len 0 or -1 never does."""
-    assert SparseConfig(dense_len=8192).is_dense_at(8191) and not SparseConfig(dense_len=8192).is_dense_at(8192)
-    assert not SparseConfig(dense_len=0).is_dense_at(1) and not SparseConfig(dense_len=-1).is_dense_at(1)
+    assert dense_at(8191, SparseConfig(dense_len=8192)) and not dense_at(8192, SparseConfig(dense_len=8192))
+    assert not dense_at(1, SparseConfig(dense_len=0)) and not dense_at(1, SparseConfig(dense_len=-1))

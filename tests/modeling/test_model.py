@@ -107,10 +107,10 @@ def test_forecast_decode_uses_plan_from_previous_layer():
     events = []
 
     def spy(idx, layer):
-        append, plan, blocks = layer.append, layer.plan, layer.blocks
+        append, plan, attend = layer.append, layer.plan, layer.decode_attention
         layer.append = lambda *a, **k: (events.append(("append", idx, None)), append(*a, **k))[1]
-        layer.plan = lambda sel, *a, **k: (events.append(("plan", idx, sel)), plan(sel, *a, **k))[1]
-        layer.blocks = lambda sel, *a, **k: (events.append(("blocks", idx, sel)), blocks(sel, *a, **k))[1]
+        layer.plan = lambda sel: (events.append(("plan", idx, sel)), plan(sel))[1]
+        layer.decode_attention = lambda q, p: (events.append(("attend", idx, p)), attend(q, p))[1]
 
     for idx, layer in enumerate(cache.layers):
         spy(idx, layer)
@@ -125,7 +125,7 @@ def test_forecast_decode_uses_plan_from_previous_layer():
         assert order.count(("plan", idx)) == 1
         assert order.index(("plan", idx)) < order.index(("append", idx - 1)), idx
         planned = next(sel for kind, i, sel in events if kind == "plan" and i == idx)
-        read = next(sel for kind, i, sel in events if kind == "blocks" and i == idx)
+        read = next(sel for kind, i, sel in events if kind == "attend" and i == idx)
         assert read.selection is planned and planned.shape == (1, 2, model.config.sparse.budget_blocks)  # the Plan handed over
 
 

@@ -34,7 +34,8 @@ import copy
 import json
 from pathlib import Path
 
-from .offloaded import MODES
+from ..errors import UserInputError
+from ..modes import MODES
 
 GENERATION_KEY = "forecastkv_cache"  # the custom generation_config entry that carries the mode
 CACHE_IMPLEMENTATIONS = MODES
@@ -83,16 +84,27 @@ def prepare_generation_config(model, parent, generation_config=None, *args, **kw
     return prepared, model_kwargs
 
 
+# builds the cache of an offload mode: the runtime registers `OffloadedSparseCache.for_model` when
+# it is imported (`import forecastkv` does), so this module never imports the runtime
+_OFFLOADED_CACHE_BUILDER: list = []
+
+
+def register_offloaded_cache(builder) -> None:
+    """`builder(model, mode=...)` builds the cache of an offload mode (`inference/offloaded.py`)."""
+    _OFFLOADED_CACHE_BUILDER[:] = [builder]
+
+
 def cache_for_generation(model, generation_config):
-    """The cache `generate()` builds when the caller passed none: an `OffloadedSparseCache` in the
-    config's `forecastkv_cache` mode, else the resident `SparseCache`."""
-    from ..modeling.cache import SparseCache
-    from .offloaded import OffloadedSparseCache
+    """The cache `generate()` builds when the caller passed none: the offloaded runtime's cache in
+    the config's `forecastkv_cache` mode, else the resident `SparseCache`."""
+    from .cache import SparseCache
 
     mode = getattr(generation_config, GENERATION_KEY, None)
     if mode is None:
         return SparseCache(model.config)
-    return OffloadedSparseCache.for_model(model, mode=mode)
+    if not _OFFLOADED_CACHE_BUILDER:
+        raise UserInputError(f"{GENERATION_KEY}={mode!r} needs the offloaded runtime: import forecastkv.inference")
+    return _OFFLOADED_CACHE_BUILDER[0](model, mode=mode)
 
 
 def set_default_cache(model, mode: str | None) -> None:

@@ -1,0 +1,467 @@
+"""The offloaded runtime's cache layers, their decode-step half: what one decode step runs.
+
+* `OffloadedLayer`: the full KV of a layer in a `HostKVStore` (pinned host memory, paged blocks),
+  and on the device a slot buffer [B, (M + 1) * bs, H, d] of M = budget regular slots (complete
+  blocks) and one tail slot (the block being written), a block map [B, H, M], and a ring of the
+  latest rows from which a decode step pools the compression windows it completes.  A decode
+  step writes its row through to the host (`row_store`), `plan(selection)` diffs the selection
+  against the block map (`diff_block_map`: hits stay, misses go to free slots) and fetches the
+  misses with the block gather, at once (sync modes) or on a side stream (`StreamPrefetcher`,
+  forecast-offload on CUDA); `decode_attention(q, plan)` waits for this layer's fetch only and
+  attends over the slots.  Its multi-token half (staging, crop, attach, fork) is
+  `inference/staging.py`.
+* `ResidentLayer`: a layer kept whole on the device (layer 0, or every layer in no-offload), with
+  the same counters.
+* `RuntimePlan`: the `Plan` of a runtime layer, with its slot map, fetch and counters.
+
+Nothing in a decode step reads the host store's rows or the device back: the host counters of
+`CallInfo` decide every number, and host memory is touched only by the transfer kernels inside
+`host_transfer()` (tests/strict_device.py checks both on the CPU).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ..modeling.cache import CallInfo, Plan, SparseCacheLayer, attend_gathered, gather_blocks, put_rows
+from .host_store import HostBlockPool, HostKVStore
+from .staging import OffloadedStaging, Staging
+
+
+@dataclass
+class RuntimePlan(Plan):
+    """A runtime layer's `Plan`.  slot_of [B, H, K]: the slot serving each selected block (-1 none);
+    load_ids [B, H, M]: the host block fetched into each slot (-1 nothing); done: the side stream's
+    event or None; fetched: the fetch was launched; dense: dense-offload (the whole layer is copied
+    instead); counts: device int64 [3], blocks wanted / hit / missed (the step log's row);
+    h2d_extra: bytes moved outside the gather (dense-offload's whole-layer copy)."""
+
+    slot_of: torch.Tensor | None = None
+    load_ids: torch.Tensor | None = None
+    done: object = None
+    fetched: bool = True
+    dense: bool = False
+    counts: torch.Tensor | None = None
+    h2d_extra: int = 0
+
+
+class StepLog:
+    """Per decode step of one layer: blocks wanted / hit / missed (device int64 [3], summed over
+    sequences and heads: no host sync) and bytes moved that the host already knows."""
+
+    def __init__(self) -> None:
+        self.counts: list[torch.Tensor] = []
+        self.h2d_extra: list[int] = []  # bytes outside the block gather (dense-offload's whole-layer copy)
+        self.selections: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # (selection, complete blocks) if recording
+
+    def add(self, counts: torch.Tensor, h2d_extra: int = 0) -> None:
+        self.counts.append(counts)
+        self.h2d_extra.append(h2d_extra)
+
+    def table(self) -> torch.Tensor:
+        """int64 [steps, 3] on the CPU (one sync)."""
+        if not self.counts:
+            return torch.zeros(0, 3, dtype=torch.long)
+        return torch.stack(self.counts).cpu()
+
+
+
+class ResidentLayer(SparseCacheLayer):
+    """A layer kept whole on the device (layer 0, or every layer in no-offload), with the counters."""
+
+    offloaded = False
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.log = StepLog()
+        self.d2h_bytes = 0
+        self.h2d_other = 0
+
+    def reset(self) -> None:
+        super().reset()
+        self.log, self.d2h_bytes, self.h2d_other = StepLog(), 0, 0
+
+    def plan(self, selection: torch.Tensor) -> RuntimePlan:
+        """`SparseCacheLayer.plan` with the step log's counters: every wanted block is a hit."""
+        share = super().plan(selection).share
+        wanted = (selection >= 0).sum()
+        self.last_plan = RuntimePlan(selection, share, counts=torch.stack([wanted, wanted, torch.zeros_like(wanted)]))
+        if self.log.selections is not None:
+            self.log.selections.append((selection.clone(), torch.div(self.lengths, self.block_size, rounding_mode="floor").clone()))
+        return self.last_plan
+
+    def record_plan(self) -> None:
+        """The block share (`SparseCacheLayer.record_plan`) and the plan's counters into the step log."""
+        plan = self.last_plan
+        super().record_plan()
+        if plan is not None:
+            self.log.add(plan.counts, plan.h2d_extra)
+
+    def device_tensors(self) -> dict:
+        names = ("keys", "values", "cis")
+        return {name: getattr(self, name) for name in names if getattr(self, name, None) is not None}
+
+    def index_tensors(self) -> dict:
+        names = ("ckeys", "coarse_keys", "pooled_cis", "lengths")
+        return {name: getattr(self, name) for name in names if getattr(self, name, None) is not None}
+
+    def host_nbytes(self) -> int:
+        return 0
+
+    def host_pool(self) -> None:
+        return None
+
+    def forked(self, repeats: int = 1) -> "ResidentLayer":
+        """`SparseCacheLayer.forked` with fresh counters."""
+        other = super().forked(repeats)
+        recording = self.log.selections is not None
+        other.log, other.d2h_bytes, other.h2d_other = StepLog(), 0, 0
+        other.log.selections = [] if recording else None
+        return other
+
+
+
+class OffloadedLayer(OffloadedStaging, SparseCacheLayer):
+    """One offloaded layer: host store, device slots + block map, a ring of the latest rows, the
+    fetch of its misses.
+
+    Device state: slots [B, (M + 1) * bs, H, d] (M = budget regular slots, then the tail slot of
+    the block being written), block map [B, H, M], and a ring [B, R, H, d] (+ CIS [B, R, H]) of
+    the latest R = the widest compression window's rows, from which a decode step pools the
+    windows it completes: nothing in a decode step reads the host store, and nothing reads the
+    device back (`host_lengths` decides every number).
+    """
+
+    offloaded = True
+
+    def __init__(self, kernel_size, kernel_stride, coarse, max_length, *, block_size: int, budget: int, fetch: str, staging: Staging,
+                 gather_programs: int | None = None) -> None:
+        super().__init__(kernel_size, kernel_stride, coarse=coarse, max_length=max_length, block_size=block_size)
+        self.budget, self.fetch = budget, fetch
+        self.staging = staging
+        self.gather_programs = gather_programs
+        self.given_pool: HostBlockPool | None = None  # build the host store on this pool (shared), else a new one
+        self._fresh()
+
+    def _fresh(self) -> None:
+        self.host: HostKVStore | None = None
+        self.k_slots = self.v_slots = self.bias_slots = self.block_map = None
+        self.k_ring = self.cis_ring = None
+        self.staged = None  # (keys, values, cis) on the device during a multi-token call
+        self.prefetcher = None
+        self.log = StepLog()
+        self.d2h_bytes = 0
+        self.h2d_other = 0  # staging and tail refills (prefill, verification, crop)
+        self.decoding = False  # the current call is a decode step (set by `prepare`)
+        self.step_h2d = 0  # this decode step's whole-layer copies (a dense row), booked by `record_plan`
+
+    def reset(self) -> None:
+        recording, reserved = self.log.selections is not None, self.reserved
+        SparseCacheLayer.__init__(self, *(self.kernel or (None, None)), coarse=self.coarse, max_length=self.max_length,
+                                  block_size=self.block_size)
+        self.reserved = reserved
+        self._fresh()
+        self.log.selections = [] if recording else None
+
+    def reorder_cache(self, beam_idx):
+        raise NotImplementedError("OffloadedSparseCache does not support beam search (reorder_cache)")
+
+    # -- allocation ---------------------------------------------------------------------------
+    @property
+    def ring_rows(self) -> int:
+        """R: rows of the widest compression window (kernel, or MiniCPM4.1's coarse one)."""
+        if self.kernel is None:
+            return 1
+        return max(self.kernel[0], self.coarse[0] if self.coarse else 0)
+
+    def _allocate(self, keys: torch.Tensor, cis: torch.Tensor | None) -> None:
+        batch, _, heads, dim = keys.shape
+        device = keys.device
+        pin = device.type == "cuda"
+        cis_dtype = None if cis is None else cis.dtype
+        self.host = HostKVStore(batch, heads, dim, keys.dtype, cis is not None, cis_dtype, self.max_length, pin, self.reserved,
+                                block_size=self.block_size, device=device, pool=self.given_pool)
+        rows = (self.budget + 1) * self.block_size
+        # NaN, not zeros: a slot row read before it was written shows up at once in tests
+        nan = float("nan")
+        self.k_slots = torch.full((batch, rows, heads, dim), nan, dtype=keys.dtype, device=device)
+        self.v_slots = torch.full((batch, rows, heads, dim), nan, dtype=keys.dtype, device=device)
+        self.k_ring = torch.full((batch, self.ring_rows, heads, dim), nan, dtype=keys.dtype, device=device)
+        if cis is not None:
+            self.bias_slots = torch.full((batch, rows, heads), nan, dtype=cis.dtype, device=device)
+            self.cis_ring = torch.full((batch, self.ring_rows, heads), nan, dtype=cis.dtype, device=device)
+        self.block_map = torch.full((batch, heads, self.budget), -1, dtype=torch.long, device=device)
+        self.prefetcher = self.new_prefetcher()
+        if self.gather_programs is None:
+            self.gather_programs = gather_programs_for(device, batch)
+
+    def new_prefetcher(self):
+        """The fetch of this layer's misses: on a CUDA side stream in forecast-offload, else now."""
+        return make_prefetcher(self.k_slots.device, overlap=self.fetch == "prefetch")
+
+    def _check_batch(self, keys: torch.Tensor) -> None:
+        if keys.shape[0] != self.k_slots.shape[0]:
+            raise ValueError(f"this cache holds a batch of {self.k_slots.shape[0]} sequences, got {keys.shape[0]}; build a new cache per batch")
+
+    # -- append -------------------------------------------------------------------------------
+    def append(self, keys: torch.Tensor, values: torch.Tensor, cis: torch.Tensor | None, positions: torch.Tensor, step: CallInfo | None = None) -> None:
+        """Store new tokens on the host (write-through), in the tail slot and the ring;
+        keys/values [B, n, H, d], cis [B, n, H] or None, positions [B, n] (-1 = padding)."""
+        if not self.is_initialized:
+            self.lazy_initialization(keys, values)
+            self._allocate(keys, cis)
+        self._check_batch(keys)
+        step = self.step_for(positions) if step is None else step
+        if not step.prepared:
+            self.prepare(step, positions.shape[1])
+        if step.decode:
+            self._append_token(keys[:, 0], values[:, 0], None if cis is None else cis[:, 0], positions[:, 0])
+        else:
+            self._append_tokens(keys, values, cis, positions, step)
+
+    def _make_room(self, step: CallInfo) -> None:
+        """Host capacity for the call; for a decode step room for its compression windows, and
+        its write-back's bytes (`SparseCacheLayer.prepare`)."""
+        self.host.reserved = self.reserved  # a reserve() after the store was made (an attached cache) counts
+        self.host.ensure(step.key_count)
+        self.decoding = step.decode
+        if step.decode:
+            if self.staging.holder is not None:
+                self.staging.release()  # a decode step reads no staged layer
+            self._grow_windows_for(self.columns)
+            self.d2h_bytes += self.host.shape[0] * self.host.row_bytes()
+
+    def _append_token(self, keys: torch.Tensor, values: torch.Tensor, cis: torch.Tensor | None, pos: torch.Tensor) -> None:
+        """A decode step: keys/values [B, H, d], cis [B, H] or None, pos [B].  The row goes to the
+        host through the `row_store` kernel; the tail slot, the ring and the compressed keys are
+        updated on the device from the ring.  Fixed shapes, no host read, no host-store read."""
+        self.host.write_rows(pos, keys, values, cis)  # its bytes were counted by `prepare`
+        valid, index = pos >= 0, pos.clamp(min=0)
+        tail = self.budget * self.block_size + index % self.block_size
+        ring = index % self.ring_rows
+        for buffer, rows, new in ((self.k_slots, tail, keys), (self.v_slots, tail, values), (self.bias_slots, tail, cis),
+                                  (self.k_ring, ring, keys), (self.cis_ring, ring, cis)):
+            if new is not None:
+                put_rows(buffer, rows, new, valid)
+        self._advance(pos, valid, self.k_ring, self.cis_ring, ring=True)
+
+    def capacity_rows(self) -> int:
+        return 0 if self.host is None else self.host.capacity
+
+
+    # -- plan and blocks ----------------------------------------------------------------------
+    def plan(self, selection: torch.Tensor) -> RuntimePlan:
+        """Diff `selection` [B, H, K] against the block map and return the `Plan`; fetch the misses
+        now (prefetch, on the side stream) or when the layer reads them (sync modes).  Blocks not
+        complete on the host (the current one) come from the tail slot and are not fetched."""
+        complete = torch.div(self.lengths, self.block_size, rounding_mode="floor")
+        if self.log.selections is not None:
+            self.log.selections.append((selection.clone(), complete.clone()))
+        wanted = selection.masked_fill((selection < 0) | (selection >= complete.view(-1, 1, 1)), -1)
+        if self.fetch == "dense":
+            count = (wanted >= 0).sum()
+            self.last_plan = RuntimePlan(selection, dense=True, counts=torch.stack([count, torch.zeros_like(count), torch.zeros_like(count)]))
+            return self.last_plan
+        new_map, load_ids, slot_of, hits, misses = diff_block_map(self.block_map, wanted)
+        self.block_map.copy_(new_map)  # in place: a fixed address
+        plan = RuntimePlan(selection, slot_of=slot_of, load_ids=load_ids, fetched=False, counts=torch.stack([(wanted >= 0).sum(), hits.sum(), misses.sum()]))
+        self.last_plan = plan
+        if self.fetch == "prefetch":
+            plan.done = self.prefetcher.launch(lambda: self._gather(load_ids), keep_alive=(load_ids,))
+            plan.fetched = True
+        return plan
+
+    def _gather(self, load_ids: torch.Tensor) -> None:
+        """Copy the host blocks named by load_ids [B, H, M] into their slots (tail column skipped)
+        through the block table: the UVA kernel on CUDA (no sync, skips bad ids), its reference elsewhere."""
+        ids = torch.cat([load_ids, load_ids.new_full((*load_ids.shape[:2], 1), -1)], dim=-1).permute(1, 0, 2).contiguous()
+        self.host.gather(ids, self.k_slots, self.v_slots, self.bias_slots, self.gather_programs)
+
+    def _ready(self, plan: RuntimePlan) -> RuntimePlan:
+        """`plan` with its blocks in place (waits for this layer's fetch only)."""
+        if plan.dense:
+            return plan
+        if plan.fetched:
+            self.prefetcher.wait(plan.done)
+        else:
+            self._gather(plan.load_ids)
+            plan.fetched = True
+        return plan
+
+    def _dense_copy(self, plan: RuntimePlan):
+        """dense-offload: the whole layer copied to the device (counted against this step)."""
+        rows = self._longest(None)
+        plan.h2d_extra += rows * self.host.row_bytes() * self.host.shape[0]
+        return self.host.device_rows(rows, self.lengths, self.k_slots.device)
+
+    def _slot_of_selected(self, plan: RuntimePlan) -> torch.Tensor:
+        """[B, H, K] slot serving each selected block: its regular slot, the tail slot (M) for the
+        block being written, -1 for none."""
+        current = torch.div((self.lengths - 1).clamp(min=0), self.block_size, rounding_mode="floor").view(-1, 1, 1)
+        tail = (plan.selection == current) & (plan.selection >= 0)
+        return torch.where(plan.slot_of >= 0, plan.slot_of, torch.where(tail, self.budget, -1))
+
+    def blocks(self, plan: RuntimePlan):
+        """The planned blocks from the slots (same layout and values as `SparseCacheLayer.blocks`)."""
+        plan = self._ready(plan)
+        if plan.dense:
+            return gather_blocks(*self._dense_copy(plan), plan.selection, self.lengths, self.block_size)
+        slot = self._slot_of_selected(plan)
+        offsets = torch.arange(self.block_size, device=slot.device)
+        rows = (slot.clamp(min=0).unsqueeze(-1) * self.block_size + offsets).flatten(-2)
+        return gather_blocks(self.k_slots, self.v_slots, self.bias_slots, plan.selection, self.lengths, self.block_size, rows=rows)
+
+    def decode_attention(self, q: torch.Tensor, plan: RuntimePlan) -> torch.Tensor:
+        """One decode token per sequence, q [B, Hq, d] -> [B, Hq, d], straight over the slots with
+        the `sparse_decode_slots` kernel, or a gather of the slots + masked SDPA
+        (`kernels.decode_kernels` decides); dense-offload attends the whole layer's copy."""
+        ops = self.kernels
+        if not ops.decode_kernels:
+            return attend_gathered(q, *self.blocks(plan), self.lengths)
+        plan = self._ready(plan)
+        selection, block_size = plan.selection, self.block_size
+        if plan.dense:
+            keys, values, cis = self._dense_copy(plan)
+            return ops.sparse_decode_blocks(q, keys, values, selection, self.lengths, block_size, bias=cis, check_ids=False)[0]
+        slot = self._slot_of_selected(plan)
+        batch, heads, _ = selection.shape
+        slot_lens = torch.zeros((batch, heads, self.budget + 2), dtype=torch.long, device=slot.device)
+        # rows of each selected block that are stored keys (a full block, or the tail's filled part)
+        stored = (self.lengths.view(-1, 1, 1) - selection.clamp(min=0) * block_size).clamp(0, block_size)
+        slot_lens.scatter_(-1, torch.where(slot >= 0, slot, self.budget + 1), torch.where(slot >= 0, stored, 0))
+        return ops.sparse_decode_slots(q, self.k_slots, self.v_slots, slot_lens[..., : self.budget + 1], block_size,
+                                       bias_slots=self.bias_slots, check_ids=False)[0]
+
+    def record_plan(self) -> None:
+        """The step's plan counters into the step log, plus the whole-layer copies of a dense row
+        (a step with no plan, e.g. a dense model's, is logged with zero blocks and those bytes)."""
+        copied, self.step_h2d = self.step_h2d, 0
+        plan = self.last_plan
+        if plan is not None:
+            plan.h2d_extra += copied
+            self.log.add(plan.counts, plan.h2d_extra)
+        elif copied:
+            self.log.add(torch.zeros(3, dtype=torch.long, device=self.k_slots.device), copied)
+        super().record_plan()
+
+    # -- bytes --------------------------------------------------------------------------------
+    def device_tensors(self) -> dict:
+        tensors = {"k_slots": self.k_slots, "v_slots": self.v_slots, "bias_slots": self.bias_slots, "block_map": self.block_map,
+                   "k_ring": self.k_ring, "cis_ring": self.cis_ring}
+        if self.staged is not None:
+            tensors.update(staged_keys=self.staged[0], staged_values=self.staged[1], staged_cis=self.staged[2])
+        return {name: t for name, t in tensors.items() if t is not None}
+
+    def index_tensors(self) -> dict:
+        names = ("ckeys", "coarse_keys", "pooled_cis", "lengths")
+        return {name: getattr(self, name) for name in names if getattr(self, name, None) is not None}
+
+    def host_nbytes(self) -> int:
+        return 0 if self.host is None else self.host.nbytes()
+
+    def host_pool(self) -> HostBlockPool | None:
+        """The pool this layer's host blocks live in (None before the first token without a given pool)."""
+        return self.given_pool if self.host is None else self.host.pool
+
+    def block_bytes(self) -> int:
+        """Bytes one (sequence, head) block moves: K + V (+ CIS) rows of one head."""
+        if self.host is None:
+            return 0
+        return self.block_size * self.host.row_bytes() // self.host.shape[1]
+
+
+
+def gather_programs_for(device: torch.device, batch: int) -> int:
+    """Persistent programs of the block gather: about one per 8 SMs (16 on an H100/H200, what
+    SparDA runs for batch <= 16), twice that above batch 16; 16 where there is no CUDA."""
+    device = torch.device(device)
+    base = 16
+    if device.type == "cuda" and torch.cuda.is_available():
+        base = max(1, torch.cuda.get_device_properties(device).multi_processor_count // 8)
+    return base if batch <= 16 else 2 * base
+
+
+
+# -- the fetch: now, or on a CUDA side stream ----------------------------------------------------
+
+
+class SyncPrefetcher:
+    """Runs the fetch at once on the current stream (CPU, or the synchronous baselines)."""
+
+    def launch(self, fetch: Callable[[], None], keep_alive: tuple = ()):
+        fetch()
+        return None
+
+    def wait(self, handle) -> None:
+        return None
+
+
+class StreamPrefetcher:
+    """A CUDA side stream: the fetch waits for a ready event on the launching stream (the selection
+    and block map are computed there), runs on the side stream and records a done event that
+    only the consuming layer waits on."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = torch.device(device)
+        self.stream = torch.cuda.Stream(device=self.device)
+
+    def launch(self, fetch: Callable[[], None], keep_alive: tuple = ()):
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_event(ready)
+            for tensor in keep_alive:  # allocated on the main stream, read here
+                tensor.record_stream(self.stream)
+            fetch()
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        return done
+
+    def wait(self, handle) -> None:
+        if handle is not None:
+            torch.cuda.current_stream(self.device).wait_event(handle)
+
+
+def make_prefetcher(device: torch.device, overlap: bool):
+    """A side-stream prefetcher for CUDA devices when `overlap`, else the synchronous one."""
+    device = torch.device(device)
+    if overlap and device.type == "cuda" and torch.cuda.is_available():
+        return StreamPrefetcher(device)
+    return SyncPrefetcher()
+
+
+# -- the slot map ---------------------------------------------------------------------------------
+
+
+def diff_block_map(block_map: torch.Tensor, wanted: torch.Tensor):
+    """Hits keep their slots; misses fill free slots, empty ones first, then the lowest-numbered
+    slots whose block is no longer wanted.  A stale block stays mapped (and can hit again) until
+    its slot is reused, so ties always go to blocks already resident.
+
+    block_map [B, H, M] int64 (-1 = empty), wanted [B, H, K] int64 (-1 = none; distinct ids per row,
+    at most M valid).  Returns (new_map [B, H, M], load_ids [B, H, M] (host block per slot to fetch,
+    -1 = nothing), slot_of [B, H, K] (the slot serving each wanted block, -1 for none),
+    hits [B, H], misses [B, H]).
+    """
+    slots = block_map.shape[-1]
+    valid = wanted >= 0
+    same = (block_map.unsqueeze(-1) == wanted.unsqueeze(-2)) & valid.unsqueeze(-2) & (block_map >= 0).unsqueeze(-1)  # [B, H, M, K]
+    kept = same.any(dim=-1)
+    hit = same.any(dim=-2)
+    miss = valid & ~hit
+    order_key = torch.arange(slots, device=block_map.device) + torch.where(block_map < 0, 0, slots)
+    order_key = order_key.masked_fill(kept, 3 * slots)
+    free_order = order_key.argsort(dim=-1)                                   # free slots first
+    rank = (miss.long().cumsum(dim=-1) - 1).clamp(min=0)
+    target = torch.gather(free_order, -1, rank)                              # [B, H, K]
+    scatter_at = torch.where(miss, target, slots)
+    load_ids = torch.full((*block_map.shape[:-1], slots + 1), -1, dtype=block_map.dtype, device=block_map.device)
+    load_ids.scatter_(-1, scatter_at, torch.where(miss, wanted, -1))
+    load_ids = load_ids[..., :slots]
+    new_map = torch.where(load_ids >= 0, load_ids, block_map)
+    hit_slot = (same.long() * torch.arange(slots, device=block_map.device).view(-1, 1)).sum(dim=-2)
+    slot_of = torch.where(hit, hit_slot, torch.where(miss, target, -1))
+    return new_map, load_ids, slot_of, hit.sum(dim=-1), miss.sum(dim=-1)
