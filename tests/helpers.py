@@ -11,15 +11,25 @@ import torch
 # The tiny random model: G = 3 (6 query heads on 2 KV heads), head_dim 16, large enough weights
 # (initializer_range 0.3) that attention choices change the logits; no BOS/EOS (byte tokens).
 TINY_MODEL = dict(
-    vocab_size=128, hidden_size=96, intermediate_size=128, num_hidden_layers=3, num_attention_heads=6,
-    num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.3, query_chunk_size=16,
-    bos_token_id=None, eos_token_id=None,
+    vocab_size=128,
+    hidden_size=96,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=6,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    initializer_range=0.3,
+    query_chunk_size=16,
+    bos_token_id=None,
+    eos_token_id=None,
 )
 
 # Its block geometry: kernel 4/2, blocks of 8, one init block, a one-block window.  A row deep in a
 # sequence attends to topk + 1 blocks, 3 of them forced (init, window, current): topk 3 leaves one
 # free block per row.
-TINY_SPARSE = dict(kernel_size=4, kernel_stride=2, block_size=8, init_blocks=1, window_size=8, topk=3, dense_len=0, query_blocks=1)
+TINY_SPARSE = dict(
+    kernel_size=4, kernel_stride=2, block_size=8, init_blocks=1, window_size=8, topk=3, dense_len=0, query_blocks=1
+)
 
 
 def tiny_sparse(**changes) -> dict:
@@ -48,7 +58,9 @@ def tiny_model(mode=None, seed=0, heads_per_group=1, **overrides):
     from forecastkv import ForecastKVForCausalLM
 
     sparse = None if mode is None else tiny_sparse(**mode)
-    config = tiny_config(sparse_config=sparse, forecast={"enabled": True, "heads_per_group": heads_per_group}, **overrides)
+    config = tiny_config(
+        sparse_config=sparse, forecast={"enabled": True, "heads_per_group": heads_per_group}, **overrides
+    )
     torch.manual_seed(seed)
     model = ForecastKVForCausalLM(config).eval()
     if mode is not None and mode.get("policy") == "nosa":

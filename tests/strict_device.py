@@ -41,7 +41,15 @@ from torch.utils._pytree import tree_map
 from forecastkv.inference import host_store
 from forecastkv.inference.host_store import host_transfer, in_host_transfer
 
-__all__ = ["HostTensorTouched", "ReadCounter", "StrictHostTensor", "count_host_reads", "host_transfer", "is_host", "strict_host"]
+__all__ = [
+    "HostTensorTouched",
+    "ReadCounter",
+    "StrictHostTensor",
+    "count_host_reads",
+    "host_transfer",
+    "is_host",
+    "strict_host",
+]
 
 aten = torch.ops.aten
 
@@ -110,12 +118,45 @@ class HostTensorTouched(RuntimeError):
 
 
 # reading these touches no element memory
-_METADATA = frozenset({
-    "shape", "dtype", "device", "layout", "ndim", "is_cuda", "is_cpu", "is_meta", "is_sparse", "is_quantized",
-    "requires_grad", "grad", "grad_fn", "is_leaf", "names", "_base", "_is_view", "data_ptr", "untyped_storage",
-    "size", "dim", "numel", "nelement", "element_size", "stride", "storage_offset", "is_contiguous", "is_pinned",
-    "is_floating_point", "is_complex", "get_device", "__len__", "__hash__", "itemsize", "nbytes",
-})
+_METADATA = frozenset(
+    {
+        "shape",
+        "dtype",
+        "device",
+        "layout",
+        "ndim",
+        "is_cuda",
+        "is_cpu",
+        "is_meta",
+        "is_sparse",
+        "is_quantized",
+        "requires_grad",
+        "grad",
+        "grad_fn",
+        "is_leaf",
+        "names",
+        "_base",
+        "_is_view",
+        "data_ptr",
+        "untyped_storage",
+        "size",
+        "dim",
+        "numel",
+        "nelement",
+        "element_size",
+        "stride",
+        "storage_offset",
+        "is_contiguous",
+        "is_pinned",
+        "is_floating_point",
+        "is_complex",
+        "get_device",
+        "__len__",
+        "__hash__",
+        "itemsize",
+        "nbytes",
+    }
+)
 _MOVES = frozenset({"to", "cuda"})  # inside a transfer function: the H2D copy (a fresh device tensor)
 
 
@@ -146,7 +187,8 @@ class StrictHostTensor(torch.Tensor):
                 shapes = [tuple(a.shape) for a in _tensors((args, kwargs)) if isinstance(a, StrictHostTensor)]
                 raise HostTensorTouched(
                     f"host-store tensor touched outside a transfer function: {resolve_name(func) or func} "
-                    f"at {_call_site()[0]} (host operands of shape {shapes}); only code inside host_store.host_transfer() "
+                    f"at {_call_site()[0]} (host operands of shape {shapes}); "
+                    "only code inside host_store.host_transfer() "
                     f"(the H2D gather/staging and the D2H write-back) may read or write host tensors"
                 )
             out = func(*args, **kwargs)
@@ -256,15 +298,23 @@ class ReadCounter:
 
 # ops whose result (or output size) depends on device values: a sync on CUDA
 _READ_OPS = {
-    aten._local_scalar_dense, aten.nonzero, aten.masked_select, aten.equal, aten._unique2, aten.unique_dim,
-    aten.unique_consecutive, aten.bincount,
+    aten._local_scalar_dense,
+    aten.nonzero,
+    aten.masked_select,
+    aten.equal,
+    aten._unique2,
+    aten.unique_dim,
+    aten.unique_consecutive,
+    aten.bincount,
 }
 _MASKED_WRITES = {aten.index_put_, aten._index_put_impl_}
 _WRITE_OPS = {aten.copy_, *_MASKED_WRITES}
 
 
 def _bool_index(indices) -> bool:
-    return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) and is_device(i) for i in indices or ())
+    return any(
+        isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) and is_device(i) for i in indices or ()
+    )
 
 
 class _DispatchCounter(TorchDispatchMode):
@@ -292,7 +342,11 @@ class _DispatchCounter(TorchDispatchMode):
                 self.counter._record(f"aten.{packet.__name__}", write=True)
         elif packet is aten.copy_ and first.device.type == "cpu" and args[1].device.type != "cpu":
             self.counter._record("aten.copy_(d2h)")  # CUDA: a copy of a device tensor into host memory
-        elif packet is aten._to_copy and first.device.type != "cpu" and torch.device(kwargs.get("device") or first.device).type == "cpu":
+        elif (
+            packet is aten._to_copy
+            and first.device.type != "cpu"
+            and torch.device(kwargs.get("device") or first.device).type == "cpu"
+        ):
             self.counter._record("aten._to_copy(d2h)")
         return func(*args, **kwargs)
 
@@ -315,7 +369,12 @@ class _FunctionCounter(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = _name(func)
-        if name in ("cpu", "to", "tolist", "numpy", "__array__") and args and is_device(args[0]) and args[0].device.type == "cpu":
+        if (
+            name in ("cpu", "to", "tolist", "numpy", "__array__")
+            and args
+            and is_device(args[0])
+            and args[0].device.type == "cpu"
+        ):
             if name != "to" or _to_host_target(args[1:], kwargs):
                 self.counter._record(f"Tensor.{name}" + ('("cpu")' if name == "to" else "()"))
         return func(*args, **kwargs)

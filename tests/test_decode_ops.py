@@ -11,7 +11,9 @@ def test_decode_ops_counts_zero_reads(tmp_path, monkeypatch):
     spec = importlib.util.spec_from_file_location("decode_ops", ROOT / "benchmarks" / "decode_ops.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    rows = module.main(["--steps", "3", "--prompt", "70", "--modes", "forecast-offload", "--json", str(tmp_path / "ops.json")])
+    rows = module.main(
+        ["--steps", "3", "--prompt", "70", "--modes", "forecast-offload", "--json", str(tmp_path / "ops.json")]
+    )
     assert set(rows) == {"infllmv2/forecast-offload", "nosa/forecast-offload"}
     for row in rows.values():
         assert row["reads_per_step"] == 0 and row["ops_per_step"] > 1000

