@@ -33,7 +33,11 @@ _TRITON_RUNS = triton_available() and (interpreting() or torch.cuda.is_available
 _NEEDS_TRITON = pytest.mark.skipif(not _TRITON_RUNS, reason="needs triton (CUDA or TRITON_INTERPRET=1)")
 RUNTIME_BACKENDS = ["auto", "kernels-reference", pytest.param("kernels-triton", marks=_NEEDS_TRITON)]
 # the same, with Triton marked slow: decode kernels in the interpreter take seconds a token
-RUNTIME_BACKENDS_SLOW_TRITON = ["auto", "kernels-reference", pytest.param("kernels-triton", marks=[_NEEDS_TRITON, pytest.mark.slow])]
+RUNTIME_BACKENDS_SLOW_TRITON = [
+    "auto",
+    "kernels-reference",
+    pytest.param("kernels-triton", marks=[_NEEDS_TRITON, pytest.mark.slow]),
+]
 
 
 @pytest.fixture

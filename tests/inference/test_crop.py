@@ -15,7 +15,9 @@ from tests.helpers import rel, tiny_model
 CACHES = {
     "sparse-cache": lambda model: SparseCache(model.config),
     "forecast-offload": lambda model: OffloadedSparseCache.for_model(model, mode="forecast-offload"),
-    "dense-offload": lambda model: OffloadedSparseCache.for_model(model, mode="dense-offload", first_layer_resident=False),
+    "dense-offload": lambda model: OffloadedSparseCache.for_model(
+        model, mode="dense-offload", first_layer_resident=False
+    ),
 }
 
 

@@ -100,7 +100,9 @@ def compare_modes(model, ids, mask, modes, new_tokens: int, strict_syncs: bool, 
         ref_tokens, ref_logits = refs[selector]
         cache = OffloadedSparseCache.for_model(model, mode=mode)
         tokens, logits = greedy_decode(model, ids, mask, cache, new_tokens, strict_syncs=strict_syncs)
-        assert torch.equal(tokens, ref_tokens), f"{mode}: tokens differ from SparseCache(selector={selector!r}), {first_difference(tokens, ref_tokens)}"
+        assert torch.equal(tokens, ref_tokens), (
+            f"{mode}: tokens differ from SparseCache(selector={selector!r}), {first_difference(tokens, ref_tokens)}"
+        )
         err = rel(logits, ref_logits)
         assert err < 1e-4, f"{mode}: logits relative error {err:.3g} against SparseCache(selector={selector!r})"
         caches[mode] = cache
@@ -163,11 +165,26 @@ def test_greedy_decode_gives_generate_tokens_on_cpu():
     ids, mask = left_padded(LENGTHS)
     new_tokens = 8
     with torch.no_grad():
-        ref = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
-                             output_logits=True, return_dict_in_generate=True, **{CACHE_KWARG: SparseCache(model.config)})
+        ref = model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+            output_logits=True,
+            return_dict_in_generate=True,
+            **{CACHE_KWARG: SparseCache(model.config)},
+        )
     tokens, logits = greedy_decode(model, ids, mask, SparseCache(model.config), new_tokens)
-    assert torch.equal(tokens, ref.sequences[:, ids.shape[1]:])
+    assert torch.equal(tokens, ref.sequences[:, ids.shape[1] :])
     assert rel(logits, torch.stack(ref.logits, 1)) < 1e-5
-    caches = compare_modes(model, ids, mask, ["forecast-offload"], new_tokens, strict_syncs=False,
-                           reference_cache={MODEL_SELECTOR: (tokens, logits)})
+    caches = compare_modes(
+        model,
+        ids,
+        mask,
+        ["forecast-offload"],
+        new_tokens,
+        strict_syncs=False,
+        reference_cache={MODEL_SELECTOR: (tokens, logits)},
+    )
     assert caches["forecast-offload"].stats()["decode_steps"] == new_tokens - 1

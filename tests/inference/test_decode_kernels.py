@@ -13,7 +13,10 @@ from forecastkv.kernels._common import interpreting, triton_available
 from tests.helpers import left_padded, rel, tiny_model
 from tests.inference.test_offloaded import generate
 
-needs_interpreter = pytest.mark.skipif(not (triton_available() and (interpreting() or torch.cuda.is_available())), reason="needs triton (CUDA or TRITON_INTERPRET=1)")
+needs_interpreter = pytest.mark.skipif(
+    not (triton_available() and (interpreting() or torch.cuda.is_available())),
+    reason="needs triton (CUDA or TRITON_INTERPRET=1)",
+)
 
 
 @needs_interpreter
@@ -42,4 +45,5 @@ def test_kernel_decode_matches_gather_decode(monkeypatch):
         assert torch.equal(out.sequences, ref.sequences), name
         assert rel(torch.stack(out.logits, 1), torch.stack(ref.logits, 1)) < 1e-5, name
     assert len(calls) == 2 * 3 * model.config.num_hidden_layers  # every decode step of every layer
-    assert scored.count("block_scores") == scored.count("agnostic_scores") == len(calls)  # NOSA: both, once per layer and step
+    # NOSA: both, once per layer and step
+    assert scored.count("block_scores") == scored.count("agnostic_scores") == len(calls)

@@ -18,7 +18,9 @@ def test_dense_offload_counts_each_decode_step(sparse):
     new_tokens = 6
     cache = OffloadedSparseCache.for_model(model, mode="dense-offload", first_layer_resident=False)
     with torch.no_grad():
-        model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0, **{CACHE_KWARG: cache})
+        model.generate(
+            ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0, **{CACHE_KWARG: cache}
+        )
     stats = cache.stats()
     # generate() makes new_tokens - 1 decode steps after the prefill
     assert stats["decode_steps"] == new_tokens - 1

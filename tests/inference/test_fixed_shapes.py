@@ -67,7 +67,9 @@ def decode_steps(model, cache, ids, mask, steps: int):
 @pytest.mark.parametrize("policy", ["infllmv2", "nosa"])
 @pytest.mark.parametrize("mode", FIXED_MODES + ["resident"])
 def test_consecutive_decode_steps_run_identical_shapes(mode, policy):
-    model = tiny_model({"policy": policy, "selector": "forecast", "lse": "coarse" if policy == "infllmv2" else "exact"}, seed=4)
+    model = tiny_model(
+        {"policy": policy, "selector": "forecast", "lse": "coarse" if policy == "infllmv2" else "exact"}, seed=4
+    )
     ids, mask = left_padded([29, 23])  # 10 steps: windows (stride 2) every other step, blocks of 8 complete
     cache = SparseCache(model.config) if mode == "resident" else OffloadedSparseCache.for_model(model, mode=mode)
     recorded, states = decode_steps(model, cache, ids, mask, steps=10)
@@ -90,8 +92,15 @@ def test_the_check_sees_a_growing_buffer():
     assert buffers(cache)[(1, "keys")] != before
 
 
-@pytest.mark.parametrize("make", [lambda m: None, lambda m: SparseCache(m.config), lambda m: OffloadedSparseCache.for_model(m, mode="forecast-offload")],
-                         ids=["default", "sparse-cache", "offloaded"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda m: None,
+        lambda m: SparseCache(m.config),
+        lambda m: OffloadedSparseCache.for_model(m, mode="forecast-offload"),
+    ],
+    ids=["default", "sparse-cache", "offloaded"],
+)
 def test_generate_reserves_its_length(make):
     """generate() reserves prompt + max_new_tokens rows in the cache it uses (its own or the
     caller's), so nothing grows while it decodes: the buffers hold exactly that many rows."""
@@ -100,7 +109,15 @@ def test_generate_reserves_its_length(make):
     cache = make(model)
     kwargs = {} if cache is None else {CACHE_KWARG: cache}
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=9, do_sample=False, pad_token_id=0, return_dict_in_generate=True, **kwargs)
+        out = model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=9,
+            do_sample=False,
+            pad_token_id=0,
+            return_dict_in_generate=True,
+            **kwargs,
+        )
     cache = out.past_key_values if cache is None else cache
     assert all(layer.capacity_rows() == ids.shape[1] + 9 for layer in cache.layers)
 
@@ -143,7 +160,11 @@ def test_decode_layers_compile_once_for_every_step(mode, policy):
             try:
                 for _ in range(12):
                     step_mask = torch.cat([step_mask, step_mask.new_ones(2, 1)], dim=1)
-                    token = model(input_ids=token, attention_mask=step_mask, **{CACHE_KWARG: cache}).logits[:, -1:].argmax(-1)
+                    token = (
+                        model(input_ids=token, attention_mask=step_mask, **{CACHE_KWARG: cache})
+                        .logits[:, -1:]
+                        .argmax(-1)
+                    )
                     steps.append(token)
             finally:
                 model.model.decode_layers = original

@@ -17,7 +17,7 @@ from tests.helpers import tiny_model
 
 POLICIES = ("infllmv2", "nosa")
 MODES = ("resident", "sparse-offload", "forecast-offload")
-DOC = 45               # 5 full blocks of 8 and a partial tail of 5: the tail is copied, the rest shared
+DOC = 45  # 5 full blocks of 8 and a partial tail of 5: the tail is copied, the rest shared
 QUESTIONS = (3, 7, 12, 5)
 NEW_TOKENS = 8
 
@@ -42,8 +42,14 @@ def texts(seed: int = 5):
 
 def generate(model, ids, cache, mask=None):
     with torch.no_grad():
-        return model.generate(ids, attention_mask=mask if mask is not None else torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                              do_sample=False, pad_token_id=0, **{CACHE_KWARG: cache})[:, ids.shape[1]:]
+        return model.generate(
+            ids,
+            attention_mask=mask if mask is not None else torch.ones_like(ids),
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            pad_token_id=0,
+            **{CACHE_KWARG: cache},
+        )[:, ids.shape[1] :]
 
 
 def prefilled(model, mode, doc):
@@ -55,7 +61,10 @@ def prefilled(model, mode, doc):
 
 def independent(model, mode, doc, questions):
     """Each question's answer from its own cache and one prefill of document + question."""
-    return [generate(model, torch.cat([doc, q], 1), SparseCache(model.config, selector=reference_selector(mode))) for q in questions]
+    return [
+        generate(model, torch.cat([doc, q], 1), SparseCache(model.config, selector=reference_selector(mode)))
+        for q in questions
+    ]
 
 
 @pytest.fixture(scope="module", params=POLICIES)
@@ -88,7 +97,7 @@ def test_questions_as_one_batch_over_the_shared_prefix(setup, mode):
     mask = torch.zeros_like(ids)
     ids[:, :DOC], mask[:, :DOC] = doc, 1
     for row, q in enumerate(questions):
-        ids[row, DOC + width - q.shape[1]:], mask[row, DOC + width - q.shape[1]:] = q, 1
+        ids[row, DOC + width - q.shape[1] :], mask[row, DOC + width - q.shape[1] :] = q, 1
     batch = cache.fork_batch(len(questions))
     assert torch.equal(generate(model, ids, batch, mask), torch.cat(expected[mode]))
     assert cache.sequence_lengths().tolist() == [DOC] and cache.get_seq_length() == DOC  # the source is unchanged
@@ -110,7 +119,9 @@ def assert_batch_shares_full_blocks(source, batch, n):
             table = mine.host.sequence_blocks(b)
             assert table[:full] == shared
             private.update(table[full:])
-        assert all(mine.host.pool.refs[block] == 1 for block in private if block >= 0) and not private & set(layer.host.sequence_blocks(0))
+        assert all(mine.host.pool.refs[block] == 1 for block in private if block >= 0) and not private & set(
+            layer.host.sequence_blocks(0)
+        )
 
 
 def model_block(cache) -> int:
@@ -158,7 +169,9 @@ def test_crop_into_a_shared_block_copies_it(setup, mode):
     fork.crop(20)
     other = questions[2]
     got = generate(model, torch.cat([doc[:, :20], other], 1), fork)
-    fresh = generate(model, torch.cat([doc[:, :20], other], 1), SparseCache(model.config, selector=reference_selector(mode)))
+    fresh = generate(
+        model, torch.cat([doc[:, :20], other], 1), SparseCache(model.config, selector=reference_selector(mode))
+    )
     assert torch.equal(got, fresh)
     assert torch.equal(generate(model, torch.cat([doc, questions[0]], 1), source), expected[mode][0])
 
@@ -177,11 +190,11 @@ def test_fork_arguments_and_pool_accounting():
     after = cache.host_blocks()
     layers = sum(layer.offloaded for layer in cache.layers)
     full = DOC // model_block(cache)
-    assert after["shared"] == layers * full                   # the document's full blocks, now held 4 times
+    assert after["shared"] == layers * full  # the document's full blocks, now held 4 times
     # the batch holds the shared blocks once each and a copied tail per sequence
     assert batch.host_blocks()["held"] == layers * (full + 3) and batch.host_nbytes() == cache.host_nbytes()
     del batch
-    assert cache.host_blocks()["shared"] == 0                 # the batch's holds end with it
+    assert cache.host_blocks()["shared"] == 0  # the batch's holds end with it
     assert cache.host_blocks()["free"] == after["free"] + layers * 3
 
 
@@ -205,7 +218,8 @@ def test_attach_holds_another_owners_blocks(setup, mode):
     for layer, mine in zip(owner.layers, cache.layers):
         if layer.offloaded:
             assert mine.host.sequence_blocks(0, DOC)[:full] == layer.host.sequence_blocks(0, DOC)[:full]
-            assert mine.host.sequence_blocks(0, DOC)[full] != layer.host.sequence_blocks(0, DOC)[full]  # the partial tail: a copy
+            # the partial tail: a copy
+            assert mine.host.sequence_blocks(0, DOC)[full] != layer.host.sequence_blocks(0, DOC)[full]
     assert torch.equal(generate(model, torch.cat([doc, questions[0]], 1), cache), expected[mode][0])
     assert torch.equal(generate(model, torch.cat([doc, questions[1]], 1), owner), expected[mode][1])
     with pytest.raises(ValueError, match="attach\\(\\) fills an empty layer"):

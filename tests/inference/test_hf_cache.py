@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from forecastkv.inference import OffloadedSparseCache
-from forecastkv.modeling.generation import GENERATION_KEY, load_generation_config, set_default_cache
 from forecastkv.modeling.cache import SparseCache
+from forecastkv.modeling.generation import GENERATION_KEY, load_generation_config, set_default_cache
 from forecastkv.modeling.modeling import CACHE_KWARG
 from tests.helpers import tiny_model
 
@@ -77,7 +77,8 @@ def test_generation_config_json_round_trip(tmp_path, built):
     model.save_pretrained(tmp_path)
     saved = json.loads((tmp_path / "generation_config.json").read_text())
     assert saved[GENERATION_KEY] == "forecast-offload" and saved.get("cache_implementation") is None
-    assert getattr(GenerationConfig.from_pretrained(tmp_path), GENERATION_KEY) == "forecast-offload"  # plain transformers keeps it
+    # plain transformers keeps it
+    assert getattr(GenerationConfig.from_pretrained(tmp_path), GENERATION_KEY) == "forecast-offload"
 
     loaded = type(model).from_pretrained(tmp_path)  # reads the saved mode itself
     _generate(loaded, _ids())
@@ -111,7 +112,16 @@ def test_pipeline_on_a_converted_checkpoint_moves_only_selected_blocks(bundled_p
     from forecastkv import ForecastKVForCausalLM, bundled_texts
     from forecastkv.modeling.checkpoints import copy_tokenizer_files
 
-    sparse = {"kernel_size": 32, "kernel_stride": 16, "block_size": 64, "init_blocks": 1, "window_size": 128, "topk": 4, "dense_len": 0, "selector": "forecast"}
+    sparse = {
+        "kernel_size": 32,
+        "kernel_stride": 16,
+        "block_size": 64,
+        "init_blocks": 1,
+        "window_size": 128,
+        "topk": 4,
+        "dense_len": 0,
+        "selector": "forecast",
+    }
     model = ForecastKVForCausalLM.from_pretrained(bundled_path, sparse_config=sparse, forecast={"init": "next_query"})
     model.save_pretrained(tmp_path)
     copy_tokenizer_files(bundled_path, tmp_path)
@@ -127,10 +137,13 @@ def test_pipeline_on_a_converted_checkpoint_moves_only_selected_blocks(bundled_p
     blocks = -(-(prompt_tokens + 8) // 64)
     budget = model.config.sparse.budget_blocks
     assert budget < blocks
-    print(f"pipeline, forecast-offload: {prompt_tokens}-token prompt, {stats['decode_steps']} decode steps, "
-          f"H2D per step {stats['h2d_bytes_per_step']}, hit rate {stats['hit_rate']:.3f}, "
-          f"blocks wanted / fetched per layer {stats['blocks_wanted_per_layer'][:4]} / {stats['blocks_fetched_per_layer'][:4]}, "
-          f"device {cache.device_nbytes()} B, host {cache.host_nbytes()} B")
+    print(
+        f"pipeline, forecast-offload: {prompt_tokens}-token prompt, {stats['decode_steps']} decode steps, "
+        f"H2D per step {stats['h2d_bytes_per_step']}, hit rate {stats['hit_rate']:.3f}, "
+        f"blocks wanted / fetched per layer {stats['blocks_wanted_per_layer'][:4]} / "
+        f"{stats['blocks_fetched_per_layer'][:4]}, "
+        f"device {cache.device_nbytes()} B, host {cache.host_nbytes()} B"
+    )
     assert stats["decode_steps"] == 7
     # only the selected blocks: every offloaded layer asks for at most its budget per KV head and
     # step, fetches only what its slots miss, and a step moves far less than the layers' KV
@@ -140,4 +153,7 @@ def test_pipeline_on_a_converted_checkpoint_moves_only_selected_blocks(bundled_p
     assert max(stats["h2d_bytes_per_step"][1:]) < 0.1 * cache.host_nbytes()
 
     resident = pipeline("text-generation", model=str(tmp_path))
-    assert resident(prompt, max_new_tokens=8, do_sample=False, return_full_text=False)[0]["generated_text"] == text and len(built) == 1
+    assert (
+        resident(prompt, max_new_tokens=8, do_sample=False, return_full_text=False)[0]["generated_text"] == text
+        and len(built) == 1
+    )

@@ -21,7 +21,9 @@ BLOCK = 4  # GROWTH_CHUNK and the max_lengths below are not all multiples: parti
 def store(dtype=torch.float32, with_cis=True, cis_dtype=torch.float32, max_length=None, rows=16, block=BLOCK):
     """A CPU store with room for `rows` positions (capacity: a GROWTH_CHUNK multiple, or max_length),
     every buffer element NaN."""
-    s = HostKVStore(BATCH, HEADS, DIM, dtype, with_cis, cis_dtype if with_cis else None, max_length, pin=False, block_size=block)
+    s = HostKVStore(
+        BATCH, HEADS, DIM, dtype, with_cis, cis_dtype if with_cis else None, max_length, pin=False, block_size=block
+    )
     s.ensure(rows)
     for t in s.tensors():
         t.fill_(NAN)
@@ -72,7 +74,11 @@ def test_write_converts_to_the_store_dtype():
     change); bytes moved count the inputs."""
     s = store(dtype=torch.bfloat16, cis_dtype=torch.float32)
     gen = torch.Generator().manual_seed(1)
-    keys, values, cis = torch.randn(2, HEADS, DIM, generator=gen), torch.randn(2, HEADS, DIM, generator=gen), torch.randn(2, HEADS, generator=gen)
+    keys, values, cis = (
+        torch.randn(2, HEADS, DIM, generator=gen),
+        torch.randn(2, HEADS, DIM, generator=gen),
+        torch.randn(2, HEADS, generator=gen),
+    )
     moved = s.write(torch.tensor([1, 0]), torch.tensor([4, 9]), keys, values, cis)
     assert moved == 2 * 2 * HEADS * DIM * 4 + 2 * HEADS * 4
     assert s.keys.dtype == torch.bfloat16 and s.cis.dtype == torch.float32
@@ -100,7 +106,9 @@ def test_device_rows_are_copies_with_rows_past_each_length_zeroed():
     """The H2D staging: copies (not views) of the first positions; host rows past a sequence's
     length (here NaN: the store is allocated uninitialised) arrive as zeros, also in extra rows."""
     s = store()
-    s.write_span(0, torch.ones(BATCH, 3, HEADS, DIM), torch.full((BATCH, 3, HEADS, DIM), 2.0), torch.full((BATCH, 3, HEADS), 3.0))
+    s.write_span(
+        0, torch.ones(BATCH, 3, HEADS, DIM), torch.full((BATCH, 3, HEADS, DIM), 2.0), torch.full((BATCH, 3, HEADS), 3.0)
+    )
     lengths = torch.tensor([3, 1, 0])
     keys, values, cis = s.device_rows(3, lengths, torch.device("cpu"), rows=5)
     assert keys.shape == values.shape == (BATCH, 5, HEADS, DIM) and cis.shape == (BATCH, 5, HEADS)
@@ -158,11 +166,14 @@ def test_pinned_bytes_are_exactly_what_is_allocated_and_freed_with_the_store(mon
     assert sorted(fake.unregistered) == sorted(fake.registered)
 
 
-@pytest.mark.parametrize("dtype, with_cis, cis_dtype, row", [
-    (torch.float32, True, torch.float32, HEADS * DIM * 2 * 4 + HEADS * 4),
-    (torch.bfloat16, True, torch.float32, HEADS * DIM * 2 * 2 + HEADS * 4),
-    (torch.float16, False, None, HEADS * DIM * 2 * 2),
-])
+@pytest.mark.parametrize(
+    "dtype, with_cis, cis_dtype, row",
+    [
+        (torch.float32, True, torch.float32, HEADS * DIM * 2 * 4 + HEADS * 4),
+        (torch.bfloat16, True, torch.float32, HEADS * DIM * 2 * 2 + HEADS * 4),
+        (torch.float16, False, None, HEADS * DIM * 2 * 2),
+    ],
+)
 def test_row_bytes_and_nbytes(dtype, with_cis, cis_dtype, row):
     s = HostKVStore(BATCH, HEADS, DIM, dtype, with_cis, cis_dtype, None, pin=False, block_size=BLOCK)
     assert s.row_bytes() == row
@@ -176,18 +187,24 @@ def test_ensure_grows_in_chunks_and_keeps_what_was_stored():
     s = store(rows=5)
     assert s.capacity == GROWTH_CHUNK
     gen = torch.Generator().manual_seed(4)
-    keys, values, cis = torch.randn(BATCH, 6, HEADS, DIM, generator=gen), torch.randn(BATCH, 6, HEADS, DIM, generator=gen), torch.randn(BATCH, 6, HEADS, generator=gen)
-    s.write_span(GROWTH_CHUNK - 3, keys[:, :3], values[:, :3], cis[:, :3])     # the old buffer's last rows
+    keys, values, cis = (
+        torch.randn(BATCH, 6, HEADS, DIM, generator=gen),
+        torch.randn(BATCH, 6, HEADS, DIM, generator=gen),
+        torch.randn(BATCH, 6, HEADS, generator=gen),
+    )
+    s.write_span(GROWTH_CHUNK - 3, keys[:, :3], values[:, :3], cis[:, :3])  # the old buffer's last rows
     before = [t.clone() for t in (K(s), V(s), C(s))]
-    s.ensure(GROWTH_CHUNK)                                                   # fits: nothing moves
+    s.ensure(GROWTH_CHUNK)  # fits: nothing moves
     assert s.capacity == GROWTH_CHUNK and all(equal_nan(t, b) for t, b in zip((K(s), V(s), C(s)), before))
     s.ensure(GROWTH_CHUNK + 1)
     assert s.capacity == 2 * GROWTH_CHUNK
     assert K(s).shape == (BATCH, 2 * GROWTH_CHUNK, HEADS, DIM) and C(s).shape == (BATCH, 2 * GROWTH_CHUNK, HEADS)
     for t, b in zip((K(s), V(s), C(s)), before):
-        assert equal_nan(t[:, :GROWTH_CHUNK], b)                             # NaN where nothing was written, too
-    s.write_span(GROWTH_CHUNK, keys[:, 3:], values[:, 3:], cis[:, 3:])       # the span across the old end
-    assert torch.equal(K(s)[:, GROWTH_CHUNK - 3 : GROWTH_CHUNK + 3], keys) and torch.equal(C(s)[:, GROWTH_CHUNK - 3 : GROWTH_CHUNK + 3], cis)
+        assert equal_nan(t[:, :GROWTH_CHUNK], b)  # NaN where nothing was written, too
+    s.write_span(GROWTH_CHUNK, keys[:, 3:], values[:, 3:], cis[:, 3:])  # the span across the old end
+    assert torch.equal(K(s)[:, GROWTH_CHUNK - 3 : GROWTH_CHUNK + 3], keys) and torch.equal(
+        C(s)[:, GROWTH_CHUNK - 3 : GROWTH_CHUNK + 3], cis
+    )
     s.ensure(3 * GROWTH_CHUNK - 7)
     assert s.capacity == 3 * GROWTH_CHUNK and torch.equal(V(s)[:, GROWTH_CHUNK - 3 : GROWTH_CHUNK + 3], values)
 
@@ -236,7 +253,10 @@ def test_pool_counts_holders_and_reuses_freed_blocks():
 
 def test_a_store_refuses_a_pool_of_another_geometry():
     pool = HostBlockPool(8, HEADS, DIM, torch.float32, True, torch.float32, pin=False)
-    with pytest.raises(ValueError, match=r"another geometry \(block_size: pool 8 vs layer 4; dtype: pool torch.float32 vs layer torch.bfloat16\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"another geometry \(block_size: pool 8 vs layer 4; dtype: pool torch.float32 vs layer torch.bfloat16\)",
+    ):
         HostKVStore(BATCH, HEADS, DIM, torch.bfloat16, True, torch.float32, None, False, block_size=4, pool=pool)
 
 
@@ -248,7 +268,13 @@ def filled(lengths, rows=12):
         t.fill_(NAN)
     gen = torch.Generator().manual_seed(7)
     for b, n in enumerate(lengths):
-        s.write(torch.full((n,), b), torch.arange(n), torch.randn(n, HEADS, DIM, generator=gen), torch.randn(n, HEADS, DIM, generator=gen), torch.randn(n, HEADS, generator=gen))
+        s.write(
+            torch.full((n,), b),
+            torch.arange(n),
+            torch.randn(n, HEADS, DIM, generator=gen),
+            torch.randn(n, HEADS, DIM, generator=gen),
+            torch.randn(n, HEADS, generator=gen),
+        )
     return s
 
 
@@ -264,7 +290,8 @@ def test_fork_shares_full_blocks_and_copies_the_tail():
         assert fork.sequence_blocks(2 + j, 8) == s.sequence_blocks(1, 8)
     assert [s.pool.refcount(b) for b in src[:2]] == [3, 3] and s.pool.refcount(src[2]) == 1
     fork.ensure(12)  # blocks past each tail are assigned now, private
-    assert len(fork.distinct_blocks() - s.distinct_blocks()) == 2 + 2  # the two copied tails, the 8-row sequences' third blocks
+    # the two copied tails, the 8-row sequences' third blocks
+    assert len(fork.distinct_blocks() - s.distinct_blocks()) == 2 + 2
     before = (K(s).clone(), V(s).clone(), C(s).clone())
     lengths = torch.tensor([10, 10, 8, 8])
     keys, _, cis = fork.device_rows(10, lengths, torch.device("cpu"))
@@ -274,7 +301,11 @@ def test_fork_shares_full_blocks_and_copies_the_tail():
     new = torch.randn(4, HEADS, DIM)
     forked_before = K(fork).clone()
     fork.write_rows(torch.tensor([10, -1, 8, 11]), new, new + 1, new[..., 0])
-    assert torch.equal(K(fork)[0, 10], new[0]) and torch.equal(K(fork)[2, 8], new[2]) and torch.equal(V(fork)[3, 11], new[3] + 1)
+    assert (
+        torch.equal(K(fork)[0, 10], new[0])
+        and torch.equal(K(fork)[2, 8], new[2])
+        and torch.equal(V(fork)[3, 11], new[3] + 1)
+    )
     assert equal_nan(K(fork)[1], forked_before[1])  # the other fork of sequence 0 did not see the write
     assert all(equal_nan(a, b) for a, b in zip((K(s), V(s), C(s)), before))
 

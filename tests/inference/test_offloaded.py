@@ -27,8 +27,14 @@ def modes_for(selector: str) -> list[str]:
 def generate(model, ids, mask, cache, new_tokens=10):
     with torch.no_grad():
         return model.generate(
-            ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
-            output_logits=True, return_dict_in_generate=True, **{CACHE_KWARG: cache},
+            ids,
+            attention_mask=mask,
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+            output_logits=True,
+            return_dict_in_generate=True,
+            **{CACHE_KWARG: cache},
         )
 
 
@@ -52,17 +58,26 @@ def assert_parity(model, ids, mask, modes, new_tokens=10, reference_selector=Non
 # The grid in the backends without the interpreter's per-token cost; with every decode kernel in
 # Triton (about a minute a case in the interpreter) the two cases that differ most: the query
 # selector alone, and NOSA's bias with the forecast selector over a left-padded batch.
-EVERY_MODE_GRID = [pytest.param(policy, selector, batch, backend, marks=marks)
-                   for policy, selector in itertools.product(POLICIES, SELECTORS) for batch in ("single", "left-padded")
-                   for backend, marks in (("auto", ()), ("kernels-reference", ()), ("kernels-triton", RUNTIME_BACKENDS_SLOW_TRITON[-1].marks))
-                   if backend != "kernels-triton" or (policy, selector, batch) in {("infllmv2", "query", "single"), ("nosa", "forecast", "left-padded")}]
+EVERY_MODE_GRID = [
+    pytest.param(policy, selector, batch, backend, marks=marks)
+    for policy, selector in itertools.product(POLICIES, SELECTORS)
+    for batch in ("single", "left-padded")
+    for backend, marks in (
+        ("auto", ()),
+        ("kernels-reference", ()),
+        ("kernels-triton", RUNTIME_BACKENDS_SLOW_TRITON[-1].marks),
+    )
+    if backend != "kernels-triton"
+    or (policy, selector, batch) in {("infllmv2", "query", "single"), ("nosa", "forecast", "left-padded")}
+]
 
 
 @pytest.mark.parametrize("policy,selector,batch,runtime_backend", EVERY_MODE_GRID, indirect=["runtime_backend"])
 def test_every_mode_matches_sparse_cache_tiny(policy, selector, batch, runtime_backend, one_thread):
     model = tiny_model({"policy": policy, "selector": selector}, seed=3)
     ids, mask = left_padded([45] if batch == "single" else [45, 26, 37])
-    modes = modes_for(selector) if batch == "left-padded" else modes_for(selector)[2:]  # batch 1: the selector's own modes
+    # batch 1: the selector's own modes
+    modes = modes_for(selector) if batch == "left-padded" else modes_for(selector)[2:]
     caches = assert_parity(model, ids, mask, modes, new_tokens=9)
     moved = caches[modes_for(selector)[-1]].stats()
     assert moved["decode_steps"] == 8 and moved["h2d_bytes_per_step_mean"] > 0  # blocks really moved
@@ -97,7 +112,9 @@ def test_minicpm_format_coarse_lse_and_dense_len(tmp_path, runtime_backend, one_
     heads["model.layers.0.self_attn.q_curr_proj.weight"] = torch.randn(2 * 16, 96)
     directory, _ = minicpm_dir(tmp_path, {**DENSE_MINICPM, "dense_len": 48}, heads)
     for selector in SELECTORS:
-        model = ForecastKVForCausalLM.from_pretrained(directory, sparse_config={**DENSE_MINICPM, "dense_len": 48, "lse": "coarse", "selector": selector})
+        model = ForecastKVForCausalLM.from_pretrained(
+            directory, sparse_config={**DENSE_MINICPM, "dense_len": 48, "lse": "coarse", "selector": selector}
+        )
         assert model.config.sparse.lse == "coarse"
         ids, mask = left_padded([40, 29])  # crosses dense_len while decoding
         assert_parity(model, ids, mask, modes_for(selector), new_tokens=14)
@@ -112,10 +129,25 @@ def test_bundled_smollm2_offloaded_matches_sparse_cache(bundled_path):
     from forecastkv import ForecastKVForCausalLM, bundled_texts
 
     tokenizer = AutoTokenizer.from_pretrained(bundled_path)
-    sparse = {"policy": "infllmv2", "selector": "forecast", "block_size": 16, "kernel_size": 8, "kernel_stride": 4, "window_size": 16, "topk": 4, "init_blocks": 1, "dense_len": 0, "query_blocks": 2}
-    model = ForecastKVForCausalLM.from_pretrained(bundled_path, sparse_config=sparse, forecast={"init": "next_query", "heads_per_group": 1})
+    sparse = {
+        "policy": "infllmv2",
+        "selector": "forecast",
+        "block_size": 16,
+        "kernel_size": 8,
+        "kernel_stride": 4,
+        "window_size": 16,
+        "topk": 4,
+        "init_blocks": 1,
+        "dense_len": 0,
+        "query_blocks": 2,
+    }
+    model = ForecastKVForCausalLM.from_pretrained(
+        bundled_path, sparse_config=sparse, forecast={"init": "next_query", "heads_per_group": 1}
+    )
     text = bundled_texts("heldout")[0]
-    rows = [tokenizer(part, return_tensors="pt").input_ids[0][:n] for part, n in ((text[:1200], 72), (text[2000:3200], 57))]
+    rows = [
+        tokenizer(part, return_tensors="pt").input_ids[0][:n] for part, n in ((text[:1200], 72), (text[2000:3200], 57))
+    ]
     width = max(len(r) for r in rows)
     ids = torch.zeros(len(rows), width, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -139,11 +171,23 @@ def test_device_bytes_are_o_budget():
         # the device-role tensors, summed here from their shapes
         d, heads, rows = config.head_dim, config.num_key_value_heads, (sparse.budget_blocks + 1) * sparse.block_size
         ring = sparse.kernel_size  # the ring of the latest rows: the widest window (exact LSE)
-        per_layer = 2 * 2 * rows * heads * d * 4 + 2 * rows * heads * 4 + 2 * heads * sparse.budget_blocks * 8 + 2 * ring * heads * (d + 1) * 4
+        per_layer = (
+            2 * 2 * rows * heads * d * 4
+            + 2 * rows * heads * 4
+            + 2 * heads * sparse.budget_blocks * 8
+            + 2 * ring * heads * (d + 1) * 4
+        )
         own_sum = 0
         for layer in cache.layers:
-            assert layer.k_slots.shape == (2, rows, heads, d) and layer.k_ring.shape == (2, ring, heads, d) and layer.staged is None
-            own_sum += sum(t.numel() * t.element_size() for t in (layer.k_slots, layer.v_slots, layer.bias_slots, layer.block_map, layer.k_ring, layer.cis_ring))
+            assert (
+                layer.k_slots.shape == (2, rows, heads, d)
+                and layer.k_ring.shape == (2, ring, heads, d)
+                and layer.staged is None
+            )
+            own_sum += sum(
+                t.numel() * t.element_size()
+                for t in (layer.k_slots, layer.v_slots, layer.bias_slots, layer.block_map, layer.k_ring, layer.cis_ring)
+            )
         assert own_sum == per_layer * config.num_hidden_layers == cache.device_nbytes()
         assert cache.host_nbytes() >= 2 * length * heads * d * 2 * 4 * config.num_hidden_layers
         measured.append(cache.device_nbytes())
@@ -177,7 +221,9 @@ def replay_slot_cache(records, slots: int):
             wanted = sorted({int(j) for j in selection[b, h] if 0 <= int(j) < int(complete[b])})
             hit = [j for j in wanted if j in resident]
             miss = [j for j in wanted if j not in resident]
-            free = [m for m in range(slots) if resident[m] is None] + [m for m in range(slots) if resident[m] is not None and resident[m] not in wanted]
+            free = [m for m in range(slots) if resident[m] is None] + [
+                m for m in range(slots) if resident[m] is not None and resident[m] not in wanted
+            ]
             for block, slot in zip(miss, free):
                 resident[slot] = block
             wanted_n, hits_n, misses_n = wanted_n + len(wanted), hits_n + len(hit), misses_n + len(miss)
@@ -201,7 +247,9 @@ def test_counters_equal_a_set_based_replay(mode):
         assert layer.log.table().tolist() == [list(row) for row in expected]
         misses = sum(row[2] for row in expected)
         assert stats["blocks_fetched_per_layer"][idx] == misses
-        assert stats["hit_rate_per_layer"][idx] == pytest.approx(sum(r[1] for r in expected) / sum(r[0] for r in expected))
+        assert stats["hit_rate_per_layer"][idx] == pytest.approx(
+            sum(r[1] for r in expected) / sum(r[0] for r in expected)
+        )
         block_bytes = layer.block_size * model.config.head_dim * 2 * 4
         for step, row in enumerate(expected):
             per_step[step] += row[2] * block_bytes
@@ -232,5 +280,7 @@ def test_bad_input_is_rejected_clearly():
         generate(model, ids, mask, OffloadedSparseCache.for_model(other), new_tokens=2)
     query_only = tiny_model({"policy": "infllmv2"}, seed=1)
     query_only.config.forecast = {"enabled": False}
-    with pytest.raises(ValueError, match="mode 'forecast-offload' selects with Forecast heads, but this model has none"):
+    with pytest.raises(
+        ValueError, match="mode 'forecast-offload' selects with Forecast heads, but this model has none"
+    ):
         OffloadedSparseCache.for_model(query_only, mode="forecast-offload")

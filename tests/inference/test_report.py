@@ -11,7 +11,9 @@ from tests.helpers import left_padded, rel, tiny_model
 def test_cli_offload_option_lists_the_runtime_modes():
     for mode in MODES:
         assert build_parser().parse_args(["generate", "--prompt", "x", "--offload", mode]).offload == mode
-    args = build_parser().parse_args(["generate", "--prompt", "x", "--offload", "forecast-offload", "--stats", "--forecast-init", "next_query"])
+    args = build_parser().parse_args(
+        ["generate", "--prompt", "x", "--offload", "forecast-offload", "--stats", "--forecast-init", "next_query"]
+    )
     assert args.offload == "forecast-offload" and args.stats and args.forecast_init == "next_query"
 
 
@@ -22,7 +24,9 @@ def test_summary_reports_bytes_and_hit_rates():
     stats = cache.stats()
     text = format_stats(stats)
     assert new_ids.shape == (1, 5) and stats["decode_steps"] == 4
-    assert f"mode forecast-sync: 4 decode steps, H2D {stats['h2d_bytes_per_step_mean'] / 2**20:.2f} MiB per step" in text
+    assert (
+        f"mode forecast-sync: 4 decode steps, H2D {stats['h2d_bytes_per_step_mean'] / 2**20:.2f} MiB per step" in text
+    )
     assert "per layer: 1.00 " in text  # layer 0 is resident: every block a hit
 
 
@@ -48,6 +52,6 @@ def test_copied_prefill_decodes_like_generate():
         cache = OffloadedSparseCache.for_model(model, mode=mode)
         copy_into(prefilled, cache)
         tokens, logits, _ = greedy_steps(model, cache, first, 4)
-        assert torch.equal(torch.cat([first, tokens], 1), ref.sequences[:, ids.shape[1]:])
+        assert torch.equal(torch.cat([first, tokens], 1), ref.sequences[:, ids.shape[1] :])
         assert rel(logits, torch.stack(ref.logits[1:], 1)) < 1e-5
         assert cache.stats()["h2d_bytes_per_step"] == ref_cache.stats()["h2d_bytes_per_step"]

@@ -22,7 +22,8 @@ GEOMETRIES = {
     64: (dict(block_size=64, kernel_size=16, kernel_stride=8, window_size=64), [1, 2, 15, 16, 17, 63, 64, 65]),
     16: (dict(block_size=16, kernel_size=8, kernel_stride=4, window_size=16), list(range(1, 18))),
 }
-NEW_TOKENS = 4  # decode steps at positions n .. n+2: across a block boundary from prompts of 15/16 (block 16) and 63/64 (block 64)
+# decode steps at positions n .. n+2: across a block boundary from prompts of 15/16 (block 16) and 63/64 (block 64)
+NEW_TOKENS = 4
 POLICIES = ("infllmv2", "nosa")
 
 
@@ -52,7 +53,10 @@ def check(model, ids, mask, modes, ref, label):
 def models(block: int, policy: str):
     """One tiny model per selector: the query selector's modes and the forecast selector's."""
     geometry = GEOMETRIES[block][0]
-    return {selector: tiny_model({"policy": policy, "selector": selector, **geometry}, seed=21) for selector in ("query", "forecast")}
+    return {
+        selector: tiny_model({"policy": policy, "selector": selector, **geometry}, seed=21)
+        for selector in ("query", "forecast")
+    }
 
 
 def left_padded_batch(block, policy, lengths=None, selectors=("query", "forecast"), modes=None):
@@ -138,6 +142,8 @@ def test_issue_case_kernel_references_without_interpreter():
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(FORECASTKV_BACKEND="decode=kernels", PYTHONPATH=os.pathsep.join([root, env.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-c", ISSUE_CASE], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", ISSUE_CASE], cwd=root, env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert proc.stdout.startswith("ok")

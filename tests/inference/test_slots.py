@@ -16,7 +16,9 @@ def reference_row(block_map: list[int], wanted: list[int]):
     """One row, written from the rule: returns (new_map, load_ids, slot_of, hits, misses) as lists/ints."""
     slot_of_block = {block: slot for slot, block in enumerate(block_map) if block >= 0}
     kept = {slot_of_block[w] for w in wanted if w >= 0 and w in slot_of_block}
-    free = [s for s, b in enumerate(block_map) if b < 0] + [s for s, b in enumerate(block_map) if b >= 0 and s not in kept]
+    free = [s for s, b in enumerate(block_map) if b < 0] + [
+        s for s, b in enumerate(block_map) if b >= 0 and s not in kept
+    ]
     new_map, load_ids, slot_of = list(block_map), [-1] * len(block_map), [-1] * len(wanted)
     hits = misses = 0
     for k, block in enumerate(wanted):
@@ -33,7 +35,10 @@ def reference_row(block_map: list[int], wanted: list[int]):
 
 def reference(block_map: torch.Tensor, wanted: torch.Tensor):
     """`reference_row` over every (b, h) row, stacked like `diff_block_map`'s outputs."""
-    rows = [[reference_row(block_map[b, h].tolist(), wanted[b, h].tolist()) for h in range(block_map.shape[1])] for b in range(block_map.shape[0])]
+    rows = [
+        [reference_row(block_map[b, h].tolist(), wanted[b, h].tolist()) for h in range(block_map.shape[1])]
+        for b in range(block_map.shape[0])
+    ]
     return tuple(torch.tensor([[row[i] for row in per_b] for per_b in rows], dtype=torch.long) for i in range(5))
 
 
@@ -94,7 +99,7 @@ def test_random_steps_match_the_reference(slots, take):
                 for place, block in zip(places, blocks):
                     wanted[b, h, place] = block
         new_map, _, slot_of, _, _ = assert_matches_reference(block_map, wanted)
-        for b in range(batch):      # blocks mapped but not wanted last step (stale), wanted again now
+        for b in range(batch):  # blocks mapped but not wanted last step (stale), wanted again now
             for h in range(heads):
                 stale = set(block_map[b, h].tolist()) - set(previous[b, h].tolist()) - {-1}
                 again = [k for k, w in enumerate(wanted[b, h].tolist()) if w in stale]

@@ -21,7 +21,14 @@ from forecastkv.inference.offloaded import MODE_SELECTOR, MODES
 from forecastkv.modeling.modeling import CACHE_KWARG
 from forecastkv.modeling.selection import num_compressed
 from tests.helpers import left_padded, tiny_model
-from tests.strict_device import HostTensorTouched, StrictHostTensor, count_host_reads, host_transfer, is_host, strict_host
+from tests.strict_device import (
+    HostTensorTouched,
+    StrictHostTensor,
+    count_host_reads,
+    host_transfer,
+    is_host,
+    strict_host,
+)
 
 POLICIES = ("infllmv2", "nosa")
 
@@ -84,10 +91,10 @@ def test_counter_counts_the_d2h_write_back_apart():
         host = new_host()
         device = torch.randn(2, 6, 3)
         with host_transfer():
-            host[:, :2].copy_(device[:, :2])                           # the span write-back
+            host[:, :2].copy_(device[:, :2])  # the span write-back
             host[torch.tensor([0, 1]), torch.tensor([3, 4])] = device[0, :2]  # the row write-back
             staged = torch.empty(2, 6, 3)
-            staged.copy_(host)                                         # H2D: neither a read nor a write
+            staged.copy_(host)  # H2D: neither a read nor a write
     assert counter.reads == 0
     assert dict(counter.d2h_by_op) == {"aten.copy_": 1, "aten.index_put_": 1}, counter.report()
     assert is_host(host[:, 1:]) and not is_host(staged) and not is_host(device)
@@ -132,7 +139,11 @@ def test_strict_host_tensor_metadata_never_raises():
     assert host.shape == (2, 5, 3) and host.size(1) == 5 and host.dim() == 3 and host.numel() == 30
     assert host.element_size() == 2 and host.dtype == torch.float16 and host.device.type == "cpu"
     assert host.data_ptr() != 0 and host.stride() == (15, 3, 1) and host.is_contiguous() and not host.is_pinned()
-    assert "shape=(2, 5, 3)" in repr(host) and f"{host}" == str(host) == repr(host) and str(host.shape) == "torch.Size([2, 5, 3])"
+    assert (
+        "shape=(2, 5, 3)" in repr(host)
+        and f"{host}" == str(host) == repr(host)
+        and str(host.shape) == "torch.Size([2, 5, 3])"
+    )
     assert not in_host_transfer()
 
 
@@ -145,8 +156,8 @@ def test_strict_host_tensor_works_inside_a_transfer_function():
         assert isinstance(view, StrictHostTensor) and isinstance(view[0], StrictHostTensor)  # views stay host
         view.copy_(device[:, :2])
         host[torch.tensor([1]), torch.tensor([5])] = device[1, 5:]
-        rows = host[torch.tensor([0, 1]), torch.tensor([2, 5])]             # a gather: new memory
-        moved = host.to("cpu", non_blocking=True)                           # the H2D copy
+        rows = host[torch.tensor([0, 1]), torch.tensor([2, 5])]  # a gather: new memory
+        moved = host.to("cpu", non_blocking=True)  # the H2D copy
         staged = torch.zeros(2, 6, 3)
         staged[:, :4].copy_(host[:, :4])
         scratch = torch.empty(3)
@@ -193,17 +204,23 @@ def test_host_store_transfer_functions_run_strict():
     store.write(torch.tensor([1]), torch.tensor([3]), keys[1, :1], values[1, :1], cis[1, :1])
     with strict_host():
         store.ensure(store.capacity + 1)  # regrowth copies the old rows
-    assert isinstance(store.keys, StrictHostTensor) and store.nbytes() > 0 and store.row_bytes() == 2 * 2 * 4 * 4 + 2 * 4
+    assert (
+        isinstance(store.keys, StrictHostTensor) and store.nbytes() > 0 and store.row_bytes() == 2 * 2 * 4 * 4 + 2 * 4
+    )
     with pytest.raises(HostTensorTouched):
         store.keys[:, :3] + 0
     with host_transfer():
         stored_k, _, stored_cis = store.device_rows(4, torch.tensor([3, 4]), torch.device("cpu"))
-    assert torch.equal(stored_k[:, :3], keys) and torch.equal(stored_k[1, 3], keys[1, 0]) and torch.equal(stored_cis[1, 3], cis[1, 0])
+    assert (
+        torch.equal(stored_k[:, :3], keys)
+        and torch.equal(stored_k[1, 3], keys[1, 0])
+        and torch.equal(stored_cis[1, 3], cis[1, 0])
+    )
 
 
 # -- the offloaded cache under the harness --------------------------------------------------------
 
-PROMPT = 37   # prompt tokens; kernel 4 / stride 2 / blocks of 8 (tests/helpers.TINY_SPARSE)
+PROMPT = 37  # prompt tokens; kernel 4 / stride 2 / blocks of 8 (tests/helpers.TINY_SPARSE)
 NEW_TOKENS = 12
 
 
@@ -215,14 +232,19 @@ def reference_tokens(model, mode: str, ids, mask, new_tokens: int = NEW_TOKENS) 
     """What SparseCache (same selector, no harness) generates."""
     cache = SparseCache(model.config, selector=MODE_SELECTOR.get(mode))
     with torch.no_grad():
-        return model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0, **{CACHE_KWARG: cache})
+        return model.generate(
+            ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0, **{CACHE_KWARG: cache}
+        )
 
 
 def assert_windows_completed_while_decoding(model, cache, shortest_prompt: int) -> None:
     """At least two compression windows completed during decode, in every sequence."""
     kernel = (model.config.sparse.kernel_size, model.config.sparse.kernel_stride)
     shortest = int(cache.layers[-1].lengths.min())
-    assert num_compressed(shortest, *kernel) - num_compressed(shortest_prompt, *kernel) >= 2, (shortest_prompt, shortest)
+    assert num_compressed(shortest, *kernel) - num_compressed(shortest_prompt, *kernel) >= 2, (
+        shortest_prompt,
+        shortest,
+    )
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -256,7 +278,9 @@ def test_generate_runs_under_strict_host(mode, policy):
     expected = reference_tokens(model, mode, ids, mask)
     with strict_host(), torch.no_grad():
         cache = OffloadedSparseCache.for_model(model, mode=mode)
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0, **{CACHE_KWARG: cache})
+        out = model.generate(
+            ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0, **{CACHE_KWARG: cache}
+        )
     assert torch.equal(out, expected)
     assert_windows_completed_while_decoding(model, cache, PROMPT - 9)
 
@@ -286,8 +310,15 @@ def test_decode_step_has_no_host_reads(mode, monkeypatch):
 
 # -- the decode step at MiniCPM4.1's geometry: zero host reads, strict host store -----------------
 
-MINICPM_WIDTHS = dict(num_hidden_layers=32, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=1024, query_chunk_size=256)
+MINICPM_WIDTHS = dict(
+    num_hidden_layers=32,
+    hidden_size=32,
+    intermediate_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    query_chunk_size=256,
+)
 GEOMETRY = {"infllmv2": "minicpm4.1-8b", "nosa": "nosa-8b"}
 # Prompts of 254, 253, 252 tokens reach 256 at decode steps 2, 3, 4: a kernel window (32/16) and a
 # coarse one (128/64) complete in every sequence within the counted steps (2..5).
@@ -295,7 +326,11 @@ DECODE_STEPS = 5
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("lengths, dense_len", [([254], 0), ([254, 253, 252], 0), ([254, 253, 252], 256)], ids=["batch1", "padded3", "padded3-dense-to-sparse"])
+@pytest.mark.parametrize(
+    "lengths, dense_len",
+    [([254], 0), ([254, 253, 252], 0), ([254, 253, 252], 256)],
+    ids=["batch1", "padded3", "padded3-dense-to-sparse"],
+)
 @pytest.mark.parametrize("policy", POLICIES)
 def test_decode_steps_read_nothing_back_at_minicpm_geometry(policy, lengths, dense_len):
     """A 32-layer model with MiniCPM4.1's block geometry (NOSA-8B's for nosa; coarse LSE for
@@ -314,12 +349,14 @@ def test_decode_steps_read_nothing_back_at_minicpm_geometry(policy, lengths, den
     for mode in MODES:
         selector = MODE_SELECTOR.get(mode)
         if selector not in references:
-            references[selector] = reference_tokens(model, mode, ids, mask, DECODE_STEPS + 1)[:, ids.shape[1]:]
+            references[selector] = reference_tokens(model, mode, ids, mask, DECODE_STEPS + 1)[:, ids.shape[1] :]
         expected = references[selector]
         reads = []
         with kernels.use_backend("reference"), strict_host(), torch.no_grad():  # strict_host registers the host store
             cache = OffloadedSparseCache.for_model(model, mode=mode)
-            tokens = [model(input_ids=ids, attention_mask=mask, **{CACHE_KWARG: cache}).logits[:, -1].argmax(-1, keepdim=True)]
+            tokens = [
+                model(input_ids=ids, attention_mask=mask, **{CACHE_KWARG: cache}).logits[:, -1].argmax(-1, keepdim=True)
+            ]
             for step in range(DECODE_STEPS):
                 mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
                 # every step after the first is counted (the first may size buffers)
@@ -333,5 +370,10 @@ def test_decode_steps_read_nothing_back_at_minicpm_geometry(policy, lengths, den
         assert per_step == [0] * len(per_step), f"{mode}: host reads per decode step {per_step}\n{reads[-1].report()}"
         assert torch.equal(torch.cat(tokens, 1), expected), mode
     stored = cache.layers[-1].lengths.tolist()
-    for size, stride in (model.config.sparse.kernel_size, model.config.sparse.kernel_stride), model.config.sparse.coarse_kernel:
-        assert all(num_compressed(n, size, stride) > num_compressed(n - DECODE_STEPS + 1, size, stride) for n in stored), (size, stored)
+    for size, stride in (
+        (model.config.sparse.kernel_size, model.config.sparse.kernel_stride),
+        model.config.sparse.coarse_kernel,
+    ):
+        assert all(
+            num_compressed(n, size, stride) > num_compressed(n - DECODE_STEPS + 1, size, stride) for n in stored
+        ), (size, stored)
