@@ -67,8 +67,10 @@ def _h2d_per_step(cache, steps: int) -> float:
 
 
 @torch.no_grad()
-def evaluate_example(model, example, mode: Mode, codec, prefill_chunk: int = 1024, recall_start: int | None = None,
-                     bucket_tokens: int = 1024, recall: str = "all") -> dict:
+def evaluate_example(
+    model, example, mode: Mode, codec, prefill_chunk: int = 1024, recall_start: int | None = None,
+    bucket_tokens: int = 1024, recall: str = "all",
+) -> dict:
     """Score `example` with `model` already switched to `mode` (see `modes.attending_with`).
 
     recall: "all" (every sparse mode of a model with heads), "forecast" (forecast-selector modes only) or "none".
@@ -77,75 +79,115 @@ def evaluate_example(model, example, mode: Mode, codec, prefill_chunk: int = 102
     """
     device = next(model.parameters()).device
     ids = torch.tensor([example.input_ids], dtype=torch.long, device=device)
-    length = ids.shape[1]
-    sparse = model.config.sparse
-    collect = mode.sparse and model.config.forecast_config.enabled and (recall == "all" or (recall == "forecast" and mode.selector == "forecast"))
-    start_row = (default_recall_start(sparse) if recall_start is None else recall_start) if collect else None
-    counts = torch.zeros(model.config.num_hidden_layers, 3, dtype=torch.float64) if collect else None
-    perplexity = example.metric == "perplexity"
-    nll = torch.zeros(length - 1, dtype=torch.float64) if perplexity else None
+    wanted = recall == "all" or (recall == "forecast" and mode.selector == "forecast")
+    collect = mode.sparse and model.config.forecast_config.enabled and wanted
+    start_row = (default_recall_start(model.config.sparse) if recall_start is None else recall_start) if collect else None
     cache = make_cache(model, mode)
 
     began = time.perf_counter()
+    logits, counts, nll = _prefill(model, ids, cache, prefill_chunk, start_row, example.metric == "perplexity")
+    prefill_s = time.perf_counter() - began
+    began = time.perf_counter()
+    generated, step_bytes = _greedy_decode(model, logits, ids.shape[1], cache, mode, example.max_new_tokens)
+    decode_s = time.perf_counter() - began
+
+    offload = _offload_stats(cache)
+    steps = len(step_bytes)
+    result = {
+        "prompt_tokens": ids.shape[1], "decode_steps": steps,
+        "kv_read_bytes_per_step": (sum(step_bytes) / steps) if step_bytes else None,
+        "h2d_bytes_per_step": _h2d_per_step(cache, steps) if offload and step_bytes else None,
+        "offload_stats": offload,
+        "time": {
+            "prefill_s": round(prefill_s, 4), "decode_s": round(decode_s, 4),
+            "decode_ms_per_step": round(1000 * decode_s / steps, 3) if step_bytes else None,
+        },
+    }
+    result["recall"] = _recall_fields(counts, start_row) if collect else None
+    if nll is not None:
+        result.update(_perplexity_fields(nll, bucket_tokens))
+    else:
+        text = codec.decode(generated)
+        is_longbench = example.task.startswith("longbench:")
+        scored = longbench.prepare_prediction(example.task.split(":", 1)[1], text) if is_longbench else text
+        score = score_prediction(example.metric, scored, example.references, example.all_classes)
+        result.update(score=score, prediction=text)
+    return result
+
+
+def _prefill(model, ids: torch.Tensor, cache, chunk: int, start_row: int | None, perplexity: bool):
+    """Prefill ids [1, T] through `cache` in chunks of `chunk` tokens.
+
+    start_row: count forecast recall over rows >= it (None: no recall).  Returns (the last chunk's
+    logits [1, chunk or 1, vocab], recall counts float64 [L, 3] or None, per-token NLL float64
+    [T - 1] or None when not `perplexity`)."""
+    length, device, sparse = ids.shape[1], ids.device, model.config.sparse
+    collect = start_row is not None
+    counts = torch.zeros(model.config.num_hidden_layers, 3, dtype=torch.float64) if collect else None
+    nll = torch.zeros(length - 1, dtype=torch.float64) if perplexity else None
     logits = None
-    for start in range(0, length, prefill_chunk):
-        end = min(start + prefill_chunk, length)
-        out = model(ids[:, start:end], use_cache=True, collect_selections=collect, logits_to_keep=0 if perplexity else 1,
-                    **{CACHE_KWARG: cache})
+    for start in range(0, length, chunk):
+        end = min(start + chunk, length)
+        out = model(
+            ids[:, start:end], use_cache=True, collect_selections=collect, logits_to_keep=0 if perplexity else 1,
+            **{CACHE_KWARG: cache},
+        )
         logits = out.logits
         if perplexity:
             targets = ids[0, start + 1 : end + 1]
-            nll[start : start + targets.shape[0]] = F.cross_entropy(logits[0, : targets.shape[0]].float(), targets, reduction="none").double().cpu()
+            token_nll = F.cross_entropy(logits[0, : targets.shape[0]].float(), targets, reduction="none")
+            nll[start : start + targets.shape[0]] = token_nll.double().cpu()
         if collect and end > start_row:
             positions = torch.arange(start, end, device=device).view(1, -1)
             for idx, record in enumerate(out.selections):
                 if "query" in record and "forecast" in record:
                     counts[idx] += sel.recall_row_sums(record["query"], record["forecast"], positions, sparse, start_row)
         del out
-    prefill_s = time.perf_counter() - began
+    return logits, counts, nll
 
+
+def _greedy_decode(model, logits: torch.Tensor, length: int, cache, mode: Mode, max_new_tokens: int):
+    """Greedy decode after a prefill of `length` tokens whose last logits are `logits`, up to
+    `max_new_tokens` or an EOS.  Returns (the tokens generated, KV bytes read per decode step)."""
     generated: list[int] = []
     step_bytes: list[int] = []
     eos = model.config.eos_token_id
     stops = set(eos if isinstance(eos, list) else [eos]) - {None}
-    began = time.perf_counter()
-    if example.max_new_tokens > 0:
-        token = int(logits[0, -1].argmax())
-        key_len = length
-        while True:
-            if token in stops:
-                break
-            generated.append(token)
-            if len(generated) >= example.max_new_tokens:
-                break
-            key_len += 1
-            out = model(torch.tensor([[token]], device=device), use_cache=True, collect_selections=mode.sparse, **{CACHE_KWARG: cache})
-            step_bytes.append(_kv_read_bytes(model, out.selections, key_len, mode))
-            token = int(out.logits[0, -1].argmax())
-    decode_s = time.perf_counter() - began
+    if max_new_tokens <= 0:
+        return generated, step_bytes
+    device = next(model.parameters()).device
+    token = int(logits[0, -1].argmax())
+    key_len = length
+    while True:
+        if token in stops:
+            break
+        generated.append(token)
+        if len(generated) >= max_new_tokens:
+            break
+        key_len += 1
+        out = model(
+            torch.tensor([[token]], device=device), use_cache=True, collect_selections=mode.sparse,
+            **{CACHE_KWARG: cache},
+        )
+        step_bytes.append(_kv_read_bytes(model, out.selections, key_len, mode))
+        token = int(out.logits[0, -1].argmax())
+    return generated, step_bytes
 
-    offload = _offload_stats(cache)
-    result = {"prompt_tokens": length, "decode_steps": len(step_bytes),
-              "kv_read_bytes_per_step": (sum(step_bytes) / len(step_bytes)) if step_bytes else None,
-              "h2d_bytes_per_step": _h2d_per_step(cache, len(step_bytes)) if offload and step_bytes else None,
-              "offload_stats": offload,
-              "time": {"prefill_s": round(prefill_s, 4), "decode_s": round(decode_s, 4),
-                       "decode_ms_per_step": round(1000 * decode_s / len(step_bytes), 3) if step_bytes else None}}
-    if collect:
-        wanted = counts[:, 1].clamp(min=1)
-        result["recall"] = {"start": start_row, "counts": counts.tolist(),
-                            "per_layer": (counts[:, 0] / wanted).tolist(), "chance": (counts[:, 2] / wanted).tolist()}
-    else:
-        result["recall"] = None
-    if perplexity:
-        buckets = []
-        for lo in range(0, length - 1, bucket_tokens):
-            part = nll[lo : lo + bucket_tokens]
-            buckets.append({"start": lo + 1, "end": lo + 1 + part.numel(), "nll_sum": float(part.sum()), "tokens": part.numel()})
-        mean = float(nll.mean())
-        result.update(score=math.exp(mean), nll=mean, buckets=buckets, prediction=None)
-    else:
-        text = codec.decode(generated)
-        scored = longbench.prepare_prediction(example.task.split(":", 1)[1], text) if example.task.startswith("longbench:") else text
-        result.update(score=score_prediction(example.metric, scored, example.references, example.all_classes), prediction=text)
-    return result
+
+def _recall_fields(counts: torch.Tensor, start_row: int) -> dict:
+    """The record's recall: counts [L, 3] (hits, wanted, chance), per-layer recall and chance."""
+    wanted = counts[:, 1].clamp(min=1)
+    return {
+        "start": start_row, "counts": counts.tolist(),
+        "per_layer": (counts[:, 0] / wanted).tolist(), "chance": (counts[:, 2] / wanted).tolist(),
+    }
+
+
+def _perplexity_fields(nll: torch.Tensor, bucket_tokens: int) -> dict:
+    """Perplexity (score), mean NLL and NLL sums per bucket of `bucket_tokens` positions."""
+    buckets = []
+    for lo in range(0, nll.numel(), bucket_tokens):
+        part = nll[lo : lo + bucket_tokens]
+        buckets.append({"start": lo + 1, "end": lo + 1 + part.numel(), "nll_sum": float(part.sum()), "tokens": part.numel()})
+    mean = float(nll.mean())
+    return {"score": math.exp(mean), "nll": mean, "buckets": buckets, "prediction": None}

@@ -242,16 +242,27 @@ def _styles(plt, labels: list[str]) -> tuple[dict, dict]:
 
 
 def plots(records: list[dict], directory: Path) -> list[Path]:
+    """Write the suite's figures into `directory`: score vs length (always), forecast recall by layer
+    (when some record measured it), KV bytes per decode step (when some record counted them).
+    Returns the PNGs written, in that order."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    written = []
     modes = _ordered(r["mode"] for r in records)
-    tasks = _ordered(r["task"] for r in records)
     colors, looks = _styles(plt, modes)
+    written = [_score_plot(plt, records, modes, colors, looks, directory / "score_vs_length.png")]
+    recall = _recall_plot(plt, records, modes, colors, looks, directory / "recall_by_layer.png")
+    written += [recall] if recall is not None else []
+    bytes_png = _bytes_plot(plt, records, modes, colors, looks, directory / "bytes_per_step.png")
+    written += [bytes_png] if bytes_png is not None else []
+    return written
 
+
+def _score_plot(plt, records: list[dict], modes: list[str], colors: dict, looks: dict, path: Path) -> Path:
+    """One panel per task: each mode's score (perplexity: pooled perplexity) over context length."""
+    tasks = _ordered(r["task"] for r in records)
     cols = min(4, len(tasks))
     rows = -(-len(tasks) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3.2 * rows), squeeze=False)
@@ -273,7 +284,7 @@ def plots(records: list[dict], directory: Path) -> list[Path]:
             ax.set_ylim(-5, 105)  # the full score range, so a flat line reads as what it is
         _length_axis(ax, sorted({r["length"] for r in records if r["task"] == task}))
         ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(tasks):]:
+    for ax in list(axes.flat)[len(tasks) :]:
         ax.axis("off")
     handles, labels = axes.flat[0].get_legend_handles_labels()
     # one legend row per mode beside the panels: mode names are long, and a row under a
@@ -281,36 +292,49 @@ def plots(records: list[dict], directory: Path) -> list[Path]:
     fig.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.0, 0.92), frameon=False, fontsize=8)
     fig.suptitle("Score vs context length per mode")
     fig.tight_layout()
-    written.append(directory / "score_vs_length.png")
-    fig.savefig(written[-1], dpi=110, bbox_inches="tight")
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
+    return path
 
+
+def _recall_plot(plt, records: list[dict], modes: list[str], colors: dict, looks: dict, path: Path) -> Path | None:
+    """Forecast recall per layer, one curve per (mode, length), chance in grey; None: no record has recall."""
     lengths = sorted(set(r["length"] for r in records))
     curves = [(m, n, _recall([r for r in records if r["mode"] == m and r["length"] == n])) for m in modes for n in lengths]
     curves = [c for c in curves if c[2]]
-    if curves:
-        fig, ax = plt.subplots(figsize=(10, 4.2))
-        shades = {n: 0.35 + 0.65 * (i + 1) / len(lengths) for i, n in enumerate(lengths)}
-        # modes that select alike (forecast resident and forecast-offload) give the same recall:
-        # each curve sits a little to the side of its layer, with its own dash and an open or
-        # filled marker, so coinciding curves stay visible side by side
-        spread = min(0.5 / len(curves), 0.12)
-        chances = {}
-        for i, (m, n, got) in enumerate(curves):
-            layers = [layer + (i - (len(curves) - 1) / 2) * spread for layer in range(len(got["recall"]))]
-            ax.plot(layers, got["recall"], marker=looks[m]["marker"], ms=looks[m]["ms"] / 1.6, ls=looks[m]["ls"], lw=1.2,
-                    color=colors[m], alpha=shades[n], mfc="none" if i % 2 else colors[m], label=f"{m}, {_length_label(n)} tokens")
-            chances.setdefault((n, tuple(round(c, 6) for c in got["chance"])), got["chance"])
-        for (n, _), chance in chances.items():  # chance depends on the rows, not the mode: drawn once per length
-            ax.plot(range(len(chance)), chance, ls="--", color="grey", alpha=shades[n] * 0.8, label=f"chance, {_length_label(n)} tokens")
-        ax.set_xlabel("layer")
-        count = len(curves[0][2]["recall"])
-        ax.set_xticks(range(0, count, 1 if count <= 16 else 5))
-        ax.set_ylabel("forecast recall (share of query-selected blocks)")
-        ax.set_ylim(0, 1.02)
-        written.append(_save_with_side_legend(fig, ax, "Forecast recall by layer (grey: chance)", directory / "recall_by_layer.png"))
-        plt.close(fig)
+    if not curves:
+        return None
+    fig, ax = plt.subplots(figsize=(10, 4.2))
+    shades = {n: 0.35 + 0.65 * (i + 1) / len(lengths) for i, n in enumerate(lengths)}
+    # modes that select alike (forecast resident and forecast-offload) give the same recall:
+    # each curve sits a little to the side of its layer, with its own dash and an open or
+    # filled marker, so coinciding curves stay visible side by side
+    spread = min(0.5 / len(curves), 0.12)
+    chances = {}
+    for i, (m, n, got) in enumerate(curves):
+        layers = [layer + (i - (len(curves) - 1) / 2) * spread for layer in range(len(got["recall"]))]
+        look = looks[m]
+        ax.plot(
+            layers, got["recall"], marker=look["marker"], ms=look["ms"] / 1.6, ls=look["ls"], lw=1.2, color=colors[m],
+            alpha=shades[n], mfc="none" if i % 2 else colors[m], label=f"{m}, {_length_label(n)} tokens",
+        )
+        chances.setdefault((n, tuple(round(c, 6) for c in got["chance"])), got["chance"])
+    for (n, _), chance in chances.items():  # chance depends on the rows, not the mode: drawn once per length
+        label = f"chance, {_length_label(n)} tokens"
+        ax.plot(range(len(chance)), chance, ls="--", color="grey", alpha=shades[n] * 0.8, label=label)
+    ax.set_xlabel("layer")
+    count = len(curves[0][2]["recall"])
+    ax.set_xticks(range(0, count, 1 if count <= 16 else 5))
+    ax.set_ylabel("forecast recall (share of query-selected blocks)")
+    ax.set_ylim(0, 1.02)
+    _save_with_side_legend(fig, ax, "Forecast recall by layer (grey: chance)", path)
+    plt.close(fig)
+    return path
 
+
+def _bytes_plot(plt, records: list[dict], modes: list[str], colors: dict, looks: dict, path: Path) -> Path | None:
+    """KV bytes read and H2D bytes moved per decode step over context length; None: no record has them."""
+    lengths = sorted(set(r["length"] for r in records))
     fig, ax = plt.subplots(figsize=(10, 4.2))
     drawn = False
     for m in modes:
@@ -322,15 +346,16 @@ def plots(records: list[dict], directory: Path) -> list[Path]:
                     xs.append(n)
                     ys.append(v / MIB)
             if xs:
-                ax.plot(xs, ys, ls=style, marker=looks[m]["marker"], ms=looks[m]["ms"], color=colors[m], label=f"{m} ({label})")
+                look = looks[m]
+                ax.plot(xs, ys, ls=style, marker=look["marker"], ms=look["ms"], color=colors[m], label=f"{m} ({label})")
                 drawn = True
     if drawn:
         _length_axis(ax, lengths)
         ax.set_yscale("log")
         ax.set_ylabel("MiB per decode step (all layers, log scale)")
-        written.append(_save_with_side_legend(fig, ax, "KV bytes per decode step per mode", directory / "bytes_per_step.png"))
+        _save_with_side_legend(fig, ax, "KV bytes per decode step per mode", path)
     plt.close(fig)
-    return written
+    return path if drawn else None
 
 
 def plot_over_length(lengths: list[int], panels: list[dict], path: Path, title: str) -> Path:
