@@ -90,9 +90,16 @@ def test_compiles_decode_is_the_cache_s_call():
     """Decode steps with no dense row are compiled; dense-offload's grow, so its cache says no."""
     model = tiny_model({"policy": "infllmv2", "selector": "forecast"})
     sparse = model.config.sparse
-    decode, dense_row = CallInfo.for_decode([40], sparse), CallInfo.for_decode([3], SparseConfig(**tiny_sparse(dense_len=8)))
+    decode, dense_row = (
+        CallInfo.for_decode([40], sparse),
+        CallInfo.for_decode([3], SparseConfig(**tiny_sparse(dense_len=8))),
+    )
     prefill = CallInfo.from_positions(torch.arange(4).view(1, -1), None, sparse)
     resident = SparseCache(model.config)
-    assert resident.compiles_decode(decode) and not resident.compiles_decode(dense_row) and not resident.compiles_decode(prefill)
+    assert (
+        resident.compiles_decode(decode)
+        and not resident.compiles_decode(dense_row)
+        and not resident.compiles_decode(prefill)
+    )
     assert OffloadedSparseCache.for_model(model, mode="forecast-offload").compiles_decode(decode)
     assert not OffloadedSparseCache.for_model(model, mode="dense-offload").compiles_decode(decode)

@@ -36,12 +36,17 @@ def chunked(model, chunk: int):
 
 def prefill(model, ids, mask, cache=None, chunk=0):
     with torch.no_grad(), chunked(model, chunk):
-        return model(ids, attention_mask=mask, collect_selections=model.config.sparse is not None, use_cache=True,
-                     **({} if cache is None else {CACHE_KWARG: cache}))
+        return model(
+            ids,
+            attention_mask=mask,
+            collect_selections=model.config.sparse is not None,
+            use_cache=True,
+            **({} if cache is None else {CACHE_KWARG: cache}),
+        )
 
 
 def assert_same_prefill(one, chunked):
-    real = (one.logits.abs().sum(-1) > 0)  # every column (padding columns too) is compared
+    real = one.logits.abs().sum(-1) > 0  # every column (padding columns too) is compared
     assert real.all()
     assert rel(chunked.logits, one.logits) < 1e-5
     if one.selections is not None:
@@ -105,7 +110,14 @@ def test_generate_uses_chunks_for_long_prompts(monkeypatch):
     """config.prefill_chunk: generate() prefills a prompt longer than it in chunks, same tokens."""
     model = tiny_model(ATTENTION["infllmv2-forecast"], seed=56)
     ids, mask = left_padded(LENGTHS, seed=57)
-    kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    kwargs = dict(
+        attention_mask=mask,
+        max_new_tokens=6,
+        do_sample=False,
+        pad_token_id=0,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
     with torch.no_grad():
         ref = model.generate(ids, **kwargs)
         rows = []
@@ -132,7 +144,14 @@ def test_offloaded_chunked_equals_one_call(mode):
     model = tiny_model(ATTENTION[mode], seed=58)
     ids, mask = left_padded(LENGTHS, seed=59)
     one = prefill(model, ids, mask, SparseCache(model.config))
-    kwargs = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    kwargs = dict(
+        attention_mask=mask,
+        max_new_tokens=5,
+        do_sample=False,
+        pad_token_id=0,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
     with torch.no_grad():
         ref = model.generate(ids, **kwargs, **{CACHE_KWARG: SparseCache(model.config)})
     for cache_mode in offloaded_modes(ATTENTION[mode]["selector"]):

@@ -27,8 +27,15 @@ class CountingBackend:
 
 def generate(model, ids, mask, cache, new_tokens=14):
     with torch.no_grad(), kernels.use_backend("reference"):
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
-                             return_dict_in_generate=True, **{CACHE_KWARG: cache})
+        out = model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+            return_dict_in_generate=True,
+            **{CACHE_KWARG: cache},
+        )
     return out.sequences
 
 
@@ -36,7 +43,11 @@ def generate(model, ids, mask, cache, new_tokens=14):
 def test_generate_with_compiled_decode_matches_eager(mode):
     model = tiny_model({"policy": "infllmv2", "selector": "forecast"}, seed=4)
     ids, mask = left_padded([29, 23])
-    make = (lambda: SparseCache(model.config)) if mode == "resident" else (lambda: OffloadedSparseCache.for_model(model, mode=mode))
+    make = (
+        (lambda: SparseCache(model.config))
+        if mode == "resident"
+        else (lambda: OffloadedSparseCache.for_model(model, mode=mode))
+    )
     eager = generate(model, ids, mask, make())
     backend = CountingBackend()
     torch._dynamo.reset()

@@ -31,7 +31,9 @@ def test_sparda_heads_on_a_minicpm_base_select_with_the_exact_lse(tmp_path):
     plain, _ = minicpm_dir(tmp_path / "plain", {**DENSE_MINICPM, "dense_len": 0})
     assert ForecastKVForCausalLM.from_pretrained(plain).config.sparse.lse == "coarse"
     # the caller's own dict still decides
-    mine = ForecastKVForCausalLM.from_pretrained(directory, sparse_config={**TINY_SPARSE, "lse": "coarse", "selector": "forecast"})
+    mine = ForecastKVForCausalLM.from_pretrained(
+        directory, sparse_config={**TINY_SPARSE, "lse": "coarse", "selector": "forecast"}
+    )
     assert mine.config.sparse.lse == "coarse"
 
 

@@ -19,12 +19,19 @@ MODES = [
 
 def llama_twin(model):
     cfg = model.config
-    twin = LlamaForCausalLM(LlamaConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.num_key_value_heads, max_position_embeddings=cfg.max_position_embeddings,
-        rms_norm_eps=cfg.rms_norm_eps, rope_parameters=cfg.rope_parameters,
-    )).eval()
+    twin = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size,
+            num_hidden_layers=cfg.num_hidden_layers,
+            num_attention_heads=cfg.num_attention_heads,
+            num_key_value_heads=cfg.num_key_value_heads,
+            max_position_embeddings=cfg.max_position_embeddings,
+            rms_norm_eps=cfg.rms_norm_eps,
+            rope_parameters=cfg.rope_parameters,
+        )
+    ).eval()
     missing, unexpected = twin.load_state_dict(model.state_dict(), strict=False)
     assert not missing
     return twin
@@ -39,7 +46,9 @@ def test_dense_matches_llama_tiny():
     ids = torch.randint(0, 128, (2, 40), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert rel(model(ids).logits, twin(ids).logits) < 1e-5
-    assert torch.equal(model.generate(ids, max_new_tokens=8, do_sample=False), twin.generate(ids, max_new_tokens=8, do_sample=False))
+    assert torch.equal(
+        model.generate(ids, max_new_tokens=8, do_sample=False), twin.generate(ids, max_new_tokens=8, do_sample=False)
+    )
 
 
 @pytest.mark.bundled
@@ -71,7 +80,9 @@ def test_full_budget_equals_dense(mode):
     ids = torch.randint(0, 128, (2, 70), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         assert rel(full(ids).logits, dense(ids).logits) < 1e-5
-    assert torch.equal(full.generate(ids, max_new_tokens=6, do_sample=False), dense.generate(ids, max_new_tokens=6, do_sample=False))
+    assert torch.equal(
+        full.generate(ids, max_new_tokens=6, do_sample=False), dense.generate(ids, max_new_tokens=6, do_sample=False)
+    )
 
 
 def test_tight_budget_changes_logits():
@@ -126,7 +137,8 @@ def test_forecast_decode_uses_plan_from_previous_layer():
         assert order.index(("plan", idx)) < order.index(("append", idx - 1)), idx
         planned = next(sel for kind, i, sel in events if kind == "plan" and i == idx)
         read = next(sel for kind, i, sel in events if kind == "attend" and i == idx)
-        assert read.selection is planned and planned.shape == (1, 2, model.config.sparse.budget_blocks)  # the Plan handed over
+        # the Plan handed over
+        assert read.selection is planned and planned.shape == (1, 2, model.config.sparse.budget_blocks)
 
 
 def test_multiple_forecast_vectors_per_group_run():
@@ -150,16 +162,20 @@ def test_dense_len_is_decided_per_sequence_per_call():
     with torch.no_grad():
         long_call, long_sparse, long_dense = mixed(ids).logits, always(ids).logits, dense(ids).logits
         short_call, short_dense = mixed(ids[:, :30]).logits, dense(ids[:, :30]).logits
-    assert rel(long_call, long_sparse) < 1e-6   # 60 keys: every row sparse, rows below dense_len too
+    assert rel(long_call, long_sparse) < 1e-6  # 60 keys: every row sparse, rows below dense_len too
     assert rel(long_call[:, 32:40], long_dense[:, 32:40]) > 1e-3  # rows 32..39 see 5 blocks > budget 4
     assert rel(short_call, short_dense) < 1e-6  # 30 keys: the whole call is dense
     # decode across the switch: a 30-token prompt (one dense call), then one call per token, dense
     # while its key length is below 40.  The reference recomputes everything at once with each
     # row attending as the call that produced it did.
     with torch.no_grad():
-        out = mixed.generate(ids[:, :30], max_new_tokens=20, do_sample=False, output_logits=True, return_dict_in_generate=True)
+        out = mixed.generate(
+            ids[:, :30], max_new_tokens=20, do_sample=False, output_logits=True, return_dict_in_generate=True
+        )
         twin = llama_twin(mixed)
-        AttentionInterface.register("sparse_reference", reference_sparse_attention(mixed.config.sparse, dense_row=lambda p: p + 1 < 40))
+        AttentionInterface.register(
+            "sparse_reference", reference_sparse_attention(mixed.config.sparse, dense_row=lambda p: p + 1 < 40)
+        )
         AttentionMaskInterface.register("sparse_reference", sdpa_mask)
         twin.set_attn_implementation("sparse_reference")
         reference = twin(out.sequences).logits[:, 29:-1]
@@ -193,13 +209,18 @@ def reference_sparse_attention(sparse, dense_row=lambda positions: torch.zeros_l
         ckeys = sel.compress_keys(keys, sparse.kernel_size, sparse.kernel_stride)
         coarse = sel.compress_keys(keys, *sparse.coarse_kernel) if sparse.lse == "coarse" else None
         n_blocks = sel.num_blocks(length, sparse.block_size)
-        scores = sel.score_blocks(query.transpose(1, 2), ckeys, positions, sparse, n_blocks, kind="query", lse_keys=coarse)
+        scores = sel.score_blocks(
+            query.transpose(1, 2), ckeys, positions, sparse, n_blocks, kind="query", lse_keys=coarse
+        )
         ids = sel.select_blocks(scores, positions, sparse)
-        blocks = sel.selection_mask(ids, n_blocks).repeat_interleave(sparse.block_size, dim=-1)[..., :length]  # [B, H, T, S]
+        # [B, H, T, S]
+        blocks = sel.selection_mask(ids, n_blocks).repeat_interleave(sparse.block_size, dim=-1)[..., :length]
         causal = torch.ones(length, length, dtype=torch.bool).tril()
         allowed = causal & (blocks | dense_row(torch.arange(length)).view(1, 1, -1, 1))
         allowed = allowed.repeat_interleave(group, dim=1)
-        logits = (query @ key.repeat_interleave(group, dim=1).transpose(-1, -2) * scaling).masked_fill(~allowed, float("-inf"))
+        logits = (query @ key.repeat_interleave(group, dim=1).transpose(-1, -2) * scaling).masked_fill(
+            ~allowed, float("-inf")
+        )
         return (torch.softmax(logits, dim=-1) @ value.repeat_interleave(group, dim=1)).transpose(1, 2), None
 
     return attention
@@ -231,7 +252,8 @@ def nosa_reference_attention(model):
         key = key.repeat_interleave(heads // kv_heads, dim=1)
         value = value.repeat_interleave(heads // kv_heads, dim=1)
         rows, count = query.shape[2], key.shape[2]
-        allowed = torch.arange(count).view(1, -1) <= torch.arange(count - rows, count).view(-1, 1)  # causal, right-aligned
+        # causal, right-aligned
+        allowed = torch.arange(count).view(1, -1) <= torch.arange(count - rows, count).view(-1, 1)
         logits = (query @ key.transpose(-1, -2) * scaling + bias).masked_fill(~allowed, float("-inf"))
         return (torch.softmax(logits.float(), dim=-1).to(value.dtype) @ value).transpose(1, 2), None
 
@@ -253,7 +275,10 @@ def test_nosa_cis_bias_matches_reference():
         ours = model(ids).logits
         assert rel(reference, plain) > 1e-2  # the bias is on
         assert rel(ours, reference) < 1e-5
-        assert torch.equal(model.generate(ids, max_new_tokens=6, do_sample=False), twin.generate(ids, max_new_tokens=6, do_sample=False))
+        assert torch.equal(
+            model.generate(ids, max_new_tokens=6, do_sample=False),
+            twin.generate(ids, max_new_tokens=6, do_sample=False),
+        )
 
 
 # -- 5. left padding ---------------------------------------------------------------------------

@@ -18,7 +18,7 @@ def reference(q, keys, values, bias, positions, masks, block_size):
     batch, rows, heads, dim = q.shape
     count, kv_heads = keys.shape[1], keys.shape[2]
     group = heads // kv_heads
-    key_blocks = masks.repeat_interleave(block_size, dim=-1)[..., :count]            # [B, H, R, S]
+    key_blocks = masks.repeat_interleave(block_size, dim=-1)[..., :count]  # [B, H, R, S]
     allowed = key_blocks & (torch.arange(count).view(1, 1, 1, -1) <= positions[:, None, :, None])
     allowed = allowed.repeat_interleave(group, dim=1)
     logits = q.transpose(1, 2) @ keys.transpose(1, 2).repeat_interleave(group, dim=1).transpose(-1, -2) / dim**0.5
@@ -56,8 +56,13 @@ def test_prompt_within_one_block_matches_reference(with_bias):
     case = random_case(3, batch=1, rows=5, count=5, with_bias=with_bias)
     q, keys, values, bias, positions, masks, bs = case
     masks = torch.ones_like(masks)
-    assert rel(prefill.chunked_sparse_attention(q, keys, values, bias, positions, masks, bs),
-               reference(q, keys, values, bias, positions, masks, bs)) < 1e-5
+    assert (
+        rel(
+            prefill.chunked_sparse_attention(q, keys, values, bias, positions, masks, bs),
+            reference(q, keys, values, bias, positions, masks, bs),
+        )
+        < 1e-5
+    )
 
 
 @pytest.mark.parametrize("with_bias", [False, True])
@@ -107,7 +112,7 @@ def test_block_mask_covers_every_rows_blocks():
     bits = prefill.pack_block_bits(masks)
     assert torch.equal(((bits.unsqueeze(-1) >> torch.arange(64)) & 1).bool().flatten(-2)[..., : masks.shape[-1]], masks)
     block_mask = prefill.build_block_mask(bits, 0, rows, count, bs, group, q_tile=128)
-    dense = block_mask.to_dense()[..., : masks.shape[-1]].bool()       # [1, Hq, tiles, NB]
+    dense = block_mask.to_dense()[..., : masks.shape[-1]].bool()  # [1, Hq, tiles, NB]
     padded = torch.nn.functional.pad(masks, (0, 0, 0, 3 * 128 - rows)).view(1, 2, 3, 128, -1).any(dim=3)
     assert torch.equal(dense, padded.repeat_interleave(group, dim=1))
 
@@ -129,8 +134,10 @@ def test_model_flex_prefill_equals_chunked(policy):
 def test_flex_buckets():
     """Rows: four steps per octave; keys: one.  Multiples of the tile, never below the length."""
     lengths = (1, 128, 129, 1024, 1025, 1300, 2048, 2049, 131072, 131073)
-    assert [prefill.flex_bucket(n, 128) for n in lengths] == [128, 128, 256, 1024, 1280, 1536, 2048, 2560, 131072, 163840]
-    assert [prefill.flex_bucket(n, 128, steps=1) for n in lengths] == [128, 128, 256, 1024, 2048, 2048, 2048, 4096, 131072, 262144]
+    four_per_octave = [prefill.flex_bucket(n, 128) for n in lengths]
+    assert four_per_octave == [128, 128, 256, 1024, 1280, 1536, 2048, 2560, 131072, 163840]
+    one_per_octave = [prefill.flex_bucket(n, 128, steps=1) for n in lengths]
+    assert one_per_octave == [128, 128, 256, 1024, 2048, 2048, 2048, 4096, 131072, 262144]
     for n in range(1, 5000, 37):
         bucket = prefill.flex_bucket(n, 192)
         assert bucket >= n and bucket % 192 == 0 and bucket <= max(1.25 * n + 192, 192)
@@ -269,6 +276,7 @@ def test_benchmark_comparison_runs_on_tiny_models():
         assert set(row["sparse_phases"]) == {"select", "sparse_attention", "other"}
         assert set(row["dense_phases"]) == {"dense_attention", "other"}
     from forecastkv.modeling import attention
+
     assert attention.SparseAttention.select.__name__ == "select"  # the timers were removed
 
 
@@ -289,7 +297,9 @@ def test_select_with_host_bounds_equals_reading_them(policy):
     for kind in ("query", "forecast"):
         vectors = q if kind == "query" else q[:, :, :: attn.group]  # forecast: one vector per KV head
         read = attn.select(vectors, positions, cache.layers[1], kind)
-        given = attn.select(vectors, positions, cache.layers[1], kind, bounds=sel.position_range(positions), key_count=70)
+        given = attn.select(
+            vectors, positions, cache.layers[1], kind, bounds=sel.position_range(positions), key_count=70
+        )
         assert torch.equal(read, given)
         assert (read >= 0).any()
 

@@ -79,7 +79,11 @@ def ref_select(q, k, t, cfg, kind="query", lag=0, coarse=False):
         coarse_keys = ref_compress(k[:, h], *cfg.coarse_kernel) if coarse else None
         vectors = q[h * per : (h + 1) * per]
         if kind == "forecast" and per == 1:
-            c_scores = {c: float(vectors[0].double() @ ckeys[c]) for c in range(len(ckeys)) if c * cfg.kernel_stride + cfg.kernel_size - 1 + lag <= t}
+            c_scores = {
+                c: float(vectors[0].double() @ ckeys[c])
+                for c in range(len(ckeys))
+                if c * cfg.kernel_stride + cfg.kernel_size - 1 + lag <= t
+            }
         else:
             c_scores = ref_stage1(vectors, ckeys, t, cfg, lag, coarse_keys)
         blocks = ref_block_scores(c_scores, t, cfg, n_blocks)
@@ -173,7 +177,9 @@ def test_forecast_selection_matches_brute_force(per_group):
 
 
 def test_coarse_lse_matches_brute_force():
-    cfg = SparseConfig(kernel_size=2, kernel_stride=1, block_size=4, init_blocks=1, window_size=4, topk=3, dense_len=0, lse="coarse")
+    cfg = SparseConfig(
+        kernel_size=2, kernel_stride=1, block_size=4, init_blocks=1, window_size=4, topk=3, dense_len=0, lse="coarse"
+    )
     torch.manual_seed(3)
     length, heads, group, d = 30, 2, 3, 8
     q = torch.randn(1, length, heads * group, d) * 2
@@ -224,7 +230,9 @@ def test_nosa_fill_matches_brute_force():
             c_scores = ref_stage1(q[0, t, 3 * h : 3 * h + 3], ref_compress(k[0, : t + 1, h], 4, 2), t, cfg)
             nb = sel.num_blocks(t + 1, 8)
             shortlist = [j for j in ref_topk(ref_block_scores(c_scores, t, cfg, nb), t, shortlist_k, 8) if j >= 0]
-            cis_c = {c: v.item() for c, v in enumerate(ref_compress(cis[0, : t + 1, h : h + 1], 4, 2)) if c * 2 + 3 <= t}
+            cis_c = {
+                c: v.item() for c, v in enumerate(ref_compress(cis[0, : t + 1, h : h + 1], 4, 2)) if c * 2 + 3 <= t
+            }
             agn = ref_block_scores(cis_c, t, cfg, nb)
             agn = [INF if j in shortlist else (-INF if j > t // 8 else v) for j, v in enumerate(agn)]
             assert ids[0, h, t].tolist() == ref_topk(agn, t, cfg.budget_blocks, 8), (t, h)
@@ -289,7 +297,7 @@ def test_training_student_is_the_deployed_forecast_score(per_group):
     k = torch.randn(1, length, heads, d)
     ckeys = sel.compress_keys(k, cfg.kernel_size, cfg.kernel_stride)
     positions = torch.arange(length).view(1, -1)
-    deployed = sel.key_scores(f, ckeys, positions, cfg, kind="forecast")            # what the runtime ranks
+    deployed = sel.key_scores(f, ckeys, positions, cfg, kind="forecast")  # what the runtime ranks
     student = student_rows(f, ckeys, positions, cfg)
     visible = torch.isfinite(deployed)
     assert torch.equal(student > 0, visible)
@@ -304,7 +312,10 @@ def test_training_student_is_the_deployed_forecast_score(per_group):
     assert torch.allclose(student[rows], expected[rows], rtol=1e-5, atol=1e-7)
     # the teacher lives on the same keys, on the deployed grid and (aligned) from a fine grid
     q = torch.randn(1, length, heads * 3, d)
-    for objective in (ObjectiveConfig(teacher_kernel=4, teacher_stride=2), ObjectiveConfig(teacher_kernel=2, teacher_stride=1)):
+    for objective in (
+        ObjectiveConfig(teacher_kernel=4, teacher_stride=2),
+        ObjectiveConfig(teacher_kernel=2, teacher_stride=1),
+    ):
         fine = sel.compress_keys(k, objective.teacher_kernel, objective.teacher_stride)
         teacher = teacher_rows(q, fine, positions, cfg, objective, ckeys.shape[1])
         assert not (teacher[~visible] != 0).any()
@@ -324,30 +335,34 @@ def test_module_select_is_layer_selection(policy, kind, lse):
     the forecast kind's lag hides, overlap a block that is not forced and can change the choice."""
     from forecastkv import SparseCache
 
-    model = tiny_model({"policy": policy, "lse": lse, "window_size": 0, "topk": 4, "query_blocks": 2}, heads_per_group=2)
+    model = tiny_model(
+        {"policy": policy, "lse": lse, "window_size": 0, "topk": 4, "query_blocks": 2}, heads_per_group=2
+    )
     sparse, attn = model.config.sparse, model.model.layers[1].self_attn
     layer = SparseCache(model.config).layers[1]
     heads, d = attn.num_kv_heads, attn.head_dim
     width = attn.num_heads if kind == "query" else heads * 2
     gen = torch.Generator().manual_seed(17)
-    lengths, steps, pad = [45, 30], 6, [0, 15]   # the steps cross a block boundary in both rows
+    lengths, steps, pad = [45, 30], 6, [0, 15]  # the steps cross a block boundary in both rows
     total = max(lengths) + steps
-    keys = torch.randn(2, total, heads, d, generator=gen) * 3      # by position; unstored ones stay as garbage
+    keys = torch.randn(2, total, heads, d, generator=gen) * 3  # by position; unstored ones stay as garbage
     cis = torch.randn(2, total, heads, generator=gen)
     for b, n in enumerate(lengths):
         keys[b, n + steps :] = 100 * torch.randn(total - n - steps, heads, d, generator=gen)
         cis[b, n + steps :] = 100.0
-    prompt = torch.arange(max(lengths)).expand(2, -1) - torch.tensor(pad).view(-1, 1)   # [2, 45], -1 = padding
+    prompt = torch.arange(max(lengths)).expand(2, -1) - torch.tensor(pad).view(-1, 1)  # [2, 45], -1 = padding
     prompt = prompt.masked_fill(prompt < 0, -1)
     columns = prompt.clamp(min=0)
-    gather = lambda x, pos: x[torch.arange(2).view(-1, 1), pos]                         # noqa: E731
+    gather = lambda x, pos: x[torch.arange(2).view(-1, 1), pos]  # noqa: E731
     values = torch.randn(2, prompt.shape[1], heads, d, generator=gen)
     layer.append(gather(keys, columns), values, gather(cis, columns) if policy == "nosa" else None, prompt)
 
     def reference(vectors, positions):
         ckeys = sel.compress_keys(keys, sparse.kernel_size, sparse.kernel_stride)
         coarse = sel.compress_keys(keys, *sparse.coarse_kernel) if lse == "coarse" else None
-        ids = sel.layer_selection(vectors, ckeys, positions, sparse, kind, lse_keys=coarse, cis=cis if policy == "nosa" else None)
+        ids = sel.layer_selection(
+            vectors, ckeys, positions, sparse, kind, lse_keys=coarse, cis=cis if policy == "nosa" else None
+        )
         if policy == "infllmv2" and lse == "exact":  # and layer_selection is the brute force (the forecast kind: lag 1)
             for b, t in ((b, t) for b in range(2) for t in range(positions.shape[1]) if positions[b, t] >= 0):
                 pos = int(positions[b, t])
@@ -355,7 +370,7 @@ def test_module_select_is_layer_selection(policy, kind, lse):
                 assert ids[b, :, t].tolist() == expected, (b, pos)
         return ids
 
-    for rows in (slice(0, 16), slice(16, 32), slice(32, 45)):   # prefill chunks: padding rows in the first
+    for rows in (slice(0, 16), slice(16, 32), slice(32, 45)):  # prefill chunks: padding rows in the first
         positions = prompt[:, rows]
         vectors = torch.randn(2, positions.shape[1], width, d, generator=gen)
         expected = reference(vectors, positions)
@@ -363,10 +378,15 @@ def test_module_select_is_layer_selection(policy, kind, lse):
         assert torch.equal(attn.select(vectors, positions, layer, kind), expected), rows
         host = {"bounds": sel.position_range(positions), "key_count": int(layer.lengths.max())}
         assert torch.equal(attn.select(vectors, positions, layer, kind, **host), expected), rows
-    for step in range(steps):                                   # decode rows after single-token appends
+    for step in range(steps):  # decode rows after single-token appends
         positions = (torch.tensor(lengths) + step).view(-1, 1)
         one = gather(keys, positions)
-        layer.append(one, torch.randn(2, 1, heads, d, generator=gen), gather(cis, positions) if policy == "nosa" else None, positions)
+        layer.append(
+            one,
+            torch.randn(2, 1, heads, d, generator=gen),
+            gather(cis, positions) if policy == "nosa" else None,
+            positions,
+        )
         vectors = torch.randn(2, 1, width, d, generator=gen)
         assert torch.equal(attn.select(vectors, positions, layer, kind), reference(vectors, positions)), step
 
@@ -379,10 +399,10 @@ def test_recall_protocol_counts_rows_from_start_and_summarises_layers():
     every = sel.recall_row_sums(query, forecast, positions, cfg, start=0)
     late = sel.recall_row_sums(query, forecast, positions, cfg, start=41)
     assert every.tolist()[:2] == [2.0, 4.0] and late.tolist()[:2] == [1.0, 2.0]
-    assert abs(late[2].item() - 2 * 2 / 7) < 1e-6          # 7 free visible blocks at t = 79 (fp32 counts)
+    assert abs(late[2].item() - 2 * 2 / 7) < 1e-6  # 7 free visible blocks at t = 79 (fp32 counts)
     counts = torch.tensor([[5.0, 5.0, 1.0], [1.0, 2.0, 0.5], [2.0, 2.0, 1.0]], dtype=torch.float64)
     report = sel.summarise_recall(counts, start=41, length=80, rows=1, backbone="dense")
-    assert report.recall == [1.0, 0.5, 1.0] and report.mean_recall == 0.75       # layer 0 left out
+    assert report.recall == [1.0, 0.5, 1.0] and report.mean_recall == 0.75  # layer 0 left out
     assert report.chance == [0.2, 0.25, 0.5] and report.mean_chance == 0.375
     assert "| mean (>= 1) | 0.750 | 0.375 |" in report.table()
 
@@ -414,7 +434,9 @@ def test_keys_seen_bounds_the_visibility_mask():
         assert visible[..., :lo].all()
         assert lo == 0 or not visible[..., lo].all()
         for t in positions.flatten().tolist():
-            assert sel.keys_seen(t, count, p, s, lag) == int(sel.compressed_visibility(torch.tensor([[t]]), count, p, s, lag).sum())
+            assert sel.keys_seen(t, count, p, s, lag) == int(
+                sel.compressed_visibility(torch.tensor([[t]]), count, p, s, lag).sum()
+            )
 
 
 def test_pool_to_blocks_edges():
@@ -442,6 +464,10 @@ def test_tensor_core_logits_equal_fp32(dtype):
     n_blocks = sel.num_blocks(64, 8)
     assert sel._BMM_FP32_OUT  # this torch has bmm(out_dtype=fp32): `_head_logits` takes the tensor-core path
     for coarse in (None, lse_keys):
-        on_cpu = sel.score_blocks(q.float(), ckeys.float(), positions, cfg, n_blocks, lse_keys=None if coarse is None else coarse.float())
-        on_gpu = sel.score_blocks(q.cuda(), ckeys.cuda(), positions.cuda(), cfg, n_blocks, lse_keys=None if coarse is None else coarse.cuda())
+        on_cpu = sel.score_blocks(
+            q.float(), ckeys.float(), positions, cfg, n_blocks, lse_keys=None if coarse is None else coarse.float()
+        )
+        on_gpu = sel.score_blocks(
+            q.cuda(), ckeys.cuda(), positions.cuda(), cfg, n_blocks, lse_keys=None if coarse is None else coarse.cuda()
+        )
         torch.testing.assert_close(on_gpu.cpu(), on_cpu, rtol=1e-5, atol=1e-6)
