@@ -44,7 +44,9 @@ def load():
     from forecastkv import ForecastKVForCausalLM, bundled_model_path
 
     path = bundled_model_path("smollm2-135m")
-    return ForecastKVForCausalLM.from_pretrained(path, sparse_config="smollm2-135m"), AutoTokenizer.from_pretrained(path)
+    return ForecastKVForCausalLM.from_pretrained(path, sparse_config="smollm2-135m"), AutoTokenizer.from_pretrained(
+        path
+    )
 
 
 def first_token(model, store, ids, mode):
@@ -86,9 +88,19 @@ def prefix_hits(directory: str, length: int, repeats: int) -> list[dict]:
             hits_cpu.append(cpu)
             del cache
             gc.collect()
-        row = {"mode": name, "length": length, "matched": matched, "miss_s": miss, "hit_s": min(hits), "hit_over_miss": min(hits) / miss,
-               "miss_cpu_s": miss_cpu, "hit_cpu_s": min(hits_cpu), "hit_over_miss_cpu": min(hits_cpu) / miss_cpu,
-               "store_bytes": store.nbytes, "insert_and_save_s": saved}
+        row = {
+            "mode": name,
+            "length": length,
+            "matched": matched,
+            "miss_s": miss,
+            "hit_s": min(hits),
+            "hit_over_miss": min(hits) / miss,
+            "miss_cpu_s": miss_cpu,
+            "hit_cpu_s": min(hits_cpu),
+            "hit_over_miss_cpu": min(hits_cpu) / miss_cpu,
+            "store_bytes": store.nbytes,
+            "insert_and_save_s": saved,
+        }
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
@@ -109,7 +121,8 @@ def disk_child(directory: str, length: int, new_tokens: int) -> dict:
         return {key: int(value.split()[0]) / 1024 for key, value in parts.items()}
 
     model, tokenizer = load()
-    ids = prompt_ids(tokenizer, length)[:, : length - new_tokens]  # room for the new tokens within max_position_embeddings
+    # room for the new tokens within max_position_embeddings
+    ids = prompt_ids(tokenizer, length)[:, : length - new_tokens]
     start = time.perf_counter()
     store = ContextStore(model, directory, namespace=NAMESPACE)
     load_s = time.perf_counter() - start
@@ -134,24 +147,50 @@ def disk_child(directory: str, length: int, new_tokens: int) -> dict:
     peak = max(sampler.peak, decode.peak)
     layers = [layer for layer in cache.layers if layer.offloaded]
     tier = sum(len(layer.host.distinct_blocks()) * layer.host.pool.block_nbytes() for layer in layers)
-    return {"matched": matched, "store_load_s": load_s, "ttft_s": ttft, "pools_file_backed": all(layer.host.pool.file is not None for layer in layers),
-            "host_tier_bytes": tier, "host_tier_mib": tier / 2**20, "mapped_pools_mib": cache.host_nbytes() / 2**20,
-            "rss_after_load_mib": held / 2**20, "rss_growth_after_lookup_and_prefill_mib": (after_lookup - held) / 2**20,
-            "peak_rss_growth_mib": (peak - held) / 2**20, "peak_rss_growth_decode_mib": (decode.peak - held) / 2**20,
-            "peak_growth_over_host_tier": (peak - held) / tier, "new_tokens": new_tokens,
-            **{f"{key}_growth_after_decode_mib": parts_after[key] - parts_before[key] for key in parts_before}}
+    return {
+        "matched": matched,
+        "store_load_s": load_s,
+        "ttft_s": ttft,
+        "pools_file_backed": all(layer.host.pool.file is not None for layer in layers),
+        "host_tier_bytes": tier,
+        "host_tier_mib": tier / 2**20,
+        "mapped_pools_mib": cache.host_nbytes() / 2**20,
+        "rss_after_load_mib": held / 2**20,
+        "rss_growth_after_lookup_and_prefill_mib": (after_lookup - held) / 2**20,
+        "peak_rss_growth_mib": (peak - held) / 2**20,
+        "peak_rss_growth_decode_mib": (decode.peak - held) / 2**20,
+        "peak_growth_over_host_tier": (peak - held) / tier,
+        "new_tokens": new_tokens,
+        **{f"{key}_growth_after_decode_mib": parts_after[key] - parts_before[key] for key in parts_before},
+    }
 
 
 def write_report(path: str, hits: list[dict], disk: dict) -> None:
     from forecastkv.atomic import write_text_atomic
 
-    lines = ["| mode | tokens | from store | miss TTFT s | hit TTFT s | hit / miss | miss CPU s | hit CPU s | hit / miss (CPU time) |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['mode']} | {r['length']} | {r['matched']} | {r['miss_s']:.2f} | {r['hit_s']:.3f} | {r['hit_over_miss']:.3f} | "
-              f"{r.get('miss_cpu_s', float('nan')):.2f} | {r.get('hit_cpu_s', float('nan')):.3f} | {r.get('hit_over_miss_cpu', float('nan')):.3f} |" for r in hits]
-    lines += ["", f"store: {hits[0]['store_bytes'] / 2**20:.1f} MiB of blocks, insert + save {hits[0]['insert_and_save_s']:.2f} s", "",
-              "| disk tier (fresh process, sparse-offload) | value |", "|---|---|"]
-    lines += [f"| {key} | {value:.3f} |" if isinstance(value, float) else f"| {key} | {value} |" for key, value in disk.items()]
+    lines = [
+        "| mode | tokens | from store | miss TTFT s | hit TTFT s | hit / miss | miss CPU s | hit CPU s "
+        "| hit / miss (CPU time) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['mode']} | {r['length']} | {r['matched']} | {r['miss_s']:.2f} | {r['hit_s']:.3f} | "
+        f"{r['hit_over_miss']:.3f} | {r.get('miss_cpu_s', float('nan')):.2f} | "
+        f"{r.get('hit_cpu_s', float('nan')):.3f} | {r.get('hit_over_miss_cpu', float('nan')):.3f} |"
+        for r in hits
+    ]
+    lines += [
+        "",
+        f"store: {hits[0]['store_bytes'] / 2**20:.1f} MiB of blocks, "
+        f"insert + save {hits[0]['insert_and_save_s']:.2f} s",
+        "",
+        "| disk tier (fresh process, sparse-offload) | value |",
+        "|---|---|",
+    ]
+    lines += [
+        f"| {key} | {value:.3f} |" if isinstance(value, float) else f"| {key} | {value} |"
+        for key, value in disk.items()
+    ]
     write_text_atomic(path, "\n".join(lines) + "\n")
     json_path = os.path.splitext(path)[0] + ".json"
     write_text_atomic(json_path, json.dumps({"prefix_hits": hits, "disk": disk}, indent=1) + "\n")
@@ -159,7 +198,9 @@ def write_report(path: str, hits: list[dict], disk: dict) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dir", default="/tmp/fkv-context", help="the store's directory (its bench namespace is rewritten)")
+    parser.add_argument(
+        "--dir", default="/tmp/fkv-context", help="the store's directory (its bench namespace is rewritten)"
+    )
     parser.add_argument("--length", type=int, default=8192)
     parser.add_argument("--repeats", type=int, default=2, help="full-hit runs per mode (the best is kept)")
     parser.add_argument("--new-tokens", type=int, default=32)
@@ -176,14 +217,27 @@ def main(argv=None) -> int:
         return 0
     load_before = os.getloadavg()
     hits = prefix_hits(args.dir, args.length, args.repeats)
-    command = [sys.executable, __file__, "--disk-child", "--dir", args.dir, "--length", str(args.length), "--new-tokens", str(args.new_tokens)]
+    command = [
+        sys.executable,
+        __file__,
+        "--disk-child",
+        "--dir",
+        args.dir,
+        "--length",
+        str(args.length),
+        "--new-tokens",
+        str(args.new_tokens),
+    ]
     if args.threads:
         command += ["--threads", str(args.threads)]
     child = subprocess.run(command, capture_output=True, text=True)
     if child.returncode != 0:
         raise SystemExit(f"the disk-tier process failed:\n{child.stderr[-4000:]}")
     disk = json.loads(child.stdout.strip().splitlines()[-1])
-    disk["machine"] = f"{os.cpu_count()} CPUs, load average (1/5/15 min) {'/'.join(f'{x:.1f}' for x in load_before)} at start, {'/'.join(f'{x:.1f}' for x in os.getloadavg())} at end"
+    disk["machine"] = (
+        f"{os.cpu_count()} CPUs, load average (1/5/15 min) {'/'.join(f'{x:.1f}' for x in load_before)} at start, "
+        f"{'/'.join(f'{x:.1f}' for x in os.getloadavg())} at end"
+    )
     print(json.dumps(disk), flush=True)
     if args.output:
         write_report(args.output, hits, disk)

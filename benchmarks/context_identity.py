@@ -33,8 +33,11 @@ def main() -> None:
         seconds.append(time.perf_counter() - start)
     best = min(seconds)
     rate = nbytes / best
-    print(f"SmolLM2-135M: {nbytes / 1e6:.0f} MB of weights ({next(model.parameters()).dtype}), identity {best:.2f} s "
-          f"(runs: {', '.join(f'{s:.2f}' for s in seconds)}), {rate / 1e9:.2f} GB/s on {os.cpu_count()} CPUs, torch {torch.__version__}")
+    print(
+        f"SmolLM2-135M: {nbytes / 1e6:.0f} MB of weights ({next(model.parameters()).dtype}), identity {best:.2f} s "
+        f"(runs: {', '.join(f'{s:.2f}' for s in seconds)}), {rate / 1e9:.2f} GB/s on {os.cpu_count()} CPUs, "
+        f"torch {torch.__version__}"
+    )
     print(f"8B in bf16 (16 GB) at this rate: {16e9 / rate:.1f} s")
 
 

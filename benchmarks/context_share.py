@@ -52,9 +52,16 @@ def generate(model, ids, mask, cache, new_tokens):
     from forecastkv.modeling.modeling import CACHE_KWARG
 
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
-                             **{CACHE_KWARG: cache})  # no early end of sequence: equal lengths to compare
-    return out[:, ids.shape[1]:]
+        out = model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+            **{CACHE_KWARG: cache},
+        )  # no early end of sequence: equal lengths to compare
+    return out[:, ids.shape[1] :]
 
 
 def padded_batch(doc, questions):
@@ -66,13 +73,15 @@ def padded_batch(doc, questions):
     mask = torch.zeros_like(ids)
     ids[:, : doc.shape[1]], mask[:, : doc.shape[1]] = doc, 1
     for row, q in enumerate(questions):
-        ids[row, ids.shape[1] - q.shape[1]:], mask[row, ids.shape[1] - q.shape[1]:] = q, 1
+        ids[row, ids.shape[1] - q.shape[1] :], mask[row, ids.shape[1] - q.shape[1] :] = q, 1
     return ids, mask
 
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--length", type=int, default=8192, help="positions in all: document + the longest question + the answer")
+    parser.add_argument(
+        "--length", type=int, default=8192, help="positions in all: document + the longest question + the answer"
+    )
     parser.add_argument("--questions", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=4)
     parser.add_argument("--mode", default="sparse-offload")
@@ -121,10 +130,19 @@ def main(argv=None) -> dict:
     tokens_equal = bool(torch.equal(torch.cat(alone), batch_tokens) and torch.equal(single_tokens, alone[0]))
 
     result = {
-        "model": "smollm2-135m", "mode": args.mode, "document_tokens": doc.shape[1], "questions": args.questions,
-        "question_tokens": [q.shape[1] for q in questions], "new_tokens": args.new_tokens, "prefill_s": round(prefill_s, 2),
-        "one_sequence_host_bytes": one_bytes, "batch_host_bytes": batch_bytes, "ratio": batch_bytes / one_bytes,
-        "unshared_batch_host_bytes": args.questions * one_bytes, "batch_blocks": blocks, "tokens_equal": tokens_equal,
+        "model": "smollm2-135m",
+        "mode": args.mode,
+        "document_tokens": doc.shape[1],
+        "questions": args.questions,
+        "question_tokens": [q.shape[1] for q in questions],
+        "new_tokens": args.new_tokens,
+        "prefill_s": round(prefill_s, 2),
+        "one_sequence_host_bytes": one_bytes,
+        "batch_host_bytes": batch_bytes,
+        "ratio": batch_bytes / one_bytes,
+        "unshared_batch_host_bytes": args.questions * one_bytes,
+        "batch_blocks": blocks,
+        "tokens_equal": tokens_equal,
     }
     report = render(result)
     print(report)
@@ -138,23 +156,30 @@ def main(argv=None) -> dict:
 
 def render(r: dict) -> str:
     gib = 2**30
-    return "\n".join([
-        f"# One document, {r['questions']} questions: host bytes on the paged host tier",
-        "",
-        f"SmolLM2-135M ({r['mode']}, CPU), document of {r['document_tokens']} tokens prefilled once ({r['prefill_s']} s), "
-        f"questions of {min(r['question_tokens'])}-{max(r['question_tokens'])} tokens, {r['new_tokens']} new tokens each.",
-        "",
-        "| cache | host bytes | GiB | x one sequence |",
-        "|---|---:|---:|---:|",
-        f"| one sequence (document + one question, unshared) | {r['one_sequence_host_bytes']} | {r['one_sequence_host_bytes'] / gib:.3f} | 1.00 |",
-        f"| batch of {r['questions']} over the shared document (`fork_batch`) | {r['batch_host_bytes']} | {r['batch_host_bytes'] / gib:.3f} | {r['ratio']:.3f} |",
-        f"| {r['questions']} unshared sequences ({r['questions']} x one, computed) | {r['unshared_batch_host_bytes']} | "
-        f"{r['unshared_batch_host_bytes'] / gib:.3f} | {r['questions']:.2f} |",
-        "",
-        f"Batch blocks (all layers): {r['batch_blocks']}.  Tokens of the batch equal each question answered alone "
-        f"from a fork, and the unshared sequence's: {r['tokens_equal']}.",
-        "",
-    ])
+    return "\n".join(
+        [
+            f"# One document, {r['questions']} questions: host bytes on the paged host tier",
+            "",
+            f"SmolLM2-135M ({r['mode']}, CPU), document of {r['document_tokens']} tokens "
+            f"prefilled once ({r['prefill_s']} s), "
+            f"questions of {min(r['question_tokens'])}-{max(r['question_tokens'])} tokens, "
+            f"{r['new_tokens']} new tokens each.",
+            "",
+            "| cache | host bytes | GiB | x one sequence |",
+            "|---|---:|---:|---:|",
+            f"| one sequence (document + one question, unshared) | {r['one_sequence_host_bytes']} | "
+            f"{r['one_sequence_host_bytes'] / gib:.3f} | 1.00 |",
+            f"| batch of {r['questions']} over the shared document (`fork_batch`) | {r['batch_host_bytes']} | "
+            f"{r['batch_host_bytes'] / gib:.3f} | {r['ratio']:.3f} |",
+            f"| {r['questions']} unshared sequences ({r['questions']} x one, computed) | "
+            f"{r['unshared_batch_host_bytes']} | "
+            f"{r['unshared_batch_host_bytes'] / gib:.3f} | {r['questions']:.2f} |",
+            "",
+            f"Batch blocks (all layers): {r['batch_blocks']}.  Tokens of the batch equal each question answered alone "
+            f"from a fork, and the unshared sequence's: {r['tokens_equal']}.",
+            "",
+        ]
+    )
 
 
 if __name__ == "__main__":

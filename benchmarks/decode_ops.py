@@ -31,7 +31,9 @@ class Count(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops += 1
-        self.reads += str(func.overloadpacket) in READS or str(func).split(".")[0] + "." + str(func).split(".")[1] in READS
+        self.reads += (
+            str(func.overloadpacket) in READS or str(func).split(".")[0] + "." + str(func).split(".")[1] in READS
+        )
         return func(*args, **(kwargs or {}))
 
 
@@ -39,9 +41,24 @@ def build(policy: str):
     from forecastkv import ForecastKVConfig, ForecastKVForCausalLM
     from forecastkv.modeling.configuration import load_preset
 
-    sparse = {**load_preset({"infllmv2": "minicpm4.1-8b", "nosa": "nosa-8b"}[policy])["sparse_config"], "dense_len": 0, "selector": "forecast"}
-    config = ForecastKVConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=32, num_attention_heads=4, num_key_value_heads=2,
-                              max_position_embeddings=1024, sparse_config=sparse, forecast={"enabled": True}, bos_token_id=None, eos_token_id=None)
+    sparse = {
+        **load_preset({"infllmv2": "minicpm4.1-8b", "nosa": "nosa-8b"}[policy])["sparse_config"],
+        "dense_len": 0,
+        "selector": "forecast",
+    }
+    config = ForecastKVConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        sparse_config=sparse,
+        forecast={"enabled": True},
+        bos_token_id=None,
+        eos_token_id=None,
+    )
     torch.manual_seed(0)
     return ForecastKVForCausalLM(config).eval()
 
@@ -65,14 +82,22 @@ def measure(model, mode: str, prompt: int, steps: int) -> dict:
             ops.append(count.ops)
             reads.append(count.reads)
     later = slice(1, None)  # the first step may size buffers
-    return {"ops_per_step": statistics.mean(ops[later]), "reads_per_step": statistics.mean(reads[later]), "max_reads": max(reads[later])}
+    return {
+        "ops_per_step": statistics.mean(ops[later]),
+        "reads_per_step": statistics.mean(reads[later]),
+        "max_reads": max(reads[later]),
+    }
 
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--prompt", type=int, default=254)
-    parser.add_argument("--modes", nargs="+", default=["no-offload", "sparse-offload", "forecast-sync", "forecast-offload", "dense-offload"])
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        default=["no-offload", "sparse-offload", "forecast-sync", "forecast-offload", "dense-offload"],
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     rows = {}
@@ -80,7 +105,11 @@ def main(argv=None) -> dict:
         model = build(policy)
         for mode in args.modes:
             rows[f"{policy}/{mode}"] = measure(model, mode, args.prompt, args.steps)
-            print(f"{policy:9s} {mode:17s} aten ops/step {rows[f'{policy}/{mode}']['ops_per_step']:8.0f}  host reads/step {rows[f'{policy}/{mode}']['reads_per_step']:6.1f}", flush=True)
+            print(
+                f"{policy:9s} {mode:17s} aten ops/step {rows[f'{policy}/{mode}']['ops_per_step']:8.0f}  "
+                f"host reads/step {rows[f'{policy}/{mode}']['reads_per_step']:6.1f}",
+                flush=True,
+            )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)

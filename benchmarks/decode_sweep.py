@@ -1,9 +1,9 @@
 """Decode sweep: runtime modes x batch x context length, organised like SparDA's efficiency runs.
 
-    PYTHONPATH=. python benchmarks/decode_sweep.py --config cpu        # SmolLM2-135M-shaped, fp32, 1K-4K, batch 1-4
-    PYTHONPATH=. python benchmarks/decode_sweep.py --config gpu        # MiniCPM4.1-8B-shaped, bf16, 32K-128K, batch 1-64
+    PYTHONPATH=. python benchmarks/decode_sweep.py --config cpu  # SmolLM2-135M-shaped, fp32, 1K-4K, batch 1-4
+    PYTHONPATH=. python benchmarks/decode_sweep.py --config gpu  # MiniCPM4.1-8B-shaped, bf16, 32K-128K, batch 1-64
     PYTHONPATH=. python benchmarks/decode_sweep.py --config gpu-short  # what benchmarks/gpu_check.py runs
-    PYTHONPATH=. python benchmarks/decode_sweep.py --config tiny       # a dry run of the script (CPU, seconds)
+    PYTHONPATH=. python benchmarks/decode_sweep.py --config tiny  # a dry run of the script (CPU, seconds)
 
 Per (length, batch): prefill tokens/s of one forward over random token ids into a resident
 `SparseCache` and into an offloaded cache (`forecast-offload`: K/V written to host as it goes).
@@ -36,19 +36,38 @@ import time
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != HERE]  # benchmarks/kernels.py shadows HF's `kernels`
+# benchmarks/kernels.py shadows HF's `kernels`
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != HERE]
 sys.path.append(HERE)  # for offload_decode (appended: HF's `kernels` still wins)
 from offload_decode import MINICPM41_8B, gather_bandwidth, hidden_shares, is_oom, run_config, synchronize  # noqa: E402
 
 SMOLLM2_135M = dict(
-    vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-    num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5, initializer_range=0.02, max_position_embeddings=8192,
-    bos_token_id=None, eos_token_id=None, tie_word_embeddings=True,
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
+    rms_norm_eps=1e-5,
+    initializer_range=0.02,
+    max_position_embeddings=8192,
+    bos_token_id=None,
+    eos_token_id=None,
+    tie_word_embeddings=True,
 )
 TINY = dict(
-    vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=16, initializer_range=0.2, max_position_embeddings=4096,
-    bos_token_id=None, eos_token_id=None,
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    initializer_range=0.2,
+    max_position_embeddings=4096,
+    bos_token_id=None,
+    eos_token_id=None,
 )
 CONFIGS = {
     # name: (model shape, preset, dtype on that device, lengths, batches, budget seconds)
@@ -85,7 +104,11 @@ def prefill_rate(model, batch: int, length: int, mode: str | None, device: torch
     from forecastkv.modeling.modeling import CACHE_KWARG
 
     ids = torch.randint(0, model.config.vocab_size, (batch, length), device=device)
-    cache = SparseCache(model.config) if mode is None else OffloadedSparseCache.for_model(model, mode=mode, max_length=length + 1)
+    cache = (
+        SparseCache(model.config)
+        if mode is None
+        else OffloadedSparseCache.for_model(model, mode=mode, max_length=length + 1)
+    )
     synchronize(device)
     start = time.perf_counter()
     model(ids, logits_to_keep=1, **{CACHE_KWARG: cache})
@@ -140,10 +163,14 @@ def plot(results: dict, path: str) -> str:
     fig, axes = plt.subplots(2, len(lengths), figsize=(4.2 * len(lengths), 7), squeeze=False)
     for col, length in enumerate(lengths):
         for mode in modes:
-            ok = [r for r in results["decode"] if r["length"] == length and r["mode"] == mode and r.get("status") == "ok"]
+            ok = [
+                r for r in results["decode"] if r["length"] == length and r["mode"] == mode and r.get("status") == "ok"
+            ]
             if ok:
                 axes[0, col].plot([r["batch"] for r in ok], [r["tokens_per_s"] for r in ok], "o-", label=mode)
-                axes[1, col].plot([r["batch"] for r in ok], [r["h2d_bytes_per_step"] / 2**20 for r in ok], "o-", label=mode)
+                axes[1, col].plot(
+                    [r["batch"] for r in ok], [r["h2d_bytes_per_step"] / 2**20 for r in ok], "o-", label=mode
+                )
         axes[0, col].set_title(f"context {length // 1024}K tokens" if length >= 1024 else f"context {length} tokens")
         for row, label in ((0, "decode tokens/s"), (1, "H2D MiB per decode step")):
             ax = axes[row, col]
@@ -172,8 +199,13 @@ def summarize(results: dict) -> None:
     tokens/s and host syncs per step."""
     results["hidden_share"] = hidden_shares(results.get("decode", []))
     longest = max(results["lengths"])  # the goals are at the longest context
-    summary = {f"{tokens_label(longest)} b{e['batch']} {k}": round(v, 3) for e in results["hidden_share"]
-               if e["length"] == longest for k, v in e.items() if isinstance(v, float)}
+    summary = {
+        f"{tokens_label(longest)} b{e['batch']} {k}": round(v, 3)
+        for e in results["hidden_share"]
+        if e["length"] == longest
+        for k, v in e.items()
+        if isinstance(v, float)
+    }
     summary.update({k: round(v, 2) for k, v in results.get("gather", {}).items() if k.endswith("GBps")})
     for r in results.get("decode", []):
         if r.get("status") == "ok":
@@ -203,16 +235,41 @@ def main(argv=None) -> dict:
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--budget-s", type=float, default=None,
-                        help="no new (length, mode, batch) cell starts after this many seconds (default: the config's)")
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="no new (length, mode, batch) cell starts after this many seconds (default: the config's)",
+    )
     parser.add_argument("--no-prefill", action="store_true", help="do not time prefill (it runs last otherwise)")
-    parser.add_argument("--prefill-lengths", type=int, nargs="+", default=None, help="prefill cells at these lengths (default --lengths)")
-    parser.add_argument("--prefill-batches", type=int, nargs="+", default=None, help="prefill cells at these batches (default --batches)")
-    parser.add_argument("--prefill-budget-s", type=float, default=None,
-                        help="no prefill cell starts after this many seconds (default --budget-s); its first call may compile")
+    parser.add_argument(
+        "--prefill-lengths",
+        type=int,
+        nargs="+",
+        default=None,
+        help="prefill cells at these lengths (default --lengths)",
+    )
+    parser.add_argument(
+        "--prefill-batches",
+        type=int,
+        nargs="+",
+        default=None,
+        help="prefill cells at these batches (default --batches)",
+    )
+    parser.add_argument(
+        "--prefill-budget-s",
+        type=float,
+        default=None,
+        help="no prefill cell starts after this many seconds (default --budget-s); its first call may compile",
+    )
     parser.add_argument("--no-plot", action="store_true", help="write no PNG")
-    parser.add_argument("--out", "--json", dest="out", default=None,
-                        help="JSON path (the PNG goes beside it); default benchmarks/results/decode_sweep_<config>.json")
+    parser.add_argument(
+        "--out",
+        "--json",
+        dest="out",
+        default=None,
+        help="JSON path (the PNG goes beside it); default benchmarks/results/decode_sweep_<config>.json",
+    )
     args = parser.parse_args(argv)
     shape, preset, dtype, lengths, batches, budget = CONFIGS[args.config]
     lengths, batches, budget = args.lengths or lengths, args.batches or batches, args.budget_s or budget
@@ -223,12 +280,26 @@ def main(argv=None) -> dict:
 
     started = time.perf_counter()
     model = build_model(shape, preset, device, dtype)
-    name = f"{ {id(SMOLLM2_135M): 'SmolLM2-135M', id(MINICPM41_8B): 'MiniCPM4.1-8B'}.get(id(shape), 'tiny')}-shaped random {str(dtype).split('.')[-1]}, preset {preset}"
+    name = (
+        f"{ {id(SMOLLM2_135M): 'SmolLM2-135M', id(MINICPM41_8B): 'MiniCPM4.1-8B'}.get(id(shape), 'tiny') }-shaped "
+        f"random {str(dtype).split('.')[-1]}, preset {preset}"
+    )
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({os.cpu_count()} cores)"
-    print(f"{name} on {device_name}: lengths {lengths}, batches {batches}, modes {args.modes}, budget {budget:.0f} s", flush=True)
-    results = {"config": args.config, "model": name, "device": device_name, "lengths": lengths, "batches": batches,
-               "modes": args.modes, "budget_s": budget, "complete": False,
-               "command": "python benchmarks/decode_sweep.py " + " ".join(sys.argv[1:] if argv is None else argv)}
+    print(
+        f"{name} on {device_name}: lengths {lengths}, batches {batches}, modes {args.modes}, budget {budget:.0f} s",
+        flush=True,
+    )
+    results = {
+        "config": args.config,
+        "model": name,
+        "device": device_name,
+        "lengths": lengths,
+        "batches": batches,
+        "modes": args.modes,
+        "budget_s": budget,
+        "complete": False,
+        "command": "python benchmarks/decode_sweep.py " + " ".join(sys.argv[1:] if argv is None else argv),
+    }
     torch.manual_seed(0)
     grid = [{"length": n, "mode": m} for n in lengths for m in args.modes]
 
@@ -236,18 +307,36 @@ def main(argv=None) -> dict:
         def on_row(rows):
             results[key] = rows
             save(results, out, started)
+
         return on_row
 
-    results["decode"] = sweep(grid, batches, lambda length, mode, batch: run_config(model, mode, batch, length, args, device),
-                              started, budget, on_row=keep("decode"))
+    results["decode"] = sweep(
+        grid,
+        batches,
+        lambda length, mode, batch: run_config(model, mode, batch, length, args, device),
+        started,
+        budget,
+        on_row=keep("decode"),
+    )
     with torch.no_grad():
         results["gather"] = gather_bandwidth(device, dtype, tiny=device.type != "cuda")
     save(results, out, started)
     if not args.no_prefill:
-        caches = [{"length": n, "cache": c} for n in (args.prefill_lengths or lengths) for c in ("resident", "forecast-offload")]
-        results["prefill"] = sweep(caches, args.prefill_batches or batches, lambda length, cache, batch: prefill_rate(
-            model, batch, length, None if cache == "resident" else cache, device), started,
-            budget if args.prefill_budget_s is None else args.prefill_budget_s, on_row=keep("prefill"))
+        caches = [
+            {"length": n, "cache": c}
+            for n in (args.prefill_lengths or lengths)
+            for c in ("resident", "forecast-offload")
+        ]
+        results["prefill"] = sweep(
+            caches,
+            args.prefill_batches or batches,
+            lambda length, cache, batch: prefill_rate(
+                model, batch, length, None if cache == "resident" else cache, device
+            ),
+            started,
+            budget if args.prefill_budget_s is None else args.prefill_budget_s,
+            on_row=keep("prefill"),
+        )
     results["complete"] = True
     save(results, out, started)
     png = None
@@ -256,13 +345,18 @@ def main(argv=None) -> dict:
             png = plot(results, os.path.splitext(out)[0] + ".png")
         except ImportError as error:  # the JSON is written; a machine without matplotlib gets no PNG
             print(f"no PNG: {error}", flush=True)
-    print(f"\n{'length':>7} {'mode':<17} {'batch':>5} {'status':<22} {'tok/s':>9} {'H2D MiB/step':>13} {'syncs/step':>10}")
+    print(
+        f"\n{'length':>7} {'mode':<17} {'batch':>5} {'status':<22} {'tok/s':>9} {'H2D MiB/step':>13} {'syncs/step':>10}"
+    )
     for r in results["decode"]:
         ok = r.get("status") == "ok"
         syncs = r.get("syncs_per_step") if ok else None
-        print(f"{r['length']:>7} {r['mode']:<17} {r['batch']:>5} {r['status']:<22} "
-              f"{r['tokens_per_s'] if ok else float('nan'):>9.2f} {r['h2d_bytes_per_step'] / 2**20 if ok else float('nan'):>13.3f} "
-              f"{'-' if syncs is None else syncs:>10}")
+        print(
+            f"{r['length']:>7} {r['mode']:<17} {r['batch']:>5} {r['status']:<22} "
+            f"{r['tokens_per_s'] if ok else float('nan'):>9.2f} "
+            f"{r['h2d_bytes_per_step'] / 2**20 if ok else float('nan'):>13.3f} "
+            f"{'-' if syncs is None else syncs:>10}"
+        )
     for r in results.get("prefill", []):
         if r.get("status") == "ok":
             print(f"prefill {r['length']:>7} {r['cache']:<17} batch {r['batch']}: {r['tokens_per_s']:.0f} tokens/s")
@@ -270,7 +364,10 @@ def main(argv=None) -> dict:
         parts = [f"{k}={v:.3f}" for k, v in entry.items() if isinstance(v, float)]
         print(f"length {entry['length']} batch {entry['batch']}: {', '.join(parts) or 'n/a'}")
     g = results["gather"]
-    print(f"block gather {g['gather_GBps']:.2f} GB/s vs pinned copy {g['pinned_copy_GBps']:.2f} GB/s ({g['bytes'] / 2**20:.1f} MiB)")
+    print(
+        f"block gather {g['gather_GBps']:.2f} GB/s vs pinned copy {g['pinned_copy_GBps']:.2f} GB/s "
+        f"({g['bytes'] / 2**20:.1f} MiB)"
+    )
     print(f"wrote {out}{'' if png is None else f' and {png}'} ({results['seconds']:.0f} s)", flush=True)
     return results
 

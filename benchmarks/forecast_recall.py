@@ -49,7 +49,13 @@ def perplexity(model, sequences: torch.Tensor, selector: str) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from forecastkv.training.recall import BACKBONES, RecallProtocol, forecast_recall, heldout_sequences, resolve_geometry
+    from forecastkv.training.recall import (
+        BACKBONES,
+        RecallProtocol,
+        forecast_recall,
+        heldout_sequences,
+        resolve_geometry,
+    )
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--heads", nargs="+", required=True)
@@ -60,7 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--start", type=int, default=1024)
     parser.add_argument("--sequences", type=int, default=None)
     parser.add_argument("--backbone", default="dense", choices=BACKBONES)
-    parser.add_argument("--perplexity", action="store_true", help="instead of recall: perplexity forecast vs query (sparse backbone)")
+    parser.add_argument(
+        "--perplexity", action="store_true", help="instead of recall: perplexity forecast vs query (sparse backbone)"
+    )
     parser.add_argument("--out", default=None, help="write the Markdown table (and a .json beside it)")
     args = parser.parse_args(argv)
 
@@ -68,29 +76,54 @@ def main(argv: list[str] | None = None) -> int:
     protocol = RecallProtocol(length=args.length, start=args.start, sequences=args.sequences, backbone=args.backbone)
     lines, results = [], {}
     if args.perplexity:
-        lines += ["| heads | perplexity (query selector) | perplexity (forecast selector) | change |", "|---|---|---|---|"]
+        lines += [
+            "| heads | perplexity (query selector) | perplexity (forecast selector) | change |",
+            "|---|---|---|---|",
+        ]
     for spec in args.heads:
         model, tokenizer, _ = load_heads(spec, args.model, sparse)
         sequences = heldout_sequences(protocol, tokenizer)
         started = time.time()
         if args.perplexity:
             query, forecast = perplexity(model, sequences, "query"), perplexity(model, sequences, "forecast")
-            results[spec] = {"query": query, "forecast": forecast, "sequences": sequences.shape[0], "seconds": time.time() - started}
+            results[spec] = {
+                "query": query,
+                "forecast": forecast,
+                "sequences": sequences.shape[0],
+                "seconds": time.time() - started,
+            }
             lines.append(f"| {spec} | {query:.3f} | {forecast:.3f} | {100 * (forecast / query - 1):+.2f}% |")
         else:
             report = forecast_recall(model, sequences, args.start, args.backbone)
             results[spec] = {**report.to_dict(), "seconds": time.time() - started}
-        print(f"{spec}: {json.dumps({k: v for k, v in results[spec].items() if not isinstance(v, list)})}", file=sys.stderr)
+        print(
+            f"{spec}: {json.dumps({k: v for k, v in results[spec].items() if not isinstance(v, list)})}",
+            file=sys.stderr,
+        )
     if not args.perplexity:
         specs = list(results)
         lines += ["| layer | " + " | ".join(specs) + " | chance |", "|---" * (len(specs) + 2) + "|"]
         layers = len(next(iter(results.values()))["recall"])
         chance = next(iter(results.values()))["chance"]
         for layer in range(layers):
-            lines.append(f"| {layer} | " + " | ".join(f"{results[s]['recall'][layer]:.3f}" for s in specs) + f" | {chance[layer]:.3f} |")
-        lines.append("| mean (>= 1) | " + " | ".join(f"**{results[s]['mean_recall']:.3f}**" for s in specs) + f" | {results[specs[0]]['mean_chance']:.3f} |")
-    geometry = json.dumps({k: sparse[k] for k in ("kernel_size", "kernel_stride", "block_size", "init_blocks", "window_size", "topk")})
-    what = "sparse backbone, every next-token loss" if args.perplexity else f"rows t >= {args.start}, {args.backbone} backbone"
+            lines.append(
+                f"| {layer} | "
+                + " | ".join(f"{results[s]['recall'][layer]:.3f}" for s in specs)
+                + f" | {chance[layer]:.3f} |"
+            )
+        lines.append(
+            "| mean (>= 1) | "
+            + " | ".join(f"**{results[s]['mean_recall']:.3f}**" for s in specs)
+            + f" | {results[specs[0]]['mean_chance']:.3f} |"
+        )
+    geometry = json.dumps(
+        {k: sparse[k] for k in ("kernel_size", "kernel_stride", "block_size", "init_blocks", "window_size", "topk")}
+    )
+    what = (
+        "sparse backbone, every next-token loss"
+        if args.perplexity
+        else f"rows t >= {args.start}, {args.backbone} backbone"
+    )
     title = f"T = {args.length}, {what}, geometry {geometry}"
     table = title + "\n\n" + "\n".join(lines) + "\n"
     print(table)
@@ -98,7 +131,9 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(table)
-        out.with_suffix(".json").write_text(json.dumps({"protocol": protocol.__dict__, "sparse_config": sparse, "results": results}, indent=2))
+        out.with_suffix(".json").write_text(
+            json.dumps({"protocol": protocol.__dict__, "sparse_config": sparse, "results": results}, indent=2)
+        )
     return 0
 
 

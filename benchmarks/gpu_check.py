@@ -116,9 +116,23 @@ def budget_of(name: str, dry_run: bool) -> float:
     return next(dry if dry_run else gpu for n, gpu, dry in SECTIONS if n == name)
 
 
-def pytest_command(label: str, targets: list[str], out_dir: str, base: str, marker: str | None, extra=(), env=None) -> Command:
+def pytest_command(
+    label: str, targets: list[str], out_dir: str, base: str, marker: str | None, extra=(), env=None
+) -> Command:
     junit = os.path.join(out_dir, f"{base}.{slug(label)}.xml")
-    argv = [sys.executable, "-m", "pytest", *targets, "-q", "-rfE", "-p", "no:cacheprovider", "--junitxml", junit, *extra]
+    argv = [
+        sys.executable,
+        "-m",
+        "pytest",
+        *targets,
+        "-q",
+        "-rfE",
+        "-p",
+        "no:cacheprovider",
+        "--junitxml",
+        junit,
+        *extra,
+    ]
     if marker:
         argv += ["-m", marker]
     if importlib.util.find_spec("pytest_timeout") is not None:
@@ -147,48 +161,125 @@ def section_commands(name: str, out_dir: str, index: int, dry_run: bool) -> list
         if dry_run:  # a few tests of two files in Triton's interpreter, and the CUDA-only ones (skipped)
             env = {"TRITON_INTERPRET": "1"}
             return [
-                pytest_command("test_block_gather", ["tests/kernels/test_block_gather.py"], out_dir, base, None,
-                               ["-k", "reference_values or program_counts"], env),
-                pytest_command("test_sparse_decode", ["tests/kernels/test_sparse_decode.py"], out_dir, base, None,
-                               ["-k", "no_valid_key"], env),
+                pytest_command(
+                    "test_block_gather",
+                    ["tests/kernels/test_block_gather.py"],
+                    out_dir,
+                    base,
+                    None,
+                    ["-k", "reference_values or program_counts"],
+                    env,
+                ),
+                pytest_command(
+                    "test_sparse_decode",
+                    ["tests/kernels/test_sparse_decode.py"],
+                    out_dir,
+                    base,
+                    None,
+                    ["-k", "no_valid_key"],
+                    env,
+                ),
                 pytest_command("modeling-cuda", ["tests/modeling"], out_dir, base, "cuda", (), env),
             ]
         commands = []
         for path in sorted(glob.glob(os.path.join(ROOT, "tests", "kernels", "test_*.py"))):
             groups = test_shards(path, KERNEL_TEST_SHARDS)
             for i, group in enumerate(groups, 1):
-                label = os.path.splitext(os.path.basename(path))[0] + (f"-{i}of{len(groups)}" if len(groups) > 1 else "")
-                commands.append(pytest_command(label, [os.path.relpath(path, ROOT)], out_dir, base, "not slow", ["-k", " or ".join(group)]))
+                label = os.path.splitext(os.path.basename(path))[0] + (
+                    f"-{i}of{len(groups)}" if len(groups) > 1 else ""
+                )
+                commands.append(
+                    pytest_command(
+                        label, [os.path.relpath(path, ROOT)], out_dir, base, "not slow", ["-k", " or ".join(group)]
+                    )
+                )
         return commands + [pytest_command("modeling-cuda", ["tests/modeling"], out_dir, base, "cuda")]
     if name == "runtime parity":
         target = ["tests/inference/test_cuda_runtime.py"]
         if dry_run:  # the CUDA tests skip; the CPU check of the decode loop runs
             return [pytest_command("test_cuda_runtime", target, out_dir, base, None, env={"TRITON_INTERPRET": "1"})]
-        return [pytest_command(f"test_cuda_runtime-{policy}", target, out_dir, base, "cuda", ["-k", policy]) for policy in RUNTIME_SHARDS]
+        return [
+            pytest_command(f"test_cuda_runtime-{policy}", target, out_dir, base, "cuda", ["-k", policy])
+            for policy in RUNTIME_SHARDS
+        ]
     if name == "decode sweep":
         if dry_run:
-            size = ["--config", "tiny", "--lengths", "512", "--batches", "1", "--steps", "1", "--warmup", "1",
-                    "--prefill-lengths", "512", "--prefill-batches", "1", "--no-plot"]
+            size = [
+                "--config",
+                "tiny",
+                "--lengths",
+                "512",
+                "--batches",
+                "1",
+                "--steps",
+                "1",
+                "--warmup",
+                "1",
+                "--prefill-lengths",
+                "512",
+                "--prefill-batches",
+                "1",
+                "--no-plot",
+            ]
             inner, prefill = budget - DECODE_RESERVE_DRY_S, budget - DECODE_PREFILL_RESERVE_DRY_S
         else:
-            size = ["--config", "gpu-short", "--lengths", "32768", "131072", "--batches", "1", "4",
-                    "--prefill-lengths", "32768", "--prefill-batches", "1"]
+            size = [
+                "--config",
+                "gpu-short",
+                "--lengths",
+                "32768",
+                "131072",
+                "--batches",
+                "1",
+                "4",
+                "--prefill-lengths",
+                "32768",
+                "--prefill-batches",
+                "1",
+            ]
             inner, prefill = budget - DECODE_RESERVE_S, budget - DECODE_PREFILL_RESERVE_S
-        argv = [py, script("decode_sweep.py"), *size, "--modes", *DECODE_MODES, "--budget-s", f"{inner:.0f}",
-                "--prefill-budget-s", f"{prefill:.0f}", "--out", child]
+        argv = [
+            py,
+            script("decode_sweep.py"),
+            *size,
+            "--modes",
+            *DECODE_MODES,
+            "--budget-s",
+            f"{inner:.0f}",
+            "--prefill-budget-s",
+            f"{prefill:.0f}",
+            "--out",
+            child,
+        ]
         return [Command("decode_sweep", argv, child_json=child)]
     if name == "decode replay":
         # compiled decode steps (CUDA graphs: mode="reduce-overhead") against eager; a dry run traces only
-        size = ["--config", "tiny-eager", "--rounds", "1", "--steps", "1", "--warmup", "0", "--parity-steps", "1"] if dry_run else ["--config", "gpu"]
+        size = (
+            ["--config", "tiny-eager", "--rounds", "1", "--steps", "1", "--warmup", "0", "--parity-steps", "1"]
+            if dry_run
+            else ["--config", "gpu"]
+        )
         inner = budget - (REPLAY_RESERVE_DRY_S if dry_run else REPLAY_RESERVE_S)
-        return [Command("decode_compile", [py, script("decode_compile.py"), *size, "--budget-s", f"{inner:.0f}", "--out", child], child_json=child)]
+        return [
+            Command(
+                "decode_compile",
+                [py, script("decode_compile.py"), *size, "--budget-s", f"{inner:.0f}", "--out", child],
+                child_json=child,
+            )
+        ]
     if name == "kernel bench":
         size = ["--device", "cpu", "--batches", "1", "--reps", "2"] if dry_run else ["--reps", "10"]
         return [Command("kernels", [py, script("kernels.py"), *size, "--json", child], child_json=child)]
     if name == "prefill":
         inner = budget - (PREFILL_RESERVE_DRY_S if dry_run else PREFILL_RESERVE_S)
         size = ["--tiny"] if dry_run else ["--gpu-check"]
-        return [Command("prefill", [py, script("prefill.py"), *size, "--budget-s", f"{inner:.0f}", "--json", child], child_json=child)]
+        return [
+            Command(
+                "prefill",
+                [py, script("prefill.py"), *size, "--budget-s", f"{inner:.0f}", "--json", child],
+                child_json=child,
+            )
+        ]
     raise ValueError(f"unknown section {name!r}; sections: {SECTION_NAMES}")
 
 
@@ -238,6 +329,7 @@ def run_commands(commands: list[Command], log_path: str, timeout_s: float, echo_
     procs, pumps = [], []
     started = time.monotonic()
     with open(log_path, "a", encoding="utf-8") as log:
+
         def emit(text: str) -> None:
             with lock:
                 log.write(text if text.endswith("\n") else text + "\n")
@@ -254,23 +346,46 @@ def run_commands(commands: list[Command], log_path: str, timeout_s: float, echo_
             for command in commands:
                 prefix = f"[{command.label}] " if len(commands) > 1 else ""
                 emit(f"{prefix}$ {shlex.join(command.argv)}")
-                proc = subprocess.Popen(command.argv, cwd=ROOT, env=child_env(command.env), stdout=subprocess.PIPE,
-                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True, bufsize=1,
-                                        errors="replace", start_new_session=True)
+                proc = subprocess.Popen(
+                    command.argv,
+                    cwd=ROOT,
+                    env=child_env(command.env),
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    text=True,
+                    bufsize=1,
+                    errors="replace",
+                    start_new_session=True,
+                )
                 procs.append(proc)
-                results.append({"label": command.label, "argv": command.argv, "returncode": None, "seconds": None, "_t0": time.monotonic()})
+                results.append(
+                    {
+                        "label": command.label,
+                        "argv": command.argv,
+                        "returncode": None,
+                        "seconds": None,
+                        "_t0": time.monotonic(),
+                    }
+                )
                 thread = threading.Thread(target=pump, args=(proc, prefix), daemon=True)
                 thread.start()
                 pumps.append(thread)
             while True:
                 for proc, result in zip(procs, results):
                     if result["seconds"] is None and proc.poll() is not None:
-                        result["returncode"], result["seconds"] = proc.returncode, round(time.monotonic() - result["_t0"], 1)
+                        result["returncode"], result["seconds"] = (
+                            proc.returncode,
+                            round(time.monotonic() - result["_t0"], 1),
+                        )
                 if all(r["seconds"] is not None for r in results):
                     break
                 if time.monotonic() - started > timeout_s:
                     timed_out = True
-                    emit(f"[gpu_check] budget of {timeout_s:.0f} s spent: stopping {sum(r['seconds'] is None for r in results)} command(s)")
+                    emit(
+                        f"[gpu_check] budget of {timeout_s:.0f} s spent: "
+                        f"stopping {sum(r['seconds'] is None for r in results)} command(s)"
+                    )
                     break
                 time.sleep(0.2)
         finally:  # a timeout, or Interrupted / KeyboardInterrupt from the signal handler
@@ -285,8 +400,10 @@ def run_commands(commands: list[Command], log_path: str, timeout_s: float, echo_
             for result in results:
                 result.pop("_t0", None)
                 with lock:
-                    log.write(f"# {result['label']}: return code {result['returncode']}, {result['seconds']} s"
-                              f"{' (killed)' if result.get('killed') else ''}\n")
+                    log.write(
+                        f"# {result['label']}: return code {result['returncode']}, {result['seconds']} s"
+                        f"{' (killed)' if result.get('killed') else ''}\n"
+                    )
                     log.flush()
     return timed_out
 
@@ -299,10 +416,19 @@ def junit_counts(path: str) -> dict | None:
         return None
     suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
     counts = {key: sum(int(s.get(key, 0)) for s in suites) for key in ("tests", "failures", "errors", "skipped")}
-    failed = [f"{case.get('classname', '')}::{case.get('name', '')}" for case in root.iter("testcase")
-              if case.find("failure") is not None or case.find("error") is not None]
-    return {"tests": counts["tests"], "passed": counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"],
-            "failed": counts["failures"], "errors": counts["errors"], "skipped": counts["skipped"], "failed_tests": failed[:50]}
+    failed = [
+        f"{case.get('classname', '')}::{case.get('name', '')}"
+        for case in root.iter("testcase")
+        if case.find("failure") is not None or case.find("error") is not None
+    ]
+    return {
+        "tests": counts["tests"],
+        "passed": counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"],
+        "failed": counts["failures"],
+        "errors": counts["errors"],
+        "skipped": counts["skipped"],
+        "failed_tests": failed[:50],
+    }
 
 
 def read_child_json(path: str) -> dict | None:
@@ -326,7 +452,9 @@ def read_child_json(path: str) -> dict | None:
 
 def write_atomic(path: str, text: str) -> None:
     """A temporary file beside `path`, then os.replace: readers see the old file or the new one."""
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(
+        dir=os.path.dirname(os.path.abspath(path)), prefix=f".{os.path.basename(path)}.", suffix=".tmp"
+    )
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
@@ -361,24 +489,36 @@ info.update(torch=torch.__version__, cuda_version=torch.version.cuda, cuda_avail
 if info["cuda_available"]:
     props = torch.cuda.get_device_properties(0)
     info.update(device=torch.cuda.get_device_name(0), device_count=torch.cuda.device_count(),
-                capability=".".join(map(str, torch.cuda.get_device_capability(0))), device_memory_gib=round(props.total_memory / 2**30, 1))
+                capability=".".join(map(str, torch.cuda.get_device_capability(0))),
+                device_memory_gib=round(props.total_memory / 2**30, 1))
 else:
     info["device"] = "no CUDA device"
 print("PROBE " + json.dumps(info))
 """
     info: dict = {}
     try:
-        proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=child_env({}), capture_output=True, text=True, timeout=PROBE_TIMEOUT_S)
+        proc = subprocess.run(
+            [sys.executable, "-c", code],
+            cwd=ROOT,
+            env=child_env({}),
+            capture_output=True,
+            text=True,
+            timeout=PROBE_TIMEOUT_S,
+        )
         lines = [line for line in proc.stdout.splitlines() if line.startswith("PROBE ")]
         if lines:
-            info = json.loads(lines[-1][len("PROBE "):])
+            info = json.loads(lines[-1][len("PROBE ") :])
         else:
             info = {"probe_error": f"return code {proc.returncode}: {proc.stderr.strip()[-500:]}"}
     except subprocess.TimeoutExpired:
         info = {"probe_error": f"environment probe timed out after {PROBE_TIMEOUT_S} s"}
     try:
-        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=15)
+        smi = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=15,
+        )
         if smi.returncode == 0 and smi.stdout.strip():
             info["nvidia_smi"] = smi.stdout.strip().splitlines()
     except (OSError, subprocess.TimeoutExpired):
@@ -391,8 +531,10 @@ def machine_line(env: dict) -> str:
         return "(probing the environment)"
     if "probe_error" in env:
         return f"environment probe failed: {env['probe_error']}"
-    return (f"{env.get('device')} (CUDA {env.get('cuda_version')}), torch {env.get('torch')}, triton {env.get('triton')}, "
-            f"transformers {env.get('transformers')}, python {env.get('python')}, {env.get('cpu_count')} CPUs")
+    return (
+        f"{env.get('device')} (CUDA {env.get('cuda_version')}), torch {env.get('torch')}, triton {env.get('triton')}, "
+        f"transformers {env.get('transformers')}, python {env.get('python')}, {env.get('cpu_count')} CPUs"
+    )
 
 
 def detail(record: dict) -> str:
@@ -402,7 +544,10 @@ def detail(record: dict) -> str:
         parts.append(record["reason"])
     tests = record.get("tests")
     if tests:
-        parts.append(", ".join(f"{tests[k]} {k}" for k in ("passed", "failed", "errors", "skipped") if tests.get(k)) or "no tests")
+        parts.append(
+            ", ".join(f"{tests[k]} {k}" for k in ("passed", "failed", "errors", "skipped") if tests.get(k))
+            or "no tests"
+        )
     child = record.get("child")
     if child and child.get("summary") is not None:
         parts.append(f"{len(child['summary'])} headline numbers{'' if child.get('complete', True) else ' (partial)'}")
@@ -413,14 +558,24 @@ def detail(record: dict) -> str:
 
 
 def summary_markdown(summary: dict) -> str:
-    lines = [f"# GPU check {summary['date']}", "",
-             f"Machine: {summary['machine']}", "",
-             f"Command: `{summary['command']}`  ", f"Deadline {summary['deadline_s']:.0f} s, elapsed {summary['elapsed_s']:.0f} s"
-             f"{', dry run' if summary['dry_run'] else ''}; {summary['state']}", "",
-             "| # | section | status | seconds | budget | detail |", "|---|---|---|---|---|---|"]
+    lines = [
+        f"# GPU check {summary['date']}",
+        "",
+        f"Machine: {summary['machine']}",
+        "",
+        f"Command: `{summary['command']}`  ",
+        f"Deadline {summary['deadline_s']:.0f} s, elapsed {summary['elapsed_s']:.0f} s"
+        f"{', dry run' if summary['dry_run'] else ''}; {summary['state']}",
+        "",
+        "| # | section | status | seconds | budget | detail |",
+        "|---|---|---|---|---|---|",
+    ]
     for record in summary["sections"]:
         seconds = "" if record.get("seconds") is None else f"{record['seconds']:.0f}"
-        lines.append(f"| {record['index']} | {record['section']} | {record['status']} | {seconds} | {record['budget_s']:.0f} | {detail(record)} |")
+        lines.append(
+            f"| {record['index']} | {record['section']} | {record['status']} | {seconds} | "
+            f"{record['budget_s']:.0f} | {detail(record)} |"
+        )
     for record in summary["sections"]:
         child = record.get("child") or {}
         failed = (record.get("tests") or {}).get("failed_tests") or []
@@ -442,21 +597,38 @@ class Recorder:
         self.head = {
             "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
             "command": " ".join([os.path.relpath(os.path.abspath(sys.argv[0]), ROOT)] + sys.argv[1:]),
-            "dry_run": args.dry_run, "deadline_s": args.deadline_s, "environment": environment,
+            "dry_run": args.dry_run,
+            "deadline_s": args.deadline_s,
+            "environment": environment,
             "machine": machine_line(environment),
         }
         self.records = []
         for index, (name, gpu, dry) in enumerate(SECTIONS, 1):
             base = stem(index, name)
-            self.records.append({"index": index, "section": name, "status": "pending", "reason": None,
-                                 "budget_s": dry if args.dry_run else gpu, "seconds": None,
-                                 "log": f"{base}.log", "json": f"{base}.json", "notes": NOTES.get(name, {})})
+            self.records.append(
+                {
+                    "index": index,
+                    "section": name,
+                    "status": "pending",
+                    "reason": None,
+                    "budget_s": dry if args.dry_run else gpu,
+                    "seconds": None,
+                    "log": f"{base}.log",
+                    "json": f"{base}.json",
+                    "notes": NOTES.get(name, {}),
+                }
+            )
 
     def save(self, record: dict | None = None, state: str = "running") -> dict:
         # the summary first: whoever sees a section's JSON finished finds the summary saying so too
         ran = [r for r in self.records if r["status"] in DONE]
-        summary = {**self.head, "elapsed_s": round(time.monotonic() - self.started, 1), "state": state,
-                   "ok": all(r["status"] == "passed" for r in ran), "sections": self.records}
+        summary = {
+            **self.head,
+            "elapsed_s": round(time.monotonic() - self.started, 1),
+            "state": state,
+            "ok": all(r["status"] == "passed" for r in ran),
+            "sections": self.records,
+        }
         write_atomic(os.path.join(self.out_dir, "summary.json"), json.dumps(summary, indent=1) + "\n")
         write_atomic(os.path.join(self.out_dir, "summary.md"), summary_markdown(summary))
         if record is not None:
@@ -466,12 +638,17 @@ class Recorder:
 
 def run_section(record: dict, commands: list[Command], out_dir: str) -> None:
     """Run one section's commands and fill `record` (status, seconds, commands, tests, child)."""
-    record.update(status="running", started_at=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-                  commands=[{"label": c.label, "argv": c.argv} for c in commands])
+    record.update(
+        status="running",
+        started_at=datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        commands=[{"label": c.label, "argv": c.argv} for c in commands],
+    )
     t0 = time.monotonic()
     interrupted, results, timed_out = None, [], False
     try:
-        timed_out = run_commands(commands, os.path.join(out_dir, record["log"]), record["budget_s"], record["section"], results)
+        timed_out = run_commands(
+            commands, os.path.join(out_dir, record["log"]), record["budget_s"], record["section"], results
+        )
     except (Interrupted, KeyboardInterrupt) as error:
         interrupted = error
     record["seconds"] = round(time.monotonic() - t0, 1)
@@ -508,14 +685,33 @@ def why_not_run(name: str, budget_s: float, elapsed_s: float, deadline_s: float,
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="sections: " + "; ".join(f"{n} ({g:.0f} s, dry run {d:.0f} s)" for n, g, d in SECTIONS))
-    parser.add_argument("--out", required=True, help="directory for the logs, JSON and summary (created; files in it are overwritten)")
-    parser.add_argument("--deadline-s", type=float, default=DEFAULT_DEADLINE_S,
-                        help=f"no section starts unless its budget ends before this many seconds from the start (default {DEFAULT_DEADLINE_S:.0f})")
-    parser.add_argument("--dry-run", action="store_true", help="the CPU-runnable part of every section at tiny size (no CUDA needed)")
-    parser.add_argument("--sections", nargs="+", default=None, metavar="NAME",
-                        help="run only these sections (names or numbers); the others are recorded 'skipped: not selected'")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="sections: " + "; ".join(f"{n} ({g:.0f} s, dry run {d:.0f} s)" for n, g, d in SECTIONS),
+    )
+    parser.add_argument(
+        "--out", required=True, help="directory for the logs, JSON and summary (created; files in it are overwritten)"
+    )
+    parser.add_argument(
+        "--deadline-s",
+        type=float,
+        default=DEFAULT_DEADLINE_S,
+        help=(
+            "no section starts unless its budget ends before this many seconds from the start "
+            f"(default {DEFAULT_DEADLINE_S:.0f})"
+        ),
+    )
+    parser.add_argument(
+        "--dry-run", action="store_true", help="the CPU-runnable part of every section at tiny size (no CUDA needed)"
+    )
+    parser.add_argument(
+        "--sections",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="run only these sections (names or numbers); the others are recorded 'skipped: not selected'",
+    )
     args = parser.parse_args(argv)
     if args.sections is not None:
         chosen = set()
@@ -544,7 +740,11 @@ def main(argv=None) -> int:
     recorder.save(state="probing the environment")
     environment = probe_environment()
     recorder.head.update(environment=environment, machine=machine_line(environment))
-    print(f"== gpu_check: {recorder.head['machine']}; deadline {args.deadline_s:.0f} s{'; dry run' if args.dry_run else ''}; writing {out_dir}", flush=True)
+    print(
+        f"== gpu_check: {recorder.head['machine']}; deadline {args.deadline_s:.0f} s"
+        f"{'; dry run' if args.dry_run else ''}; writing {out_dir}",
+        flush=True,
+    )
     cuda = bool(environment.get("cuda_available"))
     recorder.save()
     state = "finished"
@@ -564,14 +764,20 @@ def main(argv=None) -> int:
             commands = section_commands(name, out_dir, record["index"], args.dry_run)
             print(f"== {record['index']}. {name} (budget {record['budget_s']:.0f} s, at {elapsed:.0f} s)", flush=True)
             with open(log, "w", encoding="utf-8") as f:
-                f.write(f"# {name}: started at {elapsed:.0f} s of a {args.deadline_s:.0f} s deadline, budget {record['budget_s']:.0f} s\n")
+                f.write(
+                    f"# {name}: started at {elapsed:.0f} s of a {args.deadline_s:.0f} s deadline, "
+                    f"budget {record['budget_s']:.0f} s\n"
+                )
             record.update(status="running")
             recorder.save(record)
             try:
                 run_section(record, commands, out_dir)
             finally:
                 recorder.save(record)
-            print(f"== {record['index']}. {name}: {record['status']} in {record['seconds']:.0f} s; {detail(record)}", flush=True)
+            print(
+                f"== {record['index']}. {name}: {record['status']} in {record['seconds']:.0f} s; {detail(record)}",
+                flush=True,
+            )
     except (Interrupted, KeyboardInterrupt) as error:
         state = f"stopped ({error or 'interrupt'})"
         print(f"== gpu_check stopped: {state}", flush=True)
@@ -579,7 +785,9 @@ def main(argv=None) -> int:
     print("\n" + summary_markdown(summary), flush=True)
     if state != "finished":
         return 143
-    print(f"total {summary['elapsed_s']:.0f} s: {'PASS' if summary['ok'] else 'FAIL'} (summary in {out_dir})", flush=True)
+    print(
+        f"total {summary['elapsed_s']:.0f} s: {'PASS' if summary['ok'] else 'FAIL'} (summary in {out_dir})", flush=True
+    )
     return 0 if summary["ok"] else 1
 
 

@@ -21,9 +21,19 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from train_memory import PeakSampler, rss_bytes  # noqa: E402
 
-SHAPE = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
-             num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=4096,
-             rms_norm_eps=1e-5, tie_word_embeddings=False, model_type="llama", architectures=["LlamaForCausalLM"])
+SHAPE = dict(
+    vocab_size=32000,
+    hidden_size=2048,
+    intermediate_size=5632,
+    num_hidden_layers=22,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+    model_type="llama",
+    architectures=["LlamaForCausalLM"],
+)
 
 
 def tensor_shapes(shape: dict) -> dict[str, tuple[int, ...]]:
@@ -33,12 +43,19 @@ def tensor_shapes(shape: dict) -> dict[str, tuple[int, ...]]:
     out = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,), "lm_head.weight": (v, h)}
     for layer in range(shape["num_hidden_layers"]):
         p = f"model.layers.{layer}."
-        out.update({
-            p + "self_attn.q_proj.weight": (h, h), p + "self_attn.k_proj.weight": (kv, h),
-            p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, h),
-            p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h), p + "mlp.down_proj.weight": (h, i),
-            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-        })
+        out.update(
+            {
+                p + "self_attn.q_proj.weight": (h, h),
+                p + "self_attn.k_proj.weight": (kv, h),
+                p + "self_attn.v_proj.weight": (kv, h),
+                p + "self_attn.o_proj.weight": (h, h),
+                p + "mlp.gate_proj.weight": (i, h),
+                p + "mlp.up_proj.weight": (i, h),
+                p + "mlp.down_proj.weight": (h, i),
+                p + "input_layernorm.weight": (h,),
+                p + "post_attention_layernorm.weight": (h,),
+            }
+        )
     return out
 
 
@@ -93,8 +110,12 @@ def load_once(directory: str) -> dict:
     sampler.running = False
     sampler.join()
     params = sum(p.numel() for p in model.parameters())
-    return {"seconds": seconds, "peak_bytes": sampler.peak - held, "params": params,
-            "model_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
+    return {
+        "seconds": seconds,
+        "peak_bytes": sampler.peak - held,
+        "params": params,
+        "model_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+    }
 
 
 def main() -> None:
@@ -107,14 +128,21 @@ def main() -> None:
         return
     start = time.perf_counter()
     total = write_checkpoint(args.dir)
-    print(f"checkpoint: {total / 2**30:.2f} GiB of bf16 tensors in {args.dir} (written in {time.perf_counter() - start:.0f} s)")
-    out = subprocess.run([sys.executable, __file__, "--dir", args.dir, "--load-only"], check=True, capture_output=True, text=True).stdout
+    print(
+        f"checkpoint: {total / 2**30:.2f} GiB of bf16 tensors in {args.dir} "
+        f"(written in {time.perf_counter() - start:.0f} s)"
+    )
+    out = subprocess.run(
+        [sys.executable, __file__, "--dir", args.dir, "--load-only"], check=True, capture_output=True, text=True
+    ).stdout
     result = json.loads(out.strip().splitlines()[-1])
     result["checkpoint_bytes"] = total
     result["peak_over_checkpoint"] = result["peak_bytes"] / total
     print(json.dumps(result))
-    print(f"loaded {result['params'] / 1e9:.2f} B parameters in {result['seconds']:.1f} s; "
-          f"peak RSS {result['peak_bytes'] / 2**30:.2f} GiB = {result['peak_over_checkpoint']:.2f} x the checkpoint")
+    print(
+        f"loaded {result['params'] / 1e9:.2f} B parameters in {result['seconds']:.1f} s; "
+        f"peak RSS {result['peak_bytes'] / 2**30:.2f} GiB = {result['peak_over_checkpoint']:.2f} x the checkpoint"
+    )
 
 
 if __name__ == "__main__":

@@ -7,9 +7,10 @@ the counters are the same on every device).
 The prompt is the held-out essays (repeated if too short) cut to `context - new_tokens` tokens, so
 the last step sees the whole context.  It is prefilled once; each mode's cache is filled from that
 prefill (`inference.fill.copy_into`) and decodes greedily.  The first decode step of each mode
-starts from an empty slot cache (a cold fill), as after a real prefill.  Forecast heads: `--forecast-weights` (trained) or the
-`next_query` init.  Prints, per mode: mean H2D bytes per decode step, the ratio to dense-offload,
-the block hit rate overall and per layer; writes the same as JSON with --out.
+starts from an empty slot cache (a cold fill), as after a real prefill.  Forecast heads:
+`--forecast-weights` (trained) or the `next_query` init.  Prints, per mode: mean H2D bytes per
+decode step, the ratio to dense-offload, the block hit rate overall and per layer; writes the same
+as JSON with --out.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ import time
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != HERE]  # benchmarks/kernels.py shadows HF's `kernels`
+# benchmarks/kernels.py shadows HF's `kernels`
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != HERE]
 
 
 def prompt_ids(tokenizer, length: int) -> torch.Tensor:
@@ -57,11 +59,23 @@ def main(argv=None) -> dict:
     path = bundled_model_path("smollm2-135m")
     tokenizer = AutoTokenizer.from_pretrained(path)
     forecast = None if args.forecast_weights else {"init": "next_query", "heads_per_group": 1}
-    model = ForecastKVForCausalLM.from_pretrained(path, sparse_config=args.preset, forecast=forecast, forecast_weights=args.forecast_weights)
+    model = ForecastKVForCausalLM.from_pretrained(
+        path, sparse_config=args.preset, forecast=forecast, forecast_weights=args.forecast_weights
+    )
     ids = prompt_ids(tokenizer, args.context - args.new_tokens)
     heads = "trained (" + args.forecast_weights + ")" if args.forecast_weights else "next_query init"
-    print(f"SmolLM2-135M, preset {args.preset}, forecast heads: {heads}; prompt {ids.shape[1]} tokens + {args.new_tokens} new", flush=True)
-    results = {"context": args.context, "prompt_tokens": ids.shape[1], "new_tokens": args.new_tokens, "heads": heads, "modes": {}}
+    print(
+        f"SmolLM2-135M, preset {args.preset}, forecast heads: {heads}; "
+        f"prompt {ids.shape[1]} tokens + {args.new_tokens} new",
+        flush=True,
+    )
+    results = {
+        "context": args.context,
+        "prompt_tokens": ids.shape[1],
+        "new_tokens": args.new_tokens,
+        "heads": heads,
+        "modes": {},
+    }
     # one prefill (resident cache), copied into each mode's cache: an 8K prompt is not re-run per mode
     start = time.perf_counter()
     prefilled = SparseCache(model.config, max_length=args.context)
@@ -88,8 +102,11 @@ def main(argv=None) -> dict:
         ratio = None if not dense else stats["h2d_bytes_per_step_steady"] / dense["h2d_bytes_per_step_steady"]
         stats["ratio_to_dense_offload"] = ratio
         rate = "-" if stats["hit_rate"] is None else f"{100 * stats['hit_rate']:.1f}%"
-        print(f"{mode:17s} {stats['h2d_bytes_per_step_mean'] / 2**20:9.3f} MiB  {stats['h2d_bytes_per_step_steady'] / 2**20:11.3f} MiB  "
-              f"{'' if ratio is None else f'{ratio:.4f}':>20s}             {rate}")
+        print(
+            f"{mode:17s} {stats['h2d_bytes_per_step_mean'] / 2**20:9.3f} MiB  "
+            f"{stats['h2d_bytes_per_step_steady'] / 2**20:11.3f} MiB  "
+            f"{'' if ratio is None else f'{ratio:.4f}':>20s}             {rate}"
+        )
     if args.out:
         tmp = args.out + ".tmp"
         with open(tmp, "w") as handle:

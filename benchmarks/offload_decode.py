@@ -24,16 +24,33 @@ import warnings
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != HERE]  # benchmarks/kernels.py shadows HF's `kernels`
+# benchmarks/kernels.py shadows HF's `kernels`
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != HERE]
 
 MINICPM41_8B = dict(
-    vocab_size=73448, hidden_size=4096, intermediate_size=16384, num_hidden_layers=32,
-    num_attention_heads=32, num_key_value_heads=2, head_dim=128, rms_norm_eps=1e-6, initializer_range=0.02,
-    max_position_embeddings=262144, bos_token_id=None, eos_token_id=None, tie_word_embeddings=False,
+    vocab_size=73448,
+    hidden_size=4096,
+    intermediate_size=16384,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=2,
+    head_dim=128,
+    rms_norm_eps=1e-6,
+    initializer_range=0.02,
+    max_position_embeddings=262144,
+    bos_token_id=None,
+    eos_token_id=None,
+    tie_word_embeddings=False,
 )
+
+
 def is_oom(error: BaseException) -> bool:
     text = str(error).lower()
-    return isinstance(error, (torch.cuda.OutOfMemoryError, MemoryError)) or "out of memory" in text or "could not pin" in text
+    return (
+        isinstance(error, (torch.cuda.OutOfMemoryError, MemoryError))
+        or "out of memory" in text
+        or "could not pin" in text
+    )
 
 
 def synchronize(device: torch.device) -> None:
@@ -76,11 +93,16 @@ def run_config(model, mode: str, batch: int, length: int, args, device) -> dict:
         synchronize(device)
         seconds = (time.perf_counter() - start) / args.steps
         stats = cache.stats()
-        steady = stats["h2d_bytes_per_step"][args.warmup:]
+        steady = stats["h2d_bytes_per_step"][args.warmup :]
         return {
-            "status": "ok", "step_s": seconds, "tokens_per_s": batch / seconds, "syncs_per_step": syncs,
-            "h2d_bytes_per_step": sum(steady) / len(steady) if steady else 0.0, "hit_rate": stats["hit_rate"],
-            "device_nbytes": stats["device_nbytes"], "host_nbytes": stats["host_nbytes"],
+            "status": "ok",
+            "step_s": seconds,
+            "tokens_per_s": batch / seconds,
+            "syncs_per_step": syncs,
+            "h2d_bytes_per_step": sum(steady) / len(steady) if steady else 0.0,
+            "hit_rate": stats["hit_rate"],
+            "device_nbytes": stats["device_nbytes"],
+            "host_nbytes": stats["host_nbytes"],
         }
     finally:
         cache = None  # free before the next config
@@ -102,7 +124,11 @@ def gather_bandwidth(device: torch.device, dtype: torch.dtype, tiny: bool) -> di
     k_slots = torch.empty(batch, slots * block, heads, dim, dtype=dtype, device=device)
     v_slots = torch.empty_like(k_slots)
     n_blocks = seq // block
-    ids = torch.stack([torch.randperm(n_blocks)[:slots] for _ in range(heads * batch)]).view(heads, batch, slots).to(device)
+    ids = (
+        torch.stack([torch.randperm(n_blocks)[:slots] for _ in range(heads * batch)])
+        .view(heads, batch, slots)
+        .to(device)
+    )
     nbytes = 2 * k_slots.numel() * k_slots.element_size()
     flat = torch.empty(nbytes // 2, dtype=torch.uint8, pin_memory=pin)
 
@@ -127,7 +153,12 @@ def hidden_shares(runs: list[dict]) -> list[dict]:
     shares = []
     for length, batch in sorted({(r["length"], r["batch"]) for r in runs}):
         get = lambda mode: by_key.get((length, batch, mode), {}).get("step_s")
-        base, sync, overlap, sparse = get("no-offload"), get("forecast-sync"), get("forecast-offload"), get("sparse-offload")
+        base, sync, overlap, sparse = (
+            get("no-offload"),
+            get("forecast-sync"),
+            get("forecast-offload"),
+            get("sparse-offload"),
+        )
         entry = {"length": length, "batch": batch}
         if None not in (base, sync, overlap) and sync > base:
             entry["hidden_fetch_share"] = 1.0 - (overlap - base) / (sync - base)

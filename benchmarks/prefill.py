@@ -17,9 +17,10 @@ calls it (`--gpu-check --json PATH [--budget-s S]`).  Dense prefill there is fla
 installed, else SDPA; sparse is FlexAttention (compiled once per shape bucket: the warm-up runs
 the full length) with the fused stage-1 kernel, in query chunks of GPU_QUERY_CHUNK rows.  Each row
 also reports the selection share of sparse prefill time (`selection_share`, from the phase run),
-whether the fused stage-1 kernel ran, and the shapes for which FlexAttention fell back to eager.  Both modes return only the last position's logits
-(a prefill needs no more).  `--json` is rewritten (atomically) after every length, so a killed run
-keeps the lengths it finished; with `--budget-s` no length starts after that many seconds.
+whether the fused stage-1 kernel ran, and the shapes for which FlexAttention fell back to eager.
+Both modes return only the last position's logits (a prefill needs no more).  `--json` is rewritten
+(atomically) after every length, so a killed run keeps the lengths it finished; with `--budget-s`
+no length starts after that many seconds.
 `--tiny`: the same comparison on tiny random models on the CPU (a dry run of the GPU path, seconds).
 """
 
@@ -38,9 +39,16 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from train_memory import PeakSampler, rss_bytes  # noqa: E402
 
 MINICPM_SHAPE = dict(
-    vocab_size=73448, hidden_size=4096, intermediate_size=16384, num_attention_heads=32,
-    num_key_value_heads=2, head_dim=128, rms_norm_eps=1e-6, max_position_embeddings=131072 + 1024,
-    bos_token_id=None, eos_token_id=None,
+    vocab_size=73448,
+    hidden_size=4096,
+    intermediate_size=16384,
+    num_attention_heads=32,
+    num_key_value_heads=2,
+    head_dim=128,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=131072 + 1024,
+    bos_token_id=None,
+    eos_token_id=None,
 )
 
 
@@ -98,8 +106,13 @@ def cpu_memory(mode: str, length: int, threads: int, chunk: int = 0) -> dict:
     _, logits = timed_prefill(model, ids)
     sampler.running = False
     sampler.join()
-    return {"mode": mode, "length": length, "prefill_chunk": chunk, "peak_mib": (sampler.peak - held) / 2**20,
-            "next_token": int(logits[0, -1].argmax())}
+    return {
+        "mode": mode,
+        "length": length,
+        "prefill_chunk": chunk,
+        "peak_mib": (sampler.peak - held) / 2**20,
+        "next_token": int(logits[0, -1].argmax()),
+    }
 
 
 def run_chunked_memory(lengths: list[int], threads: int, chunk: int) -> list[dict]:
@@ -108,13 +121,31 @@ def run_chunked_memory(lengths: list[int], threads: int, chunk: int) -> list[dic
     for length in lengths:
         pair = []
         for rows_per_call in (0, chunk):
-            cmd = [sys.executable, __file__, "--one", "sparse", str(length), "--threads", str(threads), "--chunk", str(rows_per_call)]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--one",
+                "sparse",
+                str(length),
+                "--threads",
+                str(threads),
+                "--chunk",
+                str(rows_per_call),
+            ]
             out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
             pair.append(json.loads(out.strip().splitlines()[-1]))
             print(json.dumps(pair[-1]), flush=True)
         one, chunked = pair
-        rows.append({"length": length, "prefill_chunk": chunk, "one_call_peak_mib": one["peak_mib"], "chunked_peak_mib": chunked["peak_mib"],
-                     "memory_ratio": chunked["peak_mib"] / max(one["peak_mib"], 1e-9), "same_next_token": one["next_token"] == chunked["next_token"]})
+        rows.append(
+            {
+                "length": length,
+                "prefill_chunk": chunk,
+                "one_call_peak_mib": one["peak_mib"],
+                "chunked_peak_mib": chunked["peak_mib"],
+                "memory_ratio": chunked["peak_mib"] / max(one["peak_mib"], 1e-9),
+                "same_next_token": one["next_token"] == chunked["next_token"],
+            }
+        )
     return rows
 
 
@@ -158,12 +189,17 @@ def ratios(rows: list[dict]) -> list[dict]:
     out = []
     for length in sorted({r["length"] for r in rows}):
         dense, sparse = by[("dense", length)], by[("sparse", length)]
-        out.append({
-            "length": length, "dense_s": dense["seconds"], "sparse_s": sparse["seconds"],
-            "time_ratio": sparse["seconds"] / dense["seconds"],
-            "dense_peak_mib": dense["peak_mib"], "sparse_peak_mib": sparse["peak_mib"],
-            "memory_ratio": sparse["peak_mib"] / max(dense["peak_mib"], 1e-9),
-        })
+        out.append(
+            {
+                "length": length,
+                "dense_s": dense["seconds"],
+                "sparse_s": sparse["seconds"],
+                "time_ratio": sparse["seconds"] / dense["seconds"],
+                "dense_peak_mib": dense["peak_mib"],
+                "sparse_peak_mib": sparse["peak_mib"],
+                "memory_ratio": sparse["peak_mib"] / max(dense["peak_mib"], 1e-9),
+            }
+        )
     return out
 
 
@@ -184,8 +220,13 @@ def minicpm_shaped_model(sparse: bool, num_layers: int, device, dtype, query_chu
 
     from forecastkv import ForecastKVConfig, ForecastKVForCausalLM
 
-    config = ForecastKVConfig(**MINICPM_SHAPE, num_hidden_layers=num_layers, initializer_range=0.02,
-                              sparse_config="minicpm4.1-8b" if sparse else None, query_chunk_size=query_chunk_size)
+    config = ForecastKVConfig(
+        **MINICPM_SHAPE,
+        num_hidden_layers=num_layers,
+        initializer_range=0.02,
+        sparse_config="minicpm4.1-8b" if sparse else None,
+        query_chunk_size=query_chunk_size,
+    )
     with torch.device(device):
         model = ForecastKVForCausalLM(config)
     return model.to(dtype).eval()
@@ -237,8 +278,16 @@ def phase_times(device):
             setattr(target, name, original)
 
 
-def prefill_comparison(dense, sparse, lengths, vocab_size: int, repeats: int = 2, warmup_length: int | None = None,
-                       on_row=None, budget_s: float | None = None) -> list[dict]:
+def prefill_comparison(
+    dense,
+    sparse,
+    lengths,
+    vocab_size: int,
+    repeats: int = 2,
+    warmup_length: int | None = None,
+    on_row=None,
+    budget_s: float | None = None,
+) -> list[dict]:
     """Time dense vs sparse prefill of random prompts on the models' device (same weights).
 
     Per length: dense_s, sparse_s (best of `repeats`, after a warm-up of `warmup_length` rows,
@@ -267,11 +316,17 @@ def prefill_comparison(dense, sparse, lengths, vocab_size: int, repeats: int = 2
                 on_row(results)
             continue
         ids = torch.randint(0, vocab_size, (1, length), device=device)
-        row = {"length": length, "num_layers": dense.config.num_hidden_layers, "query_chunk_size": sparse.config.query_chunk_size,
-               "stage1_kernel": kernels.use_stage1_kernel(device), "flex": prefill.use_flex(ids.new_empty((1, length, 1, 1)))}
+        row = {
+            "length": length,
+            "num_layers": dense.config.num_hidden_layers,
+            "query_chunk_size": sparse.config.query_chunk_size,
+            "stage1_kernel": kernels.use_stage1_kernel(device),
+            "flex": prefill.use_flex(ids.new_empty((1, length, 1, 1))),
+        }
         fallbacks_before = len(prefill.FLEX_FALLBACKS)
         for name, model in (("dense", dense), ("sparse", sparse)):
-            timed_prefill(model, ids if warmup_length is None else ids[:, : min(length, warmup_length)])  # warm-up / compile
+            # warm-up / compile
+            timed_prefill(model, ids if warmup_length is None else ids[:, : min(length, warmup_length)])
             if device.type == "cuda":
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
@@ -294,8 +349,14 @@ def prefill_comparison(dense, sparse, lengths, vocab_size: int, repeats: int = 2
     return results
 
 
-def gpu_prefill_comparison(lengths=(32768, 131072), num_layers: int = 4, repeats: int = 2, seed: int = 0,
-                           on_row=None, budget_s: float | None = None) -> list[dict]:
+def gpu_prefill_comparison(
+    lengths=(32768, 131072),
+    num_layers: int = 4,
+    repeats: int = 2,
+    seed: int = 0,
+    on_row=None,
+    budget_s: float | None = None,
+) -> list[dict]:
     """Dense vs block-sparse prefill on CUDA with MiniCPM4.1-8B-shaped layers (random weights,
     bf16, `num_layers` layers), the `minicpm4.1-8b` preset (96 blocks of 64) against dense.
 
@@ -310,14 +371,34 @@ def gpu_prefill_comparison(lengths=(32768, 131072), num_layers: int = 4, repeats
     dense = minicpm_shaped_model(False, num_layers, "cuda", torch.bfloat16)
     sparse = minicpm_shaped_model(True, num_layers, "cuda", torch.bfloat16, query_chunk_size=GPU_QUERY_CHUNK)
     sparse.load_state_dict(dense.state_dict())
-    return prefill_comparison(dense, sparse, lengths, MINICPM_SHAPE["vocab_size"], repeats, on_row=on_row, budget_s=budget_s)
+    return prefill_comparison(
+        dense, sparse, lengths, MINICPM_SHAPE["vocab_size"], repeats, on_row=on_row, budget_s=budget_s
+    )
 
 
 TINY_SHAPE = dict(
-    vocab_size=128, hidden_size=96, intermediate_size=128, num_hidden_layers=2, num_attention_heads=6,
-    num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.3, bos_token_id=None, eos_token_id=None,
+    vocab_size=128,
+    hidden_size=96,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=6,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    initializer_range=0.3,
+    bos_token_id=None,
+    eos_token_id=None,
 )
-TINY_SPARSE = dict(policy="infllmv2", kernel_size=4, kernel_stride=2, block_size=8, init_blocks=1, window_size=8, topk=3, dense_len=0, query_blocks=1)
+TINY_SPARSE = dict(
+    policy="infllmv2",
+    kernel_size=4,
+    kernel_stride=2,
+    block_size=8,
+    init_blocks=1,
+    window_size=8,
+    topk=3,
+    dense_len=0,
+    query_blocks=1,
+)
 
 
 def tiny_prefill_comparison(lengths=(128, 256), on_row=None, budget_s: float | None = None) -> list[dict]:
@@ -331,8 +412,9 @@ def tiny_prefill_comparison(lengths=(128, 256), on_row=None, budget_s: float | N
     dense = ForecastKVForCausalLM(ForecastKVConfig(**TINY_SHAPE)).eval()
     sparse = ForecastKVForCausalLM(ForecastKVConfig(**TINY_SHAPE, sparse_config=TINY_SPARSE)).eval()
     sparse.load_state_dict(dense.state_dict(), strict=False)
-    return prefill_comparison(dense, sparse, lengths, TINY_SHAPE["vocab_size"], repeats=1, warmup_length=32,
-                              on_row=on_row, budget_s=budget_s)
+    return prefill_comparison(
+        dense, sparse, lengths, TINY_SHAPE["vocab_size"], repeats=1, warmup_length=32, on_row=on_row, budget_s=budget_s
+    )
 
 
 # the issue's goals at 128K on MiniCPM4.1-8B-shaped weights (checked per length in the summary)
@@ -356,8 +438,11 @@ def write_rows(path: str, rows: list[dict], complete: bool) -> None:
         summary[f"speedup_{tag}"] = round(row["speedup"], 3)
         summary[f"selection_share_{tag}"] = round(row["selection_share"], 3)
         summary[f"flex_fallbacks_{tag}"] = len(row["flex_fallbacks"])
-        summary[f"goals_met_{tag}"] = (row["speedup"] >= GOAL_SPEEDUP and row["selection_share"] <= GOAL_SELECTION_SHARE
-                                       and not row["flex_fallbacks"])
+        summary[f"goals_met_{tag}"] = (
+            row["speedup"] >= GOAL_SPEEDUP
+            and row["selection_share"] <= GOAL_SELECTION_SHARE
+            and not row["flex_fallbacks"]
+        )
     write_text_atomic(path, json.dumps({"rows": rows, "summary": summary, "complete": complete}, indent=1))
 
 
@@ -367,13 +452,32 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2, help="timed runs per mode and length (best kept)")
     parser.add_argument("--gpu", action="store_true", help="run gpu_prefill_comparison at --lengths instead")
-    parser.add_argument("--gpu-check", action="store_true", help="gpu_check.py's section: the GPU comparison at 128K, then 32K")
-    parser.add_argument("--tiny", action="store_true", help="the comparison on tiny random models on the CPU (a dry run of --gpu-check)")
-    parser.add_argument("--budget-s", type=float, default=None, help="with --gpu / --gpu-check / --tiny: no length starts after this many seconds")
-    parser.add_argument("--json", "--out", dest="json", default=None,
-                        help="with --gpu / --gpu-check / --tiny: write rows and a summary here (after every length)")
-    parser.add_argument("--chunked-memory", type=int, default=None, metavar="ROWS",
-                        help="sparse prefill peak RSS: one call against ROWS rows per forward call (prefill_chunk)")
+    parser.add_argument(
+        "--gpu-check", action="store_true", help="gpu_check.py's section: the GPU comparison at 128K, then 32K"
+    )
+    parser.add_argument(
+        "--tiny", action="store_true", help="the comparison on tiny random models on the CPU (a dry run of --gpu-check)"
+    )
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="with --gpu / --gpu-check / --tiny: no length starts after this many seconds",
+    )
+    parser.add_argument(
+        "--json",
+        "--out",
+        dest="json",
+        default=None,
+        help="with --gpu / --gpu-check / --tiny: write rows and a summary here (after every length)",
+    )
+    parser.add_argument(
+        "--chunked-memory",
+        type=int,
+        default=None,
+        metavar="ROWS",
+        help="sparse prefill peak RSS: one call against ROWS rows per forward call (prefill_chunk)",
+    )
     parser.add_argument("--one", nargs=2, metavar=("MODE", "LENGTH"), help=argparse.SUPPRESS)
     parser.add_argument("--chunk", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -381,13 +485,18 @@ def main() -> None:
         print(json.dumps(cpu_memory(args.one[0], int(args.one[1]), args.threads, args.chunk)))
         return
     if args.chunked_memory:
-        print("\n| length | rows per call | one call peak MiB | chunked peak MiB | chunked / one call | same next token |")
+        print(
+            "\n| length | rows per call | one call peak MiB | chunked peak MiB | chunked / one call | same next token |"
+        )
         print("|---|---|---|---|---|---|")
         for r in run_chunked_memory(args.lengths, args.threads, args.chunked_memory):
-            print(f"| {r['length']} | {r['prefill_chunk']} | {r['one_call_peak_mib']:.0f} | {r['chunked_peak_mib']:.0f} | "
-                  f"{r['memory_ratio']:.2f} | {r['same_next_token']} |")
+            print(
+                f"| {r['length']} | {r['prefill_chunk']} | {r['one_call_peak_mib']:.0f} | "
+                f"{r['chunked_peak_mib']:.0f} | {r['memory_ratio']:.2f} | {r['same_next_token']} |"
+            )
         return
     if args.gpu or args.gpu_check or args.tiny:
+
         def on_row(rows):
             print(json.dumps(rows[-1]), flush=True)
             if args.json:
@@ -402,11 +511,15 @@ def main() -> None:
             write_rows(args.json, rows, complete=True)
         return
     rows = run_cpu(args.lengths, args.threads, args.repeats)
-    print("\n| length | dense s | sparse s | sparse/dense time | dense peak MiB | sparse peak MiB | sparse/dense memory |")
+    print(
+        "\n| length | dense s | sparse s | sparse/dense time | dense peak MiB | sparse peak MiB | sparse/dense memory |"
+    )
     print("|---|---|---|---|---|---|---|")
     for r in ratios(rows):
-        print(f"| {r['length']} | {r['dense_s']:.2f} | {r['sparse_s']:.2f} | {r['time_ratio']:.2f} | "
-              f"{r['dense_peak_mib']:.0f} | {r['sparse_peak_mib']:.0f} | {r['memory_ratio']:.2f} |")
+        print(
+            f"| {r['length']} | {r['dense_s']:.2f} | {r['sparse_s']:.2f} | {r['time_ratio']:.2f} | "
+            f"{r['dense_peak_mib']:.0f} | {r['sparse_peak_mib']:.0f} | {r['memory_ratio']:.2f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -46,8 +46,8 @@ def key_block_major_attention(q, keys, values, bias, positions, masks, block_siz
             block_of_pair, row_of_pair = masks[b, h].t().nonzero(as_tuple=True)  # by block, rows ascending
             pairs = row_of_pair.numel()
             partial = q.new_empty(pairs, group, dim)  # per (row, block): unnormalised output,
-            peak = q.new_empty(pairs, group)          # its max logit
-            mass = q.new_empty(pairs, group)          # and its sum of exp(logit - max)
+            peak = q.new_empty(pairs, group)  # its max logit
+            mass = q.new_empty(pairs, group)  # and its sum of exp(logit - max)
             pair_pos = positions[b].index_select(0, row_of_pair)
             start = 0
             for j, n in enumerate(torch.bincount(block_of_pair, minlength=n_blocks).tolist()):
@@ -68,10 +68,15 @@ def key_block_major_attention(q, keys, values, bias, positions, masks, block_siz
                 torch.amax(s, 1, keepdim=True, out=top)
                 s.sub_(top).exp_()
                 torch.sum(s, 1, keepdim=True, out=mass[start:end].view(n * group, 1))
-                torch.mm(s, values[b, j * block_size : j * block_size + width, h], out=partial[start:end].view(n * group, dim))
+                torch.mm(
+                    s,
+                    values[b, j * block_size : j * block_size + width, h],
+                    out=partial[start:end].view(n * group, dim),
+                )
                 start = end
             row_peak = torch.full((rows, group), float("-inf")).scatter_reduce_(
-                0, row_of_pair[:, None].expand(-1, group), peak, "amax")
+                0, row_of_pair[:, None].expand(-1, group), peak, "amax"
+            )
             weight = (peak - row_peak.index_select(0, row_of_pair)).exp_()
             denom = torch.zeros(rows, group).index_add_(0, row_of_pair, weight * mass)
             total = torch.zeros(rows, group, dim).index_add_(0, row_of_pair, partial.mul_(weight.unsqueeze(-1)))
@@ -109,8 +114,12 @@ def capture_layer(length: int, layer: int) -> dict:
         attention.chunked_sparse_attention, attention.SparseAttention._attend_chunks = original, original_attend
     first = captured[0]
     return {
-        "q": torch.cat([c[0] for c in captured], 1), "keys": first[1], "values": first[2], "bias": first[3],
-        "positions": torch.cat([c[4] for c in captured], 1), "masks": torch.cat([c[5] for c in captured], 2),
+        "q": torch.cat([c[0] for c in captured], 1),
+        "keys": first[1],
+        "values": first[2],
+        "bias": first[3],
+        "positions": torch.cat([c[4] for c in captured], 1),
+        "masks": torch.cat([c[5] for c in captured], 2),
         "block_size": model.config.sparse.block_size,
     }
 
@@ -126,19 +135,31 @@ def main() -> None:
     from forecastkv.modeling import prefill
 
     c = capture_layer(args.length, args.layer)
-    q, keys, values, bias, positions, masks, bs = (c[k] for k in ("q", "keys", "values", "bias", "positions", "masks", "block_size"))
+    q, keys, values, bias, positions, masks, bs = (
+        c[k] for k in ("q", "keys", "values", "bias", "positions", "masks", "block_size")
+    )
     blocks = tuple(None if x is None else prefill.block_layout(x, bs) for x in (keys, values, bias))
     visible = masks & (torch.arange(masks.shape[-1]) <= (positions // bs)[:, None, :, None])
     tiles = visible[:, :, : visible.shape[2] // bs * bs].unflatten(2, (-1, bs))  # [B, H, tiles, bs, NB]
-    print(json.dumps({"blocks_per_row": round(visible.sum(-1).float().mean().item(), 2),
-                      "tile_union": round(tiles.any(3).sum(-1).float().mean().item(), 2),
-                      "tile_shared": round(tiles.all(3).sum(-1).float().mean().item(), 2)}))
+    print(
+        json.dumps(
+            {
+                "blocks_per_row": round(visible.sum(-1).float().mean().item(), 2),
+                "tile_union": round(tiles.any(3).sum(-1).float().mean().item(), 2),
+                "tile_shared": round(tiles.all(3).sum(-1).float().mean().item(), 2),
+            }
+        )
+    )
 
     def union():  # as the model calls it: CHUNKED_ATTENTION_ROWS rows per call
         step, parts = prefill.CHUNKED_ATTENTION_ROWS, []
         for first in range(0, q.shape[1], step):
             r = slice(first, first + step)
-            parts.append(prefill.chunked_sparse_attention(q[:, r], keys, values, bias, positions[:, r], masks[:, :, r], bs, blocks))
+            parts.append(
+                prefill.chunked_sparse_attention(
+                    q[:, r], keys, values, bias, positions[:, r], masks[:, :, r], bs, blocks
+                )
+            )
         return torch.cat(parts, 1)
 
     def exact():

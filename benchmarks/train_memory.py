@@ -47,7 +47,9 @@ def one(model_spec: str, length: int, chunk: int, rows: int = 512, steps: int = 
     from forecastkv.training.trainer import build_model, freeze_base, load_recipe
 
     torch.manual_seed(0)
-    recipe = load_recipe({"model": {"path": model_spec, "sparse_config": "smollm2-135m", "forecast": {"init": "kaiming"}}})
+    recipe = load_recipe(
+        {"model": {"path": model_spec, "sparse_config": "smollm2-135m", "forecast": {"init": "kaiming"}}}
+    )
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model, _ = build_model(recipe["model"], device)
     freeze_base(model)
@@ -77,13 +79,24 @@ def one(model_spec: str, length: int, chunk: int, rows: int = 512, steps: int = 
         peak = sampler.peak
     start = time.time()
     for _ in range(steps):
-        total = sum(rows_kl(head_vectors(model, feats, m), feats.ckeys[m], feats.positions, feats.teachers[m], sparse, "full")
-                    for m in range(model.config.num_hidden_layers))
+        total = sum(
+            rows_kl(head_vectors(model, feats, m), feats.ckeys[m], feats.positions, feats.teachers[m], sparse, "full")
+            for m in range(model.config.num_hidden_layers)
+        )
         total.backward()
     step_s = (time.time() - start) / steps
-    return {"length": length, "chunk": chunk or length, "device": device.type, "build_peak_mib": (peak - before) / 2**20,
-            "cache_mib": feats.nbytes() / 2**20, "held_before_mib": before / 2**20, "build_s": build_s, "step_s": step_s,
-            "rows": picked.numel(), "loss": float(total)}
+    return {
+        "length": length,
+        "chunk": chunk or length,
+        "device": device.type,
+        "build_peak_mib": (peak - before) / 2**20,
+        "cache_mib": feats.nbytes() / 2**20,
+        "held_before_mib": before / 2**20,
+        "build_s": build_s,
+        "step_s": step_s,
+        "rows": picked.numel(),
+        "loss": float(total),
+    }
 
 
 def main(argv=None) -> int:
@@ -106,13 +119,22 @@ def main(argv=None) -> int:
                 return 1
             rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
             r = rows[-1]
-            print(f"T={r['length']:6d} chunk={r['chunk']:6d} {r['device']}: build peak +{r['build_peak_mib']:8.1f} MiB "
-                  f"(model etc. {r['held_before_mib']:.0f} MiB held before), cache {r['cache_mib']:.1f} MiB, "
-                  f"build {r['build_s']:.1f} s, step {r['step_s']:.3f} s", flush=True)
-    print("\n| T | teacher chunk | build peak (MiB above the loaded model) | cache MiB | build s | step s | steps per build |")
+            print(
+                f"T={r['length']:6d} chunk={r['chunk']:6d} {r['device']}: build peak +{r['build_peak_mib']:8.1f} MiB "
+                f"(model etc. {r['held_before_mib']:.0f} MiB held before), cache {r['cache_mib']:.1f} MiB, "
+                f"build {r['build_s']:.1f} s, step {r['step_s']:.3f} s",
+                flush=True,
+            )
+    print(
+        "\n| T | teacher chunk | build peak (MiB above the loaded model) | "
+        "cache MiB | build s | step s | steps per build |"
+    )
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['length']} | {r['chunk']} | {r['build_peak_mib']:.0f} | {r['cache_mib']:.1f} | {r['build_s']:.1f} | {r['step_s']:.3f} | {r['build_s'] / r['step_s']:.0f} |")
+        print(
+            f"| {r['length']} | {r['chunk']} | {r['build_peak_mib']:.0f} | {r['cache_mib']:.1f} | {r['build_s']:.1f} | "
+            f"{r['step_s']:.3f} | {r['build_s'] / r['step_s']:.0f} |"
+        )
     return 0
 
 

@@ -280,9 +280,8 @@ def test_readme_python_blocks_run(trained, monkeypatch):
     blocks = [(body, line) for lang, body, line in fenced_blocks() if lang == "python"]
     assert len(blocks) >= 5
     monkeypatch.chdir(trained)
-    monkeypatch.delenv(
-        "TRITON_INTERPRET", raising=False
-    )  # as a user runs them (the CPU references, not the interpreter)
+    # as a user runs them (the CPU references, not the interpreter)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     namespace: dict = {}
     for body, line in blocks:
         code = compile(_as_this_transformers(body), f"README.md:{line}", "exec")
