@@ -31,11 +31,32 @@ def build(policy: str = "infllmv2"):
     """A 3-layer random model with Forecast heads and a block geometry the prompt makes sparse."""
     from forecastkv import ForecastKVConfig, ForecastKVForCausalLM
 
-    sparse = dict(kernel_size=4, kernel_stride=2, block_size=8, init_blocks=1, window_size=8, topk=3, dense_len=0,
-                  query_blocks=1, selector="forecast", policy=policy)
-    config = ForecastKVConfig(vocab_size=128, hidden_size=96, intermediate_size=128, num_hidden_layers=3, num_attention_heads=6,
-                              num_key_value_heads=2, max_position_embeddings=512, query_chunk_size=16, bos_token_id=None,
-                              eos_token_id=None, sparse_config=sparse, forecast={"enabled": True})
+    sparse = dict(
+        kernel_size=4,
+        kernel_stride=2,
+        block_size=8,
+        init_blocks=1,
+        window_size=8,
+        topk=3,
+        dense_len=0,
+        query_blocks=1,
+        selector="forecast",
+        policy=policy,
+    )
+    config = ForecastKVConfig(
+        vocab_size=128,
+        hidden_size=96,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        query_chunk_size=16,
+        bos_token_id=None,
+        eos_token_id=None,
+        sparse_config=sparse,
+        forecast={"enabled": True},
+    )
     torch.manual_seed(0)
     return ForecastKVForCausalLM(config).eval()
 
@@ -86,6 +107,7 @@ def trace(mode: str = "forecast-offload", policy: str = "infllmv2", prompt: int 
             sys.setprofile(None)
 
     from forecastkv.modeling.modeling import CACHE_KWARG as kwarg
+
     ForecastKVForCausalLM.forward = traced
     try:
         with torch.no_grad():
@@ -95,9 +117,15 @@ def trace(mode: str = "forecast-offload", policy: str = "infllmv2", prompt: int 
     # the first call the tracer saw is `forward` itself: leave it out of every figure
     tracer.per_file[FORWARD_FILE] -= 1
     files = sum(1 for count in tracer.per_file.values() if count > 0)
-    return {"mode": mode, "policy": policy, "backend": os.environ.get("FORECASTKV_BACKEND", ""),
-            "files": files, "calls": sum(tracer.per_file.values()), "depth": tracer.max_depth - 1,
-            "per_file": {name: n for name, n in tracer.per_file.most_common() if n}}
+    return {
+        "mode": mode,
+        "policy": policy,
+        "backend": os.environ.get("FORECASTKV_BACKEND", ""),
+        "files": files,
+        "calls": sum(tracer.per_file.values()),
+        "depth": tracer.max_depth - 1,
+        "per_file": {name: n for name, n in tracer.per_file.most_common() if n},
+    }
 
 
 def main(argv=None) -> dict:
@@ -108,8 +136,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--list", action="store_true", help="print each file's calls")
     args = parser.parse_args(argv)
     row = trace(args.mode, args.policy)
-    print(f"{args.mode} {args.policy} backend={row['backend'] or 'auto'}: {row['files']} package files, "
-          f"{row['calls']} Python calls, {row['depth']} frames deep")
+    print(
+        f"{args.mode} {args.policy} backend={row['backend'] or 'auto'}: {row['files']} package files, "
+        f"{row['calls']} Python calls, {row['depth']} frames deep"
+    )
     if args.list:
         for name, count in row["per_file"].items():
             print(f"  {count:5d}  {name}")

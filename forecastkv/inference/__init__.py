@@ -10,7 +10,15 @@
 """
 
 from .host_store import HostBlockPool, HostKVStore
-from .layers import OffloadedLayer, ResidentLayer, RuntimePlan, StreamPrefetcher, SyncPrefetcher, diff_block_map, make_prefetcher
+from .layers import (
+    OffloadedLayer,
+    ResidentLayer,
+    RuntimePlan,
+    StreamPrefetcher,
+    SyncPrefetcher,
+    diff_block_map,
+    make_prefetcher,
+)
 from .offloaded import MODES, OffloadedSparseCache
 
 __all__ = [

@@ -55,7 +55,9 @@ class StepLog:
     def __init__(self) -> None:
         self.counts: list[torch.Tensor] = []
         self.h2d_extra: list[int] = []  # bytes outside the block gather (dense-offload's whole-layer copy)
-        self.selections: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # (selection, complete blocks) if recording
+        self.selections: list[tuple[torch.Tensor, torch.Tensor]] | None = (
+            None  # (selection, complete blocks) if recording
+        )
 
     def add(self, counts: torch.Tensor, h2d_extra: int = 0) -> None:
         self.counts.append(counts)
@@ -66,7 +68,6 @@ class StepLog:
         if not self.counts:
             return torch.zeros(0, 3, dtype=torch.long)
         return torch.stack(self.counts).cpu()
-
 
 
 class ResidentLayer(SparseCacheLayer):
@@ -90,7 +91,9 @@ class ResidentLayer(SparseCacheLayer):
         wanted = (selection >= 0).sum()
         self.last_plan = RuntimePlan(selection, share, counts=torch.stack([wanted, wanted, torch.zeros_like(wanted)]))
         if self.log.selections is not None:
-            self.log.selections.append((selection.clone(), torch.div(self.lengths, self.block_size, rounding_mode="floor").clone()))
+            self.log.selections.append(
+                (selection.clone(), torch.div(self.lengths, self.block_size, rounding_mode="floor").clone())
+            )
         return self.last_plan
 
     def record_plan(self) -> None:
@@ -123,7 +126,6 @@ class ResidentLayer(SparseCacheLayer):
         return other
 
 
-
 class OffloadedLayer(OffloadedStaging, SparseCacheLayer):
     """One offloaded layer: host store, device slots + block map, a ring of the latest rows, the
     fetch of its misses.
@@ -137,8 +139,19 @@ class OffloadedLayer(OffloadedStaging, SparseCacheLayer):
 
     offloaded = True
 
-    def __init__(self, kernel_size, kernel_stride, coarse, max_length, *, block_size: int, budget: int, fetch: str, staging: Staging,
-                 gather_programs: int | None = None) -> None:
+    def __init__(
+        self,
+        kernel_size,
+        kernel_stride,
+        coarse,
+        max_length,
+        *,
+        block_size: int,
+        budget: int,
+        fetch: str,
+        staging: Staging,
+        gather_programs: int | None = None,
+    ) -> None:
         super().__init__(kernel_size, kernel_stride, coarse=coarse, max_length=max_length, block_size=block_size)
         self.budget, self.fetch = budget, fetch
         self.staging = staging
@@ -160,8 +173,13 @@ class OffloadedLayer(OffloadedStaging, SparseCacheLayer):
 
     def reset(self) -> None:
         recording, reserved = self.log.selections is not None, self.reserved
-        SparseCacheLayer.__init__(self, *(self.kernel or (None, None)), coarse=self.coarse, max_length=self.max_length,
-                                  block_size=self.block_size)
+        SparseCacheLayer.__init__(
+            self,
+            *(self.kernel or (None, None)),
+            coarse=self.coarse,
+            max_length=self.max_length,
+            block_size=self.block_size,
+        )
         self.reserved = reserved
         self._fresh()
         self.log.selections = [] if recording else None
@@ -182,8 +200,20 @@ class OffloadedLayer(OffloadedStaging, SparseCacheLayer):
         device = keys.device
         pin = device.type == "cuda"
         cis_dtype = None if cis is None else cis.dtype
-        self.host = HostKVStore(batch, heads, dim, keys.dtype, cis is not None, cis_dtype, self.max_length, pin, self.reserved,
-                                block_size=self.block_size, device=device, pool=self.given_pool)
+        self.host = HostKVStore(
+            batch,
+            heads,
+            dim,
+            keys.dtype,
+            cis is not None,
+            cis_dtype,
+            self.max_length,
+            pin,
+            self.reserved,
+            block_size=self.block_size,
+            device=device,
+            pool=self.given_pool,
+        )
         rows = (self.budget + 1) * self.block_size
         # NaN, not zeros: a slot row read before it was written shows up at once in tests
         nan = float("nan")
@@ -204,10 +234,20 @@ class OffloadedLayer(OffloadedStaging, SparseCacheLayer):
 
     def _check_batch(self, keys: torch.Tensor) -> None:
         if keys.shape[0] != self.k_slots.shape[0]:
-            raise ValueError(f"this cache holds a batch of {self.k_slots.shape[0]} sequences, got {keys.shape[0]}; build a new cache per batch")
+            raise ValueError(
+                f"this cache holds a batch of {self.k_slots.shape[0]} sequences, got {keys.shape[0]}; "
+                "build a new cache per batch"
+            )
 
     # -- append -------------------------------------------------------------------------------
-    def append(self, keys: torch.Tensor, values: torch.Tensor, cis: torch.Tensor | None, positions: torch.Tensor, step: CallInfo | None = None) -> None:
+    def append(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        cis: torch.Tensor | None,
+        positions: torch.Tensor,
+        step: CallInfo | None = None,
+    ) -> None:
         """Store new tokens on the host (write-through), in the tail slot and the ring;
         keys/values [B, n, H, d], cis [B, n, H] or None, positions [B, n] (-1 = padding)."""
         if not self.is_initialized:
@@ -234,7 +274,9 @@ class OffloadedLayer(OffloadedStaging, SparseCacheLayer):
             self._grow_windows_for(self.columns)
             self.d2h_bytes += self.host.shape[0] * self.host.row_bytes()
 
-    def _append_token(self, keys: torch.Tensor, values: torch.Tensor, cis: torch.Tensor | None, pos: torch.Tensor) -> None:
+    def _append_token(
+        self, keys: torch.Tensor, values: torch.Tensor, cis: torch.Tensor | None, pos: torch.Tensor
+    ) -> None:
         """A decode step: keys/values [B, H, d], cis [B, H] or None, pos [B].  The row goes to the
         host through the `row_store` kernel; the tail slot, the ring and the compressed keys are
         updated on the device from the ring.  Fixed shapes, no host read, no host-store read."""
@@ -242,15 +284,19 @@ class OffloadedLayer(OffloadedStaging, SparseCacheLayer):
         valid, index = pos >= 0, pos.clamp(min=0)
         tail = self.budget * self.block_size + index % self.block_size
         ring = index % self.ring_rows
-        for buffer, rows, new in ((self.k_slots, tail, keys), (self.v_slots, tail, values), (self.bias_slots, tail, cis),
-                                  (self.k_ring, ring, keys), (self.cis_ring, ring, cis)):
+        for buffer, rows, new in (
+            (self.k_slots, tail, keys),
+            (self.v_slots, tail, values),
+            (self.bias_slots, tail, cis),
+            (self.k_ring, ring, keys),
+            (self.cis_ring, ring, cis),
+        ):
             if new is not None:
                 put_rows(buffer, rows, new, valid)
         self._advance(pos, valid, self.k_ring, self.cis_ring, ring=True)
 
     def capacity_rows(self) -> int:
         return 0 if self.host is None else self.host.capacity
-
 
     # -- plan and blocks ----------------------------------------------------------------------
     def plan(self, selection: torch.Tensor) -> RuntimePlan:
@@ -263,11 +309,19 @@ class OffloadedLayer(OffloadedStaging, SparseCacheLayer):
         wanted = selection.masked_fill((selection < 0) | (selection >= complete.view(-1, 1, 1)), -1)
         if self.fetch == "dense":
             count = (wanted >= 0).sum()
-            self.last_plan = RuntimePlan(selection, dense=True, counts=torch.stack([count, torch.zeros_like(count), torch.zeros_like(count)]))
+            self.last_plan = RuntimePlan(
+                selection, dense=True, counts=torch.stack([count, torch.zeros_like(count), torch.zeros_like(count)])
+            )
             return self.last_plan
         new_map, load_ids, slot_of, hits, misses = diff_block_map(self.block_map, wanted)
         self.block_map.copy_(new_map)  # in place: a fixed address
-        plan = RuntimePlan(selection, slot_of=slot_of, load_ids=load_ids, fetched=False, counts=torch.stack([(wanted >= 0).sum(), hits.sum(), misses.sum()]))
+        plan = RuntimePlan(
+            selection,
+            slot_of=slot_of,
+            load_ids=load_ids,
+            fetched=False,
+            counts=torch.stack([(wanted >= 0).sum(), hits.sum(), misses.sum()]),
+        )
         self.last_plan = plan
         if self.fetch == "prefetch":
             plan.done = self.prefetcher.launch(lambda: self._gather(load_ids), keep_alive=(load_ids,))
@@ -277,7 +331,9 @@ class OffloadedLayer(OffloadedStaging, SparseCacheLayer):
     def _gather(self, load_ids: torch.Tensor) -> None:
         """Copy the host blocks named by load_ids [B, H, M] into their slots (tail column skipped)
         through the block table: the UVA kernel on CUDA (no sync, skips bad ids), its reference elsewhere."""
-        ids = torch.cat([load_ids, load_ids.new_full((*load_ids.shape[:2], 1), -1)], dim=-1).permute(1, 0, 2).contiguous()
+        ids = (
+            torch.cat([load_ids, load_ids.new_full((*load_ids.shape[:2], 1), -1)], dim=-1).permute(1, 0, 2).contiguous()
+        )
         self.host.gather(ids, self.k_slots, self.v_slots, self.bias_slots, self.gather_programs)
 
     def _ready(self, plan: RuntimePlan) -> RuntimePlan:
@@ -312,7 +368,9 @@ class OffloadedLayer(OffloadedStaging, SparseCacheLayer):
         slot = self._slot_of_selected(plan)
         offsets = torch.arange(self.block_size, device=slot.device)
         rows = (slot.clamp(min=0).unsqueeze(-1) * self.block_size + offsets).flatten(-2)
-        return gather_blocks(self.k_slots, self.v_slots, self.bias_slots, plan.selection, self.lengths, self.block_size, rows=rows)
+        return gather_blocks(
+            self.k_slots, self.v_slots, self.bias_slots, plan.selection, self.lengths, self.block_size, rows=rows
+        )
 
     def decode_attention(self, q: torch.Tensor, plan: RuntimePlan) -> torch.Tensor:
         """One decode token per sequence, q [B, Hq, d] -> [B, Hq, d], straight over the slots with
@@ -325,15 +383,24 @@ class OffloadedLayer(OffloadedStaging, SparseCacheLayer):
         selection, block_size = plan.selection, self.block_size
         if plan.dense:
             keys, values, cis = self._dense_copy(plan)
-            return ops.sparse_decode_blocks(q, keys, values, selection, self.lengths, block_size, bias=cis, check_ids=False)[0]
+            return ops.sparse_decode_blocks(
+                q, keys, values, selection, self.lengths, block_size, bias=cis, check_ids=False
+            )[0]
         slot = self._slot_of_selected(plan)
         batch, heads, _ = selection.shape
         slot_lens = torch.zeros((batch, heads, self.budget + 2), dtype=torch.long, device=slot.device)
         # rows of each selected block that are stored keys (a full block, or the tail's filled part)
         stored = (self.lengths.view(-1, 1, 1) - selection.clamp(min=0) * block_size).clamp(0, block_size)
         slot_lens.scatter_(-1, torch.where(slot >= 0, slot, self.budget + 1), torch.where(slot >= 0, stored, 0))
-        return ops.sparse_decode_slots(q, self.k_slots, self.v_slots, slot_lens[..., : self.budget + 1], block_size,
-                                       bias_slots=self.bias_slots, check_ids=False)[0]
+        return ops.sparse_decode_slots(
+            q,
+            self.k_slots,
+            self.v_slots,
+            slot_lens[..., : self.budget + 1],
+            block_size,
+            bias_slots=self.bias_slots,
+            check_ids=False,
+        )[0]
 
     def record_plan(self) -> None:
         """The step's plan counters into the step log, plus the whole-layer copies of a dense row
@@ -349,8 +416,14 @@ class OffloadedLayer(OffloadedStaging, SparseCacheLayer):
 
     # -- bytes --------------------------------------------------------------------------------
     def device_tensors(self) -> dict:
-        tensors = {"k_slots": self.k_slots, "v_slots": self.v_slots, "bias_slots": self.bias_slots, "block_map": self.block_map,
-                   "k_ring": self.k_ring, "cis_ring": self.cis_ring}
+        tensors = {
+            "k_slots": self.k_slots,
+            "v_slots": self.v_slots,
+            "bias_slots": self.bias_slots,
+            "block_map": self.block_map,
+            "k_ring": self.k_ring,
+            "cis_ring": self.cis_ring,
+        }
         if self.staged is not None:
             tensors.update(staged_keys=self.staged[0], staged_values=self.staged[1], staged_cis=self.staged[2])
         return {name: t for name, t in tensors.items() if t is not None}
@@ -373,7 +446,6 @@ class OffloadedLayer(OffloadedStaging, SparseCacheLayer):
         return self.block_size * self.host.row_bytes() // self.host.shape[1]
 
 
-
 def gather_programs_for(device: torch.device, batch: int) -> int:
     """Persistent programs of the block gather: about one per 8 SMs (16 on an H100/H200, what
     SparDA runs for batch <= 16), twice that above batch 16; 16 where there is no CUDA."""
@@ -382,7 +454,6 @@ def gather_programs_for(device: torch.device, batch: int) -> int:
     if device.type == "cuda" and torch.cuda.is_available():
         base = max(1, torch.cuda.get_device_properties(device).multi_processor_count // 8)
     return base if batch <= 16 else 2 * base
-
 
 
 # -- the fetch: now, or on a CUDA side stream ----------------------------------------------------
@@ -448,15 +519,17 @@ def diff_block_map(block_map: torch.Tensor, wanted: torch.Tensor):
     """
     slots = block_map.shape[-1]
     valid = wanted >= 0
-    same = (block_map.unsqueeze(-1) == wanted.unsqueeze(-2)) & valid.unsqueeze(-2) & (block_map >= 0).unsqueeze(-1)  # [B, H, M, K]
+    same = (
+        (block_map.unsqueeze(-1) == wanted.unsqueeze(-2)) & valid.unsqueeze(-2) & (block_map >= 0).unsqueeze(-1)
+    )  # [B, H, M, K]
     kept = same.any(dim=-1)
     hit = same.any(dim=-2)
     miss = valid & ~hit
     order_key = torch.arange(slots, device=block_map.device) + torch.where(block_map < 0, 0, slots)
     order_key = order_key.masked_fill(kept, 3 * slots)
-    free_order = order_key.argsort(dim=-1)                                   # free slots first
+    free_order = order_key.argsort(dim=-1)  # free slots first
     rank = (miss.long().cumsum(dim=-1) - 1).clamp(min=0)
-    target = torch.gather(free_order, -1, rank)                              # [B, H, K]
+    target = torch.gather(free_order, -1, rank)  # [B, H, K]
     scatter_at = torch.where(miss, target, slots)
     load_ids = torch.full((*block_map.shape[:-1], slots + 1), -1, dtype=block_map.dtype, device=block_map.device)
     load_ids.scatter_(-1, scatter_at, torch.where(miss, wanted, -1))

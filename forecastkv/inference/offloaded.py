@@ -31,17 +31,14 @@ import torch
 
 from ..modeling.cache import SparseCache
 from ..modeling.generation import register_offloaded_cache
+from ..modes import MODE_FETCH, MODE_SELECTOR, MODES
 from .host_store import HostBlockPool
 from .layers import OffloadedLayer, ResidentLayer, gather_programs_for
 from .staging import Staging
 
-from ..modes import MODE_FETCH, MODE_SELECTOR, MODES
-
-
 
 def _nbytes(tensors: dict) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
-
 
 
 class OffloadedSparseCache(SparseCache):
@@ -51,21 +48,39 @@ class OffloadedSparseCache(SparseCache):
     `model.generate(ids, cache=cache)` (`past_key_values=` on transformers 5.17).
     """
 
-    def __init__(self, config, mode: str = "forecast-offload", max_length: int | None = None, first_layer_resident: bool = True, record_selections: bool = False,
-                 gather_programs: int | None = None, pools: "list[HostBlockPool | None] | None" = None) -> None:
+    def __init__(
+        self,
+        config,
+        mode: str = "forecast-offload",
+        max_length: int | None = None,
+        first_layer_resident: bool = True,
+        record_selections: bool = False,
+        gather_programs: int | None = None,
+        pools: "list[HostBlockPool | None] | None" = None,
+    ) -> None:
         if mode not in MODES:
             raise ValueError(f"unknown offload mode {mode!r}; choose one of {MODES}")
-        if gather_programs is not None and (isinstance(gather_programs, bool) or not isinstance(gather_programs, int) or gather_programs < 1):
-            raise ValueError(f"gather_programs must be a positive integer or None (sized from the SM count and batch), got {gather_programs!r}")
+        if gather_programs is not None and (
+            isinstance(gather_programs, bool) or not isinstance(gather_programs, int) or gather_programs < 1
+        ):
+            raise ValueError(
+                "gather_programs must be a positive integer or None (sized from the SM count and batch), "
+                f"got {gather_programs!r}"
+            )
         self.gather_programs = gather_programs
         if max_length is not None and (not isinstance(max_length, int) or max_length <= 0):
             raise ValueError(f"max_length must be a positive integer or None, got {max_length!r}")
         sparse = config.sparse
         selector = MODE_SELECTOR.get(mode)
         if selector == "forecast" and not config.forecast_config.enabled:
-            raise ValueError(f"mode {mode!r} selects with Forecast heads, but this model has none; load it with forecast={{...}} or use 'sparse-offload'")
+            raise ValueError(
+                f"mode {mode!r} selects with Forecast heads, but this model has none; "
+                "load it with forecast={...} or use 'sparse-offload'"
+            )
         if selector is not None and sparse is None:
-            raise ValueError(f"mode {mode!r} needs a sparse model (sparse_config is None); use 'dense-offload' or 'no-offload'")
+            raise ValueError(
+                f"mode {mode!r} needs a sparse model (sparse_config is None); use 'dense-offload' or 'no-offload'"
+            )
         self.mode = mode
         self.first_layer_resident = first_layer_resident
         self.staging = Staging()
@@ -111,7 +126,9 @@ class OffloadedSparseCache(SparseCache):
             else:
                 keys, values, cis = entry
                 if keys.shape[:2] != (1, length):
-                    raise ValueError(f"layer {idx} is resident: rows must be [1, {length}, H, d], got {tuple(keys.shape)}")
+                    raise ValueError(
+                        f"layer {idx} is resident: rows must be [1, {length}, H, d], got {tuple(keys.shape)}"
+                    )
                 layer.append(keys, values, cis, torch.arange(length, device=keys.device).unsqueeze(0))
 
     def host_pools(self) -> "list[HostBlockPool | None]":
@@ -134,14 +151,29 @@ class OffloadedSparseCache(SparseCache):
         coarse = sparse.coarse_kernel if sparse is not None and sparse.lse == "coarse" else None
         mode, _, first_resident = self._build
         if mode == "no-offload" or (idx == 0 and first_resident):
-            return ResidentLayer(*kernel, coarse=coarse, max_length=max_length, block_size=sparse.block_size if sparse is not None else None)
+            return ResidentLayer(
+                *kernel,
+                coarse=coarse,
+                max_length=max_length,
+                block_size=sparse.block_size if sparse is not None else None,
+            )
         block_size = sparse.block_size if sparse is not None else 64
         budget = sparse.budget_blocks if sparse is not None else 1
-        return OffloadedLayer(*kernel, coarse, max_length, block_size=block_size, budget=budget, fetch=MODE_FETCH.get(mode, "sync"), staging=self.staging,
-                              gather_programs=self.gather_programs)
+        return OffloadedLayer(
+            *kernel,
+            coarse,
+            max_length,
+            block_size=block_size,
+            budget=budget,
+            fetch=MODE_FETCH.get(mode, "sync"),
+            staging=self.staging,
+            gather_programs=self.gather_programs,
+        )
 
     @classmethod
-    def for_model(cls, model, mode: str | None = None, max_length: int | None = None, **options) -> "OffloadedSparseCache":
+    def for_model(
+        cls, model, mode: str | None = None, max_length: int | None = None, **options
+    ) -> "OffloadedSparseCache":
         """A cache for `model`.  mode: one of `MODES`; None picks forecast-offload for a model whose
         selector is forecast, else sparse-offload.  max_length preallocates that many positions per
         sequence (prompt + new tokens); past it the cache raises (None: generate() reserves its own
@@ -184,7 +216,12 @@ class OffloadedSparseCache(SparseCache):
                 held += len(blocks)
                 shared += sum(1 for block in blocks if layer.host.pool.refs[block] > 1)
         pools = {id(pool): pool for pool in self.host_pools() if pool is not None}.values()
-        return {"held": held, "shared": shared, "allocated": sum(p.capacity for p in pools), "free": sum(p.free_blocks() for p in pools)}
+        return {
+            "held": held,
+            "shared": shared,
+            "allocated": sum(p.capacity for p in pools),
+            "free": sum(p.free_blocks() for p in pools),
+        }
 
     def stats(self) -> dict:
         """Counters per layer and decode step (one host sync here, none while decoding).
@@ -211,7 +248,9 @@ class OffloadedSparseCache(SparseCache):
                     per_step.append(0)
                 per_step[k] += value
         dense = self.mode == "dense-offload"
-        hit_rate = [None if (dense and layer.offloaded) or not w else h / w for layer, h, w in zip(self.layers, hits, wanted)]
+        hit_rate = [
+            None if (dense and layer.offloaded) or not w else h / w for layer, h, w in zip(self.layers, hits, wanted)
+        ]
         offloaded_wanted = sum(w for layer, w in zip(self.layers, wanted) if layer.offloaded)
         offloaded_hits = sum(h for layer, h in zip(self.layers, hits) if layer.offloaded)
         return {

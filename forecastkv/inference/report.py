@@ -9,7 +9,9 @@ import torch
 from .offloaded import OffloadedSparseCache
 
 
-def generate_offloaded(model, ids: torch.Tensor, max_new_tokens: int, mode: str | None = None, max_length: int | None = None):
+def generate_offloaded(
+    model, ids: torch.Tensor, max_new_tokens: int, mode: str | None = None, max_length: int | None = None
+):
     """Greedy continuation with the KV cache offloaded in `mode`.  ids [B, T] ->
     (new ids [B, N], the cache, seconds)."""
     from ..modeling.modeling import CACHE_KWARG
@@ -17,7 +19,13 @@ def generate_offloaded(model, ids: torch.Tensor, max_new_tokens: int, mode: str 
     cache = OffloadedSparseCache.for_model(model, mode=mode, max_length=max_length)
     start = time.perf_counter()
     with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=model.config.eos_token_id, **{CACHE_KWARG: cache})
+        out = model.generate(
+            ids,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=model.config.eos_token_id,
+            **{CACHE_KWARG: cache},
+        )
     return out[:, ids.shape[1] :], cache, time.perf_counter() - start
 
 
@@ -30,9 +38,13 @@ def format_stats(stats: dict) -> str:
     rates = stats["hit_rate_per_layer"]
     per_layer = " ".join("-" if rate is None else f"{rate:.2f}" for rate in rates)
     overall = "n/a" if stats["hit_rate"] is None else f"{100 * stats['hit_rate']:.1f}%"
-    return "\n".join([
-        f"mode {stats['mode']}: {stats['decode_steps']} decode steps, H2D {_mib(stats['h2d_bytes_per_step_mean'])} per step "
-        f"(prefill/other H2D {_mib(stats['h2d_other_bytes'])}, D2H {_mib(stats['d2h_bytes'])})",
-        f"block hit rate {overall}; per layer: {per_layer}",
-        f"device KV tier {_mib(stats['device_nbytes'])}, selection index {_mib(stats['index_nbytes'])}, host tier {_mib(stats['host_nbytes'])}",
-    ])
+    return "\n".join(
+        [
+            f"mode {stats['mode']}: {stats['decode_steps']} decode steps, "
+            f"H2D {_mib(stats['h2d_bytes_per_step_mean'])} per step "
+            f"(prefill/other H2D {_mib(stats['h2d_other_bytes'])}, D2H {_mib(stats['d2h_bytes'])})",
+            f"block hit rate {overall}; per layer: {per_layer}",
+            f"device KV tier {_mib(stats['device_nbytes'])}, selection index {_mib(stats['index_nbytes'])}, "
+            f"host tier {_mib(stats['host_nbytes'])}",
+        ]
+    )

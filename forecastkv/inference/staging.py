@@ -33,7 +33,6 @@ class Staging:
         self.holder = None
 
 
-
 class OffloadedStaging:
     """`OffloadedLayer`'s methods for multi-token calls, crops, attach and fork (see the module)."""
 
@@ -54,7 +53,9 @@ class OffloadedStaging:
         else:
             self.d2h_bytes += self.host.write(batch_idx, pos, new_k, new_v, new_cis)
         old_lengths, self.lengths = self.lengths, new_lengths
-        source = self._stage(rows, max(step.lengths_before, default=0), old_lengths, batch_idx, pos, new_k, new_v, new_cis)
+        source = self._stage(
+            rows, max(step.lengths_before, default=0), old_lengths, batch_idx, pos, new_k, new_v, new_cis
+        )
         self._extend_compressed(old_lengths, source[0], source[2])
         self._refill_from(source[0], source[1], source[2])
 
@@ -78,12 +79,19 @@ class OffloadedStaging:
         """Tail slot and ring from device rows by position [B, S, H, ...] (a staged layer)."""
         batch = torch.arange(keys.shape[0], device=keys.device).view(-1, 1)
         last = (self.lengths - 1).clamp(min=0).view(-1, 1)
-        tail_rows = torch.div(last, self.block_size, rounding_mode="floor") * self.block_size + torch.arange(self.block_size, device=keys.device)
+        tail_rows = torch.div(last, self.block_size, rounding_mode="floor") * self.block_size + torch.arange(
+            self.block_size, device=keys.device
+        )
         # ring slot r holds the latest position p <= last with p % R == r
         ring_rows = last - (last - torch.arange(self.ring_rows, device=keys.device)) % self.ring_rows
         start = self.budget * self.block_size
-        for rows, targets in ((tail_rows, (self.k_slots[:, start:], self.v_slots[:, start:], None if cis is None else self.bias_slots[:, start:])),
-                              (ring_rows, (self.k_ring, None, self.cis_ring))):
+        for rows, targets in (
+            (
+                tail_rows,
+                (self.k_slots[:, start:], self.v_slots[:, start:], None if cis is None else self.bias_slots[:, start:]),
+            ),
+            (ring_rows, (self.k_ring, None, self.cis_ring)),
+        ):
             keep = (rows >= 0) & (rows < self.lengths.view(-1, 1))
             index = rows.clamp(0, keys.shape[1] - 1)
             for source, target in zip((keys, values, cis), targets):
@@ -139,7 +147,6 @@ class OffloadedStaging:
         keys, values, cis = self.staged
         return keys[:, :rows], values[:, :rows], None if cis is None else cis[:, :rows], rows
 
-
     # -- sharing ------------------------------------------------------------------------------
     def attach(self, pool: HostBlockPool, blocks: list[int], length: int, device: torch.device | str) -> None:
         """An empty layer holds one sequence of `length` positions whose rows are in `pool`'s
@@ -151,7 +158,9 @@ class OffloadedStaging:
             raise ValueError("attach() fills an empty layer; this one holds tokens already")
         with host_transfer():
             pool.wait_writes()
-            keys, values, cis = (None if t is None else t.unsqueeze(0).to(device) for t in pool.read_rows(blocks, length))
+            keys, values, cis = (
+                None if t is None else t.unsqueeze(0).to(device) for t in pool.read_rows(blocks, length)
+            )
         self.given_pool = pool
         self.lazy_initialization(keys, values)
         self._allocate(keys, cis)

@@ -1,5 +1,5 @@
-"""`SparseAttention`: dense, InfLLM-v2 and NOSA attention with query or forecast selectors, and
-`plan_decode`, which selects a layer's blocks for a decode step.
+"""`SparseAttention`: dense, InfLLM-v2 and NOSA attention with query or forecast selectors,
+`plan_decode`, which selects a layer's blocks for a decode step, and `apply_rope`.
 
 Prefill (and any multi-token call) runs in query chunks against the layer's stored keys with a
 [chunk, S] key mask built from each row's block selection, so memory is O(chunk x S).  A one-token
@@ -28,7 +28,15 @@ from .prefill import (
     row_block_masks,
     use_flex,
 )
-from .rope import apply_rope
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, T, H, d], cos/sin [B, T, d] -> rotated x (NeoX rotate-half: the halves swapped, the
+    first one negated)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos.unsqueeze(2) + rotated * sin.unsqueeze(2)
+
 
 # rows per stage-1 selection call where the fused kernel runs (CUDA): 1-2K-row tiles, not 256
 STAGE1_QUERY_ROWS = 2048
@@ -98,7 +106,9 @@ class SparseAttention(nn.Module):
         return self.config.sparse
 
     # ------------------------------------------------------------------------------------------
-    def project_forecast(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, which: str = "forecast_proj") -> torch.Tensor:
+    def project_forecast(
+        self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, which: str = "forecast_proj"
+    ) -> torch.Tensor:
         """Forecast vectors [B, T, H*n, d], RoPE at the current positions."""
         out = getattr(self, which)(hidden)
         return apply_rope(out.view(*hidden.shape[:2], -1, self.head_dim), cos, sin)
@@ -112,8 +122,16 @@ class SparseAttention(nn.Module):
         """NOSA's static per-token bias A * softplus(delta(v)).  values [B, T, H, d] -> [B, T, H]."""
         return self.A * F.softplus(self.delta(values.flatten(-2)))
 
-    def select(self, vectors: torch.Tensor, positions: torch.Tensor, cache_layer, kind: str,
-               bounds: tuple[int, int] | None = None, key_count: int | None = None, sparse=FROM_CONFIG) -> torch.Tensor:
+    def select(
+        self,
+        vectors: torch.Tensor,
+        positions: torch.Tensor,
+        cache_layer,
+        kind: str,
+        bounds: tuple[int, int] | None = None,
+        key_count: int | None = None,
+        sparse=FROM_CONFIG,
+    ) -> torch.Tensor:
         """This layer's selection [B, H, R, budget] from `vectors` against `cache_layer`'s keys.
 
         kind "query": real queries, fresh keys (lag 0).  kind "forecast": forecast vectors scored as
@@ -127,8 +145,14 @@ class SparseAttention(nn.Module):
         # offloaded cache keeps the raw CIS on the host
         ckeys, coarse, pooled = cache_layer.compressed(key_count)
         return sel.layer_selection(
-            vectors, ckeys, positions, sparse, kind, lse_keys=coarse if kind == "query" else None,
-            pooled_cis=pooled if sparse.policy == "nosa" else None, bounds=bounds,
+            vectors,
+            ckeys,
+            positions,
+            sparse,
+            kind,
+            lse_keys=coarse if kind == "query" else None,
+            pooled_cis=pooled if sparse.policy == "nosa" else None,
+            bounds=bounds,
         )
 
     # ------------------------------------------------------------------------------------------
@@ -177,14 +201,25 @@ class SparseAttention(nn.Module):
             if plan is None:
                 plan = plan_decode(q if selector == "query" else forecast_in, positions, cache_layer, sparse, selector)
             if selections_out is not None:
-                self._record(selections_out, q, forecast_in, positions, cache_layer, plan.selection.unsqueeze(2), selector, sparse,
-                             bounds=step.bounds())
+                self._record(
+                    selections_out,
+                    q,
+                    forecast_in,
+                    positions,
+                    cache_layer,
+                    plan.selection.unsqueeze(2),
+                    selector,
+                    sparse,
+                    bounds=step.bounds(),
+                )
             out = cache_layer.decode_attention(q[:, 0], plan).view(batch, 1, self.num_heads, d)
         else:
             out = self._attend_chunks(q, forecast_in, positions, cache_layer, selections_out, selector, step, sparse)
         return self.o_proj(out.reshape(batch, length, self.num_heads * d))
 
-    def _record(self, out: dict | None, q, forecast_in, positions, cache_layer, selection, selector, sparse, **host) -> None:
+    def _record(
+        self, out: dict | None, q, forecast_in, positions, cache_layer, selection, selector, sparse, **host
+    ) -> None:
         """Store both selectors' choices (the one in use is `selection`) for recall measurements;
         `host`: `select`'s bounds / key_count."""
         if out is None or sparse is None:
@@ -194,7 +229,9 @@ class SparseAttention(nn.Module):
         if forecast_in is not None:
             out["forecast"] = selection if selector == "forecast" else select(forecast_in, "forecast")
 
-    def _attend_chunks(self, q, forecast_in, positions, cache_layer, selections_out, selector, step: CallInfo, sparse) -> torch.Tensor:
+    def _attend_chunks(
+        self, q, forecast_in, positions, cache_layer, selections_out, selector, step: CallInfo, sparse
+    ) -> torch.Tensor:
         """All rows of a multi-token call (and decode steps of a batch holding a dense sequence).
 
         q [B, T, Hq, d] -> [B, T, Hq, d].  Each sequence is dense or sparse for the whole call
@@ -250,14 +287,25 @@ class SparseAttention(nn.Module):
                 end = min(start + chunk, q.shape[1])
                 if end - pending_from >= CHUNKED_ATTENTION_ROWS or end == q.shape[1]:
                     group = slice(pending_from, end)
-                    outputs.append(chunked_sparse_attention(
-                        q[:, group], keys, values, cis, positions[:, group], torch.cat(pending, dim=2), sparse.block_size, blocks,
-                    ))
+                    outputs.append(
+                        chunked_sparse_attention(
+                            q[:, group],
+                            keys,
+                            values,
+                            cis,
+                            positions[:, group],
+                            torch.cat(pending, dim=2),
+                            sparse.block_size,
+                            blocks,
+                        )
+                    )
                     pending, pending_from = [], end
         if selections_out is not None:
             selections_out.update({key: torch.cat(parts, dim=2) for key, parts in records.items()})
         if all_dense:
             return dense_attention(q, keys, values, cis, positions, self.config.query_chunk_size)
         if flex:
-            return flex_sparse_attention(q, keys, values, cis, count - q.shape[1], torch.cat(bits, dim=2), sparse.block_size)
+            return flex_sparse_attention(
+                q, keys, values, cis, count - q.shape[1], torch.cat(bits, dim=2), sparse.block_size
+            )
         return torch.cat(outputs, dim=1)

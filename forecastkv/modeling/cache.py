@@ -4,7 +4,7 @@ contract every cache layer keeps with attention (`CacheLayer`).
 Attention talks to a cache layer through six calls, whatever tier holds the KV:
 
     layer.append(k, v, cis, positions, step)   # store new tokens, update the compressed keys
-    layer.compressed(key_count)                # (compressed keys, coarse keys, pooled CIS): what prefill selection scores
+    layer.compressed(key_count)                # (compressed keys, coarse keys, pooled CIS): prefill scores these
     layer.decode_index()                       # the same at fixed shapes, for a decode step
     layer.plan(selection)                      # the blocks a decode attention of this layer will read: a `Plan`
     layer.decode_attention(q, plan)            # one token per sequence over those blocks
@@ -53,14 +53,24 @@ def capacity_for(rows: int, max_length: int | None, chunk: int = GROWTH_CHUNK, r
     `rows` rounded up to the next multiple of `chunk`."""
     if max_length is not None:
         if rows > max_length:
-            raise ValueError(f"sequence of {rows} tokens exceeds this cache's max_length={max_length}; build the cache with a larger max_length")
+            raise ValueError(
+                f"sequence of {rows} tokens exceeds this cache's max_length={max_length}; "
+                "build the cache with a larger max_length"
+            )
         return max_length
     if reserved is not None and rows <= reserved:
         return reserved
     return -(-rows // chunk) * chunk
 
 
-def grow_rows(buffer: torch.Tensor | None, rows: int, like: torch.Tensor, max_length: int | None = None, chunk: int = GROWTH_CHUNK, reserved: int | None = None) -> torch.Tensor:
+def grow_rows(
+    buffer: torch.Tensor | None,
+    rows: int,
+    like: torch.Tensor,
+    max_length: int | None = None,
+    chunk: int = GROWTH_CHUNK,
+    reserved: int | None = None,
+) -> torch.Tensor:
     """Return `buffer` with at least `rows` rows along dim 1, zero-filled; a new buffer is sized by
     `capacity_for` and shaped like `like` [B, *, ...] (its dtype and device)."""
     if buffer is not None and buffer.shape[1] >= rows:
@@ -78,8 +88,11 @@ def window_rows(old_lengths: torch.Tensor, new_lengths: torch.Tensor, size: int,
     Returns (window ids [B, W], valid bool [B, W], key rows [B, W, size]) with W the most windows
     any sequence completed; each sequence computes only its own new windows.
     """
+
     def count(lengths):
-        return torch.where(lengths >= size, torch.div(lengths - size, stride, rounding_mode="floor") + 1, torch.zeros_like(lengths))
+        return torch.where(
+            lengths >= size, torch.div(lengths - size, stride, rounding_mode="floor") + 1, torch.zeros_like(lengths)
+        )
 
     first, last = count(old_lengths), count(new_lengths)
     width = int((last - first).max()) if last.numel() else 0
@@ -89,13 +102,15 @@ def window_rows(old_lengths: torch.Tensor, new_lengths: torch.Tensor, size: int,
     return ids, valid, rows
 
 
-def compress_windows(source: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype | None = None, ring: bool = False) -> torch.Tensor:
+def compress_windows(
+    source: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype | None = None, ring: bool = False
+) -> torch.Tensor:
     """Mean of the key rows of each window.  source [B, S, H, ...], rows [B, W, size] -> [B, W, H, ...]
     (fp32 mean, cast to `dtype`, by default the source's, as `selection.compress_keys`).
     ring: source holds the latest S rows, row r at r % S (an offloaded layer's device ring)."""
     batch = torch.arange(source.shape[0], device=rows.device).view(-1, 1, 1)
     index = rows % source.shape[1] if ring else rows.clamp(max=source.shape[1] - 1)
-    windows = source[batch, index]                                         # [B, W, size, H, ...]
+    windows = source[batch, index]  # [B, W, size, H, ...]
     return windows.movedim(2, -1).float().mean(dim=-1).to(dtype or source.dtype)
 
 
@@ -209,8 +224,14 @@ class CacheLayer(Protocol):
     lengths: torch.Tensor | None
     is_initialized: bool
 
-    def append(self, keys: torch.Tensor, values: torch.Tensor, cis: torch.Tensor | None, positions: torch.Tensor,
-               step: CallInfo | None = None) -> None:
+    def append(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        cis: torch.Tensor | None,
+        positions: torch.Tensor,
+        step: CallInfo | None = None,
+    ) -> None:
         """Store keys/values [B, n, H, d] and NOSA's cis [B, n, H] (or None) at positions [B, n]
         (-1 = padding), and the compression windows they complete."""
 
@@ -265,8 +286,14 @@ class SparseCacheLayer(CacheLayerMixin):
     is_sliding = False
     is_croppable = True
 
-    def __init__(self, kernel_size: int | None = None, kernel_stride: int | None = None,
-                 coarse: tuple[int, int] | None = None, max_length: int | None = None, block_size: int | None = None) -> None:
+    def __init__(
+        self,
+        kernel_size: int | None = None,
+        kernel_stride: int | None = None,
+        coarse: tuple[int, int] | None = None,
+        max_length: int | None = None,
+        block_size: int | None = None,
+    ) -> None:
         super().__init__()
         self.kernel = (kernel_size, kernel_stride) if kernel_size else None
         self.coarse = coarse
@@ -305,7 +332,9 @@ class SparseCacheLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         reserved = self.reserved
-        self.__init__(*(self.kernel or (None, None)), coarse=self.coarse, max_length=self.max_length, block_size=self.block_size)
+        self.__init__(
+            *(self.kernel or (None, None)), coarse=self.coarse, max_length=self.max_length, block_size=self.block_size
+        )
         self.reserved = reserved
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -346,7 +375,14 @@ class SparseCacheLayer(CacheLayerMixin):
         self.host_lengths = [max(n - drop, 0) for n in self.host_lengths]
 
     # -- the four calls --------------------------------------------------------------------------
-    def append(self, keys: torch.Tensor, values: torch.Tensor, cis: torch.Tensor | None, positions: torch.Tensor, step: CallInfo | None = None) -> None:
+    def append(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        cis: torch.Tensor | None,
+        positions: torch.Tensor,
+        step: CallInfo | None = None,
+    ) -> None:
         """Store new tokens.  keys/values [B, n, H, d], cis [B, n, H] or None, positions [B, n] (-1 = padding).
 
         step: the call's host-side facts (the model passes them); without it the positions are
@@ -407,7 +443,18 @@ class SparseCacheLayer(CacheLayerMixin):
             if target is not None and kernel is not None:
                 size, stride = kernel
                 capacity, reserved = self._window_capacity(size, stride)
-                setattr(self, name, grow_rows(target, max(num_compressed(rows, size, stride), 1), target, capacity, max(GROWTH_CHUNK // stride, 1), reserved))
+                setattr(
+                    self,
+                    name,
+                    grow_rows(
+                        target,
+                        max(num_compressed(rows, size, stride), 1),
+                        target,
+                        capacity,
+                        max(GROWTH_CHUNK // stride, 1),
+                        reserved,
+                    ),
+                )
 
     def _windows_fit(self, rows: int) -> bool:
         """Whether every window buffer already holds the windows of `rows` positions (a decode
@@ -417,9 +464,15 @@ class SparseCacheLayer(CacheLayerMixin):
             return False
         if self.pooled_cis is not None and self.pooled_cis.shape[1] < need:
             return False
-        return self.coarse is None or self.coarse_keys is None or self.coarse_keys.shape[1] >= max(num_compressed(rows, *self.coarse), 1)
+        return (
+            self.coarse is None
+            or self.coarse_keys is None
+            or self.coarse_keys.shape[1] >= max(num_compressed(rows, *self.coarse), 1)
+        )
 
-    def _append_one(self, keys: torch.Tensor, values: torch.Tensor, cis: torch.Tensor | None, pos: torch.Tensor) -> None:
+    def _append_one(
+        self, keys: torch.Tensor, values: torch.Tensor, cis: torch.Tensor | None, pos: torch.Tensor
+    ) -> None:
         """A decode step without host syncs: keys/values [B, H, d], cis [B, H] or None, pos [B]
         (-1 = padding).  `prepare` made room for the token; a padding row writes back what it
         read, so no row selection is needed."""
@@ -429,7 +482,14 @@ class SparseCacheLayer(CacheLayerMixin):
                 put_rows(buffer, index, new, valid)
         self._advance(pos, valid, self.keys, self.cis)
 
-    def _advance(self, pos: torch.Tensor, valid: torch.Tensor, key_source: torch.Tensor, cis_source: torch.Tensor | None, ring: bool = False) -> None:
+    def _advance(
+        self,
+        pos: torch.Tensor,
+        valid: torch.Tensor,
+        key_source: torch.Tensor,
+        cis_source: torch.Tensor | None,
+        ring: bool = False,
+    ) -> None:
         """After a decode step stored its token at pos [B] (valid: pos >= 0): the lengths (in place:
         a fixed address) and the windows it completed, pooled from key_source / cis_source (the
         layer's rows by position, or an offloaded layer's ring)."""
@@ -439,7 +499,9 @@ class SparseCacheLayer(CacheLayerMixin):
             return
         self.ckeys = self._extend_one(self.ckeys, self.kernel, old_lengths, key_source, ring=ring)
         if cis_source is not None:
-            self.pooled_cis = self._extend_one(self.pooled_cis, self.kernel, old_lengths, cis_source, torch.float32, ring=ring)
+            self.pooled_cis = self._extend_one(
+                self.pooled_cis, self.kernel, old_lengths, cis_source, torch.float32, ring=ring
+            )
         if self.coarse is not None:
             self.coarse_keys = self._extend_one(self.coarse_keys, self.coarse, old_lengths, key_source, ring=ring)
 
@@ -453,8 +515,10 @@ class SparseCacheLayer(CacheLayerMixin):
         shapes, no host read; source is the layer's rows by position, or a ring (`compress_windows`)."""
         size, stride = kernel
         # windows complete before and after the step (a list, not a generator: no call per item)
-        first, last = [torch.where(n >= size, torch.div(n - size, stride, rounding_mode="floor") + 1, torch.zeros_like(n))
-                       for n in (old_lengths, self.lengths)]
+        first, last = [
+            torch.where(n >= size, torch.div(n - size, stride, rounding_mode="floor") + 1, torch.zeros_like(n))
+            for n in (old_lengths, self.lengths)
+        ]
         rows = (first.unsqueeze(-1) * stride + torch.arange(size, device=first.device)).unsqueeze(1)  # [B, 1, size]
         window = compress_windows(source, rows, dtype, ring)[:, 0]
         index = first.clamp(max=target.shape[1] - 1)
@@ -463,7 +527,9 @@ class SparseCacheLayer(CacheLayerMixin):
         target[batch, index] = torch.where(done, window.to(target.dtype), target[batch, index])
         return target
 
-    def _extend_compressed(self, old_lengths: torch.Tensor, key_source: torch.Tensor, cis_source: torch.Tensor | None) -> None:
+    def _extend_compressed(
+        self, old_lengths: torch.Tensor, key_source: torch.Tensor, cis_source: torch.Tensor | None
+    ) -> None:
         """Compress the windows completed by the last append, per sequence (no window twice).
 
         key_source [B, S, H, d] and cis_source [B, S, H] hold every stored row (any device);
@@ -484,7 +550,14 @@ class SparseCacheLayer(CacheLayerMixin):
         like = source[:, :1].to(self.lengths.device, dtype or source.dtype)
         capacity, reserved = self._window_capacity(size, stride)
         # windows grow in chunks worth GROWTH_CHUNK positions, not GROWTH_CHUNK windows
-        target = grow_rows(target, max(num_compressed(self._longest(None), size, stride), 1), like, capacity, max(GROWTH_CHUNK // stride, 1), reserved)
+        target = grow_rows(
+            target,
+            max(num_compressed(self._longest(None), size, stride), 1),
+            like,
+            capacity,
+            max(GROWTH_CHUNK // stride, 1),
+            reserved,
+        )
         if ids.shape[1]:
             write_windows(target, ids, valid, compress_windows(source, rows.to(source.device), dtype))
         return target
@@ -541,10 +614,14 @@ class SparseCacheLayer(CacheLayerMixin):
         a gather + masked SDPA (`kernels.decode_kernels` decides).  Keys are those stored (position
         < length), which at a decode step is every key up to the token."""
         if self.kernels.decode_kernels:
-            return self.kernels.sparse_decode_blocks(q, self.keys, self.values, plan.selection, self.lengths, self.block_size,
-                                                     bias=self.cis, check_ids=False)[0]
-        return attend_gathered(q, *gather_blocks(self.keys, self.values, self.cis, plan.selection, self.lengths, self.block_size),
-                               self.lengths)
+            return self.kernels.sparse_decode_blocks(
+                q, self.keys, self.values, plan.selection, self.lengths, self.block_size, bias=self.cis, check_ids=False
+            )[0]
+        return attend_gathered(
+            q,
+            *gather_blocks(self.keys, self.values, self.cis, plan.selection, self.lengths, self.block_size),
+            self.lengths,
+        )
 
     # -- full views (prefill and dense paths) ----------------------------------------------------
     def full(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
@@ -554,15 +631,23 @@ class SparseCacheLayer(CacheLayerMixin):
         return self.keys[:, :rows], self.values[:, :rows], cis, rows
 
 
-def attend_gathered(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_pos: torch.Tensor, bias: torch.Tensor | None,
-                    lengths: torch.Tensor) -> torch.Tensor:
+def attend_gathered(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    key_pos: torch.Tensor,
+    bias: torch.Tensor | None,
+    lengths: torch.Tensor,
+) -> torch.Tensor:
     """Decode attention over gathered blocks (`gather_blocks`' output): q [B, Hq, d], keys/values
     [B, H, L, d], key_pos [B, H, L] (-1 = not a key), bias [B, H, L] or None, lengths [B] (the token
     sits at lengths - 1) -> [B, Hq, d].  The G query heads of a KV head attend as rows of it."""
     batch, heads, dim = q.shape
     kv_heads = keys.shape[1]
     allowed = ((key_pos >= 0) & (key_pos < lengths.view(-1, 1, 1))).unsqueeze(2)  # [B, H, 1, L]: one row, shared
-    out = masked_attention(q.view(batch, kv_heads, heads // kv_heads, dim), keys, values, allowed, bias, heads // kv_heads)
+    out = masked_attention(
+        q.view(batch, kv_heads, heads // kv_heads, dim), keys, values, allowed, bias, heads // kv_heads
+    )
     return out.reshape(batch, heads, dim)
 
 
@@ -606,8 +691,12 @@ def model_signature(config) -> dict:
     }
     if sparse is not None:
         signature.update(
-            kernel_size=sparse.kernel_size, kernel_stride=sparse.kernel_stride, block_size=sparse.block_size,
-            budget_blocks=sparse.budget_blocks, policy=sparse.policy, lse=sparse.lse,
+            kernel_size=sparse.kernel_size,
+            kernel_stride=sparse.kernel_stride,
+            block_size=sparse.block_size,
+            budget_blocks=sparse.budget_blocks,
+            policy=sparse.policy,
+            lse=sparse.lse,
         )
     return signature
 
@@ -620,7 +709,9 @@ class SparseCache(Cache):
     this cache (how the runtime modes compare selectors on one model); None keeps the model's.
     """
 
-    def __init__(self, config=None, num_layers: int | None = None, max_length: int | None = None, selector: str | None = None) -> None:
+    def __init__(
+        self, config=None, num_layers: int | None = None, max_length: int | None = None, selector: str | None = None
+    ) -> None:
         sparse = config.sparse if config is not None else None
         num_layers = num_layers if num_layers is not None else config.num_hidden_layers
         if selector not in (None, "query", "forecast"):
@@ -644,8 +735,14 @@ class SparseCache(Cache):
         theirs = model_signature(config)
         diff = {key: (value, theirs.get(key)) for key, value in self.signature.items() if theirs.get(key) != value}
         if diff or set(theirs) != set(self.signature):
-            detail = ", ".join(f"{key}: cache {mine!r} vs model {other!r}" for key, (mine, other) in diff.items()) or "sparse vs dense"
-            raise ValueError(f"this {type(self).__name__} was built for another model ({detail}); build one with the model that uses it")
+            detail = (
+                ", ".join(f"{key}: cache {mine!r} vs model {other!r}" for key, (mine, other) in diff.items())
+                or "sparse vs dense"
+            )
+            raise ValueError(
+                f"this {type(self).__name__} was built for another model ({detail}); "
+                "build one with the model that uses it"
+            )
 
     def sequence_lengths(self) -> torch.Tensor | None:
         """[B] stored positions per sequence on the device (None before the first token)."""
@@ -734,7 +831,10 @@ class SparseCache(Cache):
 
     def stats(self) -> dict:
         """Sparse decode steps seen and the mean share of stored KV blocks they read, per layer and overall."""
-        per_layer = [float(torch.stack(layer.block_shares).float().mean()) if layer.block_shares else None for layer in self.layers]
+        per_layer = [
+            float(torch.stack(layer.block_shares).float().mean()) if layer.block_shares else None
+            for layer in self.layers
+        ]
         seen = [share for share in per_layer if share is not None]
         return {
             "decode_steps": max((len(layer.block_shares) for layer in self.layers), default=0),

@@ -21,10 +21,79 @@ from transformers.utils import ModelOutput
 from .attention import SparseAttention, plan_decode
 from .cache import CallInfo, SparseCache
 from .configuration import ForecastKVConfig
-from .rope import RotaryEmbedding
 
 # The cache keyword of this transformers version's generate loop: "cache" (5.24) or "past_key_values" (5.17).
-CACHE_KWARG = "cache" if "cache" in inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters else "past_key_values"
+CACHE_KWARG = (
+    "cache"
+    if "cache" in inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
+    else "past_key_values"
+)
+
+
+# ----------------------------------------------------------------------------------------------
+# Rotary position embeddings: default, the static HF variants, and MiniCPM's LongRoPE
+# (`attention.apply_rope` rotates the queries, keys and forecast vectors with these tables)
+# ----------------------------------------------------------------------------------------------
+
+STATIC_HF_TYPES = ("linear", "llama3", "yarn")
+
+
+def default_inv_freq(theta: float, dim: int) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)).float()
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for positions.  Supports rope_type default, linear, llama3, yarn and longrope.
+
+    LongRoPE (MiniCPM / Phi-3): inverse frequencies are divided by `short_factor`, or by
+    `long_factor` when the call's length max(position)+1 exceeds `original_max_position_embeddings`;
+    cos and sin are multiplied by sqrt(1 + ln(max_pos / original_max) / ln(original_max)).
+    """
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        params = dict(config.rope_parameters or {})
+        self.rope_type = params.get("rope_type", params.get("type", "default"))
+        dim = config.head_dim
+        theta = float(params.get("rope_theta", 10000.0))
+        self.original_max = None
+        self.attention_scaling = 1.0
+        if self.rope_type == "default":
+            inv_freq = default_inv_freq(theta, dim)
+        elif self.rope_type == "longrope":
+            base = default_inv_freq(theta, dim)
+            short = torch.tensor(params["short_factor"], dtype=torch.float32)
+            long = torch.tensor(params["long_factor"], dtype=torch.float32)
+            if short.numel() != dim // 2 or long.numel() != dim // 2:
+                raise ValueError(
+                    f"longrope factors need head_dim/2 = {dim // 2} entries, got "
+                    f"{short.numel()} (short) and {long.numel()} (long)"
+                )
+            self.original_max = int(params.get("original_max_position_embeddings", config.max_position_embeddings))
+            inv_freq = base / short
+            self.register_buffer("long_inv_freq", base / long, persistent=False)
+            ratio = config.max_position_embeddings / self.original_max
+            default_factor = 1.0 if ratio <= 1.0 else math.sqrt(1 + math.log(ratio) / math.log(self.original_max))
+            self.attention_scaling = float(params.get("attention_factor") or default_factor)
+        elif self.rope_type in STATIC_HF_TYPES:
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[self.rope_type](config, None)
+        else:
+            raise ValueError(
+                f"rope_type {self.rope_type!r} is not supported; use one of default, longrope, {STATIC_HF_TYPES}"
+            )
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    @torch.no_grad()
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [B, T] (int; -1 padding is clamped to 0) -> cos, sin [B, T, head_dim] in `dtype`."""
+        inv_freq = self.inv_freq
+        if self.original_max is not None and int(positions.max()) + 1 > self.original_max:
+            inv_freq = self.long_inv_freq
+        freqs = positions.clamp(min=0).float().unsqueeze(-1) * inv_freq.to(positions.device)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
 
 
 class RMSNorm(nn.Module):
@@ -64,8 +133,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.layer_idx = layer_idx
 
-    def forward(self, hidden: torch.Tensor, call: "LayerCall", cache_layer, forecast: torch.Tensor | None = None,
-                plan=None, next_cache_layer=None, selections_out: dict | None = None):
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        call: "LayerCall",
+        cache_layer,
+        forecast: torch.Tensor | None = None,
+        plan=None,
+        next_cache_layer=None,
+        selections_out: dict | None = None,
+    ):
         """hidden [B, T, hidden] -> (hidden, forecast vectors scoring the next layer or None, the
         next layer's decode plan or None).
 
@@ -82,10 +159,24 @@ class DecoderLayer(nn.Module):
         if call.want_forecast and next_cache_layer is not None:
             next_forecast = attn.project_forecast(normed, call.cos, call.sin)
             if call.plans_ahead and next_cache_layer.is_initialized:
-                vectors, positions = next_forecast.to(next_cache_layer.device), call.positions.to(next_cache_layer.device)
+                vectors, positions = (
+                    next_forecast.to(next_cache_layer.device),
+                    call.positions.to(next_cache_layer.device),
+                )
                 next_plan = plan_decode(vectors, positions, next_cache_layer, call.sparse, "forecast")
-        out = attn(normed, call.positions, call.cos, call.sin, cache_layer, forecast_in=forecast, plan=plan,
-                   selections_out=selections_out, selector=call.selector, step=call.step, sparse=call.sparse)
+        out = attn(
+            normed,
+            call.positions,
+            call.cos,
+            call.sin,
+            cache_layer,
+            forecast_in=forecast,
+            plan=plan,
+            selections_out=selections_out,
+            selector=call.selector,
+            step=call.step,
+            sparse=call.sparse,
+        )
         if call.layer_callback is not None:
             call.layer_callback(self.layer_idx, normed, call.positions, call.cos, call.sin, cache_layer)
         hidden = hidden + out * call.residual_scale
@@ -114,7 +205,9 @@ class LayerCall:
 
     def to(self, device) -> "LayerCall":
         """This call with its tensors on `device` (layers spread over devices by a device_map)."""
-        return dataclasses.replace(self, positions=self.positions.to(device), cos=self.cos.to(device), sin=self.sin.to(device))
+        return dataclasses.replace(
+            self, positions=self.positions.to(device), cos=self.cos.to(device), sin=self.sin.to(device)
+        )
 
 
 # Causal-LM output: loss, logits, the cache under this transformers version's name (`CACHE_KWARG`;
@@ -182,7 +275,9 @@ class ForecastKVModel(ForecastKVPreTrainedModel):
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.embed_tokens = value
 
-    def positions_for(self, batch: int, length: int, cache: SparseCache, attention_mask, position_ids, device) -> torch.Tensor:
+    def positions_for(
+        self, batch: int, length: int, cache: SparseCache, attention_mask, position_ids, device
+    ) -> torch.Tensor:
         """Positions [B, T] of the new tokens, -1 for padding.  Derived from the cache's stored
         lengths and the 2-D attention mask, so left padding never shifts a sequence.
 
@@ -201,7 +296,9 @@ class ForecastKVModel(ForecastKVPreTrainedModel):
             stored = torch.zeros(batch, dtype=torch.long, device=device)
         if attention_mask is not None:
             if attention_mask.dim() != 2:
-                raise ValueError(f"attention_mask must be 2-D [batch, columns], got shape {tuple(attention_mask.shape)}")
+                raise ValueError(
+                    f"attention_mask must be 2-D [batch, columns], got shape {tuple(attention_mask.shape)}"
+                )
             new = attention_mask[:, -length:].to(device).bool()
             positions = stored.view(-1, 1) + new.long().cumsum(dim=1) - 1
             positions = positions.masked_fill(~new, -1)
@@ -210,9 +307,7 @@ class ForecastKVModel(ForecastKVPreTrainedModel):
         else:
             positions = stored.view(-1, 1) + torch.arange(length, device=device)
         if int(positions.max()) >= limit:  # a multi-token call reads its positions once anyway
-            raise ValueError(
-                f"sequence length {int(positions.max()) + 1} exceeds max_position_embeddings={limit}"
-            )
+            raise ValueError(f"sequence length {int(positions.max()) + 1} exceeds max_position_embeddings={limit}")
         return positions
 
     def forward(
@@ -243,8 +338,14 @@ class ForecastKVModel(ForecastKVPreTrainedModel):
         chunk = getattr(self.config, "prefill_chunk", 0) if prefill_chunk is None else prefill_chunk
         if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
             raise ValueError(f"prefill_chunk must be a non-negative integer (0 = one call), got {chunk!r}")
-        if chunk and layer_callback is None and (input_ids if inputs_embeds is None else inputs_embeds).shape[1] > chunk:
-            return self.forward_chunked(input_ids, attention_mask, position_ids, cache, inputs_embeds, collect_selections, chunk)
+        if (
+            chunk
+            and layer_callback is None
+            and (input_ids if inputs_embeds is None else inputs_embeds).shape[1] > chunk
+        ):
+            return self.forward_chunked(
+                input_ids, attention_mask, position_ids, cache, inputs_embeds, collect_selections, chunk
+            )
         hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         batch, length = hidden.shape[:2]
         if cache is None:
@@ -266,12 +367,16 @@ class ForecastKVModel(ForecastKVPreTrainedModel):
         selector = (cache.selector or sparse.selector) if sparse is not None else None
         want_forecast = config.forecast_config.enabled and (selector == "forecast" or collect_selections)
         plans_ahead = selector == "forecast" and step.decode and not step.any_dense
-        call = LayerCall(positions, cos, sin, step, sparse, selector, residual_scale, want_forecast, plans_ahead, layer_callback)
+        call = LayerCall(
+            positions, cos, sin, step, sparse, selector, residual_scale, want_forecast, plans_ahead, layer_callback
+        )
         hidden, selections = self.decode_layers(hidden, call, cache, collect_selections)
         cache.finish_call()
         return self.norm(hidden.to(self.norm.weight.device)), cache, selections
 
-    def forward_chunked(self, input_ids, attention_mask, position_ids, cache, inputs_embeds, collect_selections: bool, chunk: int):
+    def forward_chunked(
+        self, input_ids, attention_mask, position_ids, cache, inputs_embeds, collect_selections: bool, chunk: int
+    ):
         """`forward` over the new columns in pieces of `chunk`, one forward call each: every piece
         stores its K/V through the cache's own append (an offloaded cache writes each layer's
         rows to the host as they come) and attends to everything stored before it, so the result
@@ -285,11 +390,17 @@ class ForecastKVModel(ForecastKVPreTrainedModel):
             cache = SparseCache(self.config)
             cache.reserve(length)  # one allocation: the pieces never regrow the buffers
         stored = cache.host_lengths() or [0] * batch
-        real = torch.ones(batch, length, dtype=torch.long) if attention_mask is None else attention_mask[:, -length:].detach().to("cpu", torch.long)
+        real = (
+            torch.ones(batch, length, dtype=torch.long)
+            if attention_mask is None
+            else attention_mask[:, -length:].detach().to("cpu", torch.long)
+        )
         first = chunk
         sparse = self.config.sparse
         if sparse is not None and sparse.dense_len > 0:
-            counts = torch.tensor(stored, dtype=torch.long).view(-1, 1) + real.cumsum(dim=1)  # key length after each column
+            counts = torch.tensor(stored, dtype=torch.long).view(-1, 1) + real.cumsum(
+                dim=1
+            )  # key length after each column
             for b in range(batch):
                 reaches = (counts[b] >= sparse.dense_len).nonzero()
                 if len(reaches):
@@ -312,7 +423,9 @@ class ForecastKVModel(ForecastKVPreTrainedModel):
             ]
         return torch.cat(hidden_parts, dim=1), cache, selections
 
-    def decode_layers(self, hidden: torch.Tensor, call: LayerCall, cache: SparseCache, collect_selections: bool = False):
+    def decode_layers(
+        self, hidden: torch.Tensor, call: LayerCall, cache: SparseCache, collect_selections: bool = False
+    ):
         """The decoder layers over hidden [B, T, hidden]: the part of a call that runs on the
         device.  The host side (positions, the `CallInfo` and the cache's bookkeeping, the step
         logs) happens around it in `forward`, so a decode step's layers read no Python number that
@@ -325,7 +438,11 @@ class ForecastKVModel(ForecastKVPreTrainedModel):
         for idx, layer in enumerate(self.layers):
             device = layer.input_layernorm.weight.device
             if hidden.device != device:  # device_map: layers on several devices
-                hidden, forecast, call = hidden.to(device), None if forecast is None else forecast.to(device), call.to(device)
+                hidden, forecast, call = (
+                    hidden.to(device),
+                    None if forecast is None else forecast.to(device),
+                    call.to(device),
+                )
             record = {} if collect_selections else None
             next_cache_layer = cache.layers[idx + 1] if idx < last else None
             hidden, forecast, plan = layer(hidden, call, cache.layers[idx], forecast, plan, next_cache_layer, record)
@@ -350,10 +467,13 @@ class ForecastKVForCausalLM(ForecastKVPreTrainedModel, GenerationMixin):
         self.post_init()
 
     @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, *args, sparse_config=None, forecast=None, forecast_weights=None, **kwargs):
+    def from_pretrained(
+        cls, pretrained_model_name_or_path, *args, sparse_config=None, forecast=None, forecast_weights=None, **kwargs
+    ):
         """Load our format, MiniCPM4/4.1, NOSA, plain Llama-family or SparDA checkpoints.
 
-        sparse_config: a preset name (`forecastkv/presets/<name>.json`, see `list_presets()`) or a dict of sparse_config keys;
+        sparse_config: a preset name (`forecastkv/presets/<name>.json`, see `list_presets()`) or a dict of
+            sparse_config keys;
             None keeps the checkpoint's own (a checkpoint without one loads dense).
         forecast: a dict of forecast keys; creates (and initialises) heads the checkpoint lacks.
         forecast_weights: a directory written by `save_forecast_weights`, loaded onto the base.  Heads
@@ -369,7 +489,14 @@ class ForecastKVForCausalLM(ForecastKVPreTrainedModel, GenerationMixin):
 
         if args:
             raise TypeError(f"unexpected positional arguments {args}")
-        return load_model(cls, pretrained_model_name_or_path, sparse_config=sparse_config, forecast=forecast, forecast_weights=forecast_weights, **kwargs)
+        return load_model(
+            cls,
+            pretrained_model_name_or_path,
+            sparse_config=sparse_config,
+            forecast=forecast,
+            forecast_weights=forecast_weights,
+            **kwargs,
+        )
 
     def save_forecast_weights(self, directory, base_model: str | None = None):
         """Save only the Forecast heads (a few MB) beside an untouched base checkpoint."""
@@ -408,7 +535,9 @@ class ForecastKVForCausalLM(ForecastKVPreTrainedModel, GenerationMixin):
     ) -> ForecastKVOutput:
         """input_ids [B, T]; attention_mask [B, past + T] (1 = token, 0 = left padding)."""
         cache = _pick_cache(cache, past_key_values)
-        hidden, cache, selections = self.model(input_ids, attention_mask, position_ids, cache, inputs_embeds, collect_selections)
+        hidden, cache, selections = self.model(
+            input_ids, attention_mask, position_ids, cache, inputs_embeds, collect_selections
+        )
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
         mup = self.config.mup_config
@@ -444,7 +573,9 @@ class ForecastKVForCausalLM(ForecastKVPreTrainedModel, GenerationMixin):
             return None
         from .generation import cache_for_generation
 
-        cache = cache_for_generation(self, generation_config)  # SparseCache, or the offload mode named as cache_implementation
+        cache = cache_for_generation(
+            self, generation_config
+        )  # SparseCache, or the offload mode named as cache_implementation
         if rows is not None:
             cache.reserve(rows)
         model_kwargs[CACHE_KWARG] = cache

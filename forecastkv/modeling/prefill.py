@@ -89,7 +89,14 @@ def _unfold_output(out: torch.Tensor, rows: int) -> torch.Tensor:
     return out.view(batch, kv_heads, -1, rows, dim).flatten(1, 2).transpose(1, 2)
 
 
-def masked_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor, bias: torch.Tensor | None, group: int) -> torch.Tensor:
+def masked_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    allowed: torch.Tensor,
+    bias: torch.Tensor | None,
+    group: int,
+) -> torch.Tensor:
     """Masked softmax attention over explicit keys, the G query heads of a KV head folded into rows:
     the one masked-SDPA of the package (prefill chunks, decode over gathered blocks).
 
@@ -99,7 +106,9 @@ def masked_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     """
     empty = ~allowed.any(dim=-1, keepdim=True)
     allowed = allowed | empty
-    logit_bias = torch.zeros((), dtype=query.dtype, device=query.device) if bias is None else bias.unsqueeze(-2).to(query.dtype)
+    logit_bias = (
+        torch.zeros((), dtype=query.dtype, device=query.device) if bias is None else bias.unsqueeze(-2).to(query.dtype)
+    )
     # a float mask runs the fused CPU kernel (about 2x faster than a bool mask there)
     mask = torch.where(allowed, logit_bias, torch.tensor(float("-inf"), dtype=query.dtype, device=query.device))
     shape = mask.shape
@@ -107,7 +116,9 @@ def masked_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     if query.dim() > 4:  # the fused kernels take 4-D inputs
         lead = query.shape[:-3]
         flat = lambda t: t.expand(*lead, *t.shape[-3:]).reshape(-1, *t.shape[-3:])
-        out = F.scaled_dot_product_attention(flat(query), flat(keys), flat(values), attn_mask=flat(mask)).view(query.shape)
+        out = F.scaled_dot_product_attention(flat(query), flat(keys), flat(values), attn_mask=flat(mask)).view(
+            query.shape
+        )
     else:
         out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask)
     empty = empty.unsqueeze(-3).expand(*empty.shape[:-2], group, *empty.shape[-2:]).reshape(*empty.shape[:-2], -1, 1)
@@ -123,7 +134,11 @@ def is_fresh_prefill(positions: torch.Tensor, key_count: int) -> bool:
 
 
 def _flash_attn_available(tensor: torch.Tensor) -> bool:
-    return tensor.is_cuda and tensor.dtype in (torch.float16, torch.bfloat16) and importlib.util.find_spec("flash_attn") is not None
+    return (
+        tensor.is_cuda
+        and tensor.dtype in (torch.float16, torch.bfloat16)
+        and importlib.util.find_spec("flash_attn") is not None
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -131,7 +146,14 @@ def _flash_attn_available(tensor: torch.Tensor) -> bool:
 # ----------------------------------------------------------------------------------------------
 
 
-def dense_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor | None, positions: torch.Tensor, chunk: int) -> torch.Tensor:
+def dense_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    bias: torch.Tensor | None,
+    positions: torch.Tensor,
+    chunk: int,
+) -> torch.Tensor:
     """Causal attention by position.  q [B, T, Hq, d], keys/values [B, S, H, d], bias [B, S, H] or
     None, positions [B, T] (-1 = padding) -> [B, T, Hq, d] (padding rows 0)."""
     batch, rows, heads, dim = q.shape
@@ -142,7 +164,9 @@ def dense_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, b
             from flash_attn import flash_attn_func
 
             return flash_attn_func(q, keys, values, causal=True)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), is_causal=True, enable_gqa=True)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), is_causal=True, enable_gqa=True
+        )
         return out.transpose(1, 2)
     k, v = keys.transpose(1, 2), values.transpose(1, 2)  # [B, H, S, d] views
     b_t = None if bias is None else bias.transpose(1, 2)[:, :, None]  # [B, H, 1, S]
@@ -152,13 +176,22 @@ def dense_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, b
         pos = positions[:, start : start + chunk]
         allowed = (key_pos.view(1, 1, -1) <= pos.unsqueeze(-1)).unsqueeze(1)  # [B, 1, R, S]
         query = _fold_queries(q[:, start : start + chunk], kv_heads)
-        out = masked_attention(query, k, v, allowed.expand(-1, kv_heads, -1, -1), None if b_t is None else b_t[:, :, 0], group)
+        out = masked_attention(
+            query, k, v, allowed.expand(-1, kv_heads, -1, -1), None if b_t is None else b_t[:, :, 0], group
+        )
         outputs.append(_unfold_output(out, pos.shape[1]))
     return torch.cat(outputs, dim=1)
 
 
-def masked_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor | None,
-                            positions: torch.Tensor, masks: torch.Tensor, block_size: int) -> torch.Tensor:
+def masked_decode_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    bias: torch.Tensor | None,
+    positions: torch.Tensor,
+    masks: torch.Tensor,
+    block_size: int,
+) -> torch.Tensor:
     """A decode step over every stored key, each row allowed only the keys of its blocks (a dense
     sequence's masks hold every block up to its own): the decode path of a batch that mixes dense
     and sparse sequences.  Fixed shapes, nothing read back from the device.
@@ -181,13 +214,19 @@ def masked_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.T
 # ----------------------------------------------------------------------------------------------
 
 
-def row_block_masks(ids: torch.Tensor, positions: torch.Tensor, n_blocks: int, block_size: int, dense_rows: torch.Tensor | None = None) -> torch.Tensor:
+def row_block_masks(
+    ids: torch.Tensor, positions: torch.Tensor, n_blocks: int, block_size: int, dense_rows: torch.Tensor | None = None
+) -> torch.Tensor:
     """bool [B, H, R, NB]: the blocks each row attends.  ids [B, H, R, K] (-1 = none), positions
     [B, R]; rows of sequences marked in `dense_rows` [B] attend every block up to their own."""
     masks = sel.selection_mask(ids, n_blocks)
     if dense_rows is not None:  # the caller passes it only when some sequence is dense
-        visible = torch.arange(n_blocks, device=ids.device).view(1, 1, -1) <= torch.div(positions, block_size, rounding_mode="floor").unsqueeze(-1)
-        masks = torch.where(dense_rows.view(-1, 1, 1, 1), visible.unsqueeze(1) & (positions >= 0)[:, None, :, None], masks)
+        visible = torch.arange(n_blocks, device=ids.device).view(1, 1, -1) <= torch.div(
+            positions, block_size, rounding_mode="floor"
+        ).unsqueeze(-1)
+        masks = torch.where(
+            dense_rows.view(-1, 1, 1, 1), visible.unsqueeze(1) & (positions >= 0)[:, None, :, None], masks
+        )
     return masks
 
 
@@ -204,10 +243,10 @@ def _tile_unions(masks: torch.Tensor, tile: int) -> tuple[torch.Tensor, torch.Te
     if n_tiles * tile != rows:
         masks = F.pad(masks, (0, 0, 0, n_tiles * tile - rows))
     tiled = masks.view(batch, heads, n_tiles, tile, n_blocks)
-    union = tiled.any(dim=3)                                        # [B, H, n, NB]
+    union = tiled.any(dim=3)  # [B, H, n, NB]
     width = max(int(union.sum(dim=-1).max()), 1)
     ranked = torch.where(union, torch.arange(n_blocks, device=masks.device), -1)
-    ids = torch.topk(ranked, width, dim=-1).values                  # descending, -1 = padding
+    ids = torch.topk(ranked, width, dim=-1).values  # descending, -1 = padding
     valid = ids >= 0
     return tiled, ids.clamp(min=0), valid
 
@@ -248,7 +287,11 @@ def chunked_sparse_attention(
     kv_heads = keys.shape[2]
     group = heads // kv_heads
     if blocks is None:
-        blocks = (block_layout(keys, block_size), block_layout(values, block_size), None if bias is None else block_layout(bias, block_size))
+        blocks = (
+            block_layout(keys, block_size),
+            block_layout(values, block_size),
+            None if bias is None else block_layout(bias, block_size),
+        )
     key_blocks, value_blocks, bias_blocks = blocks
     n_blocks = key_blocks.shape[2]
     tile = min(block_size, rows)
@@ -263,7 +306,11 @@ def chunked_sparse_attention(
     # flat row of entry e's first block in the [B * H * NB, bs, ...] block layouts
     entry_base = (torch.arange(batch * kv_heads, device=q.device) * n_blocks).repeat_interleave(n_tiles)
     qt = q if pad_rows == 0 else F.pad(q, (0, 0, 0, 0, 0, pad_rows))
-    query = qt.view(batch, n_tiles, tile, kv_heads, group, dim).permute(0, 3, 1, 4, 2, 5).reshape(entries, group * tile, dim)
+    query = (
+        qt.view(batch, n_tiles, tile, kv_heads, group, dim)
+        .permute(0, 3, 1, 4, 2, 5)
+        .reshape(entries, group * tile, dim)
+    )
     tiled, union, valid = tiled.reshape(entries, tile, n_blocks), union.reshape(entries, -1), valid.reshape(entries, -1)
     widths = valid.sum(dim=-1)
     out = query.new_zeros(entries, group * tile, dim)  # entries without blocks (padding tiles) stay 0
@@ -272,10 +319,21 @@ def chunked_sparse_attention(
             continue
         members = (widths == width).nonzero().flatten()
         out[members] = _attend_entries(
-            query[members], entry_pos[members], union[members, :width], tiled[members], entry_base[members],
-            key_blocks, value_blocks, bias_blocks, group,
+            query[members],
+            entry_pos[members],
+            union[members, :width],
+            tiled[members],
+            entry_base[members],
+            key_blocks,
+            value_blocks,
+            bias_blocks,
+            group,
         )
-    out = out.view(batch, kv_heads, n_tiles, group, tile, dim).permute(0, 2, 4, 1, 3, 5).reshape(batch, n_tiles * tile, heads, dim)
+    out = (
+        out.view(batch, kv_heads, n_tiles, group, tile, dim)
+        .permute(0, 2, 4, 1, 3, 5)
+        .reshape(batch, n_tiles * tile, heads, dim)
+    )
     return out if pad_rows == 0 else out[:, :rows]
 
 
@@ -293,12 +351,16 @@ def _attend_entries(query, pos, union, tiled, base, key_blocks, value_blocks, bi
     k = key_blocks.view(-1, block_size, dim).index_select(0, flat).view(members, 1, width * block_size, dim)
     v = value_blocks.view(-1, block_size, dim).index_select(0, flat).view(members, 1, width * block_size, dim)
     own = torch.gather(tiled, -1, union.unsqueeze(1).expand(-1, tile, -1))  # [m, tile, w]
-    empty = ~own.any(dim=-1, keepdim=True)                                 # padding rows: no block
+    empty = ~own.any(dim=-1, keepdim=True)  # padding rows: no block
     neg_inf = torch.tensor(float("-inf"), dtype=query.dtype, device=query.device)
     # repeat_interleave allocates: the in-place causal masking below must not write through a view
-    mask = torch.where(own, torch.zeros((), dtype=query.dtype, device=query.device), neg_inf).repeat_interleave(block_size, dim=-1)
+    mask = torch.where(own, torch.zeros((), dtype=query.dtype, device=query.device), neg_inf).repeat_interleave(
+        block_size, dim=-1
+    )
     if bias_blocks is not None:  # CIS, added after the 1/sqrt(d) scaling
-        mask = mask + bias_blocks.view(-1, block_size).index_select(0, flat).view(members, 1, width * block_size).to(query.dtype)
+        mask = mask + bias_blocks.view(-1, block_size).index_select(0, flat).view(members, 1, width * block_size).to(
+            query.dtype
+        )
     # causality inside blocks: a tile of <= block_size rows spans <= 2 blocks, the union's two highest
     near = min(2, width) * block_size
     near_pos = (union[:, :2].unsqueeze(-1) * block_size + torch.arange(block_size, device=query.device)).flatten(-2)
@@ -354,7 +416,9 @@ def flex_bucket(n: int, multiple: int, minimum: int = 0, steps: int = FLEX_ROW_S
     return -(-n // step) * step
 
 
-def build_block_mask(bits: torch.Tensor, start, rows: int, key_count: int, block_size: int, group: int, q_tile: int = FLEX_Q_TILE):
+def build_block_mask(
+    bits: torch.Tensor, start, rows: int, key_count: int, block_size: int, group: int, q_tile: int = FLEX_Q_TILE
+):
     """A FlexAttention BlockMask for rows at positions start..start+rows-1 of every sequence.
 
     bits int64 [B, H, rows, W] from `pack_block_bits` (rows and W may be padded with zeros:
@@ -387,7 +451,9 @@ def build_block_mask(bits: torch.Tensor, start, rows: int, key_count: int, block
         word = bits[b, h // group, q_idx, blk // 64]
         return (((word >> (blk % 64)) & 1) == 1) & (kv_idx <= q_idx + start)
 
-    return BlockMask.from_kv_blocks(counts, order, BLOCK_SIZE=(q_tile, block_size), mask_mod=mask_mod, seq_lengths=(rows, key_count))
+    return BlockMask.from_kv_blocks(
+        counts, order, BLOCK_SIZE=(q_tile, block_size), mask_mod=mask_mod, seq_lengths=(rows, key_count)
+    )
 
 
 # device type -> torch.compile backend of FlexAttention; a device type not named runs flex eagerly
@@ -404,7 +470,11 @@ def _dynamo_failures() -> tuple:
     limit (not a TorchDynamoException subclass) or anything dynamo cannot take whole."""
     import torch._dynamo.exc as exc
 
-    return tuple(cls for cls in (getattr(exc, name, None) for name in ("TorchDynamoException", "FailOnRecompileLimitHit")) if cls is not None)
+    return tuple(
+        cls
+        for cls in (getattr(exc, name, None) for name in ("TorchDynamoException", "FailOnRecompileLimitHit"))
+        if cls is not None
+    )
 
 
 def _eager_flex(*args, **kwargs):
@@ -428,7 +498,9 @@ def _run_flex(query, key, value, **kwargs):
 
         _COMPILED_FLEX[backend] = torch.compile(flex_attention, dynamic=False, fullgraph=True, backend=backend)
     try:
-        with torch._dynamo.config.patch(recompile_limit=max(FLEX_RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit)):
+        with torch._dynamo.config.patch(
+            recompile_limit=max(FLEX_RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit)
+        ):
             return _COMPILED_FLEX[backend](query, key, value, **kwargs)
     except Exception as error:
         if not isinstance(error, _dynamo_failures()):
@@ -437,8 +509,10 @@ def _run_flex(query, key, value, **kwargs):
         FLEX_FALLBACKS.append(shape)
         warnings.warn(
             f"FlexAttention fell back to eager (unfused, O(T x S) memory) for shape "
-            f"[B, Hq, rows, keys, d] = {list(shape)}: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}",
-            RuntimeWarning, stacklevel=3,
+            f"[B, Hq, rows, keys, d] = {list(shape)}: "
+            f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}",
+            RuntimeWarning,
+            stacklevel=3,
         )
         return _eager_flex(query, key, value, **kwargs)
 
@@ -486,7 +560,9 @@ def flex_sparse_attention(
         def score_mod(score, b, h, q_idx, kv_idx):
             return score + bias_t[b, h // group, kv_idx]
 
-    out = _run_flex(q_t, k_t, v_t, score_mod=score_mod, block_mask=block_mask, scale=1.0 / math.sqrt(dim), enable_gqa=True)
+    out = _run_flex(
+        q_t, k_t, v_t, score_mod=score_mod, block_mask=block_mask, scale=1.0 / math.sqrt(dim), enable_gqa=True
+    )
     return out.transpose(1, 2)[:, :rows]
 
 

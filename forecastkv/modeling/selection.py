@@ -114,7 +114,10 @@ def _head_logits(vectors: torch.Tensor, ckeys: torch.Tensor, scale: float) -> to
     count, heads = ckeys.shape[1], ckeys.shape[2]
     per = heads_total // heads
     tensor_cores = (
-        _BMM_FP32_OUT and vectors.is_cuda and vectors.dtype in (torch.float16, torch.bfloat16) and ckeys.dtype == vectors.dtype
+        _BMM_FP32_OUT
+        and vectors.is_cuda
+        and vectors.dtype in (torch.float16, torch.bfloat16)
+        and ckeys.dtype == vectors.dtype
         and not (torch.is_grad_enabled() and (vectors.requires_grad or ckeys.requires_grad))
     )
     if tensor_cores:  # the n heads of a group fold into rows: K is read once
@@ -123,7 +126,7 @@ def _head_logits(vectors: torch.Tensor, ckeys: torch.Tensor, scale: float) -> to
         logits = torch.bmm(v, k, out_dtype=torch.float32)
         return (logits.mul_(scale) if scale != 1.0 else logits).view(batch, heads, per, rows, count)
     v = vectors.float().view(batch, rows, heads, per, dim).permute(0, 2, 3, 1, 4)  # [B, H, n, Tq, d]
-    k = ckeys.float().permute(0, 2, 3, 1).unsqueeze(2)                               # [B, H, 1, d, C]
+    k = ckeys.float().permute(0, 2, 3, 1).unsqueeze(2)  # [B, H, 1, d, C]
     return torch.matmul(v * scale if scale != 1.0 else v, k)  # scale the small side, not the [Tq, C] logits
 
 
@@ -210,7 +213,9 @@ def block_pool_geometry(kernel_size: int, kernel_stride: int, block_size: int) -
     return ratio - first, ratio, -first
 
 
-def pool_to_blocks(scores: torch.Tensor, n_blocks: int, kernel_size: int, kernel_stride: int, block_size: int) -> torch.Tensor:
+def pool_to_blocks(
+    scores: torch.Tensor, n_blocks: int, kernel_size: int, kernel_stride: int, block_size: int
+) -> torch.Tensor:
     """Max over the compressed keys overlapping each block.  [..., C] -> [..., n_blocks] (-inf if none)."""
     lead = scores.shape[:-1]
     if n_blocks <= 0 or math.prod(lead) == 0:
@@ -223,7 +228,9 @@ def pool_to_blocks(scores: torch.Tensor, n_blocks: int, kernel_size: int, kernel
     return F.max_pool1d(padded.reshape(-1, 1, needed), window, stride).view(*lead, n_blocks)
 
 
-def forced_blocks(positions: torch.Tensor, n_blocks: int, block_size: int, init_blocks: int, local_blocks: int) -> torch.Tensor:
+def forced_blocks(
+    positions: torch.Tensor, n_blocks: int, block_size: int, init_blocks: int, local_blocks: int
+) -> torch.Tensor:
     """bool [B, Tq, NB]: init blocks and the local window qb-local..qb (padding rows: none)."""
     blocks = torch.arange(n_blocks, device=positions.device).view(1, 1, -1)
     current = torch.div(positions, block_size, rounding_mode="floor").unsqueeze(-1)
@@ -232,7 +239,9 @@ def forced_blocks(positions: torch.Tensor, n_blocks: int, block_size: int, init_
     return forced & valid
 
 
-def force_blocks(block_scores: torch.Tensor, positions: torch.Tensor, block_size: int, init_blocks: int, local_blocks: int) -> torch.Tensor:
+def force_blocks(
+    block_scores: torch.Tensor, positions: torch.Tensor, block_size: int, init_blocks: int, local_blocks: int
+) -> torch.Tensor:
     """Set init and local blocks of [B, H, Tq, NB] scores to +inf."""
     forced = forced_blocks(positions, block_scores.shape[-1], block_size, init_blocks, local_blocks)
     return block_scores.masked_fill(forced[:, None], POS_INF)
@@ -349,7 +358,9 @@ def score_blocks(
     return force_blocks(blocks, positions, sparse.block_size, sparse.init_blocks, sparse.local_blocks)
 
 
-def pooled_agnostic_scores(pooled_cis: torch.Tensor, positions: torch.Tensor, sparse, n_blocks: int, lag: int = 0) -> torch.Tensor:
+def pooled_agnostic_scores(
+    pooled_cis: torch.Tensor, positions: torch.Tensor, sparse, n_blocks: int, lag: int = 0
+) -> torch.Tensor:
     """NOSA's query-agnostic block score from CIS already mean-pooled over the compression windows
     (what a cache keeps incrementally, so a decode step costs O(C), not a re-pool of every token):
     max-pooled to blocks, init and local forced, -inf for blocks in the future of each row.
@@ -360,17 +371,28 @@ def pooled_agnostic_scores(pooled_cis: torch.Tensor, positions: torch.Tensor, sp
     visible = compressed_visibility(positions, pooled_cis.shape[1], p, s, lag)
     scores = pooled_cis.float().permute(0, 2, 1)[:, :, None, :].expand(-1, -1, positions.shape[1], -1)
     scores = scores.masked_fill(~visible[:, None], NEG_INF)
-    blocks = force_blocks(pool_to_blocks(scores, n_blocks, p, s, bs), positions, bs, sparse.init_blocks, sparse.local_blocks)
-    future = torch.arange(n_blocks, device=positions.device).view(1, 1, 1, -1) > torch.div(positions, bs, rounding_mode="floor")[:, None, :, None]
+    blocks = force_blocks(
+        pool_to_blocks(scores, n_blocks, p, s, bs), positions, bs, sparse.init_blocks, sparse.local_blocks
+    )
+    future = (
+        torch.arange(n_blocks, device=positions.device).view(1, 1, 1, -1)
+        > torch.div(positions, bs, rounding_mode="floor")[:, None, :, None]
+    )
     return blocks.masked_fill(future, NEG_INF)
 
 
-def agnostic_block_scores(cis: torch.Tensor, positions: torch.Tensor, sparse, n_blocks: int, lag: int = 0) -> torch.Tensor:
+def agnostic_block_scores(
+    cis: torch.Tensor, positions: torch.Tensor, sparse, n_blocks: int, lag: int = 0
+) -> torch.Tensor:
     """`pooled_agnostic_scores` from raw CIS [B, S, H] (mean-pooled like the keys) -> fp32 [B, H, Tq, NB]."""
-    return pooled_agnostic_scores(compress_keys(cis.float(), sparse.kernel_size, sparse.kernel_stride), positions, sparse, n_blocks, lag)
+    return pooled_agnostic_scores(
+        compress_keys(cis.float(), sparse.kernel_size, sparse.kernel_stride), positions, sparse, n_blocks, lag
+    )
 
 
-def nosa_fill(query_ids: torch.Tensor, agnostic_scores: torch.Tensor, positions: torch.Tensor, k: int, block_size: int) -> torch.Tensor:
+def nosa_fill(
+    query_ids: torch.Tensor, agnostic_scores: torch.Tensor, positions: torch.Tensor, k: int, block_size: int
+) -> torch.Tensor:
     """Keep the query-aware shortlist and fill the budget from the static agnostic score.
 
     query_ids [B, H, Tq, Kq] (-1 = none), agnostic_scores [B, H, Tq, NB] -> int64 [B, H, Tq, k].
@@ -432,11 +454,15 @@ def layer_selection(
         n_blocks = num_blocks(bounds[1] + 1, sparse.block_size)
     coarse = lse_keys if kind == "query" else None
     if sparse.policy == "nosa" and pooled_cis is None and cis is None:
-        raise ValueError("the nosa policy needs the layer's CIS (cis [B, S, H] or pooled_cis [B, C, H]) to fill the budget")
+        raise ValueError(
+            "the nosa policy needs the layer's CIS (cis [B, S, H] or pooled_cis [B, C, H]) to fill the budget"
+        )
     if vectors.shape[1] > 1 and bounds is not None and _fused_stage1(vectors.device):
         if sparse.policy == "nosa" and pooled_cis is None:
             pooled_cis = compress_keys(cis.float(), sparse.kernel_size, sparse.kernel_stride)
-        scores, agnostic = prefill_block_scores(vectors, ckeys, positions, sparse, n_blocks, kind, coarse, pooled_cis, bounds)
+        scores, agnostic = prefill_block_scores(
+            vectors, ckeys, positions, sparse, n_blocks, kind, coarse, pooled_cis, bounds
+        )
         return select_blocks(scores, positions, sparse, agnostic)
     scores = score_blocks(vectors, ckeys, positions, sparse, n_blocks, kind=kind, lse_keys=coarse, bounds=bounds)
     agnostic = None
@@ -479,9 +505,14 @@ def prefill_block_scores(
         lse_keys = lse_keys[:, : keys_seen(bounds[1], lse_keys.shape[1], *sparse.coarse_kernel, lag)]
     if pooled_cis is not None:
         if pooled_cis.shape[1] < ckeys.shape[1]:
-            raise ValueError(f"pooled_cis holds {pooled_cis.shape[1]} compressed entries, fewer than the {ckeys.shape[1]} compressed keys scored")
+            raise ValueError(
+                f"pooled_cis holds {pooled_cis.shape[1]} compressed entries, "
+                f"fewer than the {ckeys.shape[1]} compressed keys scored"
+            )
         pooled_cis = pooled_cis[:, : ckeys.shape[1]]  # entries past the last seen key are invisible to every row
-    return kernels.stage1_block_scores_triton(vectors, ckeys, positions, sparse, n_blocks, kind, lag, lse_keys, pooled_cis)
+    return kernels.stage1_block_scores_triton(
+        vectors, ckeys, positions, sparse, n_blocks, kind, lag, lse_keys, pooled_cis
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -504,7 +535,9 @@ def forecast_recall_counts(
     query = selection_mask(query_ids, n_blocks) & ~forced
     forecast = selection_mask(forecast_ids, n_blocks) & ~forced
     blocks = torch.arange(n_blocks, device=positions.device)
-    visible_blocks = blocks.view(1, 1, -1) <= torch.div(positions, sparse.block_size, rounding_mode="floor").unsqueeze(-1)
+    visible_blocks = blocks.view(1, 1, -1) <= torch.div(positions, sparse.block_size, rounding_mode="floor").unsqueeze(
+        -1
+    )
     free = (visible_blocks[:, None] & ~forced).sum(-1).float()
     wanted = query.sum(-1).float()
     hits = (query & forecast).sum(-1).float()
@@ -553,11 +586,17 @@ def recall_table(columns: dict[str, tuple[list[float], float]], chance: list[flo
     lines = ["| layer | " + " | ".join(names) + " | chance |", "|---" * (len(names) + 2) + "|"]
     for i, c in enumerate(chance):
         lines.append(f"| {i} | " + " | ".join(f"{columns[n][0][i]:.3f}" for n in names) + f" | {c:.3f} |")
-    lines.append(f"| mean (>= {RECALL_FIRST_LAYER}) | " + " | ".join(f"{columns[n][1]:.3f}" for n in names) + f" | {mean_chance:.3f} |")
+    lines.append(
+        f"| mean (>= {RECALL_FIRST_LAYER}) | "
+        + " | ".join(f"{columns[n][1]:.3f}" for n in names)
+        + f" | {mean_chance:.3f} |"
+    )
     return "\n".join(lines) + "\n"
 
 
-def recall_row_sums(query_ids: torch.Tensor, forecast_ids: torch.Tensor, positions: torch.Tensor, sparse, start: int = 0) -> torch.Tensor:
+def recall_row_sums(
+    query_ids: torch.Tensor, forecast_ids: torch.Tensor, positions: torch.Tensor, sparse, start: int = 0
+) -> torch.Tensor:
     """`forecast_recall_counts` summed over batch, heads and the rows with position >= start.
 
     query_ids, forecast_ids [B, H, Tq, K]; positions [B, Tq].  Returns fp64 [3]: hits, wanted, chance.

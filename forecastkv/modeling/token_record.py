@@ -46,8 +46,12 @@ def note_call(cache, input_ids: torch.Tensor | None, positions: torch.Tensor, ca
         cache.unrecorded_from = call.lengths_before
         return
     previous = getattr(cache, ATTRIBUTE, None)
-    note = Note(previous, positions.shape[0], positions=positions.detach().clone(),
-                ids=None if input_ids is None else input_ids.detach().clone())
+    note = Note(
+        previous,
+        positions.shape[0],
+        positions=positions.detach().clone(),
+        ids=None if input_ids is None else input_ids.detach().clone(),
+    )
     setattr(cache, ATTRIBUTE, note)
 
 
@@ -102,5 +106,7 @@ def recorded_tokens(cache) -> list[list[int]] | None:
                 row[start:] = [t for _, t in written]
             # start > len(row): a gap; the known prefix stays what it was
     rows = [row[:n] for row, n in zip(rows, host)]  # past a crop nothing is known any more
-    setattr(cache, ATTRIBUTE, Note(None, len(host), tokens=tuple(tuple(row) for row in rows)))  # settled: the tensors are read once
+    setattr(
+        cache, ATTRIBUTE, Note(None, len(host), tokens=tuple(tuple(row) for row in rows))
+    )  # settled: the tensors are read once
     return rows

@@ -66,6 +66,7 @@ class Features:
 
     def take(self, index: torch.Tensor) -> "Features":
         """The cached rows `index` [B, r] (int64, per sequence, into the R cached rows)."""
+
         def rows(t: torch.Tensor, dim: int) -> torch.Tensor:
             shape = list(t.shape)
             shape[dim] = index.shape[1]
@@ -74,8 +75,13 @@ class Features:
             return torch.gather(t, dim, index.view(view).expand(shape))
 
         return Features(
-            rows(self.positions, 1), rows(self.cos, 1), rows(self.sin, 1), [rows(x, 1) for x in self.inputs],
-            self.ckeys, [rows(t, 2) for t in self.teachers], self.query_sq,
+            rows(self.positions, 1),
+            rows(self.cos, 1),
+            rows(self.sin, 1),
+            [rows(x, 1) for x in self.inputs],
+            self.ckeys,
+            [rows(t, 2) for t in self.teachers],
+            self.query_sq,
             None if self.targets is None else [t.take(index) for t in self.targets],
         )
 
@@ -85,11 +91,16 @@ class Features:
         cat = lambda get: torch.cat([get(p) for p in parts])  # noqa: E731
         layers = range(len(parts[0].ckeys))
         return Features(
-            cat(lambda p: p.positions), cat(lambda p: p.cos), cat(lambda p: p.sin),
+            cat(lambda p: p.positions),
+            cat(lambda p: p.cos),
+            cat(lambda p: p.sin),
             [cat(lambda p, i=i: p.inputs[i]) for i in range(len(parts[0].inputs))],
-            [cat(lambda p, i=i: p.ckeys[i]) for i in layers], [cat(lambda p, i=i: p.teachers[i]) for i in layers],
+            [cat(lambda p, i=i: p.ckeys[i]) for i in layers],
+            [cat(lambda p, i=i: p.teachers[i]) for i in layers],
             torch.stack([p.query_sq for p in parts]).mean(0),
-            None if parts[0].targets is None else [TopkTargets.cat([p.targets[i] for p in parts], dim=0) for i in layers],
+            None
+            if parts[0].targets is None
+            else [TopkTargets.cat([p.targets[i] for p in parts], dim=0) for i in layers],
         )
 
     def to_tensors(self) -> dict:
@@ -110,10 +121,19 @@ class Features:
         layers = len(group("ckeys"))
         targets = None
         if any(key.startswith("targets/") for key in tensors):
-            targets = [TopkTargets(*(tensors[f"targets/{i}/{f}"].to(device) for f in TopkTargets._fields)) for i in range(layers)]
+            targets = [
+                TopkTargets(*(tensors[f"targets/{i}/{f}"].to(device) for f in TopkTargets._fields))
+                for i in range(layers)
+            ]
         return Features(
-            tensors["positions"].to(device), tensors["cos"].to(device), tensors["sin"].to(device), group("inputs"), group("ckeys"),
-            group("teachers"), tensors["query_sq"], targets,
+            tensors["positions"].to(device),
+            tensors["cos"].to(device),
+            tensors["sin"].to(device),
+            group("inputs"),
+            group("ckeys"),
+            group("teachers"),
+            tensors["query_sq"],
+            targets,
         )
 
     def nbytes(self) -> int:
@@ -136,7 +156,13 @@ def cached_rows(length: int, row_start: int, count: int | None, generator: torch
 
 @torch.no_grad()
 def build_features(
-    model, ids: torch.Tensor, rows: torch.Tensor, sparse, objective: ObjectiveConfig, backbone: str = "query", on_layer_done=None,
+    model,
+    ids: torch.Tensor,
+    rows: torch.Tensor,
+    sparse,
+    objective: ObjectiveConfig,
+    backbone: str = "query",
+    on_layer_done=None,
 ) -> Features:
     """Run the frozen `model` once over ids [B, T] and cache the rows `rows` [R] (int64, sorted).
 
@@ -155,7 +181,11 @@ def build_features(
     def on_layer(idx, normed, positions, cos, sin, cache_layer):
         attn = inner.layers[idx].self_attn
         if idx == 0:
-            store["positions"], store["cos"], store["sin"] = positions[:, rows], cos[:, rows].float(), sin[:, rows].float()
+            store["positions"], store["cos"], store["sin"] = (
+                positions[:, rows],
+                cos[:, rows].float(),
+                sin[:, rows].float(),
+            )
         x = normed[:, rows]
         if idx < last:
             store["inputs"].append(x.float())
@@ -182,7 +212,13 @@ def build_features(
     with attending_with(inner, backbone_sparse_config(backbone, sparse)):
         inner(ids, layer_callback=on_layer)
     return Features(
-        store["positions"], store["cos"], store["sin"], store["inputs"], store["ckeys"], store["teachers"], torch.stack(store["norms"]),
+        store["positions"],
+        store["cos"],
+        store["sin"],
+        store["inputs"],
+        store["ckeys"],
+        store["teachers"],
+        torch.stack(store["norms"]),
         store["targets"] if topk else None,
     )
 
@@ -202,7 +238,7 @@ def head_vectors(model, features: Features, layer: int) -> torch.Tensor:
 # the on-disk cache
 # ----------------------------------------------------------------------------------------------
 
-CACHE_KEY = "forecastkv.features"       # metadata: {"key": ..., "build_s": ...}
+CACHE_KEY = "forecastkv.features"  # metadata: {"key": ..., "build_s": ...}
 
 
 def save_part(path: Path, part: Features, key: str, build_seconds: float) -> Path:

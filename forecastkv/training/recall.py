@@ -33,7 +33,9 @@ DEFAULT_START = 1024
 
 
 @torch.no_grad()
-def measure_recall_counts(model, input_ids: torch.Tensor, start: int, backbone: str = "dense", sparse=None, on_layer_done=None) -> torch.Tensor:
+def measure_recall_counts(
+    model, input_ids: torch.Tensor, start: int, backbone: str = "dense", sparse=None, on_layer_done=None
+) -> torch.Tensor:
     """Per-layer recall sums fp64 [L, 3] (hits, wanted, chance) of `model` on input_ids [B, T].
 
     model: a ForecastKVForCausalLM (or ForecastKVModel) with forecast heads; sparse: the geometry
@@ -79,25 +81,43 @@ def measure_recall_counts(model, input_ids: torch.Tensor, start: int, backbone: 
     return counts
 
 
-def forecast_recall(model, sequences: torch.Tensor, start: int, backbone: str = "dense", sparse=None, batch_size: int = 1, progress: bool = False) -> sel.RecallReport:
+def forecast_recall(
+    model,
+    sequences: torch.Tensor,
+    start: int,
+    backbone: str = "dense",
+    sparse=None,
+    batch_size: int = 1,
+    progress: bool = False,
+) -> sel.RecallReport:
     """The recall protocol on held-out sequences [N, T] (int64 token ids): per layer and mean over
     layers >= 1, chance alongside, counting query rows t in [start, T) only.  See
     `measure_recall_counts` for model / backbone / sparse.  progress: a bar on stderr that moves
     layer by layer (a 2K sequence of a 30-layer model takes seconds per layer on a CPU)."""
     sequences = torch.as_tensor(sequences)
     if sequences.dim() != 2 or sequences.shape[0] == 0:
-        raise ConfigError(f"sequences must be a non-empty [N, T] tensor of token ids, got shape {tuple(sequences.shape)}")
+        raise ConfigError(
+            f"sequences must be a non-empty [N, T] tensor of token ids, got shape {tuple(sequences.shape)}"
+        )
     device = next(model.parameters()).device
     config = getattr(model, "model", model).config
     counts = torch.zeros(config.num_hidden_layers, 3, dtype=torch.float64)
     from tqdm.auto import tqdm
 
     layers = config.num_hidden_layers
-    bar = tqdm(total=sequences.shape[0] * layers, desc=f"recall ({sequences.shape[0]} sequences x {layers} layers)", unit="layer",
-               disable=not progress, dynamic_ncols=True, file=sys.stderr)
+    bar = tqdm(
+        total=sequences.shape[0] * layers,
+        desc=f"recall ({sequences.shape[0]} sequences x {layers} layers)",
+        unit="layer",
+        disable=not progress,
+        dynamic_ncols=True,
+        file=sys.stderr,
+    )
     for first in range(0, sequences.shape[0], batch_size):
         rows = sequences[first : first + batch_size]
-        counts += measure_recall_counts(model, rows.to(device), start, backbone, sparse, lambda idx, n=rows.shape[0]: bar.update(n))
+        counts += measure_recall_counts(
+            model, rows.to(device), start, backbone, sparse, lambda idx, n=rows.shape[0]: bar.update(n)
+        )
     bar.close()
     length = sequences.shape[1]
     return sel.summarise_recall(counts, start, length, sequences.shape[0] * (length - start), backbone)
@@ -126,28 +146,43 @@ def heldout_sequences(protocol: RecallProtocol, tokenizer) -> torch.Tensor:
     """[N, length] int64: the held-out documents packed in storage order (no shuffle)."""
     from .data import build_sequences
 
-    packed = build_sequences(protocol.source, tokenizer, protocol.length, split=protocol.split, shuffle=False, name="recall data")
+    packed = build_sequences(
+        protocol.source, tokenizer, protocol.length, split=protocol.split, shuffle=False, name="recall data"
+    )
     count = len(packed) if protocol.sequences is None else min(protocol.sequences, len(packed))
     return packed.first(count)
 
 
-def evaluate_recall(model, tokenizer, protocol: RecallProtocol = RecallProtocol(), sparse=None, progress: bool = False) -> sel.RecallReport:
+def evaluate_recall(
+    model, tokenizer, protocol: RecallProtocol = RecallProtocol(), sparse=None, progress: bool = False
+) -> sel.RecallReport:
     """Run the protocol on `model` (forecast heads required).  Returns a `selection.RecallReport`."""
     sequences = heldout_sequences(protocol, tokenizer)
     return forecast_recall(model, sequences, protocol.start, protocol.backbone, sparse=sparse, progress=progress)
 
 
-def load_for_recall(base: str, forecast_weights: str | None = None, sparse_config=None, init: str = "next_query", heads_per_group: int = 1):
+def load_for_recall(
+    base: str,
+    forecast_weights: str | None = None,
+    sparse_config=None,
+    init: str = "next_query",
+    heads_per_group: int = 1,
+):
     """(model, tokenizer, base path): the base with saved heads (`forecast_weights`) or freshly
     initialised ones (`init`, `heads_per_group`), float32."""
     from transformers import AutoTokenizer
 
     from forecastkv import ForecastKVForCausalLM
+
     path = resolve_model_path(base)
     if forecast_weights is not None:
-        model = ForecastKVForCausalLM.from_pretrained(path, sparse_config=sparse_config, forecast_weights=forecast_weights)
+        model = ForecastKVForCausalLM.from_pretrained(
+            path, sparse_config=sparse_config, forecast_weights=forecast_weights
+        )
     else:
-        model = ForecastKVForCausalLM.from_pretrained(path, sparse_config=sparse_config, forecast={"init": init, "heads_per_group": heads_per_group})
+        model = ForecastKVForCausalLM.from_pretrained(
+            path, sparse_config=sparse_config, forecast={"init": init, "heads_per_group": heads_per_group}
+        )
     return model.float().eval(), AutoTokenizer.from_pretrained(path), path
 
 
@@ -180,13 +215,30 @@ def resolve_geometry(sparse_config=None, forecast_weights=None, topk: int | None
 
 
 def build_parser(prog: str = "forecastkv forecast-recall") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description="Held-out forecast recall of saved (or freshly initialised) heads.")
-    parser.add_argument("--model", default="bundled:smollm2-135m", help="base checkpoint directory / hub id / bundled:<name>")
-    parser.add_argument("--forecast-weights", default=None, help="a directory with forecast.safetensors (train-forecast output)")
-    parser.add_argument("--init", default="next_query", choices=("next_query", "kaiming"), help="without --forecast-weights: heads to create")
+    parser = argparse.ArgumentParser(
+        prog=prog, description="Held-out forecast recall of saved (or freshly initialised) heads."
+    )
+    parser.add_argument(
+        "--model", default="bundled:smollm2-135m", help="base checkpoint directory / hub id / bundled:<name>"
+    )
+    parser.add_argument(
+        "--forecast-weights", default=None, help="a directory with forecast.safetensors (train-forecast output)"
+    )
+    parser.add_argument(
+        "--init",
+        default="next_query",
+        choices=("next_query", "kaiming"),
+        help="without --forecast-weights: heads to create",
+    )
     parser.add_argument("--heads-per-group", type=int, default=1)
-    parser.add_argument("--sparse-config", default=None, help="geometry both selectors use: a preset name or JSON (default: the saved heads', else smollm2-135m)")
-    parser.add_argument("--topk", type=int, default=None, help="override the geometry's topk (the issue's SmolLM2 protocol: 12)")
+    parser.add_argument(
+        "--sparse-config",
+        default=None,
+        help="geometry both selectors use: a preset name or JSON (default: the saved heads', else smollm2-135m)",
+    )
+    parser.add_argument(
+        "--topk", type=int, default=None, help="override the geometry's topk (the issue's SmolLM2 protocol: 12)"
+    )
     parser.add_argument("--source", default="bundled")
     parser.add_argument("--split", default="heldout")
     parser.add_argument("--length", type=int, default=2048, help="T: tokens per held-out sequence")
@@ -194,7 +246,9 @@ def build_parser(prog: str = "forecastkv forecast-recall") -> argparse.ArgumentP
     parser.add_argument("--sequences", type=int, default=None, help="at most this many sequences (default: all)")
     parser.add_argument("--backbone", default="dense", choices=BACKBONES)
     parser.add_argument("--json", default=None, help="also write the report as JSON here")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar (one is drawn on stderr, layer by layer)")
+    parser.add_argument(
+        "--no-progress", action="store_true", help="no progress bar (one is drawn on stderr, layer by layer)"
+    )
     return parser
 
 
@@ -205,10 +259,15 @@ def main(argv: list[str] | None = None) -> int:
     model, tokenizer, _ = load_for_recall(args.model, args.forecast_weights, sparse, args.init, args.heads_per_group)
     report = evaluate_recall(model, tokenizer, protocol, progress=not args.no_progress)
     what = args.forecast_weights or f"init {args.init}, {args.heads_per_group} vector(s) per group"
-    print(f"forecast recall of {what}: T={args.length}, rows t >= {args.start}, {report.rows} rows, backbone {args.backbone}")
+    print(
+        f"forecast recall of {what}: T={args.length}, rows t >= {args.start}, {report.rows} rows, "
+        f"backbone {args.backbone}"
+    )
     print(report.table())
     if args.json:
-        Path(args.json).write_text(json.dumps({"protocol": protocol.__dict__, "heads": what, **report.to_dict()}, indent=2))
+        Path(args.json).write_text(
+            json.dumps({"protocol": protocol.__dict__, "heads": what, **report.to_dict()}, indent=2)
+        )
     return 0
 
 

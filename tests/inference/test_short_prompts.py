@@ -103,7 +103,7 @@ def test_short_prompts_interpreted_backends(runtime_backend, one_thread):
 
 
 ISSUE_CASE = """
-import os, torch
+import dataclasses, os, torch
 from forecastkv import SparseCache, kernels
 from forecastkv.inference import OffloadedSparseCache
 from forecastkv.kernels._common import interpreting
@@ -113,8 +113,10 @@ from tests.inference.test_offloaded import generate
 torch.set_num_threads(1)
 assert not interpreting() and kernels.get_backend("decode") == "kernels" and not kernels.use_triton("cpu")
 calls = []
-original = kernels.sparse_decode_slots_reference
-kernels.sparse_decode_slots_reference = lambda *a, **k: (calls.append(1), original(*a, **k))[1]
+original, choose = kernels.sparse_decode_slots_reference, kernels.kernel_set
+assert choose("cpu").sparse_decode_slots is original  # the chosen kernels: the references
+counting = lambda *a, **k: (calls.append(1), original(*a, **k))[1]  # noqa: E731
+kernels.kernel_set = lambda device: dataclasses.replace(choose(device), sparse_decode_slots=counting)
 model = tiny_model({"policy": "infllmv2", "selector": "query", "block_size": 16, "kernel_size": 8, "kernel_stride": 4,
                     "window_size": 32, "topk": 3}, seed=0)
 ids, mask = left_padded([200])

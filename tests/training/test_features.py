@@ -5,8 +5,8 @@ import torch
 
 from forecastkv import ForecastKVConfig, ForecastKVForCausalLM
 from forecastkv.modeling import selection as sel
+from forecastkv.modeling.attention import apply_rope
 from forecastkv.modeling.forecast_init import apply_forecast_init
-from forecastkv.modeling.rope import apply_rope
 from forecastkv.training.features import build_features, cached_rows, head_vectors
 from forecastkv.training.objective import ObjectiveConfig, layer_loss, rows_kl
 from forecastkv.training.recall import forecast_recall, measure_recall_counts
@@ -16,7 +16,9 @@ from tests.helpers import TRAINING_SPARSE as TINY_SPARSE
 
 def tiny(per_group=1, sparse=None, seed=0):
     torch.manual_seed(seed)
-    config = ForecastKVConfig(**TINY_MODEL, sparse_config=sparse or TINY_SPARSE, forecast={"enabled": True, "heads_per_group": per_group})
+    config = ForecastKVConfig(
+        **TINY_MODEL, sparse_config=sparse or TINY_SPARSE, forecast={"enabled": True, "heads_per_group": per_group}
+    )
     model = ForecastKVForCausalLM(config).eval()
     apply_forecast_init(model, "kaiming", seed=seed)
     return model
@@ -37,7 +39,10 @@ def direct_layer_inputs(model, ids):
         k = apply_rope(attn.k_proj(x).view(b, t, attn.num_kv_heads, attn.head_dim), cos, sin)
         v = attn.v_proj(x).view(b, t, attn.num_kv_heads, attn.head_dim)
         ctx = torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2).repeat_interleave(attn.group, 1), v.transpose(1, 2).repeat_interleave(attn.group, 1), is_causal=True
+            q.transpose(1, 2),
+            k.transpose(1, 2).repeat_interleave(attn.group, 1),
+            v.transpose(1, 2).repeat_interleave(attn.group, 1),
+            is_causal=True,
         )
         hidden = hidden + attn.o_proj(ctx.transpose(1, 2).reshape(b, t, -1))
         out.append((x, q, k, cos, sin))
@@ -66,8 +71,16 @@ def test_cached_loss_equals_layer_loss_on_the_direct_inputs():
             _, q, k, _, _ = direct[m]
             ckeys = sel.compress_keys(k, sparse.kernel_size, sparse.kernel_stride)
             expected = layer_loss(q, k, ckeys, forecast, positions, sparse, objective)
-            targets = None if feats.targets is None else feats.targets[m]   # cached top-k targets ("topk" only)
-            cached = rows_kl(head_vectors(model, feats, m), feats.ckeys[m], feats.positions, feats.teachers[m], sparse, objective.loss, targets)
+            targets = None if feats.targets is None else feats.targets[m]  # cached top-k targets ("topk" only)
+            cached = rows_kl(
+                head_vectors(model, feats, m),
+                feats.ckeys[m],
+                feats.positions,
+                feats.teachers[m],
+                sparse,
+                objective.loss,
+                targets,
+            )
             assert abs(cached.item() / (2 * 2 * 48) - expected.item()) <= 1e-4 * expected.item(), (m, objective.loss)
 
 
@@ -77,10 +90,17 @@ def test_row_subsets_and_calibration():
     sparse = model.config.sparse
     ids = torch.randint(0, 128, (1, 64), generator=torch.Generator().manual_seed(2))
     rows = cached_rows(64, 16, 20, torch.Generator().manual_seed(0))
-    assert rows.numel() == 20 and rows.min() >= 16 and torch.equal(rows, rows.sort().values) and rows.unique().numel() == 20
+    assert (
+        rows.numel() == 20
+        and rows.min() >= 16
+        and torch.equal(rows, rows.sort().values)
+        and rows.unique().numel() == 20
+    )
     feats = build_features(model, ids, rows, sparse, ObjectiveConfig(chunk_size=8), backbone="query")
     assert torch.equal(feats.positions[0], rows)
-    full = build_features(model, ids, cached_rows(64, 0, None, None), sparse, ObjectiveConfig(chunk_size=64), backbone="query")
+    full = build_features(
+        model, ids, cached_rows(64, 0, None, None), sparse, ObjectiveConfig(chunk_size=64), backbone="query"
+    )
     for m in range(3):  # a row's teacher does not depend on which other rows are cached
         torch.testing.assert_close(feats.teachers[m], full.teachers[m][:, :, rows], rtol=1e-5, atol=1e-7)
     from forecastkv.modeling.forecast_init import calibrate_forecast_scale
@@ -90,7 +110,7 @@ def test_row_subsets_and_calibration():
     after = torch.stack([head_vectors(model, feats, m).pow(2).sum(-1).mean((0, 1)) for m in range(3)])
     kv_heads = model.config.num_key_value_heads  # one vector per group: the group's mean query norm
     torch.testing.assert_close(after, feats.query_sq.view(3, kv_heads, -1).mean(-1), rtol=1e-4, atol=0)
-    assert not torch.allclose(factors, torch.ones_like(factors), rtol=0.1)   # kaiming heads start at another scale
+    assert not torch.allclose(factors, torch.ones_like(factors), rtol=0.1)  # kaiming heads start at another scale
 
 
 @torch.no_grad()
@@ -103,11 +123,20 @@ def test_calibration_keeps_query_copies_exact_with_one_vector_per_query_head():
     model = tiny(per_group=3)  # TINY_MODEL: 6 query heads, 2 KV heads, G = 3
     apply_forecast_init(model, "next_query", seed=0)
     ids = torch.randint(0, 128, (1, 64), generator=torch.Generator().manual_seed(2))
-    feats = build_features(model, ids, cached_rows(64, 16, None, None), model.config.sparse, ObjectiveConfig(chunk_size=64), backbone="query")
+    feats = build_features(
+        model,
+        ids,
+        cached_rows(64, 16, None, None),
+        model.config.sparse,
+        ObjectiveConfig(chunk_size=64),
+        backbone="query",
+    )
     head_sq = torch.stack([head_vectors(model, feats, m).pow(2).sum(-1).mean((0, 1)) for m in range(3)])
     factors = calibrate_forecast_scale(model, head_sq, feats.query_sq)
     torch.testing.assert_close(factors[0], torch.ones_like(factors[0]), rtol=1e-5, atol=0)
-    torch.testing.assert_close(model.model.layers[0].self_attn.current_proj.weight, model.model.layers[0].self_attn.q_proj.weight)
+    torch.testing.assert_close(
+        model.model.layers[0].self_attn.current_proj.weight, model.model.layers[0].self_attn.q_proj.weight
+    )
 
 
 @torch.no_grad()
@@ -124,6 +153,6 @@ def test_recall_protocol_matches_the_model_recorded_selections():
     for layer, record in enumerate(out.selections):
         expected = sel.recall_row_sums(record["query"], record["forecast"], positions, sparse, start)
         torch.testing.assert_close(counts[layer], expected, rtol=1e-9, atol=1e-6)
-    assert counts[:, 1].min() > 0 and (counts[:, 0] < counts[:, 1]).any()   # not trivially perfect
+    assert counts[:, 1].min() > 0 and (counts[:, 0] < counts[:, 1]).any()  # not trivially perfect
     report = forecast_recall(model, ids, start, backbone="query")
     assert report.rows == 2 * (96 - start) and abs(report.mean_recall - sum(report.recall[1:]) / 2) < 1e-12
