@@ -75,7 +75,8 @@ def bench_gather(device, batches, programs, heads, dim, block, slots, seq, miss,
         ids[torch.rand(ids.shape) >= miss] = -1  # hits: nothing to move
         ids = ids.to(device)
         k_slots = torch.zeros(batch, slots * block, heads, dim, dtype=dtype, device=device)
-        v_slots, b_slots = torch.zeros_like(k_slots), torch.zeros(batch, slots * block, heads, dtype=dtype, device=device)
+        v_slots = torch.zeros_like(k_slots)
+        b_slots = torch.zeros(batch, slots * block, heads, dtype=dtype, device=device)
         moved_rows = int((ids >= 0).sum()) * block
         nbytes = moved_rows * (2 * dim + 1) * k_host.element_size()
         args = (k_host, v_host, ids, k_slots, v_slots, block, b_host, b_slots)
@@ -90,12 +91,27 @@ def bench_gather(device, batches, programs, heads, dim, block, slots, seq, miss,
         candidates.append(("copy engine", None, lambda: K.block_gather_copy_engine(*args, check_ids=False)))
         if run_triton:
             for n in programs:
-                candidates.append(("triton UVA", n, lambda n=n: K.block_gather_triton(*args, num_programs=n, check_ids=False)))
+                candidates.append(
+                    ("triton UVA", n, lambda n=n: K.block_gather_triton(*args, num_programs=n, check_ids=False))
+                )
         for impl, n, fn in candidates:
             ms = plain_ms if impl == plain_name else timed(fn, device, reps)
             rate = gbps(nbytes, ms)
-            rows.append(dict(kernel="block_gather", config=config, impl=impl, programs=n, ms=ms, gbps=rate, vs_copy=rate / plain))
+            row = dict(kernel="block_gather", config=config, impl=impl, programs=n, ms=ms, gbps=rate)
+            rows.append(dict(row, vs_copy=rate / plain))
         k_host = v_host = b_host = plain_src = plain_dst = None  # free before the next batch
+    return rows
+
+
+def reference_and_triton(kernel, config, nbytes, reference, triton, device, reps, run_triton) -> list[dict]:
+    """Rows timing `reference()` and, with run_triton, `triton()`: ms, GB/s over nbytes, speedup."""
+    ref_ms = timed(reference, device, reps)
+    rows = [dict(kernel=kernel, config=config, impl="reference", ms=ref_ms, gbps=gbps(nbytes, ref_ms), speedup=1.0)]
+    if run_triton:
+        ms = timed(triton, device, reps)
+        rows.append(
+            dict(kernel=kernel, config=config, impl="triton", ms=ms, gbps=gbps(nbytes, ms), speedup=ref_ms / ms)
+        )
     return rows
 
 
@@ -106,16 +122,18 @@ def bench_decode(device, batches, heads, group, dim, block, width, seq, dtype, r
         k = torch.randn(batch, seq, heads, dim, dtype=dtype, device=device)
         v, bias = torch.randn_like(k), torch.randn(batch, seq, heads, device=device)
         n_blocks = seq // block
-        ids = torch.stack([torch.randperm(n_blocks)[:width] for _ in range(batch * heads)]).view(batch, heads, width).to(device)
+        ids = (
+            torch.stack([torch.randperm(n_blocks)[:width] for _ in range(batch * heads)])
+            .view(batch, heads, width)
+            .to(device)
+        )
         lengths = torch.full((batch,), seq, device=device)
         nbytes = batch * heads * width * block * (2 * dim * k.element_size() + 4)
         config = f"B={batch} Hkv={heads} G={group} K={width} blk={block} d={dim} S={seq}"
         args = (q, k, v, ids, lengths, block)
-        ref_ms = timed(lambda: K.sparse_decode_blocks_reference(*args, bias=bias, check_ids=False), device, reps)
-        rows.append(dict(kernel="sparse_decode", config=config, impl="reference", ms=ref_ms, gbps=gbps(nbytes, ref_ms), speedup=1.0))
-        if run_triton:
-            ms = timed(lambda: K.sparse_decode_blocks_triton(*args, bias=bias, check_ids=False), device, reps)
-            rows.append(dict(kernel="sparse_decode", config=config, impl="triton", ms=ms, gbps=gbps(nbytes, ms), speedup=ref_ms / ms))
+        reference = lambda: K.sparse_decode_blocks_reference(*args, bias=bias, check_ids=False)  # noqa: E731
+        triton = lambda: K.sparse_decode_blocks_triton(*args, bias=bias, check_ids=False)  # noqa: E731
+        rows += reference_and_triton("sparse_decode", config, nbytes, reference, triton, device, reps, run_triton)
     return rows
 
 
@@ -128,14 +146,12 @@ def bench_scores(device, batches, heads, group, dim, seq, dtype, reps, run_trito
             vectors = torch.randn(batch, heads * n, dim, dtype=dtype, device=device)
             ckeys = torch.randn(batch, count, heads, dim, dtype=dtype, device=device)
             pos = torch.full((batch,), seq - 1, device=device)
-            args = (vectors, ckeys, pos, sparse, n_blocks, kind, 0 if kind == "query" else 1)  # selection.visibility_lag
+            lag = 0 if kind == "query" else 1  # selection.visibility_lag
+            args = (vectors, ckeys, pos, sparse, n_blocks, kind, lag)
             nbytes = ckeys.numel() * ckeys.element_size()
             config = f"{kind} B={batch} Hkv={heads} n={n} C={count} NB={n_blocks} d={dim}"
-            ref_ms = timed(lambda: K.block_scores_reference(*args), device, reps)
-            rows.append(dict(kernel="block_scores", config=config, impl="reference", ms=ref_ms, gbps=gbps(nbytes, ref_ms), speedup=1.0))
-            if run_triton:
-                ms = timed(lambda: K.block_scores_triton(*args), device, reps)
-                rows.append(dict(kernel="block_scores", config=config, impl="triton", ms=ms, gbps=gbps(nbytes, ms), speedup=ref_ms / ms))
+            reference, triton = lambda: K.block_scores_reference(*args), lambda: K.block_scores_triton(*args)
+            rows += reference_and_triton("block_scores", config, nbytes, reference, triton, device, reps, run_triton)
     return rows
 
 
@@ -149,8 +165,16 @@ def print_table(rows, out=sys.stdout):
     for r in rows:
         ratio = r.get("vs_copy", r.get("speedup"))
         progs = "" if r.get("programs") is None else str(r["programs"])
-        print(f"{r['kernel']:<14} {r['config']:<52} {r['impl']:<18} {progs:>5} {r['ms']:>9.3f} {r['gbps']:>8.2f} {ratio:>7.3f}", file=out)
-    print("ratio: block_gather = GB/s / GB/s of one plain (pinned H2D on CUDA) copy of the same bytes; others = reference ms / ms", file=out)
+        print(
+            f"{r['kernel']:<14} {r['config']:<52} {r['impl']:<18} {progs:>5} "
+            f"{r['ms']:>9.3f} {r['gbps']:>8.2f} {ratio:>7.3f}",
+            file=out,
+        )
+    print(
+        "ratio: block_gather = GB/s / GB/s of one plain (pinned H2D on CUDA) copy of the same bytes; "
+        "others = reference ms / ms",
+        file=out,
+    )
 
 
 def summary(rows) -> dict:
@@ -159,7 +183,10 @@ def summary(rows) -> dict:
     gather = [r for r in rows if r["kernel"] == "block_gather" and r["impl"] == "triton UVA"]
     if gather:
         best = max(gather, key=lambda r: r["gbps"])
-        out["gather_best"] = f"{best['gbps']:.1f} GB/s = {best['vs_copy']:.2f} x plain copy ({best['programs']} programs, {best['config']})"
+        out["gather_best"] = (
+            f"{best['gbps']:.1f} GB/s = {best['vs_copy']:.2f} x plain copy "
+            f"({best['programs']} programs, {best['config']})"
+        )
     engine = [r for r in rows if r["kernel"] == "block_gather" and r["impl"] == "copy engine"]
     if engine:
         best = max(engine, key=lambda r: r["gbps"])
@@ -172,6 +199,34 @@ def summary(rows) -> dict:
     return out
 
 
+def run_sizes(device: torch.device, batches, reps) -> dict:
+    """The run's sizes, repetitions and dtype: realistic on CUDA, small on the CPU (references only)."""
+    if device.type == "cuda":
+        return dict(
+            name=torch.cuda.get_device_name(device), batches=batches or [1, 4, 16], reps=reps or 20,
+            heads=8, dim=128, block=64, slots=64, gather_seq=8192, group=4, width=32, decode_seq=32768,
+            score_seq=32768, dtype=torch.bfloat16,
+        )  # fmt: skip
+    torch.set_num_threads(1)  # thread wake-ups on a busy shared CPU swamp these small timings
+    return dict(
+        name="CPU (references only, 1 thread)", batches=batches or [1, 4], reps=reps or 5,
+        heads=2, dim=64, block=64, slots=16, gather_seq=4096, group=4, width=16, decode_seq=4096,
+        score_seq=4096, dtype=torch.float32,
+    )  # fmt: skip
+
+
+def run_all(device: torch.device, sizes: dict, programs, miss: float, run_triton: bool) -> list[dict]:
+    """Every benchmark's rows: the gather, decode attention, block scores."""
+    batches, heads, dim, block, group = (sizes[k] for k in ("batches", "heads", "dim", "block", "group"))
+    common = (sizes["dtype"], sizes["reps"], run_triton)
+    rows = bench_gather(
+        device, batches, programs, heads, dim, block, sizes["slots"], sizes["gather_seq"], miss, *common
+    )
+    rows += bench_decode(device, batches, heads, group, dim, block, sizes["width"], sizes["decode_seq"], *common)
+    rows += bench_scores(device, batches, heads, group, dim, sizes["score_seq"], *common, SparseConfig())
+    return rows
+
+
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda")
@@ -182,33 +237,15 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
     args = parser.parse_args(argv)
 
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else ("cpu" if args.device == "auto" else args.device))
-    cuda = device.type == "cuda"
-    run_triton = cuda and K._common.triton_available()
-    if cuda:
-        name = torch.cuda.get_device_name(device)
-        batches = args.batches or [1, 4, 16]
-        reps = args.reps or 20
-        geo = dict(heads=8, dim=128, block=64)
-        gather_geo = dict(slots=64, seq=8192)
-        decode_geo = dict(group=4, width=32, seq=32768)
-        score_seq = 32768
-        dtype = torch.bfloat16
-    else:
-        name = "CPU (references only, 1 thread)"
-        torch.set_num_threads(1)  # thread wake-ups on a busy shared CPU swamp these small timings
-        batches = args.batches or [1, 4]
-        reps = args.reps or 5
-        geo = dict(heads=2, dim=64, block=64)
-        gather_geo = dict(slots=16, seq=4096)
-        decode_geo = dict(group=4, width=16, seq=4096)
-        score_seq = 4096
-        dtype = torch.float32
-    print(f"device: {name}; torch {torch.__version__}; triton {'yes' if run_triton else 'not timed'}; dtype {dtype}")
+    auto_device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(auto_device if args.device == "auto" else args.device)
+    run_triton = device.type == "cuda" and K._common.triton_available()
+    sizes = run_sizes(device, args.batches, args.reps)
+    name = sizes["name"]
+    timed_triton = "yes" if run_triton else "not timed"
+    print(f"device: {name}; torch {torch.__version__}; triton {timed_triton}; dtype {sizes['dtype']}")
     t0 = time.perf_counter()
-    rows = bench_gather(device, batches, args.programs, geo["heads"], geo["dim"], geo["block"], gather_geo["slots"], gather_geo["seq"], args.miss, dtype, reps, run_triton)
-    rows += bench_decode(device, batches, geo["heads"], decode_geo["group"], geo["dim"], geo["block"], decode_geo["width"], decode_geo["seq"], dtype, reps, run_triton)
-    rows += bench_scores(device, batches, geo["heads"], decode_geo["group"], geo["dim"], score_seq, dtype, reps, run_triton, SparseConfig())
+    rows = run_all(device, sizes, args.programs, args.miss, run_triton)
     print_table(rows)
     for key, value in summary(rows).items():
         print(f"{key}: {value}")

@@ -171,22 +171,14 @@ class KernelSet:
     flex_prefill_allowed: bool
 
 
-_TRITON_KERNELS = dict(
-    block_gather=block_gather_triton,
-    row_store=row_store_triton,
-    sparse_decode_slots=sparse_decode_slots_triton,
-    sparse_decode_blocks=sparse_decode_blocks_triton,
-    block_scores=block_scores_triton,
-    agnostic_scores=agnostic_scores_triton,
-)
-_REFERENCE_KERNELS = dict(
-    block_gather=block_gather_reference,
-    row_store=row_store_reference,
-    sparse_decode_slots=sparse_decode_slots_reference,
-    sparse_decode_blocks=sparse_decode_blocks_reference,
-    block_scores=block_scores_reference,
-    agnostic_scores=agnostic_scores_reference,
-)
+_KERNELS = {  # name: (Triton kernel, reference), one signature each
+    "block_gather": (block_gather_triton, block_gather_reference),
+    "row_store": (row_store_triton, row_store_reference),
+    "sparse_decode_slots": (sparse_decode_slots_triton, sparse_decode_slots_reference),
+    "sparse_decode_blocks": (sparse_decode_blocks_triton, sparse_decode_blocks_reference),
+    "block_scores": (block_scores_triton, block_scores_reference),
+    "agnostic_scores": (agnostic_scores_triton, agnostic_scores_reference),
+}
 
 
 def kernel_set(device: torch.device | str) -> KernelSet:
@@ -210,7 +202,7 @@ def _kernel_set(device_type: str, environment: str, interpret_flag: str, overrid
         stage1 = backend == "triton" and triton
     decode, prefill = choice.get("decode", "auto"), choice.get("prefill", "auto")
     return KernelSet(
-        **(_TRITON_KERNELS if triton else _REFERENCE_KERNELS),
+        **{name: pair[0] if triton else pair[1] for name, pair in _KERNELS.items()},
         triton=triton,
         stage1=stage1,
         decode_kernels=decode == "kernels" or (decode == "auto" and device_type == "cuda"),
@@ -281,7 +273,9 @@ def sparse_decode_blocks(
     return fn(q, k_cache, v_cache, block_ids, lengths, block_size, scale, bias, out, lse, check_ids)
 
 
-def block_scores(vectors, ckeys, positions, sparse, n_blocks, kind="query", lag=None, out=None, lse_keys=None, check_ids=True):
+def block_scores(
+    vectors, ckeys, positions, sparse, n_blocks, kind="query", lag=None, out=None, lse_keys=None, check_ids=True
+):
     fn = kernel_set(vectors.device).block_scores
     return fn(vectors, ckeys, positions, sparse, n_blocks, kind, lag, out, lse_keys, check_ids)
 

@@ -1,8 +1,11 @@
 """Shared helpers for the kernels: input validation, launch-mode checks and lazy `triton.jit`.
 
-Every kernel validates shapes, dtypes, devices and index ranges here *before* it launches, so no
-input can make a kernel read or write outside its buffers.  Errors name the offending value and the
-limit it broke.
+Every Triton kernel validates shapes, dtypes, devices and index ranges here *before* it launches,
+so no input can make a kernel read or write outside its buffers (check_ids=False skips only the
+range checks, whose device sync a decode step avoids; the kernels clamp indices anyway).  The
+references run the same checks under check_ids=True, the default; with check_ids=False they trust
+the caller, since PyTorch's own indexing cannot leave a buffer.  Errors name the offending value and
+the limit it broke.
 """
 
 from __future__ import annotations
@@ -65,7 +68,9 @@ class LazyKernel:
 
     def __getitem__(self, grid):
         if triton is None:
-            raise RuntimeError("triton is not installed; use the reference backend (FORECASTKV_BACKEND=kernels=reference)")
+            raise RuntimeError(
+                "triton is not installed; use the reference backend (FORECASTKV_BACKEND=kernels=reference)"
+            )
         mode = interpreting()
         if mode not in self._jitted:
             self._jitted[mode] = triton.jit(self.source(triton.jit))
@@ -135,7 +140,9 @@ def check_pinned(name: str, host: torch.Tensor, target: torch.Tensor) -> None:
         raise ValueError(f"{name} is on {host.device} but the destination is on {target.device}")
 
 
-def check_bias_pair(names: tuple[str, str], tensors: tuple, shapes: tuple[tuple, tuple], whats: tuple[str, str]) -> bool:
+def check_bias_pair(
+    names: tuple[str, str], tensors: tuple, shapes: tuple[tuple, tuple], whats: tuple[str, str]
+) -> bool:
     """An optional pair of bias tensors (one per side of a transfer): both or neither, each of its
     shape, one dtype.  Returns whether the pair is given."""
     if (tensors[0] is None) != (tensors[1] is None):

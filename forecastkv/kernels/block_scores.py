@@ -82,18 +82,11 @@ def pool_geometry(kernel_size: int, kernel_stride: int, block_size: int) -> tupl
 def validate_block_scores(vectors, ckeys, positions, sparse, n_blocks, kind="query", lag=None, out=None, lse_keys=None):
     """Check every argument; returns (lag, group size n)."""
     check_tensor("vectors", vectors, ndim=3, dtypes=FLOAT_DTYPES)
-    check_tensor("ckeys", ckeys, ndim=4, dtypes=FLOAT_DTYPES)
     check_tensor("positions", positions, ndim=1, dtypes=INDEX_DTYPES)
-    if kind not in KINDS:
-        raise ValueError(f"score kind {kind!r} is not one of {KINDS}")
     if isinstance(n_blocks, bool) or not isinstance(n_blocks, int) or n_blocks < 0:
         raise ValueError(f"n_blocks must be a non-negative integer, got {n_blocks!r}")
-    batch, vec_heads, dim = vectors.shape
-    if ckeys.shape[0] != batch or ckeys.shape[3] != dim:
-        raise ValueError(f"ckeys has shape {tuple(ckeys.shape)}; expected [B={batch}, C, H_kv, d={dim}] to match vectors {tuple(vectors.shape)}")
-    heads = ckeys.shape[2]
-    if heads == 0 or vec_heads % heads:
-        raise ValueError(f"vectors has {vec_heads} heads, which is not a multiple of H_kv={heads} (from ckeys)")
+    group = check_scoring_keys(vectors, ckeys, kind, lse_keys)
+    batch, heads = vectors.shape[0], ckeys.shape[2]
     check_shape("positions", positions, (batch,), "[B]")
     tensors = [("vectors", vectors), ("ckeys", ckeys), ("positions", positions)]
     if out is not None:
@@ -109,13 +102,33 @@ def validate_block_scores(vectors, ckeys, positions, sparse, n_blocks, kind="que
     if isinstance(lag, bool) or not isinstance(lag, int) or lag < 0:
         raise ValueError(f"lag must be a non-negative integer, got {lag!r}")
     if lse_keys is not None:
+        check_same_device(("vectors", "lse_keys"), (vectors, lse_keys))
+    return lag, group
+
+
+def check_scoring_keys(vectors, ckeys, kind: str, lse_keys=None) -> int:
+    """The checks decode and prefill scoring share: vectors [B, ..., H_kv*n, d] against ckeys
+    [B, C, H_kv, d] and the coarse lse_keys [B, C2, H_kv, d] (kind "query" only); returns n."""
+    check_tensor("ckeys", ckeys, ndim=4, dtypes=FLOAT_DTYPES)
+    if kind not in KINDS:
+        raise ValueError(f"score kind {kind!r} is not one of {KINDS}")
+    batch, vec_heads, dim = vectors.shape[0], vectors.shape[-2], vectors.shape[-1]
+    if ckeys.shape[0] != batch or ckeys.shape[3] != dim:
+        raise ValueError(
+            f"ckeys has shape {tuple(ckeys.shape)}; expected [B={batch}, C, H_kv, d={dim}] to match vectors "
+            f"{tuple(vectors.shape)}"
+        )
+    heads = ckeys.shape[2]
+    if heads == 0 or vec_heads % heads:
+        raise ValueError(f"vectors has {vec_heads} heads, which is not a multiple of H_kv={heads} (from ckeys)")
+    if lse_keys is not None:
         if kind != "query":
             raise ValueError(f"lse_keys (the coarse LSE) applies to kind 'query' only, got kind {kind!r}")
         check_tensor("lse_keys", lse_keys, ndim=4, dtypes=FLOAT_DTYPES)
-        if lse_keys.shape[0] != batch or lse_keys.shape[2] != heads or lse_keys.shape[3] != dim:
-            raise ValueError(f"lse_keys has shape {tuple(lse_keys.shape)}; expected [B={batch}, C2, H_kv={heads}, d={dim}]")
-        check_same_device(("vectors", "lse_keys"), (vectors, lse_keys))
-    return lag, vec_heads // heads
+        if (lse_keys.shape[0], lse_keys.shape[2], lse_keys.shape[3]) != (batch, heads, dim):
+            expected = f"[B={batch}, C2, H_kv={heads}, d={dim}]"
+            raise ValueError(f"lse_keys has shape {tuple(lse_keys.shape)}; expected {expected}")
+    return vec_heads // heads
 
 
 def _visible(positions: torch.Tensor, count: int, size: int, stride: int, lag: int) -> torch.Tensor:
@@ -159,7 +172,8 @@ def block_scores_reference(
         if lse_keys is not None:
             p2, s2 = sparse.coarse_kernel
             coarse = (vec @ lse_keys.float().permute(0, 2, 3, 1)) / math.sqrt(dim)
-            coarse = coarse.masked_fill(~_visible(positions, lse_keys.shape[1], p2, s2, lag)[:, None, None], float("-inf"))
+            coarse_visible = _visible(positions, lse_keys.shape[1], p2, s2, lag)[:, None, None]
+            coarse = coarse.masked_fill(~coarse_visible, float("-inf"))
             coarse_lse = torch.logsumexp(coarse, dim=-1, keepdim=True)
             lse = torch.where(torch.isfinite(coarse_lse), coarse_lse, lse)
         scores = torch.exp(logits - lse.nan_to_num(neginf=0.0)).sum(dim=2)

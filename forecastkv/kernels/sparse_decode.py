@@ -100,7 +100,8 @@ def _validate_common(q, k, v, bias, out, lse, scale, names):
     check_tensor(vname, v, ndim=4, dtypes=FLOAT_DTYPES)
     batch, q_heads, dim = q.shape
     if k.shape[0] != batch or k.shape[3] != dim:
-        raise ValueError(f"{kname} has shape {tuple(k.shape)}; expected [B={batch}, *, H_kv, d={dim}] to match q {tuple(q.shape)}")
+        expected = f"[B={batch}, *, H_kv, d={dim}] to match q {tuple(q.shape)}"
+        raise ValueError(f"{kname} has shape {tuple(k.shape)}; expected {expected}")
     check_shape(vname, v, k.shape, f"must match {kname}")
     check_same_dtype(("q", kname, vname), (q, k, v))
     heads = k.shape[2]
@@ -124,7 +125,9 @@ def _validate_common(q, k, v, bias, out, lse, scale, names):
     return tensors
 
 
-def validate_slots(q, k_slots, v_slots, slot_lens, block_size, scale=None, bias_slots=None, out=None, lse=None, check_ids=True):
+def validate_slots(
+    q, k_slots, v_slots, slot_lens, block_size, scale=None, bias_slots=None, out=None, lse=None, check_ids=True
+):
     """Check every argument of `sparse_decode_slots`; returns the number of slots M."""
     check_positive_int("block_size", block_size)
     tensors = _validate_common(q, k_slots, v_slots, bias_slots, out, lse, scale, ("k_slots", "v_slots", "bias_slots"))
@@ -133,14 +136,17 @@ def validate_slots(q, k_slots, v_slots, slot_lens, block_size, scale=None, bias_
         raise ValueError(f"k_slots has {rows} rows, not a multiple of block_size={block_size}")
     check_tensor("slot_lens", slot_lens, ndim=3, dtypes=INDEX_DTYPES)
     slots = rows // block_size
-    check_shape("slot_lens", slot_lens, (q.shape[0], k_slots.shape[2], slots), f"[B, H_kv, M] with M = rows / block_size = {slots}")
+    what = f"[B, H_kv, M] with M = rows / block_size = {slots}"
+    check_shape("slot_lens", slot_lens, (q.shape[0], k_slots.shape[2], slots), what)
     check_same_device(*zip(*tensors, ("slot_lens", slot_lens)))
     if check_ids:
         check_range("slot_lens", slot_lens, 0, block_size + 1, f"at most block_size={block_size} rows per slot")
     return slots
 
 
-def validate_blocks(q, k_cache, v_cache, block_ids, lengths, block_size, scale=None, bias=None, out=None, lse=None, check_ids=True):
+def validate_blocks(
+    q, k_cache, v_cache, block_ids, lengths, block_size, scale=None, bias=None, out=None, lse=None, check_ids=True
+):
     """Check every argument of `sparse_decode_blocks`; returns the number of cache blocks."""
     check_positive_int("block_size", block_size)
     tensors = _validate_common(q, k_cache, v_cache, bias, out, lse, scale, ("k_cache", "v_cache", "bias"))
@@ -187,7 +193,9 @@ def _attend_fp32(q, keys, values, allowed, bias, scale, out, lse):
 
 
 @_doc(_SLOTS_DOC)
-def sparse_decode_slots_reference(q, k_slots, v_slots, slot_lens, block_size, scale=None, bias_slots=None, out=None, lse=None, check_ids=True):
+def sparse_decode_slots_reference(
+    q, k_slots, v_slots, slot_lens, block_size, scale=None, bias_slots=None, out=None, lse=None, check_ids=True
+):
     if check_ids:
         validate_slots(q, k_slots, v_slots, slot_lens, block_size, scale, bias_slots, out, lse, check_ids)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
@@ -199,7 +207,9 @@ def sparse_decode_slots_reference(q, k_slots, v_slots, slot_lens, block_size, sc
 
 
 @_doc(_BLOCKS_DOC)
-def sparse_decode_blocks_reference(q, k_cache, v_cache, block_ids, lengths, block_size, scale=None, bias=None, out=None, lse=None, check_ids=True):
+def sparse_decode_blocks_reference(
+    q, k_cache, v_cache, block_ids, lengths, block_size, scale=None, bias=None, out=None, lse=None, check_ids=True
+):
     if check_ids:
         validate_blocks(q, k_cache, v_cache, block_ids, lengths, block_size, scale, bias, out, lse, check_ids)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
@@ -249,7 +259,8 @@ def _sparse_decode_kernel(
     dd = tl.arange(0, D_P)
     d_ok = dd < D
     rows = tl.arange(0, BLOCK_P)
-    q = tl.load(q_ptr + b * sq_b + qh[:, None] * sq_h + dd[None, :] * sq_d, mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+    q_mask = g_ok[:, None] & d_ok[None, :]
+    q = tl.load(q_ptr + b * sq_b + qh[:, None] * sq_h + dd[None, :] * sq_d, mask=q_mask, other=0.0)
     if not NATIVE_DOT:
         q = q.to(tl.float32)
     m_i = tl.full([GP], float("-inf"), tl.float32)
@@ -304,7 +315,8 @@ def _sparse_decode_kernel(
     has_keys = l_i > 0.0
     o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     row_lse = tl.where(has_keys, m_i + tl.log(tl.where(has_keys, l_i, 1.0)), float("-inf"))
-    tl.store(out_ptr + b * so_b + qh[:, None] * so_h + split * so_s + dd[None, :] * so_d, o.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+    o_ptrs = out_ptr + b * so_b + qh[:, None] * so_h + split * so_s + dd[None, :] * so_d
+    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=q_mask)
     tl.store(lse_ptr + b * sl_b + qh * sl_h + split * sl_s, row_lse, mask=g_ok)
 
 
@@ -325,7 +337,8 @@ def _combine_kernel(
     top_safe = tl.where(top == float("-inf"), 0.0, top)
     weight = tl.exp(part_lse - top_safe)  # 0 for splits without keys
     total = tl.sum(weight, axis=0)
-    part_o = tl.load(part_o_ptr + b * sp_b + qh * sp_h + sp[:, None] * sp_s + dd[None, :] * sp_d, mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+    part_ptrs = part_o_ptr + b * sp_b + qh * sp_h + sp[:, None] * sp_s + dd[None, :] * sp_d
+    part_o = tl.load(part_ptrs, mask=s_ok[:, None] & d_ok[None, :], other=0.0)
     o = tl.sum(weight[:, None] * part_o, axis=0) / tl.where(total > 0.0, total, 1.0)
     row_lse = tl.where(total > 0.0, top_safe + tl.log(tl.where(total > 0.0, total, 1.0)), float("-inf"))
     tl.store(out_ptr + b * so_b + qh * so_h + dd * so_d, o.to(out_ptr.dtype.element_ty), mask=d_ok)
@@ -347,7 +360,8 @@ def choose_splits(batch: int, heads: int, n_sel: int, device: torch.device) -> i
     (flash-decoding); 1 off CUDA.  A host-side choice from shapes only: no device sync."""
     if device.type != "cuda" or n_sel <= MIN_ENTRIES_PER_SPLIT:
         return 1
-    wanted = -(-2 * _sm_count(device.index if device.index is not None else torch.cuda.current_device()) // max(batch * heads, 1))
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    wanted = -(-2 * _sm_count(index) // max(batch * heads, 1))
     return max(1, min(wanted, -(-n_sel // MIN_ENTRIES_PER_SPLIT)))
 
 
@@ -400,12 +414,22 @@ def _launch(q, k, v, bias, sel, lengths, block_size, scale, out, lse, slots: boo
 
 
 @_doc(_SLOTS_DOC + _SPLITS_DOC)
-def sparse_decode_slots_triton(q, k_slots, v_slots, slot_lens, block_size, scale=None, bias_slots=None, out=None, lse=None, check_ids=True, num_splits=None):
+def sparse_decode_slots_triton(
+    q, k_slots, v_slots, slot_lens, block_size, scale=None, bias_slots=None, out=None, lse=None, check_ids=True,
+    num_splits=None,
+):
     slots = validate_slots(q, k_slots, v_slots, slot_lens, block_size, scale, bias_slots, out, lse, check_ids)
-    return _launch(q, k_slots, v_slots, bias_slots, slot_lens, None, block_size, scale, out, lse, True, slots, num_splits)
+    return _launch(
+        q, k_slots, v_slots, bias_slots, slot_lens, None, block_size, scale, out, lse, True, slots, num_splits
+    )
 
 
 @_doc(_BLOCKS_DOC + _SPLITS_DOC)
-def sparse_decode_blocks_triton(q, k_cache, v_cache, block_ids, lengths, block_size, scale=None, bias=None, out=None, lse=None, check_ids=True, num_splits=None):
+def sparse_decode_blocks_triton(
+    q, k_cache, v_cache, block_ids, lengths, block_size, scale=None, bias=None, out=None, lse=None, check_ids=True,
+    num_splits=None,
+):
     n_blocks = validate_blocks(q, k_cache, v_cache, block_ids, lengths, block_size, scale, bias, out, lse, check_ids)
-    return _launch(q, k_cache, v_cache, bias, block_ids, lengths, block_size, scale, out, lse, False, n_blocks, num_splits)
+    return _launch(
+        q, k_cache, v_cache, bias, block_ids, lengths, block_size, scale, out, lse, False, n_blocks, num_splits
+    )

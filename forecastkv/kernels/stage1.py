@@ -39,7 +39,7 @@ from ._common import (
     next_pow2,
     tl,
 )
-from .block_scores import pool_geometry
+from .block_scores import check_scoring_keys, pool_geometry
 from .lse import online_lse
 
 BLOCK_M = 64  # query rows per program on CUDA (tiny under the interpreter)
@@ -50,31 +50,22 @@ BLOCK_C = 64  # compressed keys per step of the LSE pass
 def validate_stage1(vectors, ckeys, positions, kind, lse_keys=None, pooled_cis=None) -> int:
     """Check the tensors; returns n, the vectors per KV head."""
     check_tensor("vectors", vectors, ndim=4, dtypes=FLOAT_DTYPES)
-    check_tensor("ckeys", ckeys, ndim=4, dtypes=FLOAT_DTYPES)
     check_tensor("positions", positions, ndim=2, dtypes=INDEX_DTYPES)
-    if kind not in ("query", "forecast"):
-        raise ValueError(f"score kind {kind!r} is not one of ('query', 'forecast')")
-    batch, rows, vec_heads, dim = vectors.shape
-    heads = ckeys.shape[2]
-    if ckeys.shape[0] != batch or ckeys.shape[3] != dim:
-        raise ValueError(f"ckeys has shape {tuple(ckeys.shape)}; expected [B={batch}, C, H_kv, d={dim}] to match vectors {tuple(vectors.shape)}")
-    if heads == 0 or vec_heads % heads:
-        raise ValueError(f"vectors has {vec_heads} heads, which is not a multiple of H_kv={heads} (from ckeys)")
+    group = check_scoring_keys(vectors, ckeys, kind, lse_keys)
+    batch, rows, heads = vectors.shape[0], vectors.shape[1], ckeys.shape[2]
     if tuple(positions.shape) != (batch, rows):
         raise ValueError(f"positions has shape {tuple(positions.shape)}, expected [B={batch}, T={rows}]")
     tensors = [("vectors", vectors), ("ckeys", ckeys), ("positions", positions)]
     if lse_keys is not None:
-        check_tensor("lse_keys", lse_keys, ndim=4, dtypes=FLOAT_DTYPES)
-        if (lse_keys.shape[0], lse_keys.shape[2], lse_keys.shape[3]) != (batch, heads, dim):
-            raise ValueError(f"lse_keys has shape {tuple(lse_keys.shape)}; expected [B={batch}, C2, H_kv={heads}, d={dim}]")
         tensors.append(("lse_keys", lse_keys))
     if pooled_cis is not None:
         check_tensor("pooled_cis", pooled_cis, ndim=3, dtypes=FLOAT_DTYPES)
         if pooled_cis.shape[0] != batch or pooled_cis.shape[2] != heads:
-            raise ValueError(f"pooled_cis has shape {tuple(pooled_cis.shape)}; expected [B={batch}, C, H_kv={heads}]")
+            expected = f"[B={batch}, C, H_kv={heads}]"
+            raise ValueError(f"pooled_cis has shape {tuple(pooled_cis.shape)}; expected {expected}")
         tensors.append(("pooled_cis", pooled_cis))
     check_same_device(*zip(*tensors))
-    return vec_heads // heads
+    return group
 
 
 # ----------------------------------------------------------------------------------------------
@@ -144,13 +135,15 @@ def _block_kernel(
             c = j * pool_stride - pool_pad + w
             c_ok = j_ok & (c >= 0) & (c < n_ckeys)
             vis = c_ok[None, :] & (c[None, :] * kernel_stride + kernel_size - 1 + lag <= pos[:, None])
-            key = tl.load(ck_ptr + b * sc_b + c[:, None] * sc_c + h * sc_h + dd[None, :] * sc_d, mask=c_ok[:, None] & d_ok[None, :], other=0.0)
+            key_ptrs = ck_ptr + b * sc_b + c[:, None] * sc_c + h * sc_h + dd[None, :] * sc_d
+            key = tl.load(key_ptrs, mask=c_ok[:, None] & d_ok[None, :], other=0.0)
             if UPCAST:
                 key = key.to(tl.float32)
             score = tl.zeros([BM, BN], tl.float32)
             for g in range(GROUP):
                 hq = h * GROUP + g
-                vec = tl.load(vec_ptr + b * sv_b + m[:, None] * sv_t + hq * sv_h + dd[None, :] * sv_d, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+                vec_ptrs = vec_ptr + b * sv_b + m[:, None] * sv_t + hq * sv_h + dd[None, :] * sv_d
+                vec = tl.load(vec_ptrs, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
                 if UPCAST:
                     s = tl.dot(vec.to(tl.float32), tl.trans(key), input_precision="ieee")
                 else:
@@ -168,10 +161,12 @@ def _block_kernel(
     local = (j[None, :] >= current[:, None] - local_blocks) & (j[None, :] <= current[:, None])
     forced = (pos >= 0)[:, None] & ((j < init_blocks)[None, :] | local)
     mask = m_ok[:, None] & j_ok[None, :]
-    tl.store(out_ptr + b * so_b + h * so_h + m[:, None] * so_t + j[None, :] * so_n, tl.where(forced, float("inf"), best), mask=mask)
+    out_ptrs = out_ptr + b * so_b + h * so_h + m[:, None] * so_t + j[None, :] * so_n
+    tl.store(out_ptrs, tl.where(forced, float("inf"), best), mask=mask)
     if NOSA:
         agnostic = tl.where(forced, float("inf"), agnostic)
-        agnostic = tl.where(j[None, :] > current[:, None], float("-inf"), agnostic)  # after forcing, as selection.py does
+        # future blocks after forcing, as selection.py does
+        agnostic = tl.where(j[None, :] > current[:, None], float("-inf"), agnostic)
         tl.store(ag_ptr + b * sa_b + h * sa_h + m[:, None] * sa_t + j[None, :] * sa_n, agnostic, mask=mask)
 
 
@@ -179,7 +174,9 @@ _LSE_KERNEL = LazyKernel(_lse_kernel, helpers=(online_lse,))
 _BLOCK_KERNEL = LazyKernel(_block_kernel)
 
 
-def stage1_block_scores_triton(vectors, ckeys, positions, sparse, n_blocks, kind, lag, lse_keys=None, pooled_cis=None, out=None, agnostic_out=None):
+def stage1_block_scores_triton(
+    vectors, ckeys, positions, sparse, n_blocks, kind, lag, lse_keys=None, pooled_cis=None, out=None, agnostic_out=None
+):
     """The fused kernels' block scores: `selection.score_blocks` (and, given pooled_cis [B, C, H],
     `selection.pooled_agnostic_scores`) of every row.
 
@@ -193,8 +190,6 @@ def stage1_block_scores_triton(vectors, ckeys, positions, sparse, n_blocks, kind
         raise ValueError(f"lag must be a non-negative integer, got {lag!r}")
     if isinstance(n_blocks, bool) or not isinstance(n_blocks, int) or n_blocks < 0:
         raise ValueError(f"n_blocks must be a non-negative integer, got {n_blocks!r}")
-    if lse_keys is not None and kind != "query":
-        raise ValueError(f"lse_keys (the coarse LSE) applies to kind 'query' only, got kind {kind!r}")
     batch, rows, vec_heads, dim = vectors.shape
     n_ckeys, heads = ckeys.shape[1], ckeys.shape[2]
     shape = (batch, heads, rows, n_blocks)
@@ -221,7 +216,8 @@ def stage1_block_scores_triton(vectors, ckeys, positions, sparse, n_blocks, kind
             coarse_size, coarse_stride = sparse.coarse_kernel if coarse else (1, 1)
             _LSE_KERNEL[(batch, vec_heads, grid_rows)](
                 vectors, ckeys, ck2, positions, lse,
-                rows, n_ckeys, ck2.shape[1], 1.0 / math.sqrt(dim), lag, sparse.kernel_size, sparse.kernel_stride, coarse_size, coarse_stride,
+                rows, n_ckeys, ck2.shape[1], 1.0 / math.sqrt(dim), lag, sparse.kernel_size, sparse.kernel_stride,
+                coarse_size, coarse_stride,
                 *vectors.stride(), *ckeys.stride(), *ck2.stride(), *positions.stride(), *lse.stride(),
                 GROUP=group, D=dim, D_P=d_p, BM=bm, BC=bc, COARSE=coarse, UPCAST=upcast, num_warps=4,
             )
@@ -231,10 +227,12 @@ def stage1_block_scores_triton(vectors, ckeys, positions, sparse, n_blocks, kind
         _BLOCK_KERNEL[(batch * heads, grid_rows, -(-n_blocks // bn))](
             vectors, ckeys, positions, lse, out, cis, ag,
             rows, n_ckeys, n_blocks, heads, 1.0 / math.sqrt(dim), lag,
-            sparse.kernel_size, sparse.kernel_stride, sparse.block_size, sparse.init_blocks, sparse.local_blocks, pool_stride, pool_pad,
+            sparse.kernel_size, sparse.kernel_stride, sparse.block_size, sparse.init_blocks, sparse.local_blocks,
+            pool_stride, pool_pad,
             *vectors.stride(), *ckeys.stride(), *positions.stride(), *lse.stride(),
             *out.stride(), *cis_strides, *ag.stride(),
-            GROUP=group, D=dim, D_P=d_p, BM=bm, BN=bn, WINDOW=window, SOFTMAX=softmax, NOSA=nosa, UPCAST=upcast, num_warps=4,
+            GROUP=group, D=dim, D_P=d_p, BM=bm, BN=bn, WINDOW=window, SOFTMAX=softmax, NOSA=nosa, UPCAST=upcast,
+            num_warps=4,
         )
     return out, agnostic
 

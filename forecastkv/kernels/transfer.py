@@ -135,7 +135,7 @@ def validate_block_gather(
     check_shape("v_host", v_host, k_host.shape, "must match k_host")
     batch, seq, heads, dim, bias_shape, bias_what = host_layout(k_host, block_table, block_size)
     slots = load_ids.shape[2]
-    ids_what = "[H_kv, B, M] with H_kv, B from k_host" if block_table is None else "[H_kv, B, M] with B from block_table"
+    ids_what = "[H_kv, B, M] with " + ("H_kv, B from k_host" if block_table is None else "B from block_table")
     check_shape("load_ids", load_ids, (heads, batch, slots), ids_what)
     slots_what = f"[B, M*block_size, H_kv, d] with M={slots}, block_size={block_size}"
     check_shape("k_slots", k_slots, (batch, slots * block_size, heads, dim), slots_what)
@@ -145,8 +145,8 @@ def validate_block_gather(
     if block_table is not None:
         device_side.append(("block_table", block_table))
     host_side = [("k_host", k_host), ("v_host", v_host)]
-    bias_shapes = (bias_shape, (batch, slots * block_size, heads))
-    if check_bias_pair(("bias_host", "bias_slots"), (bias_host, bias_slots), bias_shapes, (bias_what, "[B, M*block_size, H_kv]")):
+    bias_shapes, bias_whats = (bias_shape, (batch, slots * block_size, heads)), (bias_what, "[B, M*block_size, H_kv]")
+    if check_bias_pair(("bias_host", "bias_slots"), (bias_host, bias_slots), bias_shapes, bias_whats):
         device_side.append(("bias_slots", bias_slots))
         host_side.append(("bias_host", bias_host))
     check_transfer_sides(device_side, host_side, k_slots)
@@ -163,7 +163,9 @@ def validate_block_gather(
     return geometry
 
 
-def _task_sources(ids: torch.Tensor, b: torch.Tensor, block_table, seq: int, block_size: int, n_logical: int, n_physical: int):
+def _task_sources(
+    ids: torch.Tensor, b: torch.Tensor, block_table, seq: int, block_size: int, n_logical: int, n_physical: int
+):
     """For tasks with logical ids `ids` of sequences `b` (same shape [...]): (physical block [...]
     or None by position, first host row [..., bs] within it (by position: the row in [0, S)),
     keep [..., bs]) with every index clamped in range."""
@@ -178,7 +180,9 @@ def _task_sources(ids: torch.Tensor, b: torch.Tensor, block_table, seq: int, blo
     return phys.clamp(0, max(n_physical - 1, 0)), offsets.expand(*ok.shape, block_size), keep
 
 
-def _task_rows(load_ids: torch.Tensor, block_table, seq: int, heads: int, block_size: int, n_logical: int, n_physical: int):
+def _task_rows(
+    load_ids: torch.Tensor, block_table, seq: int, heads: int, block_size: int, n_logical: int, n_physical: int
+):
     """(b, h, flat host row, slot row), one entry per token row to copy, as int64 vectors; the flat
     host row indexes the host viewed as [rows * H_kv, ...] (by position: B*S rows, paged: P*block)."""
     ids = load_ids.long()
@@ -202,8 +206,10 @@ def block_gather_reference(
     # Every task's rows are read and written back (the old value where a task or row is skipped):
     # fixed shapes and no row selection, so the reference reads nothing back from the device.
     if check_ids:
-        validate_block_gather(k_host, v_host, load_ids, k_slots, v_slots, block_size, bias_host, bias_slots, num_programs,
-                              check_ids, block_table)
+        validate_block_gather(
+            k_host, v_host, load_ids, k_slots, v_slots, block_size, bias_host, bias_slots, num_programs, check_ids,
+            block_table,
+        )
     batch, seq, heads, _, slots, n_logical, n_physical = gather_geometry(k_host, load_ids, block_size, block_table)
     if heads * batch * slots == 0 or seq == 0:
         return
@@ -234,7 +240,8 @@ def block_gather_copy_engine(
     # Host-side gather into a pinned staging buffer, one DMA per tensor, then a device scatter.
     # The ids (and the table) come to the host first (a sync): the price of the copy-engine path.
     batch, seq, heads, dim, slots, n_logical, n_physical = validate_block_gather(
-        k_host, v_host, load_ids, k_slots, v_slots, block_size, bias_host, bias_slots, num_programs, check_ids, block_table
+        k_host, v_host, load_ids, k_slots, v_slots, block_size, bias_host, bias_slots, num_programs, check_ids,
+        block_table,
     )
     table = None if block_table is None else block_table.to(k_host.device)
     b, h, host_rows, dst = _task_rows(load_ids.to(k_host.device), table, seq, heads, block_size, n_logical, n_physical)
@@ -306,7 +313,8 @@ def block_gather_triton(
     check_ids=True, block_table=None,
 ):
     batch, seq, heads, dim, slots, n_logical, n_physical = validate_block_gather(
-        k_host, v_host, load_ids, k_slots, v_slots, block_size, bias_host, bias_slots, num_programs, check_ids, block_table
+        k_host, v_host, load_ids, k_slots, v_slots, block_size, bias_host, bias_slots, num_programs, check_ids,
+        block_table,
     )
     n_tasks = heads * batch * slots
     if n_tasks == 0 or seq == 0 or dim == 0:
@@ -454,9 +462,13 @@ _STORE_KERNEL = LazyKernel(_row_store_kernel)
 
 
 @_store_doc
-def row_store_triton(k_new, v_new, positions, k_host, v_host, bias_new=None, bias_host=None, block_table=None, check_ids=True):
+def row_store_triton(
+    k_new, v_new, positions, k_host, v_host, bias_new=None, bias_host=None, block_table=None, check_ids=True
+):
     # the kernel writes through raw host pointers: its arguments are checked whatever check_ids says
-    batch, seq, heads, dim = validate_row_store(k_new, v_new, positions, k_host, v_host, bias_new, bias_host, block_table)
+    batch, seq, heads, dim = validate_row_store(
+        k_new, v_new, positions, k_host, v_host, bias_new, bias_host, block_table
+    )
     if batch * heads == 0 or seq == 0 or dim == 0 or k_host.shape[0] == 0:
         return
     paged = block_table is not None

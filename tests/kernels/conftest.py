@@ -69,10 +69,17 @@ def _nvidia_backend() -> bool:
 
 aot_sm90 = pytest.mark.skipif(
     CUDA or not triton_available() or not _nvidia_backend(),
-    reason="ahead-of-time sm_90 compile: runs on CPU-only machines with triton's nvidia backend (CUDA runs compile for real)",
+    reason="ahead-of-time sm_90 compile: runs on CPU-only machines with triton's nvidia backend "
+    "(CUDA runs compile for real)",
 )
 
-_POINTER = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.int32: "*i32", torch.int64: "*i64"}
+_POINTER = {
+    torch.float32: "*fp32",
+    torch.float16: "*fp16",
+    torch.bfloat16: "*bf16",
+    torch.int32: "*i32",
+    torch.int64: "*i64",
+}
 
 
 def compile_sm90(module: str, function: str, timeout: int = 300) -> int:
@@ -93,8 +100,14 @@ def compile_sm90(module: str, function: str, timeout: int = 300) -> int:
         "launch = getattr(importlib.import_module(sys.argv[1]), sys.argv[2])\n"
         "print('compiled', len(compile_in_process(launch)))\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code, module, function], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-c", code, module, function],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert proc.returncode == 0, f"sm_90 compile failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return int(proc.stdout.strip().splitlines()[-1].split()[-1])
 

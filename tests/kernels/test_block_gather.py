@@ -106,7 +106,10 @@ def test_program_counts(num_programs):
 def test_odd_block_and_head_dim():
     """Block and head dim that are not powers of two (padded tiles, masked)."""
     k_host, v_host, b_host, ids = make_case(seq=23, dim=12, block=6, slots=2)
-    assert_same(run(K.block_gather_triton, k_host, v_host, b_host, ids, 6), run(K.block_gather_reference, k_host, v_host, b_host, ids, 6))
+    assert_same(
+        run(K.block_gather_triton, k_host, v_host, b_host, ids, 6),
+        run(K.block_gather_reference, k_host, v_host, b_host, ids, 6),
+    )
 
 
 @pytest.mark.parametrize("fn", GATHERS.values())
@@ -157,9 +160,13 @@ def aot_launches():
         K.block_gather_triton(k_host, v_host, ids, k_slots, v_slots, 64, b_host, b_slots, num_programs=16)
         K.block_gather_triton(k_host, v_host, ids, k_slots, v_slots, 64, num_programs=32)
     # paged (the offloaded cache's host tier), bf16, with and without bias
-    k_pool, v_pool, b_pool, ids, table = make_paged_case(batch=3, logical=5, physical=12, heads=2, dim=128, block=64, slots=4, dtype=torch.bfloat16)
+    k_pool, v_pool, b_pool, ids, table = make_paged_case(
+        batch=3, logical=5, physical=12, heads=2, dim=128, block=64, slots=4, dtype=torch.bfloat16
+    )
     k_slots, v_slots, b_slots = poisoned_slots(3, 256, 2, 128, torch.bfloat16, True)
-    K.block_gather_triton(k_pool, v_pool, ids, k_slots, v_slots, 64, b_pool, b_slots, num_programs=16, block_table=table)
+    K.block_gather_triton(
+        k_pool, v_pool, ids, k_slots, v_slots, 64, b_pool, b_slots, num_programs=16, block_table=table
+    )
     K.block_gather_triton(k_pool, v_pool, ids, k_slots, v_slots, 64, num_programs=16, block_table=table)
 
 
@@ -179,8 +186,17 @@ IMPLS = [K.block_gather_reference, K.block_gather_triton, K.block_gather_copy_en
 def _args(**changes):
     k_host, v_host, b_host, ids = make_case(seq=29, block=8, slots=3)
     k_slots, v_slots, b_slots = poisoned_slots(2, 24, 2, 16, torch.float32, True)
-    args = dict(k_host=k_host, v_host=v_host, load_ids=ids, k_slots=k_slots, v_slots=v_slots, block_size=8,
-                bias_host=b_host, bias_slots=b_slots, num_programs=4)
+    args = dict(
+        k_host=k_host,
+        v_host=v_host,
+        load_ids=ids,
+        k_slots=k_slots,
+        v_slots=v_slots,
+        block_size=8,
+        bias_host=b_host,
+        bias_slots=b_slots,
+        num_programs=4,
+    )
     args.update(changes)
     return args
 
@@ -189,12 +205,24 @@ def _args(**changes):
 @pytest.mark.parametrize(
     "changes, error, match",
     [
-        (lambda a: {"load_ids": a["load_ids"].fill_(4)}, ValueError, r"load_ids has value 4 >= 4, the limit .*S=29, block_size=8"),
+        (
+            lambda a: {"load_ids": a["load_ids"].fill_(4)},
+            ValueError,
+            r"load_ids has value 4 >= 4, the limit .*S=29, block_size=8",
+        ),
         (lambda a: {"load_ids": a["load_ids"].fill_(-2)}, ValueError, r"load_ids has value -2 < -1"),
         (lambda a: {"load_ids": a["load_ids"].float()}, TypeError, r"load_ids has dtype torch.float32"),
-        (lambda a: {"load_ids": a["load_ids"][:, :1]}, ValueError, r"load_ids has shape \(2, 1, 3\), expected \(2, 2, 3\)"),
+        (
+            lambda a: {"load_ids": a["load_ids"][:, :1]},
+            ValueError,
+            r"load_ids has shape \(2, 1, 3\), expected \(2, 2, 3\)",
+        ),
         (lambda a: {"k_slots": a["k_slots"].half()}, TypeError, r"dtypes must be equal: .*k_slots=torch.float16"),
-        (lambda a: {"k_slots": a["k_slots"][:, :20]}, ValueError, r"k_slots has shape \(2, 20, 2, 16\), expected \(2, 24, 2, 16\)"),
+        (
+            lambda a: {"k_slots": a["k_slots"][:, :20]},
+            ValueError,
+            r"k_slots has shape \(2, 20, 2, 16\), expected \(2, 24, 2, 16\)",
+        ),
         (lambda a: {"v_host": a["v_host"][:, :-1]}, ValueError, r"v_host has shape .*must match k_host"),
         (lambda a: {"bias_slots": None}, ValueError, r"bias_host and bias_slots must be given together"),
         (lambda a: {"bias_slots": a["bias_slots"].double()}, TypeError, r"bias_slots has dtype torch.float64"),
@@ -226,7 +254,9 @@ def test_rejects_pageable_host_memory():
 @pytest.mark.parametrize("num_programs", [16, 32, 64])
 def test_realistic_sizes_cuda(num_programs):
     """NOSI geometry from pinned host memory (block 64, d 128, 64 slots, bf16), compiled: exact."""
-    k_host, v_host, b_host, ids = make_case(batch=4, seq=4000, heads=8, dim=128, block=64, slots=64, dtype=torch.bfloat16, skip_frac=0.5)
+    k_host, v_host, b_host, ids = make_case(
+        batch=4, seq=4000, heads=8, dim=128, block=64, slots=64, dtype=torch.bfloat16, skip_frac=0.5
+    )
     refs = run(K.block_gather_reference, k_host, v_host, b_host, ids, 64)
     outs = run(K.block_gather_triton, k_host, v_host, b_host, ids, 64, num_programs=num_programs)
     assert_same(outs, refs)
@@ -235,49 +265,6 @@ def test_realistic_sizes_cuda(num_programs):
 # ----------------------------------------------------------------------------------------------
 # dispatch
 # ----------------------------------------------------------------------------------------------
-
-
-def test_backend_switches(monkeypatch):
-    """One setting, three parts: the environment ($FORECASTKV_BACKEND), set_backend and
-    use_backend (nested, restored), with clear errors for a bad part or choice."""
-    monkeypatch.delenv("FORECASTKV_BACKEND", raising=False)
-    assert [K.get_backend(part) for part in K.BACKEND_CHOICES] == ["auto", "auto", "auto"]
-    with K.use_backend("reference"):
-        assert K.get_backend() == "reference" and not K.use_triton(DEVICE)
-        with K.use_backend("triton", decode="gather"):
-            assert K.get_backend() == "triton" and K.get_backend("decode") == "gather"
-        assert K.get_backend() == "reference" and K.get_backend("decode") == "auto"
-    assert K.get_backend() == "auto"
-    monkeypatch.setenv("FORECASTKV_BACKEND", "kernels=reference, prefill=chunked")
-    assert K.get_backend() == "reference" and K.get_backend("prefill") == "chunked" and K.get_backend("decode") == "auto"
-    K.set_backend("auto", prefill="flex")
-    try:
-        assert K.get_backend() == "auto" and K.get_backend("prefill") == "flex"
-    finally:
-        K.set_backend(None, prefill=None)
-    assert K.get_backend() == "reference" and K.get_backend("prefill") == "chunked"
-    monkeypatch.setenv("FORECASTKV_BACKEND", "kernels=cuda")
-    with pytest.raises(ValueError, match=r"unknown kernels backend 'cuda' \(\$FORECASTKV_BACKEND\)"):
-        K.get_backend()
-    monkeypatch.setenv("FORECASTKV_BACKEND", "reference")
-    with pytest.raises(ValueError, match=r"item 'reference' is not part=choice"):
-        K.get_backend()
-    monkeypatch.delenv("FORECASTKV_BACKEND")
-    with pytest.raises(ValueError, match=r"unknown kernels backend 'fast'"):
-        K.set_backend("fast")
-    with pytest.raises(ValueError, match=r"unknown backend part 'attention'"):
-        K.set_backend(attention="flex")
-
-
-def test_auto_backend_choice(monkeypatch):
-    monkeypatch.delenv("FORECASTKV_BACKEND", raising=False)
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    assert not K.use_triton("cpu")
-    with K.use_backend("triton"):
-        with pytest.raises(RuntimeError, match="needs CUDA tensors or TRITON_INTERPRET=1"):
-            K.use_triton("cpu")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert K.use_triton("cpu") == K._common.triton_available()
 
 
 @needs_triton
@@ -312,8 +299,22 @@ def make_paged_case(batch=3, logical=4, physical=7, heads=2, dim=16, block=8, sl
 
 def run_paged(fn, k_pool, v_pool, b_pool, ids, table, block, num_programs=4, check_ids=True):
     batch, heads, dim = table.shape[0], k_pool.shape[2], k_pool.shape[3]
-    k_slots, v_slots, b_slots = poisoned_slots(batch, ids.shape[2] * block, heads, dim, k_pool.dtype, b_pool is not None)
-    fn(k_pool, v_pool, ids, k_slots, v_slots, block, b_pool, b_slots, num_programs=num_programs, check_ids=check_ids, block_table=table)
+    k_slots, v_slots, b_slots = poisoned_slots(
+        batch, ids.shape[2] * block, heads, dim, k_pool.dtype, b_pool is not None
+    )
+    fn(
+        k_pool,
+        v_pool,
+        ids,
+        k_slots,
+        v_slots,
+        block,
+        b_pool,
+        b_slots,
+        num_programs=num_programs,
+        check_ids=check_ids,
+        block_table=table,
+    )
     return k_slots, v_slots, b_slots
 
 
@@ -323,7 +324,9 @@ def test_paged_reference_reads_through_the_table():
     k_pool, v_pool, b_pool, ids, table = make_paged_case()
     outs = run_paged(K.block_gather_reference, k_pool, v_pool, b_pool, ids, table, 8)
     expected = [torch.full_like(o.cpu(), float("nan")) for o in outs]
-    for h, b, m in zip(*[x.flatten().tolist() for x in torch.meshgrid(*(torch.arange(n) for n in ids.shape), indexing="ij")]):
+    for h, b, m in zip(
+        *[x.flatten().tolist() for x in torch.meshgrid(*(torch.arange(n) for n in ids.shape), indexing="ij")]
+    ):
         i = int(ids[h, b, m])
         phys = int(table[b, i]) if i >= 0 else -1
         if phys >= 0:
@@ -338,7 +341,10 @@ def test_paged_reference_reads_through_the_table():
 @pytest.mark.parametrize("bias", [True, False])
 def test_paged_matches_reference(fn, dtype, bias):
     k_pool, v_pool, b_pool, ids, table = make_paged_case(dtype=dtype, bias=bias)
-    assert_same(run_paged(fn, k_pool, v_pool, b_pool, ids, table, 8), run_paged(K.block_gather_reference, k_pool, v_pool, b_pool, ids, table, 8))
+    assert_same(
+        run_paged(fn, k_pool, v_pool, b_pool, ids, table, 8),
+        run_paged(K.block_gather_reference, k_pool, v_pool, b_pool, ids, table, 8),
+    )
 
 
 @needs_triton
@@ -349,8 +355,10 @@ def test_paged_odd_block_strided_pool_and_table():
     b_pool = host(torch.randn(5, 2, 6)).transpose(1, 2)
     table = torch.randint(-1, 5, (3, 2), device=DEVICE).t()  # [B=2, NB=3], strides (1, 2)
     ids = torch.randint(-1, 3, (2, 2, 2), device=DEVICE)
-    assert_same(run_paged(K.block_gather_triton, k_pool, v_pool, b_pool, ids, table, 6),
-                run_paged(K.block_gather_reference, k_pool, v_pool, b_pool, ids, table, 6))
+    assert_same(
+        run_paged(K.block_gather_triton, k_pool, v_pool, b_pool, ids, table, 6),
+        run_paged(K.block_gather_reference, k_pool, v_pool, b_pool, ids, table, 6),
+    )
 
 
 @needs_triton
@@ -364,22 +372,50 @@ def test_paged_unchecked_bad_table_entries_are_skipped():
     assert outs[0][0].isnan().all()
 
 
-@pytest.mark.parametrize("fn", [K.block_gather_reference, K.block_gather_triton, K.block_gather_copy_engine], ids=lambda f: f.__name__)
+@pytest.mark.parametrize(
+    "fn", [K.block_gather_reference, K.block_gather_triton, K.block_gather_copy_engine], ids=lambda f: f.__name__
+)
 @pytest.mark.parametrize(
     "change, error, match",
     [
-        (lambda c: {"block_table": c["block_table"].fill_(7)}, ValueError, r"block_table has value 7 >= 7, the limit \(the pool's 7 physical blocks\)"),
-        (lambda c: {"load_ids": c["load_ids"].fill_(4)}, ValueError, r"load_ids has value 4 >= 4, the limit \(the block table's 4 logical blocks\)"),
-        (lambda c: {"k_host": c["k_host"][:, :4], "v_host": c["v_host"][:, :4]}, ValueError, r"k_host has shape \(7, 4, 2, 16\), expected \(7, 8, 2, 16\) \(a pool"),
+        (
+            lambda c: {"block_table": c["block_table"].fill_(7)},
+            ValueError,
+            r"block_table has value 7 >= 7, the limit \(the pool's 7 physical blocks\)",
+        ),
+        (
+            lambda c: {"load_ids": c["load_ids"].fill_(4)},
+            ValueError,
+            r"load_ids has value 4 >= 4, the limit \(the block table's 4 logical blocks\)",
+        ),
+        (
+            lambda c: {"k_host": c["k_host"][:, :4], "v_host": c["v_host"][:, :4]},
+            ValueError,
+            r"k_host has shape \(7, 4, 2, 16\), expected \(7, 8, 2, 16\) \(a pool",
+        ),
         (lambda c: {"block_table": c["block_table"].float()}, TypeError, r"block_table has dtype torch.float32"),
-        (lambda c: {"block_table": c["block_table"][:2]}, ValueError, r"load_ids has shape \(2, 3, 3\), expected \(2, 2, 3\)"),
+        (
+            lambda c: {"block_table": c["block_table"][:2]},
+            ValueError,
+            r"load_ids has shape \(2, 3, 3\), expected \(2, 2, 3\)",
+        ),
     ],
 )
 def test_paged_rejects_bad_inputs(fn, change, error, match):
     k_pool, v_pool, b_pool, ids, table = make_paged_case()
     k_slots, v_slots, b_slots = poisoned_slots(3, 24, 2, 16, torch.float32, True)
-    args = dict(k_host=k_pool, v_host=v_pool, load_ids=ids, k_slots=k_slots, v_slots=v_slots, block_size=8, bias_host=b_pool, bias_slots=b_slots,
-                num_programs=4, block_table=table)
+    args = dict(
+        k_host=k_pool,
+        v_host=v_pool,
+        load_ids=ids,
+        k_slots=k_slots,
+        v_slots=v_slots,
+        block_size=8,
+        bias_host=b_pool,
+        bias_slots=b_slots,
+        num_programs=4,
+        block_table=table,
+    )
     args.update(change(args))
     with pytest.raises(error, match=match):
         fn(**args)

@@ -15,10 +15,14 @@ from .conftest import CUDA, DEVICE, aot_sm90, assert_close, compile_sm90, needs_
 
 # MiniCPM-like ratios at toy scale (p = 2s, bs = 4s), and a geometry with p = s and bs = 2s
 SPARSE = SparseConfig(kernel_size=4, kernel_stride=2, block_size=8, init_blocks=1, window_size=8, topk=2, dense_len=0)
-SPARSE_ALT = SparseConfig(kernel_size=3, kernel_stride=3, block_size=6, init_blocks=2, window_size=12, topk=2, dense_len=0)
+SPARSE_ALT = SparseConfig(
+    kernel_size=3, kernel_stride=3, block_size=6, init_blocks=2, window_size=12, topk=2, dense_len=0
+)
 
 
-def case(kind, group, dtype=torch.float32, batch=3, heads=2, dim=16, sparse=SPARSE, positions=(45, 13, -1), strided=True):
+def case(
+    kind, group, dtype=torch.float32, batch=3, heads=2, dim=16, sparse=SPARSE, positions=(45, 13, -1), strided=True
+):
     """Vectors [B, H*n, d] and compressed keys for the longest row (strided views unless
     `strided=False`), positions."""
     pos = torch.tensor(positions[:batch], device=DEVICE)
@@ -60,10 +64,18 @@ def test_other_geometry_more_blocks_and_lag(kind, group):
     vectors, ckeys, pos, n_blocks = case(kind, group, dim=12, sparse=SPARSE_ALT, positions=(40, 2, 17), strided=False)
     for lag in (0, 2):
         ref = K.block_scores_reference(vectors, ckeys, pos, SPARSE_ALT, n_blocks + 3, kind, lag=lag)
-        assert_close(K.block_scores_triton(vectors, ckeys, pos, SPARSE_ALT, n_blocks + 3, kind, lag=lag), ref, torch.float32)
+        assert_close(
+            K.block_scores_triton(vectors, ckeys, pos, SPARSE_ALT, n_blocks + 3, kind, lag=lag), ref, torch.float32
+        )
 
 
-@pytest.mark.parametrize("impl", [pytest.param(K.block_scores_triton, marks=needs_triton, id="triton"), pytest.param(K.block_scores_reference, id="reference")])
+@pytest.mark.parametrize(
+    "impl",
+    [
+        pytest.param(K.block_scores_triton, marks=needs_triton, id="triton"),
+        pytest.param(K.block_scores_reference, id="reference"),
+    ],
+)
 def test_no_compressed_keys_yet(impl):
     """Early decode: C = 0, only forced blocks are finite (+inf)."""
     vectors, _, pos, _ = case("query", 3, positions=(9, 0, -1))
@@ -80,19 +92,33 @@ def coarse_keys_for(ckeys_like, pos, sparse, dim=16, dtype=torch.float32):
     return torch.randn(ckeys_like.shape[0], count, ckeys_like.shape[2], dim, device=DEVICE).to(dtype)
 
 
-IMPLS = [pytest.param(K.block_scores_reference, id="reference"), pytest.param(K.block_scores_triton, marks=needs_triton, id="triton")]
+IMPLS = [
+    pytest.param(K.block_scores_reference, id="reference"),
+    pytest.param(K.block_scores_triton, marks=needs_triton, id="triton"),
+]
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("kind, group, coarse", [("query", 3, False), ("query", 3, True), ("query", 1, True), ("forecast", 1, False), ("forecast", 3, False)])
+@pytest.mark.parametrize(
+    "kind, group, coarse",
+    [("query", 3, False), ("query", 3, True), ("query", 1, True), ("forecast", 1, False), ("forecast", 3, False)],
+)
 def test_matches_selection(impl, kind, group, coarse):
     """Reference and kernel equal `selection.score_blocks` on one row (lag 0 / 1 by kind)."""
     vectors, ckeys, pos, n_blocks = case(kind, group, positions=(45, 30, -1))
     lse_keys = coarse_keys_for(ckeys, pos, SPARSE) if coarse else None
     if coarse:
         assert lse_keys.shape[1] > 0  # rows 45 and 30 see coarse keys (window 16, stride 8)
-    expected = sel.score_blocks(vectors[:, None], ckeys, pos[:, None], SPARSE, n_blocks, kind=kind,
-                                lag=0 if kind == "query" else 1, lse_keys=lse_keys)[:, :, 0]
+    expected = sel.score_blocks(
+        vectors[:, None],
+        ckeys,
+        pos[:, None],
+        SPARSE,
+        n_blocks,
+        kind=kind,
+        lag=0 if kind == "query" else 1,
+        lse_keys=lse_keys,
+    )[:, :, 0]
     out = poisoned_out(vectors, ckeys, n_blocks)
     got = impl(vectors, ckeys, pos, SPARSE, n_blocks, kind, sel.visibility_lag(kind), out=out, lse_keys=lse_keys)
     assert got is out and not out.isnan().any()
@@ -103,11 +129,16 @@ def test_matches_selection(impl, kind, group, coarse):
         assert (got[finite] - exact[finite]).abs().max() > 1e-3
 
 
-AGNOSTIC = [pytest.param(K.agnostic_scores_reference, id="reference"), pytest.param(K.agnostic_scores_triton, marks=needs_triton, id="triton")]
+AGNOSTIC = [
+    pytest.param(K.agnostic_scores_reference, id="reference"),
+    pytest.param(K.agnostic_scores_triton, marks=needs_triton, id="triton"),
+]
 
 
 @pytest.mark.parametrize("impl", AGNOSTIC)
-@pytest.mark.parametrize("sparse, lag", [(SPARSE, 0), (SPARSE, 1), (SPARSE_ALT, 0)], ids=["minicpm-like", "lag1", "alt-geometry"])
+@pytest.mark.parametrize(
+    "sparse, lag", [(SPARSE, 0), (SPARSE, 1), (SPARSE_ALT, 0)], ids=["minicpm-like", "lag1", "alt-geometry"]
+)
 def test_agnostic_matches_selection(impl, sparse, lag):
     """NOSA's agnostic score from the pooled CIS equals `selection.agnostic_block_scores`."""
     pos = torch.tensor([45, 13, 0, -1], device=DEVICE)
@@ -151,11 +182,24 @@ def aot_launches():
     softmax, coarse LSE, agnostic scores."""
     sparse = SparseConfig()
     for kind, group in (("query", 4), ("forecast", 1), ("forecast", 2)):
-        vectors, ckeys, pos, n_blocks = case(kind, group, torch.bfloat16, batch=2, dim=128, sparse=sparse, positions=(1000, 500))
+        vectors, ckeys, pos, n_blocks = case(
+            kind, group, torch.bfloat16, batch=2, dim=128, sparse=sparse, positions=(1000, 500)
+        )
         K.block_scores_triton(vectors, ckeys, pos, sparse, n_blocks, kind, sel.visibility_lag(kind))
     # MiniCPM4.1's coarse LSE (G = 16) and NOSA's agnostic score
-    vectors, ckeys, pos, n_blocks = case("query", 16, torch.bfloat16, batch=2, dim=128, sparse=sparse, positions=(1000, 500))
-    K.block_scores_triton(vectors, ckeys, pos, sparse, n_blocks, "query", 0, lse_keys=coarse_keys_for(ckeys, pos, sparse, 128, torch.bfloat16))
+    vectors, ckeys, pos, n_blocks = case(
+        "query", 16, torch.bfloat16, batch=2, dim=128, sparse=sparse, positions=(1000, 500)
+    )
+    K.block_scores_triton(
+        vectors,
+        ckeys,
+        pos,
+        sparse,
+        n_blocks,
+        "query",
+        0,
+        lse_keys=coarse_keys_for(ckeys, pos, sparse, 128, torch.bfloat16),
+    )
     K.agnostic_scores_triton(torch.randn(2, 61, 2, device=DEVICE).to(torch.bfloat16), pos, sparse, n_blocks)
 
 
@@ -170,20 +214,34 @@ def test_compiles_for_sm90():
 # ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fn", [K.block_scores_reference, K.block_scores_triton, K.block_scores], ids=lambda f: f.__name__)
+@pytest.mark.parametrize(
+    "fn", [K.block_scores_reference, K.block_scores_triton, K.block_scores], ids=lambda f: f.__name__
+)
 @pytest.mark.parametrize(
     "change, error, match",
     [
         (lambda a: {"kind": "keys"}, ValueError, r"score kind 'keys' is not one of \('query', 'forecast'\)"),
-        (lambda a: {"vectors": a["vectors"][:, :5]}, ValueError, r"vectors has 5 heads, which is not a multiple of H_kv=2"),
+        (
+            lambda a: {"vectors": a["vectors"][:, :5]},
+            ValueError,
+            r"vectors has 5 heads, which is not a multiple of H_kv=2",
+        ),
         (lambda a: {"vectors": a["vectors"][..., :8]}, ValueError, r"ckeys has shape .* d=8"),
         (lambda a: {"positions": a["positions"][:2]}, ValueError, r"positions has shape \(2,\), expected \(3,\)"),
         (lambda a: {"positions": a["positions"].float()}, TypeError, r"positions has dtype torch.float32"),
         (lambda a: {"ckeys": a["ckeys"].double()}, TypeError, r"ckeys has dtype torch.float64"),
         (lambda a: {"n_blocks": -1}, ValueError, r"n_blocks must be a non-negative integer, got -1"),
-        (lambda a: {"out": torch.zeros(3, 2, 1, device=DEVICE)}, ValueError, r"out has shape \(3, 2, 1\), expected \(3, 2, 6\)"),
+        (
+            lambda a: {"out": torch.zeros(3, 2, 1, device=DEVICE)},
+            ValueError,
+            r"out has shape \(3, 2, 1\), expected \(3, 2, 6\)",
+        ),
         (lambda a: {"lag": -1}, ValueError, r"lag must be a non-negative integer, got -1"),
-        (lambda a: {"lag": None}, ValueError, r"lag is required for kind 'query': pass selection.visibility_lag\(kind\)"),
+        (
+            lambda a: {"lag": None},
+            ValueError,
+            r"lag is required for kind 'query': pass selection.visibility_lag\(kind\)",
+        ),
     ],
 )
 def test_rejects_bad_inputs(fn, change, error, match):
@@ -201,6 +259,10 @@ def test_rejects_bad_inputs(fn, change, error, match):
 def test_realistic_sizes_cuda(kind, group, dtype):
     """MiniCPM4.1 geometry (p 32, s 16, bs 64, window 2048) at 16K tokens, compiled."""
     sparse = SparseConfig()
-    vectors, ckeys, pos, n_blocks = case(kind, group, dtype, batch=4, heads=8, dim=128, sparse=sparse, positions=(16383, 9000, 100, -1))
+    vectors, ckeys, pos, n_blocks = case(
+        kind, group, dtype, batch=4, heads=8, dim=128, sparse=sparse, positions=(16383, 9000, 100, -1)
+    )
     ref = K.block_scores_reference(vectors, ckeys, pos, sparse, n_blocks, kind, sel.visibility_lag(kind))
-    assert_close(K.block_scores_triton(vectors, ckeys, pos, sparse, n_blocks, kind, sel.visibility_lag(kind)), ref, dtype)
+    assert_close(
+        K.block_scores_triton(vectors, ckeys, pos, sparse, n_blocks, kind, sel.visibility_lag(kind)), ref, dtype
+    )

@@ -46,21 +46,37 @@ def eager_decode(q, keys, values, bias, selection, lengths, block_size, rows=Non
     heads = selection.shape[1]
     k, v, key_pos, b = gather_blocks(keys, values, bias, selection, lengths, block_size, rows=rows)
     allowed = (key_pos >= 0).unsqueeze(2)
-    out = masked_attention(q.view(batch, heads, q_heads // heads, dim).float(), k.float(), v.float(), allowed, None if b is None else b.float(), q_heads // heads)
+    out = masked_attention(
+        q.view(batch, heads, q_heads // heads, dim).float(),
+        k.float(),
+        v.float(),
+        allowed,
+        None if b is None else b.float(),
+        q_heads // heads,
+    )
     return out.reshape(batch, q_heads, dim)
 
 
 def slots_case(seed):
     """Slot buffers with random valid lengths (whole heads empty, M = 0 possible), NaN past them."""
     gen = torch.Generator().manual_seed(seed)
-    batch, heads, group, dim, block, slots = draw(gen, 1, 3), draw(gen, 1, 2), draw(gen, 1, 4), draw(gen, 1, 16), draw(gen, 1, 8), draw(gen, 0, 4)
+    batch, heads, group, dim, block, slots = (
+        draw(gen, 1, 3),
+        draw(gen, 1, 2),
+        draw(gen, 1, 4),
+        draw(gen, 1, 16),
+        draw(gen, 1, 8),
+        draw(gen, 0, 4),
+    )
     q = rand(gen, batch, heads * group, dim)
     lens = torch.randint(0, block + 1, (batch, heads, slots), generator=gen)
     lens[torch.rand(lens.shape, generator=gen) < 0.4] = 0  # empty slots
     lens[torch.rand(batch, heads, generator=gen) < 0.4] = 0  # heads with no key at all
     lens = lens.to(DEVICE)
     rows = slots * block
-    valid = (torch.arange(block, device=DEVICE) < lens.unsqueeze(-1)).reshape(batch, heads, rows).transpose(1, 2)  # [B, rows, H]
+    valid = (
+        (torch.arange(block, device=DEVICE) < lens.unsqueeze(-1)).reshape(batch, heads, rows).transpose(1, 2)
+    )  # [B, rows, H]
     k, v = (rand(gen, batch, rows, heads, dim).masked_fill(~valid.unsqueeze(-1), NAN) for _ in range(2))
     bias = rand(gen, batch, rows, heads).masked_fill(~valid, NAN) if draw(gen, 0, 1) else None
     empty = (lens.sum(-1) == 0).repeat_interleave(group, dim=1)
@@ -71,7 +87,13 @@ def blocks_case(seed):
     """A cache of S >= 0 keys with per-sequence lengths (0 included), NaN past them, and a
     selection of K >= 0 ids with -1 entries anywhere (whole rows -1 too)."""
     gen = torch.Generator().manual_seed(seed)
-    batch, heads, group, dim, block = draw(gen, 1, 3), draw(gen, 1, 2), draw(gen, 1, 4), draw(gen, 1, 16), draw(gen, 1, 8)
+    batch, heads, group, dim, block = (
+        draw(gen, 1, 3),
+        draw(gen, 1, 2),
+        draw(gen, 1, 4),
+        draw(gen, 1, 16),
+        draw(gen, 1, 8),
+    )
     seq, width = draw(gen, 0, 5 * block), draw(gen, 0, 4)
     n_blocks = -(-seq // block)
     q = rand(gen, batch, heads * group, dim)
@@ -112,12 +134,23 @@ def test_sparse_decode_slots_empty_rows():
         if whole.any() and slots:
             sub = whole.nonzero().flatten()
             sel_ = torch.where(lens[sub] > 0, selection[sub], -1)
-            eager = eager_decode(q[sub], k[sub], v[sub], None if bias is None else bias[sub], sel_, torch.full((len(sub),), slots * block, device=DEVICE), block)
+            eager = eager_decode(
+                q[sub],
+                k[sub],
+                v[sub],
+                None if bias is None else bias[sub],
+                sel_,
+                torch.full((len(sub),), slots * block, device=DEVICE),
+                block,
+            )
             assert_close(eager, ref[0][sub], torch.float32)
             eager_runs += 1
         ran += 1
         empty_heads += int(empty.sum())
-    print(f"\nsparse_decode_slots: {ran} cases ({eager_runs} also on the eager path), {empty_heads} query heads with no key")
+    print(
+        f"\nsparse_decode_slots: {ran} cases ({eager_runs} also on the eager path), "
+        f"{empty_heads} query heads with no key"
+    )
     assert ran == CASES and empty_heads > 0 and eager_runs > 0
 
 
@@ -126,11 +159,16 @@ def test_sparse_decode_blocks_empty_rows():
     ran = empty_heads = 0
     for seed in range(CASES):
         q, k, v, bias, ids, lengths, block, empty, splits = blocks_case(seed)
-        label = f"blocks case {seed}: q {tuple(q.shape)}, S {k.shape[1]}, block {block}, ids {ids.tolist()}, lengths {lengths.tolist()}"
+        label = (
+            f"blocks case {seed}: q {tuple(q.shape)}, S {k.shape[1]}, block {block}, ids {ids.tolist()}, "
+            f"lengths {lengths.tolist()}"
+        )
         ref = K.sparse_decode_blocks_reference(q, k, v, ids, lengths, block, bias=bias)
         out = torch.full_like(q, NAN)
         lse = torch.full(q.shape[:2], NAN, device=DEVICE)
-        got = K.sparse_decode_blocks_triton(q, k, v, ids, lengths, block, bias=bias, out=out, lse=lse, num_splits=splits)
+        got = K.sparse_decode_blocks_triton(
+            q, k, v, ids, lengths, block, bias=bias, out=out, lse=lse, num_splits=splits
+        )
         for result in (ref, got):
             check_empty(*result, empty, label)
         assert_close(got[0], ref[0], torch.float32)
@@ -153,8 +191,15 @@ def scores_case(seed):
     stride = draw(gen, 1, 3)
     kernel = stride * draw(gen, 1, 2)
     block = kernel * draw(gen, 1, 2)
-    sparse = SparseConfig(kernel_size=kernel, kernel_stride=stride, block_size=block, init_blocks=draw(gen, 0, 1),
-                          window_size=block * draw(gen, 0, 1), topk=2, dense_len=0)
+    sparse = SparseConfig(
+        kernel_size=kernel,
+        kernel_stride=stride,
+        block_size=block,
+        init_blocks=draw(gen, 0, 1),
+        window_size=block * draw(gen, 0, 1),
+        topk=2,
+        dense_len=0,
+    )
     batch, heads, group, dim = draw(gen, 1, 3), draw(gen, 1, 2), draw(gen, 1, 3), draw(gen, 1, 16)
     positions = torch.randint(-1, 5 * block, (batch,), generator=gen)
     positions[torch.rand(batch, generator=gen) < 0.3] = -1
@@ -166,7 +211,11 @@ def scores_case(seed):
 
 def poison_unseen(x, positions, sparse, lag):
     """NaN in the compressed columns (dim 1 of x) that no row sees."""
-    seen = int(sel.num_compressed(int(positions.max()) + 1 - lag, sparse.kernel_size, sparse.kernel_stride)) if int(positions.max()) + 1 > lag else 0
+    seen = (
+        int(sel.num_compressed(int(positions.max()) + 1 - lag, sparse.kernel_size, sparse.kernel_stride))
+        if int(positions.max()) + 1 > lag
+        else 0
+    )
     x = x.clone()
     x[:, seen:] = NAN
     return x
@@ -192,7 +241,9 @@ def test_block_scores_empty_rows():
         assert (ref[positions < 0] == float("-inf")).all(), label
         pooled = poison_unseen(rand(gen, batch, count, heads), positions, sparse, 0)
         ref_a = K.agnostic_scores_reference(pooled, positions, sparse, n_blocks, 0)
-        got_a = K.agnostic_scores_triton(pooled, positions, sparse, n_blocks, 0, out=torch.full((batch, heads, n_blocks), NAN, device=DEVICE))
+        got_a = K.agnostic_scores_triton(
+            pooled, positions, sparse, n_blocks, 0, out=torch.full((batch, heads, n_blocks), NAN, device=DEVICE)
+        )
         assert not ref_a.isnan().any() and not got_a.isnan().any(), label
         assert_close(got_a, ref_a, torch.float32)
         ran += 1

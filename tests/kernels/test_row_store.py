@@ -71,12 +71,15 @@ def test_strided_host_store(fn):
     assert big.permute(0, 2, 1, 3)[:, 21:].isnan().all()  # nothing written outside the view
 
 
-@pytest.mark.parametrize("change, error, match", [
-    (lambda c: {"positions": c[2].float()}, TypeError, r"positions has dtype torch.float32"),
-    (lambda c: {"k_new": c[0][:2]}, ValueError, r"k_new has shape \(2, 2, 12\), expected \(3, 2, 12\)"),
-    (lambda c: {"v_host": c[4].double()}, TypeError, r"v_host has dtype torch.float64"),
-    (lambda c: {"bias_host": None}, ValueError, r"bias_new and bias_host must be given together"),
-])
+@pytest.mark.parametrize(
+    "change, error, match",
+    [
+        (lambda c: {"positions": c[2].float()}, TypeError, r"positions has dtype torch.float32"),
+        (lambda c: {"k_new": c[0][:2]}, ValueError, r"k_new has shape \(2, 2, 12\), expected \(3, 2, 12\)"),
+        (lambda c: {"v_host": c[4].double()}, TypeError, r"v_host has dtype torch.float64"),
+        (lambda c: {"bias_host": None}, ValueError, r"bias_new and bias_host must be given together"),
+    ],
+)
 def test_bad_input_is_named(change, error, match):
     case = make_case()
     names = ("k_new", "v_new", "positions", "k_host", "v_host", "bias_new", "bias_host")
@@ -113,7 +116,9 @@ def make_paged_case(batch=4, logical=3, physical=9, block=4, heads=2, dim=12, dt
     v_pool = host(torch.full((physical, block, heads, dim), nan, dtype=dtype))
     b_pool = host(torch.full((physical, block, heads), nan, dtype=dtype)) if bias else None
     table = torch.tensor([[4, 0, 7], [2, -1, 5], [1, 3, physical + 2], [6, 8, 0]])[:batch, :logical].to(DEVICE)
-    positions = torch.tensor([9, 5, 8, 12][:batch], device=DEVICE)  # block 2 row 1; the -1 block; the bad id; past 3 blocks of 4
+    positions = torch.tensor(
+        [9, 5, 8, 12][:batch], device=DEVICE
+    )  # block 2 row 1; the -1 block; the bad id; past 3 blocks of 4
     k_new = torch.randn(batch, heads, dim, device=DEVICE).to(dtype)
     v_new = torch.randn(batch, heads, dim, device=DEVICE).to(dtype)
     b_new = torch.randn(batch, heads, device=DEVICE).to(dtype) if bias else None
@@ -154,5 +159,8 @@ def test_paged_bad_input_is_named():
     case = make_paged_case()
     with pytest.raises(TypeError, match=r"block_table has dtype torch.float32"):
         K.row_store_reference(*case[:7], block_table=case[7].float())
-    with pytest.raises(ValueError, match=r"k_new has shape \(4, 2, 12\), expected \(2, 2, 12\) \(\[B, H_kv, d\] with B from block_table\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"k_new has shape \(4, 2, 12\), expected \(2, 2, 12\) \(\[B, H_kv, d\] with B from block_table\)",
+    ):
         K.row_store_triton(*case[:7], block_table=case[7][:2])

@@ -1,5 +1,5 @@
 """sparse_decode: the Triton kernel against its reference, and the reference against the model's
-`SparseCacheLayer.blocks()` + `attend` (the semantics it stands for)."""
+gather path, `cache.gather_blocks` + `prefill.masked_attention` (the semantics it stands for)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import forecastkv.kernels as K
-from forecastkv.modeling.attention import attend
-from forecastkv.modeling.cache import SparseCacheLayer
+from forecastkv.modeling.cache import SparseCacheLayer, gather_blocks
+from forecastkv.modeling.prefill import masked_attention
 from tests.helpers import rel
 
 from .conftest import CUDA, DEVICE, aot_sm90, assert_close, compile_sm90, needs_triton
@@ -48,7 +48,9 @@ def slots_case(batch=2, heads=2, group=3, dim=16, block=8, slots=3, dtype=torch.
 
 
 def poisoned(q):
-    return torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device), torch.full(q.shape[:2], float("nan"), device=q.device)
+    return torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device), torch.full(
+        q.shape[:2], float("nan"), device=q.device
+    )
 
 
 def check_pair(got, ref, dtype):
@@ -119,7 +121,9 @@ def aot_launches():
     """Sum-reduce (G <= 2) and tensor-core tl.dot (G > 2, bf16) variants, both layouts, at d 128,
     block 64; then the split (flash-decoding) launch and its combine kernel."""
     for group in (2, 16):
-        q, k, v, b, ids, lengths = blocks_case(heads=2, group=group, dim=128, block=64, seq=300, width=3, dtype=torch.bfloat16)
+        q, k, v, b, ids, lengths = blocks_case(
+            heads=2, group=group, dim=128, block=64, seq=300, width=3, dtype=torch.bfloat16
+        )
         K.sparse_decode_blocks_triton(q, k, v, ids, lengths, 64, bias=b)
         K.sparse_decode_slots_triton(q, k[:, :192], v[:, :192], torch.full((2, 2, 3), 64), 64)
     K.sparse_decode_blocks_triton(q, k, v, ids, lengths, 64, bias=b, num_splits=2)
@@ -142,7 +146,9 @@ def test_split_blocks_combine_to_the_reference(splits, dtype, group):
     ids[1, 0] = -1  # a row whose first split has no key
     ref = K.sparse_decode_blocks_reference(q, k, v, ids, lengths, 8, bias=b)
     out, lse = poisoned(q)
-    check_pair(K.sparse_decode_blocks_triton(q, k, v, ids, lengths, 8, bias=b, out=out, lse=lse, num_splits=splits), ref, dtype)
+    check_pair(
+        K.sparse_decode_blocks_triton(q, k, v, ids, lengths, 8, bias=b, out=out, lse=lse, num_splits=splits), ref, dtype
+    )
 
 
 @needs_triton
@@ -183,17 +189,18 @@ def _filled_cache_layer(batch, heads, dim, lengths, with_cis):
 
 @pytest.mark.parametrize("with_cis", [False, True])
 @pytest.mark.parametrize("group", [1, 3])
-def test_reference_equals_cache_blocks_and_attend(with_cis, group):
+def test_reference_equals_gathered_blocks_attended(with_cis, group):
     batch, heads, dim, block = 2, 2, 16, 8
     lengths = [29, 21]
     layer = _filled_cache_layer(batch, heads, dim, lengths, with_cis)
     selection = torch.tensor([[[0, 3, -1], [1, 2, 3]], [[2, -1, -1], [0, 1, 2]]])
     q = torch.randn(batch, heads * group, dim)
-    # the model's decode path (SparseAttention._decode_blocks)
-    keys, values, key_pos, bias = layer.blocks(selection, block)
+    # the model's gather path: the selected blocks, then masked attention per query row
+    keys, values, key_pos, bias = gather_blocks(layer.keys, layer.values, layer.cis, selection, layer.lengths, block)
     positions = torch.tensor(lengths) - 1
     allowed = ((key_pos >= 0) & (key_pos <= positions.view(-1, 1, 1))).unsqueeze(2).expand(-1, -1, group, -1)
-    expected = attend(q.view(batch, heads, group, dim), keys, values, allowed, bias).reshape(batch, heads * group, dim)
+    expected = masked_attention(q.view(batch, heads, group, dim), keys, values, allowed, bias, group=1)
+    expected = expected.reshape(batch, heads * group, dim)
     # the kernel reference on the raw cache
     full_k, full_v, cis, _ = layer.full()
     out, lse = K.sparse_decode_blocks_reference(q, full_k, full_v, selection, layer.lengths, block, bias=cis)
@@ -237,17 +244,41 @@ SLOT_FNS = [K.sparse_decode_slots_reference, K.sparse_decode_slots_triton, K.spa
 @pytest.mark.parametrize(
     "change, error, match",
     [
-        (lambda a: {"block_ids": a["block_ids"].fill_(5)}, ValueError, r"block_ids has value 5 >= 5, the limit .*S=37, block_size=8"),
+        (
+            lambda a: {"block_ids": a["block_ids"].fill_(5)},
+            ValueError,
+            r"block_ids has value 5 >= 5, the limit .*S=37, block_size=8",
+        ),
         (lambda a: {"block_ids": a["block_ids"].fill_(-3)}, ValueError, r"block_ids has value -3 < -1"),
-        (lambda a: {"lengths": a["lengths"] + 100}, ValueError, r"lengths has value 13\d >= 38, the limit \(at most S=37"),
+        (
+            lambda a: {"lengths": a["lengths"] + 100},
+            ValueError,
+            r"lengths has value 13\d >= 38, the limit \(at most S=37",
+        ),
         (lambda a: {"lengths": a["lengths"].float()}, TypeError, r"lengths has dtype torch.float32"),
         (lambda a: {"q": a["q"][:, :5]}, ValueError, r"q has H_q=5 heads, which is not a multiple of H_kv=2"),
         (lambda a: {"q": a["q"].double()}, TypeError, r"q has dtype torch.float64"),
-        (lambda a: {"k_cache": a["k_cache"].bfloat16()}, TypeError, r"dtypes must be equal: q=torch.float32, k_cache=torch.bfloat16"),
-        (lambda a: {"v_cache": a["v_cache"][:, :-1]}, ValueError, r"v_cache has shape \(2, 36, 2, 16\), expected \(2, 37, 2, 16\)"),
+        (
+            lambda a: {"k_cache": a["k_cache"].bfloat16()},
+            TypeError,
+            r"dtypes must be equal: q=torch.float32, k_cache=torch.bfloat16",
+        ),
+        (
+            lambda a: {"v_cache": a["v_cache"][:, :-1]},
+            ValueError,
+            r"v_cache has shape \(2, 36, 2, 16\), expected \(2, 37, 2, 16\)",
+        ),
         (lambda a: {"bias": a["bias"][:, :-1]}, ValueError, r"bias has shape \(2, 36, 2\), expected \(2, 37, 2\)"),
-        (lambda a: {"block_ids": a["block_ids"][:1]}, ValueError, r"block_ids has shape \(1, 2, 3\), expected \[B=2, H_kv=2, K\]"),
-        (lambda a: {"out": a["q"].new_zeros(2, 6, 16, dtype=torch.bfloat16)}, TypeError, r"out has dtype torch.bfloat16"),
+        (
+            lambda a: {"block_ids": a["block_ids"][:1]},
+            ValueError,
+            r"block_ids has shape \(1, 2, 3\), expected \[B=2, H_kv=2, K\]",
+        ),
+        (
+            lambda a: {"out": a["q"].new_zeros(2, 6, 16, dtype=torch.bfloat16)},
+            TypeError,
+            r"out has dtype torch.bfloat16",
+        ),
         (lambda a: {"lse": a["q"].new_zeros(2, 5)}, ValueError, r"lse has shape \(2, 5\), expected \(2, 6\)"),
         (lambda a: {"block_size": -8}, ValueError, r"block_size must be a positive integer, got -8"),
     ],
@@ -264,11 +295,31 @@ def test_blocks_rejects_bad_inputs(fn, change, error, match):
 @pytest.mark.parametrize(
     "change, error, match",
     [
-        (lambda a: {"slot_lens": a["slot_lens"].fill_(9)}, ValueError, r"slot_lens has value 9 >= 9, the limit \(at most block_size=8"),
+        (
+            lambda a: {"slot_lens": a["slot_lens"].fill_(9)},
+            ValueError,
+            r"slot_lens has value 9 >= 9, the limit \(at most block_size=8",
+        ),
         (lambda a: {"slot_lens": a["slot_lens"].fill_(-1)}, ValueError, r"slot_lens has value -1 < 0"),
-        (lambda a: {"slot_lens": a["slot_lens"][..., :2]}, ValueError, r"slot_lens has shape \(2, 2, 2\), expected \(2, 2, 3\)"),
-        (lambda a: {"k_slots": a["k_slots"][:, :20], "v_slots": a["v_slots"][:, :20], "bias_slots": a["bias_slots"][:, :20]}, ValueError, r"k_slots has 20 rows, not a multiple of block_size=8"),
-        (lambda a: {"bias_slots": a["bias_slots"][..., :1]}, ValueError, r"bias_slots has shape \(2, 24, 1\), expected \(2, 24, 2\)"),
+        (
+            lambda a: {"slot_lens": a["slot_lens"][..., :2]},
+            ValueError,
+            r"slot_lens has shape \(2, 2, 2\), expected \(2, 2, 3\)",
+        ),
+        (
+            lambda a: {
+                "k_slots": a["k_slots"][:, :20],
+                "v_slots": a["v_slots"][:, :20],
+                "bias_slots": a["bias_slots"][:, :20],
+            },
+            ValueError,
+            r"k_slots has 20 rows, not a multiple of block_size=8",
+        ),
+        (
+            lambda a: {"bias_slots": a["bias_slots"][..., :1]},
+            ValueError,
+            r"bias_slots has shape \(2, 24, 1\), expected \(2, 24, 2\)",
+        ),
     ],
 )
 def test_slots_rejects_bad_inputs(fn, change, error, match):
@@ -290,7 +341,9 @@ def test_slots_rejects_bad_inputs(fn, change, error, match):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_realistic_sizes_cuda(group, dtype):
     """MiniCPM-like geometry (d 128, block 64, 32 selected blocks) through the compiled kernel."""
-    q, k, v, b, ids, lengths = blocks_case(batch=4, heads=8, group=group, dim=128, block=64, seq=8192, width=32, dtype=dtype)
+    q, k, v, b, ids, lengths = blocks_case(
+        batch=4, heads=8, group=group, dim=128, block=64, seq=8192, width=32, dtype=dtype
+    )
     ref = K.sparse_decode_blocks_reference(q, k, v, ids, lengths, 64, bias=b)
     check_pair(K.sparse_decode_blocks_triton(q, k, v, ids, lengths, 64, bias=b), ref, dtype)
     q, k, v, b, lens = slots_case(batch=4, heads=8, group=group, dim=128, block=64, slots=32, dtype=dtype)

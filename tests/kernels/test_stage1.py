@@ -17,7 +17,9 @@ from forecastkv.modeling.configuration import SparseConfig
 from .conftest import DEVICE, aot_sm90, assert_close, compile_sm90, needs_triton
 
 # MiniCPM-like ratios at toy scale (p = 2s, bs = 4s); topk 3 + 1 local block, NOSA shortlist 1
-SPARSE = dict(kernel_size=4, kernel_stride=2, block_size=8, init_blocks=1, window_size=8, topk=3, dense_len=0, query_blocks=1)
+SPARSE = dict(
+    kernel_size=4, kernel_stride=2, block_size=8, init_blocks=1, window_size=8, topk=3, dense_len=0, query_blocks=1
+)
 
 
 def config(**changes) -> SparseConfig:
@@ -43,7 +45,9 @@ def chunk(group, heads=2, dim=16, rows=20, start=40, padded=0, batch=2, seed=0):
 def coarse_keys(ckeys, sparse, length, seed=1):
     p2, s2 = sparse.coarse_kernel
     gen = torch.Generator().manual_seed(seed)
-    return torch.randn(ckeys.shape[0], sel.num_compressed(length, p2, s2), ckeys.shape[2], ckeys.shape[3], generator=gen).to(DEVICE)
+    return torch.randn(
+        ckeys.shape[0], sel.num_compressed(length, p2, s2), ckeys.shape[2], ckeys.shape[3], generator=gen
+    ).to(DEVICE)
 
 
 def poisoned(vectors, ckeys, n_blocks):
@@ -54,8 +58,19 @@ def kernel_scores(vectors, ckeys, positions, sparse, n_blocks, kind, lse_keys=No
     """The kernel into NaN-poisoned outputs; asserts every entry was written."""
     out = poisoned(vectors, ckeys, n_blocks)
     ag_out = poisoned(vectors, ckeys, n_blocks) if pooled is not None else None
-    got, agnostic = K.stage1_block_scores_triton(vectors, ckeys, positions, sparse, n_blocks, kind, sel.visibility_lag(kind),
-                                                 lse_keys, pooled, out=out, agnostic_out=ag_out)
+    got, agnostic = K.stage1_block_scores_triton(
+        vectors,
+        ckeys,
+        positions,
+        sparse,
+        n_blocks,
+        kind,
+        sel.visibility_lag(kind),
+        lse_keys,
+        pooled,
+        out=out,
+        agnostic_out=ag_out,
+    )
     assert got is out and not out.isnan().any()
     if pooled is not None:
         assert agnostic is ag_out and not ag_out.isnan().any()
@@ -69,7 +84,9 @@ def selections(vectors, ckeys, positions, sparse, kind, lse_keys=None, cis=None)
     for backend in ("triton", "reference"):
         with K.use_backend(backend):
             assert K.use_stage1_kernel(vectors.device) == (backend == "triton")
-            out.append(sel.layer_selection(vectors, ckeys, positions, sparse, kind, lse_keys=lse_keys, cis=cis, bounds=bounds))
+            out.append(
+                sel.layer_selection(vectors, ckeys, positions, sparse, kind, lse_keys=lse_keys, cis=cis, bounds=bounds)
+            )
     return out
 
 
@@ -87,7 +104,11 @@ MODES = [  # (kind, group, sparse changes, coarse LSE)
 
 
 @needs_triton
-@pytest.mark.parametrize("kind, group, changes, coarse", MODES, ids=[f"{k}-g{g}-{c.get('policy', 'infllmv2')}{'-coarse' if x else ''}" for k, g, c, x in MODES])
+@pytest.mark.parametrize(
+    "kind, group, changes, coarse",
+    MODES,
+    ids=[f"{k}-g{g}-{c.get('policy', 'infllmv2')}{'-coarse' if x else ''}" for k, g, c, x in MODES],
+)
 @pytest.mark.parametrize("layout", ["mid-sequence", "left-padded", "from-zero"])
 def test_matches_selection(kind, group, changes, coarse, layout):
     start, padded, rows = {"mid-sequence": (40, 0, 20), "left-padded": (30, 37, 20), "from-zero": (0, 0, 34)}[layout]
@@ -102,9 +123,17 @@ def test_matches_selection(kind, group, changes, coarse, layout):
     pooled = sel.compress_keys(cis.float(), 4, 2) if nosa else None
     # block scores: the kernel on exactly the keys selection.score_blocks keeps for these bounds
     seen = sel.keys_seen(bounds[1], ckeys.shape[1], 4, 2, lag)
-    seen2 = None if lse_keys is None else lse_keys[:, : sel.keys_seen(bounds[1], lse_keys.shape[1], *sparse.coarse_kernel, lag)]
-    got, agnostic = kernel_scores(vectors, ckeys[:, :seen], positions, sparse, n_blocks, kind, seen2, None if pooled is None else pooled[:, :seen])
-    expected = sel.score_blocks(vectors, ckeys, positions, sparse, n_blocks, kind=kind, lse_keys=lse_keys, bounds=bounds)
+    seen2 = (
+        None
+        if lse_keys is None
+        else lse_keys[:, : sel.keys_seen(bounds[1], lse_keys.shape[1], *sparse.coarse_kernel, lag)]
+    )
+    got, agnostic = kernel_scores(
+        vectors, ckeys[:, :seen], positions, sparse, n_blocks, kind, seen2, None if pooled is None else pooled[:, :seen]
+    )
+    expected = sel.score_blocks(
+        vectors, ckeys, positions, sparse, n_blocks, kind=kind, lse_keys=lse_keys, bounds=bounds
+    )
     assert_close(got, expected, torch.float32)
     assert (expected == float("inf")).any() and (expected == float("-inf")).any() and torch.isfinite(expected).any()
     if nosa:
@@ -156,7 +185,9 @@ def test_bfloat16_inputs():
     bounds = sel.position_range(positions)
     n_blocks = sel.num_blocks(bounds[1] + 1, 8)
     got, _ = kernel_scores(vectors, ckeys, positions, sparse, n_blocks, "query")
-    assert_close(got, sel.score_blocks(vectors, ckeys, positions, sparse, n_blocks, kind="query", bounds=bounds), torch.bfloat16)
+    assert_close(
+        got, sel.score_blocks(vectors, ckeys, positions, sparse, n_blocks, kind="query", bounds=bounds), torch.bfloat16
+    )
 
 
 def test_cpu_default_stays_eager():
@@ -183,14 +214,31 @@ def aot_launches():
     """MiniCPM4.1 geometry (pooling window 5, d 128), bf16, the CUDA tile sizes: G = 16 with the
     coarse LSE, NOSA, forecast raw dot (one launch) and forecast softmax."""
     sparse = SparseConfig()
-    for kind, group, policy, coarse in (("query", 16, "infllmv2", True), ("query", 16, "nosa", False), ("forecast", 1, "infllmv2", False), ("forecast", 2, "infllmv2", False)):
+    for kind, group, policy, coarse in (
+        ("query", 16, "infllmv2", True),
+        ("query", 16, "nosa", False),
+        ("forecast", 1, "infllmv2", False),
+        ("forecast", 2, "infllmv2", False),
+    ):
         gen = torch.Generator().manual_seed(0)
         vectors = torch.randn(1, 300, 2 * group, 128, generator=gen).bfloat16()
-        ckeys = torch.randn(1, sel.num_compressed(1300, sparse.kernel_size, sparse.kernel_stride), 2, 128, generator=gen).bfloat16()
+        ckeys = torch.randn(
+            1, sel.num_compressed(1300, sparse.kernel_size, sparse.kernel_stride), 2, 128, generator=gen
+        ).bfloat16()
         positions = torch.arange(1000, 1300).view(1, -1)
         lse_keys = coarse_keys(ckeys, sparse, 1300).bfloat16() if coarse else None
         pooled = torch.randn(1, ckeys.shape[1], 2, generator=gen) if policy == "nosa" else None
-        K.stage1_block_scores_triton(vectors, ckeys, positions, sparse, sel.num_blocks(1300, sparse.block_size), kind, sel.visibility_lag(kind), lse_keys, pooled)
+        K.stage1_block_scores_triton(
+            vectors,
+            ckeys,
+            positions,
+            sparse,
+            sel.num_blocks(1300, sparse.block_size),
+            kind,
+            sel.visibility_lag(kind),
+            lse_keys,
+            pooled,
+        )
 
 
 @aot_sm90

@@ -96,7 +96,9 @@ def test_one_layer_from_tensors_equals_the_cache(policy, selector, prompt_length
     n_blocks = sel.num_blocks(stored, sparse.block_size)
     lag = sel.visibility_lag(selector)
     scores = sel.score_blocks(vectors, ckeys, positions, sparse, n_blocks, kind=selector)  # [B, H, 1, NB]
-    decode_scores = kernels.block_scores_reference(vectors[:, 0], ckeys, positions[:, 0], sparse, n_blocks, selector, lag)
+    decode_scores = kernels.block_scores_reference(
+        vectors[:, 0], ckeys, positions[:, 0], sparse, n_blocks, selector, lag
+    )
     assert rel(decode_scores[scores[:, :, 0].isfinite()], scores[:, :, 0][scores[:, :, 0].isfinite()]) < 1e-6
     assert torch.equal(decode_scores.isinf(), scores[:, :, 0].isinf())
     agnostic = None if cis is None else sel.agnostic_block_scores(cis, positions, sparse, n_blocks, lag)
@@ -110,8 +112,9 @@ def test_one_layer_from_tensors_equals_the_cache(policy, selector, prompt_length
         assert ((selection >= sparse.init_blocks) & (selection < current - sparse.local_blocks)).any()
 
     q = model.model.layers[LAYER].self_attn.queries(seen["normed"][LAYER], seen["cos"], seen["sin"])[:, 0]
-    out, lse = kernels.sparse_decode_blocks_reference(q, keys, values, selection[:, :, 0], lengths, sparse.block_size,
-                                                      bias=cis)
+    out, lse = kernels.sparse_decode_blocks_reference(
+        q, keys, values, selection[:, :, 0], lengths, sparse.block_size, bias=cis
+    )
     attention = seen["attention"].view(out.shape)
     assert torch.isfinite(lse).all()
     if decode == "kernels":  # the cache ran this very reference on its own buffers
