@@ -183,20 +183,18 @@ def test_compiles_for_sm90():
 IMPLS = [K.block_gather_reference, K.block_gather_triton, K.block_gather_copy_engine, K.block_gather]
 
 
+GATHER_ARGS = ("k_host", "v_host", "load_ids", "k_slots", "v_slots", "block_size", "bias_host", "bias_slots")
+
+
+def named_args(*values, **rest) -> dict:
+    """block_gather's arguments by name, the positional ones in order: tests change one of them."""
+    return dict(zip(GATHER_ARGS, values), **rest)
+
+
 def _args(**changes):
     k_host, v_host, b_host, ids = make_case(seq=29, block=8, slots=3)
     k_slots, v_slots, b_slots = poisoned_slots(2, 24, 2, 16, torch.float32, True)
-    args = dict(
-        k_host=k_host,
-        v_host=v_host,
-        load_ids=ids,
-        k_slots=k_slots,
-        v_slots=v_slots,
-        block_size=8,
-        bias_host=b_host,
-        bias_slots=b_slots,
-        num_programs=4,
-    )
+    args = named_args(k_host, v_host, ids, k_slots, v_slots, 8, b_host, b_slots, num_programs=4)
     args.update(changes)
     return args
 
@@ -404,18 +402,7 @@ def test_paged_unchecked_bad_table_entries_are_skipped():
 def test_paged_rejects_bad_inputs(fn, change, error, match):
     k_pool, v_pool, b_pool, ids, table = make_paged_case()
     k_slots, v_slots, b_slots = poisoned_slots(3, 24, 2, 16, torch.float32, True)
-    args = dict(
-        k_host=k_pool,
-        v_host=v_pool,
-        load_ids=ids,
-        k_slots=k_slots,
-        v_slots=v_slots,
-        block_size=8,
-        bias_host=b_pool,
-        bias_slots=b_slots,
-        num_programs=4,
-        block_table=table,
-    )
+    args = named_args(k_pool, v_pool, ids, k_slots, v_slots, 8, b_pool, b_slots, num_programs=4, block_table=table)
     args.update(change(args))
     with pytest.raises(error, match=match):
         fn(**args)
