@@ -59,8 +59,13 @@ def plan_decode(vectors: torch.Tensor, positions: torch.Tensor, cache_layer, spa
     ops, lag = cache_layer.kernels, sel.visibility_lag(kind)
     if ops.decode_kernels:  # the decode-time scoring kernels (Triton on CUDA), equal at one row
         pos = positions[:, 0]
-        scores = ops.block_scores(vectors[:, 0], ckeys, pos, sparse, n_blocks, kind, lag, lse_keys=coarse).unsqueeze(2)
-        agnostic = None if pooled is None else ops.agnostic_scores(pooled, pos, sparse, n_blocks, lag).unsqueeze(2)
+        # the cache's own buffers, in range by construction: no Python-level checks per step
+        scores = ops.block_scores(vectors[:, 0], ckeys, pos, sparse, n_blocks, kind, lag, lse_keys=coarse,
+                                  check_ids=False)
+        agnostic = None
+        if pooled is not None:
+            agnostic = ops.agnostic_scores(pooled, pos, sparse, n_blocks, lag, check_ids=False).unsqueeze(2)
+        scores = scores.unsqueeze(2)
     else:
         scores = sel.score_blocks(vectors, ckeys, positions, sparse, n_blocks, kind, lag, lse_keys=coarse)
         agnostic = None if pooled is None else sel.pooled_agnostic_scores(pooled, positions, sparse, n_blocks, lag)

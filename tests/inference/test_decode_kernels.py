@@ -4,6 +4,8 @@ Here the kernels run in Triton's interpreter (the backend setting's decode part 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -31,10 +33,12 @@ def test_kernel_decode_matches_gather_decode(monkeypatch):
     monkeypatch.setenv("FORECASTKV_BACKEND", "decode=gather")
     ref = generate(model, ids, mask, SparseCache(model.config), new_tokens=4)
     monkeypatch.setenv("FORECASTKV_BACKEND", "decode=kernels")
-    scored = []
-    for name in ("block_scores", "agnostic_scores"):  # the decode-time scoring kernels select the blocks
-        original = getattr(kernels, name)
-        monkeypatch.setattr(kernels, name, lambda *a, _f=original, _n=name, **k: (scored.append(_n), _f(*a, **k))[1])
+    scored, choose = [], kernels.kernel_set
+    spies = {}  # the decode-time scoring kernels of the chosen KernelSet select the blocks
+    for name in ("block_scores", "agnostic_scores"):
+        original = getattr(choose("cpu"), name)
+        spies[name] = lambda *a, _f=original, _n=name, **k: (scored.append(_n), _f(*a, **k))[1]
+    monkeypatch.setattr(kernels, "kernel_set", lambda device: dataclasses.replace(choose(device), **spies))
     calls = []
     for name, make in makers.items():
         cache = make()
