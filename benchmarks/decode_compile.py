@@ -9,7 +9,7 @@ What is compiled is `ForecastKVModel.decode_layers`, the device part of a call (
 `forecastkv.modeling.compiled.compile_decode` compiles for generate()), on CUDA with
 mode="reduce-overhead", so that a compiled step is a replayed CUDA graph.  The host side of a
 decode step (`SparseCache.begin_call` / `finish_call`, the step logs) stays eager around it.
-Per cell: the cache is filled with random post-RoPE K/V (`inference.fill.fill_random`) and
+Per cell: the cache is filled with random post-RoPE K/V (`synthetic_kv.fill_random`) and
 reserved for the whole run (fixed shapes); the first `--parity-steps` compiled steps (the compile,
 its time reported) are checked against eager steps from a fork of the same cache (inductor
 reorders float sums: the largest logit difference is reported); then `--warmup` compiled steps and
@@ -35,6 +35,7 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != HERE]  
 sys.path.append(HERE)
 from decode_sweep import SMOLLM2_135M, TINY, build_model  # noqa: E402
 from offload_decode import MINICPM41_8B, synchronize  # noqa: E402
+from synthetic_kv import fill_random  # noqa: E402
 
 CONFIGS = {
     # name: (model shape, preset, device, dtype, torch.compile options, lengths, batches, modes)
@@ -70,7 +71,6 @@ def run_cell(model, mode: str, batch: int, length: int, args) -> dict:
     from torch._dynamo.utils import counters
 
     from forecastkv.inference import OffloadedSparseCache
-    from forecastkv.inference.fill import fill_random
 
     config = model.config
     total = length + args.parity_steps + args.warmup + args.rounds * 2 * args.steps + 4

@@ -27,19 +27,6 @@ def copy_into(source, target) -> None:
         layer.columns = source.layers[0].columns
 
 
-def fill_random(cache, batch: int, length: int, heads: int, dim: int, dtype: torch.dtype, device, with_cis: bool = False, seed: int = 0) -> None:
-    """Store `length` random post-RoPE keys/values per sequence in every layer (a synthetic long
-    context for decode benchmarks; no model forward)."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-    positions = torch.arange(length, device=device).expand(batch, -1)
-    for layer in cache.layers:
-        keys = torch.randn((batch, length, heads, dim), generator=gen, device=device, dtype=torch.float32).to(dtype)
-        values = torch.randn((batch, length, heads, dim), generator=gen, device=device, dtype=torch.float32).to(dtype)
-        cis = torch.rand((batch, length, heads), generator=gen, device=device).to(dtype) if with_cis else None
-        layer.append(keys, values, cis, positions)
-        del keys, values, cis
-
-
 @torch.no_grad()
 def greedy_steps(model, cache, first_tokens: torch.Tensor, steps: int, sync=None):
     """Decode `steps` tokens greedily from `first_tokens` [B, 1] with `cache`.

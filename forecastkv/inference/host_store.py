@@ -1,37 +1,31 @@
-"""The paged host tier: one layer's K/V (and NOSA's CIS) in a pool of fixed-size physical blocks.
+"""The paged host tier's transfers: every byte between the host buffers and the device (the worker
+half of the split vLLM v1's kv_offload draws; `host_pool` is the manager half: who holds each
+block, which block holds each position).
 
-* `HostBlockPool` (per layer, shared by every cache built on it: forks, a batch over one prefix,
-  a ContextStore) holds keys, values [P, block, H, d] and cis [P, block, H] in host memory, and a
-  reference count per physical block.  A full block is immutable, so caches share it; a block is
-  free again when its last holder lets go.
-* `HostKVStore` (per cache and layer) is a batch of sequences over a pool: a block table per
-  sequence (logical block -> physical block, vLLM's layout), on the host (lists, what multi-token
-  calls and forks decide by) and on the device (`block_table` [B, NB], what the decode step's
-  kernels read: the block gather and the row write-back go through it, no host sync).  A sequence
-  writes only its own blocks: forking copies its tail block, and a crop that makes a shared block
-  writable again copies it first (copy on write).
+* `HostBlockPool` (a `host_pool.BlockAllocator`, per layer) owns the buffers: keys, values
+  [P, block, H, d] and cis [P, block, H] in host memory, their growth, a file mapping of them
+  (CPU), and the block copies (copy on write, reads of stored blocks).
+* `HostKVStore` (a `host_pool.BlockTables`, per cache and layer) moves a batch's rows through its
+  block tables: the D2H write-back (a decode step's rows, a prompt's span, scattered rows) and the
+  H2D staging and block gather.
 
 On a machine with CUDA the pool's buffers are page-locked with `cudaHostRegister` at their exact
 size (the caching pinned allocator would round each up to a power of two and keep it after the
 cache is gone), so the UVA kernels can read and write them from the GPU and copies run
-asynchronously; on CPU they are plain memory.  `nbytes()` is what is pinned.  A sequence's
-capacity is the cache's `max_length` (derived inside `generate()`), else it grows in chunks
-(`modeling.cache.GROWTH_CHUNK`); its blocks up to the capacity are assigned when the capacity is
-set (so a decode step never changes the table), and the pool grows by exactly the blocks assigned.
+asynchronously; on CPU they are plain memory.  `nbytes()` is what is pinned.
 
 Only the transfer functions touch host tensors: the H2D block gather and staging, and the D2H
 write-back.  They run inside `host_transfer()`, a thread-local counter (nearly free) that only
 the tests' strict-device harness (tests/strict_device.py) reads: there, host tensors (made by
-`allocate_host`, which the harness wraps) raise when any op outside `host_transfer()` touches them.
-Every CPU touch of host rows that the GPU may still be writing waits on the store's write event.
+`allocate_host`, which the harness wraps in this module) raise when any op outside
+`host_transfer()` touches them.  Every CPU touch of host rows that the GPU may still be writing
+waits on the store's write event.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import functools
-import heapq
 import mmap
 import os
 import threading
@@ -40,7 +34,7 @@ import weakref
 import torch
 
 from .. import kernels
-from ..modeling.cache import capacity_for
+from .host_pool import BlockAllocator, BlockTables
 
 _transfer_state = threading.local()
 
@@ -101,8 +95,9 @@ def allocate_host(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torc
     error = int(torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 1))
     if error != 0:
         raise MemoryError(
-            f"could not pin {nbytes / 2**30:.2f} GiB of host memory for the offloaded KV cache (cudaHostRegister: {error}); "
-            f"lower max_length or the batch, raise the locked-memory limit (ulimit -l), or free host memory"
+            f"could not pin {nbytes / 2**30:.2f} GiB of host memory for the offloaded KV cache "
+            f"(cudaHostRegister: {error}); lower max_length or the batch, raise the locked-memory limit "
+            f"(ulimit -l), or free host memory"
         )
     weakref.finalize(tensor, _unregister, tensor.data_ptr())
     return tensor
@@ -112,8 +107,8 @@ def _dtype_bytes(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-class HostBlockPool:
-    """Physical blocks of one layer's host tier, reference-counted.
+class HostBlockPool(BlockAllocator):
+    """Physical blocks of one layer's host tier, reference-counted (`BlockAllocator`).
 
     keys, values [P, block_size, H, d] (dtype) and cis [P, block_size, H] (cis_dtype) or None,
     allocated by `allocate_host` (pinned at their exact size if `pin`); P = `capacity` grows by
@@ -121,27 +116,34 @@ class HostBlockPool:
     into dim 0.  Rows of a block past what its holder stored hold whatever the memory held.
     """
 
-    def __init__(self, block_size: int, heads: int, dim: int, dtype: torch.dtype, with_cis: bool, cis_dtype: torch.dtype | None, pin: bool) -> None:
+    def __init__(
+        self,
+        block_size: int,
+        heads: int,
+        dim: int,
+        dtype: torch.dtype,
+        with_cis: bool,
+        cis_dtype: torch.dtype | None,
+        pin: bool,
+    ) -> None:
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+        super().__init__()
         self.block_size, self.heads, self.dim = block_size, heads, dim
         self.dtype, self.with_cis, self.cis_dtype, self.pin = dtype, with_cis, cis_dtype if with_cis else None, pin
         self.keys = self.values = self.cis = None
-        self.refs: list[int] = []     # holders per physical block (0 = free)
-        self._free: list[int] = []    # a min-heap: fresh blocks come in ascending order (long contiguous runs)
-        self.written = None           # CUDA event after the last asynchronous write from the device
-        self.file = None              # a file the buffers map (`map_file`), else None (anonymous memory)
-        self.on_file: list[bool] = [] # per block: its rows are the file's, untouched (read them with pread)
+        self.written = None  # CUDA event after the last asynchronous write from the device
+        self.file = None  # a file the buffers map (`map_file`), else None (anonymous memory)
+        self._layout: list[tuple[int, int]] = []  # the file's (offset, bytes) per buffer (`file_layout`)
 
     # -- geometry -----------------------------------------------------------------------------
-    @property
-    def capacity(self) -> int:
-        """P: physical blocks allocated."""
-        return len(self.refs)
-
-    def matches(self, block_size: int, heads: int, dim: int, dtype: torch.dtype, cis_dtype: torch.dtype | None) -> str | None:
+    def matches(
+        self, block_size: int, heads: int, dim: int, dtype: torch.dtype, cis_dtype: torch.dtype | None
+    ) -> str | None:
         """None if a layer of this geometry can use the pool, else what differs."""
-        mine = dict(block_size=self.block_size, heads=self.heads, dim=self.dim, dtype=self.dtype, cis_dtype=self.cis_dtype)
+        mine = dict(
+            block_size=self.block_size, heads=self.heads, dim=self.dim, dtype=self.dtype, cis_dtype=self.cis_dtype
+        )
         theirs = dict(block_size=block_size, heads=heads, dim=dim, dtype=dtype, cis_dtype=cis_dtype)
         diff = [f"{key}: pool {mine[key]} vs layer {theirs[key]}" for key in mine if mine[key] != theirs[key]]
         return "; ".join(diff) or None
@@ -162,37 +164,20 @@ class HostBlockPool:
         """Bytes allocated (and, with CUDA, pinned) for the pool: exactly its buffers."""
         return sum(t.untyped_storage().nbytes() for t in self.tensors())
 
-    # -- reference counts ---------------------------------------------------------------------
-    def free_blocks(self) -> int:
-        return len(self._free)
-
-    def used_blocks(self) -> int:
-        return self.capacity - len(self._free)
-
-    def refcount(self, block: int) -> int:
-        """Holders of physical block `block` (0 = free)."""
-        self._check_ids([block])
-        return self.refs[block]
-
-    def reserve(self, free: int) -> None:
-        """Grow the pool (exactly) until `free` blocks are free; a growth copies the stored blocks
-        on the CPU after the device's pending writes to them."""
-        missing = free - len(self._free)
-        if missing <= 0:
-            return
-        old, capacity = self.capacity, self.capacity + missing
+    # -- buffers ------------------------------------------------------------------------------
+    def _grow_buffers(self, capacity: int) -> None:
+        """Buffers of `capacity` blocks from `allocate_host` (this module's name, which the
+        strict-device harness rebinds), the stored blocks copied in on the CPU after the device's
+        pending writes to them."""
         shape = (capacity, self.block_size, self.heads, self.dim)
         keys = allocate_host(shape, self.dtype, self.pin)
         values = allocate_host(shape, self.dtype, self.pin)
         cis = allocate_host(shape[:3], self.cis_dtype, self.pin) if self.with_cis else None
-        if old:
+        if self.capacity:
             self.wait_writes()
             self._copy_stored(keys, values, cis)
         self.keys, self.values, self.cis = keys, values, cis
-        self.file, self.on_file = None, []  # a mapped pool that outgrows its file moves to anonymous memory
-        self.refs.extend([0] * missing)
-        for block in range(old, capacity):
-            heapq.heappush(self._free, block)
+        self.file = None  # a mapped pool that outgrows its file moves to anonymous memory
 
     @transfer_function
     def _copy_stored(self, keys: torch.Tensor, values: torch.Tensor, cis: torch.Tensor | None) -> None:
@@ -203,45 +188,7 @@ class HostBlockPool:
         if cis is not None:
             cis[:old] = self.cis
 
-    def allocate(self, count: int) -> list[int]:
-        """`count` free blocks (lowest ids first), each with one holder: the caller."""
-        self.reserve(count)
-        blocks = [heapq.heappop(self._free) for _ in range(count)]
-        for block in blocks:
-            self.refs[block] = 1
-            if self.on_file:
-                self.on_file[block] = False  # it will be written: no longer the file's rows
-        return blocks
-
-    def retain(self, blocks) -> None:
-        """One more holder for each of `blocks` (allocated ones)."""
-        blocks = [int(b) for b in blocks]
-        self._check_ids(blocks)
-        for block in blocks:
-            if self.refs[block] <= 0:
-                raise ValueError(f"block {block} is free; only an allocated block can be retained")
-        for block in blocks:
-            self.refs[block] += 1
-
-    def release(self, blocks) -> None:
-        """One holder fewer for each of `blocks`; a block with none left is free again."""
-        blocks = [int(b) for b in blocks]
-        self._check_ids(blocks)
-        for block, count in collections.Counter(blocks).items():
-            if self.refs[block] < count:
-                raise ValueError(f"block {block} is already free" if self.refs[block] == 0 else
-                                 f"block {block} has {self.refs[block]} holders, fewer than the {count} releases asked")
-        for block in blocks:
-            self.refs[block] -= 1
-            if self.refs[block] == 0:
-                heapq.heappush(self._free, block)
-
-    def _check_ids(self, blocks) -> None:
-        for block in blocks:
-            if not 0 <= block < self.capacity:
-                raise ValueError(f"block id {block} is outside the pool's {self.capacity} blocks")
-
-    # -- data ---------------------------------------------------------------------------------
+    # -- block reads and copies -----------------------------------------------------------------
     def wait_writes(self) -> None:
         """Block the CPU until the device's writes into the pool are done (a CPU touch)."""
         if self.written is not None:
@@ -275,7 +222,9 @@ class HostBlockPool:
         self._check_ids(blocks)
         if self.file is None:
             picked = torch.tensor(blocks, dtype=torch.long)
-            return tuple(None if t is None else t[picked].flatten(0, 1)[:length] for t in (self.keys, self.values, self.cis))
+            return tuple(
+                None if t is None else t[picked].flatten(0, 1)[:length] for t in (self.keys, self.values, self.cis)
+            )
         out = []
         for tensor in (self.keys, self.values, self.cis):
             if tensor is None:
@@ -283,7 +232,12 @@ class HostBlockPool:
                 continue
             target = torch.empty((len(blocks) * self.block_size, *tensor.shape[2:]), dtype=tensor.dtype)
             for index, block in enumerate(blocks):
-                self.copy_rows(tensor, block * self.block_size, self.block_size, target[index * self.block_size : (index + 1) * self.block_size])
+                self.copy_rows(
+                    tensor,
+                    block * self.block_size,
+                    self.block_size,
+                    target[index * self.block_size : (index + 1) * self.block_size],
+                )
             out.append(target[:length])
         return tuple(out)
 
@@ -325,14 +279,16 @@ class HostBlockPool:
         dtypes = [self.dtype, self.dtype, self.cis_dtype]
         tensors = []
         for (offset, size), shape, dtype in zip(layout, shapes, dtypes):
-            raw = numpy.memmap(file, dtype=numpy.uint8, mode="c", offset=offset, shape=(size,)) if size else numpy.zeros(0, dtype=numpy.uint8)
+            raw = (
+                numpy.memmap(file, dtype=numpy.uint8, mode="c", offset=offset, shape=(size,))
+                if size
+                else numpy.zeros(0, dtype=numpy.uint8)
+            )
             tensors.append(torch.from_numpy(raw).view(dtype).view(shape))
         self.keys, self.values = tensors[0], tensors[1]
         self.cis = tensors[2] if self.with_cis else None
         self.file, self._layout = file, layout
-        self.refs = [1] * stored + [0] * (capacity - stored)
-        self.on_file = [True] * stored + [False] * (capacity - stored)
-        self._free = list(range(stored, capacity))
+        self._hold_mapped(stored, capacity)
 
     def copy_rows(self, tensor: torch.Tensor, row: int, count: int, target: torch.Tensor) -> None:
         """Flat rows [row, row + count) of `tensor` (one of the pool's) into `target` [count, ...]:
@@ -361,44 +317,47 @@ class HostBlockPool:
         """`tensor` (one of the pool's) as [P * block_size, ...] rows (a view)."""
         return tensor.view(self.capacity * self.block_size, *tensor.shape[2:])
 
-    def release_tables(self, tables: list[list[int]]) -> None:
-        """A holder's finalizer: release every block named in `tables` (lists of ids, -1 = none)."""
-        held = [block for table in tables for block in table if block >= 0]
-        if held:
-            self.release(held)
-        for table in tables:
-            table.clear()
 
-
-class HostKVStore:
+class HostKVStore(BlockTables):
     """One layer of a batch on the paged host tier: sequence b's position t is row t % block of
-    physical block tables[b][t // block] of the pool.
+    physical block tables[b][t // block] of the pool (`BlockTables`); this class moves the rows.
 
-    keys, values [P, block, H, d] and cis [P, block, H] (or None) are the pool's buffers.
-    block_table [B, NB] int64 (on `device`, -1 = none) is the same table for the kernels.  Rows past
+    keys, values [P, block, H, d] and cis [P, block, H] (or None) are the pool's buffers.  Rows past
     a sequence's stored length hold whatever the memory held (the pool is allocated
     uninitialised): readers mask them by length (`device_rows` zeroes them on the way in).
     `pool`: build on an existing pool (shared with other caches), else a new one.
     """
 
-    def __init__(self, batch: int, heads: int, dim: int, dtype: torch.dtype, with_cis: bool, cis_dtype: torch.dtype | None, max_length: int | None, pin: bool,
-                 reserved: int | None = None, block_size: int = 64, device: torch.device | str = "cpu", pool: HostBlockPool | None = None) -> None:
+    def __init__(
+        self,
+        batch: int,
+        heads: int,
+        dim: int,
+        dtype: torch.dtype,
+        with_cis: bool,
+        cis_dtype: torch.dtype | None,
+        max_length: int | None,
+        pin: bool,
+        reserved: int | None = None,
+        block_size: int = 64,
+        device: torch.device | str = "cpu",
+        pool: HostBlockPool | None = None,
+    ) -> None:
         self.shape = (batch, heads, dim)
-        self.reserved = reserved  # rows to allocate at once while they fit (`capacity_for`)
         self.dtype, self.cis_dtype = dtype, cis_dtype if with_cis else None
-        self.with_cis, self.max_length, self.pin = with_cis, max_length, pin
-        self.block_size, self.device = block_size, torch.device(device)
+        self.with_cis, self.pin = with_cis, pin
         if pool is None:
             pool = HostBlockPool(block_size, heads, dim, dtype, with_cis, self.cis_dtype, pin)
         problem = pool.matches(block_size, heads, dim, dtype, self.cis_dtype)
         if problem:
             raise ValueError(f"this host block pool holds blocks of another geometry ({problem})")
-        self.pool = pool
-        self.tables: list[list[int]] = [[] for _ in range(batch)]
-        self.capacity = 0          # positions per sequence with blocks assigned (the rows limit)
-        self.complete = True       # every logical block below the capacity has a block (a fast path per step)
-        self.block_table: torch.Tensor | None = None
-        self._finalizer = weakref.finalize(self, pool.release_tables, self.tables)
+        super().__init__(batch, pool, block_size, max_length, reserved, device)
+
+    def _sibling(self, batch: int) -> HostKVStore:
+        """An empty store of `batch` sequences with this one's geometry and settings, over the same pool."""
+        _, heads, dim = self.shape
+        settings = (self.dtype, self.with_cis, self.cis_dtype, self.max_length, self.pin, self.reserved)
+        return HostKVStore(batch, heads, dim, *settings, self.block_size, self.device, self.pool)
 
     # -- the pool's buffers -------------------------------------------------------------------
     keys = property(lambda self: self.pool.keys)
@@ -411,158 +370,38 @@ class HostKVStore:
     def wait_writes(self) -> None:
         self.pool.wait_writes()
 
-    # -- capacity and block assignment --------------------------------------------------------
-    def blocks_for(self, rows: int) -> int:
-        return -(-rows // self.block_size)
-
-    def ensure(self, rows: int) -> None:
-        """Make room for `rows` positions per sequence (raises past max_length): the capacity
-        (max_length, reserved or GROWTH_CHUNK multiples, `capacity_for`), and a private block for
-        every logical block below it that has none, from the pool (which grows by exactly those)."""
-        if rows <= self.capacity and self.complete:
-            return
-        if rows > self.capacity:
-            self.capacity = capacity_for(rows, self.max_length, reserved=self.reserved)
-        self._assign(self.blocks_for(self.capacity))
-
-    def _assign(self, count: int) -> None:
-        """Blocks for logical blocks [0, count) of every sequence; the device table follows."""
-        width = max(count, *(len(table) for table in self.tables)) if self.tables else count
-        for table in self.tables:
-            table.extend([-1] * (width - len(table)))
-        missing = [(b, i) for b, table in enumerate(self.tables) for i in range(count) if table[i] < 0]
-        for (b, i), block in zip(missing, self.pool.allocate(len(missing))):
-            self.tables[b][i] = block
-        self.complete = True
-        self._push_table()
-
-    def _push_table(self) -> None:
-        """The host tables to the device table (in place while its shape holds: a fixed address)."""
-        width = max((len(table) for table in self.tables), default=0)
-        rows = [table + [-1] * (width - len(table)) for table in self.tables]
-        host = torch.tensor(rows, dtype=torch.long).view(len(self.tables), width)
-        if self.block_table is not None and self.block_table.shape == host.shape:
-            self.block_table.copy_(host)
-        else:
-            self.block_table = host.to(self.device)
-
-    # -- sharing ------------------------------------------------------------------------------
-    def forked(self, lengths: list[int], repeats: int = 1) -> "HostKVStore":
-        """A new store over the same pool with each sequence b (lengths[b] positions stored)
-        repeated `repeats` times (sequence b*repeats + j): its full blocks shared (one more
-        holder each), its partial tail block copied; blocks past the tail are assigned at the
-        next `ensure`.  Neither store's later writes reach the other."""
-        batch, heads, dim = self.shape
-        other = HostKVStore(batch * repeats, heads, dim, self.dtype, self.with_cis, self.cis_dtype, self.max_length, self.pin, self.reserved,
-                            self.block_size, self.device, self.pool)
-        for b, length in enumerate(lengths):
-            full, partial = divmod(length, self.block_size)
-            shared = self.tables[b][:full]
-            for j in range(repeats):
-                table = other.tables[b * repeats + j]
-                self.pool.retain(shared)
-                table.extend(shared)
-                if partial:
-                    (copy,) = self.pool.allocate(1)
-                    self.pool.copy_block(self.tables[b][full], copy, partial)
-                    table.append(copy)
-        other.capacity = max(lengths, default=0)  # recomputed (max_length / reserved) at the next ensure
-        other.complete = False
-        other._push_table()
-        return other
-
-    def adopt(self, batch: int, blocks: list[int], length: int) -> None:
-        """Sequence `batch` (holding nothing yet) holds `length` positions stored in the pool's
-        `blocks` (ceil(length / block) of them, in order): one more holder for each full one, a
-        copy of a partial last one (it will be written).  The blocks stay their owner's too."""
-        full, partial = divmod(length, self.block_size)
-        if len(blocks) != full + (1 if partial else 0):
-            raise ValueError(f"{length} positions in blocks of {self.block_size} need {full + (1 if partial else 0)} blocks, got {len(blocks)}")
-        if any(block >= 0 for block in self.tables[batch]):
-            raise ValueError(f"sequence {batch} holds blocks already; adopt() fills an empty sequence")
-        self.pool.retain(blocks[:full])
-        table = list(blocks[:full])
-        if partial:
-            (copy,) = self.pool.allocate(1)
-            self.pool.copy_block(blocks[full], copy, partial)
-            table.append(copy)
-        self.tables[batch][:] = table
-        self.capacity = max(self.capacity, length)
-        self.complete = False
-        self._push_table()
-
-    def make_writable(self, lengths: list[int]) -> None:
-        """After a crop to lengths[b] positions: every block a sequence will write again (its tail
-        block and those past it) becomes private: a shared tail is copied, shared blocks past it
-        are let go (assigned afresh at the next `ensure`)."""
-        changed = False
-        for table, length in zip(self.tables, lengths):
-            full, partial = divmod(length, self.block_size)
-            for i in range(full, len(table)):
-                block = table[i]
-                if block < 0 or self.pool.refs[block] == 1:
-                    continue
-                if i == full and partial:
-                    (copy,) = self.pool.allocate(1)
-                    self.pool.copy_block(block, copy, partial)
-                    table[i] = copy
-                else:
-                    table[i] = -1
-                self.pool.release([block])
-                changed = True
-        if changed:
-            self.complete = False
-            self._push_table()
-
-    def sequence_blocks(self, batch: int, length: int | None = None) -> list[int]:
-        """Physical ids of sequence `batch`'s logical blocks (the first ceil(length / block) of
-        them if `length` is given: its stored blocks).  Read them with `pool.block(id)`."""
-        table = self.tables[batch]
-        return list(table if length is None else table[: self.blocks_for(length)])
-
-    def distinct_blocks(self) -> set[int]:
-        """Physical blocks this store holds (each counted once)."""
-        return {block for table in self.tables for block in table if block >= 0}
-
-    # -- where positions live -----------------------------------------------------------------
-    def _runs(self, batch: int, start: int, stop: int) -> list[tuple[int, int, int]]:
-        """Positions [start, stop) of sequence `batch` as contiguous runs of pool rows:
-        (first position, end position, first flat row of the pool), unassigned blocks skipped."""
-        runs: list[list[int]] = []
-        table, size = self.tables[batch], self.block_size
-        pos = start
-        while pos < stop:
-            index = pos // size
-            end = min(stop, (index + 1) * size)
-            block = table[index] if index < len(table) else -1
-            if block >= 0:
-                row = block * size + pos % size
-                if runs and runs[-1][1] == pos and runs[-1][2] + (pos - runs[-1][0]) == row:
-                    runs[-1][1] = end
-                else:
-                    runs.append([pos, end, row])
-            pos = end
-        return [tuple(run) for run in runs]
-
-    def _flat_rows(self, batch_idx: list[int], pos: list[int]) -> torch.Tensor:
-        size = self.block_size
-        return torch.tensor([self.tables[b][p // size] * size + p % size for b, p in zip(batch_idx, pos)], dtype=torch.long)
-
     # -- D2H write-back -----------------------------------------------------------------------
     @transfer_function
-    def write_rows(self, positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cis: torch.Tensor | None) -> int:
+    def write_rows(
+        self, positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cis: torch.Tensor | None
+    ) -> int:
         """A decode step's write-back: row b of keys/values [B, H, d] (cis [B, H]) at position
         positions[b] (device int64 [B], -1 = skip), through the `row_store` kernel and the device
         block table (UVA writes into pinned memory on CUDA: no host index, no sync).  Returns
         bytes moved."""
-        kernels.row_store(keys.to(self.dtype), values.to(self.dtype), positions, self.keys, self.values,
-                          None if cis is None else cis.to(self.cis_dtype), self.cis, block_table=self.block_table)
+        kernels.row_store(
+            keys.to(self.dtype),
+            values.to(self.dtype),
+            positions,
+            self.keys,
+            self.values,
+            None if cis is None else cis.to(self.cis_dtype),
+            self.cis,
+            block_table=self.block_table,
+        )
         self.pool.record_write(keys.device)
         moved = keys.numel() * keys.element_size() * 2
         return moved + (0 if cis is None else cis.numel() * cis.element_size())
 
     @transfer_function
-    def write(self, batch_idx: torch.Tensor, pos: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cis: torch.Tensor | None) -> int:
+    def write(
+        self,
+        batch_idx: torch.Tensor,
+        pos: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        cis: torch.Tensor | None,
+    ) -> int:
         """A multi-token call's write-back of scattered rows (a padded prompt, draft tokens):
         keys/values [N, H, d] (any device) at (batch_idx[N], pos[N]).  Reads the indices and rows
         to the host (one sync, outside the decode step).  Returns bytes moved."""
@@ -598,7 +437,9 @@ class HostKVStore:
 
     # -- H2D ----------------------------------------------------------------------------------
     @transfer_function
-    def device_rows(self, count: int, lengths: torch.Tensor, device: torch.device, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def device_rows(
+        self, count: int, lengths: torch.Tensor, device: torch.device, rows: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Device copies of positions [0, count) of every sequence in buffers of `rows` (>= count,
         default count) rows: keys, values [B, rows, H, d], cis [B, rows, H] or None.  Rows at or
         past a sequence's length (device lengths [B], <= count) are zeros, not whatever the host
@@ -633,15 +474,35 @@ class HostKVStore:
                 continue
             flat = self.pool.flat(host)
             for first, end, row in self._runs(batch, start, stop):
-                target[batch, offset + first - start : offset + end - start].copy_(flat[row : row + end - first], non_blocking=self.pin and target.is_cuda)
+                target[batch, offset + first - start : offset + end - start].copy_(
+                    flat[row : row + end - first], non_blocking=self.pin and target.is_cuda
+                )
 
     @transfer_function
-    def gather(self, load_ids: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor, bias_slots: torch.Tensor | None, num_programs: int) -> None:
+    def gather(
+        self,
+        load_ids: torch.Tensor,
+        k_slots: torch.Tensor,
+        v_slots: torch.Tensor,
+        bias_slots: torch.Tensor | None,
+        num_programs: int,
+    ) -> None:
         """The block gather through the device block table: load_ids [H, B, M] logical block ids
         (-1 = skip) into slots [B, M*block, H, d] (`kernels.block_gather`; the UVA kernel on CUDA,
         no sync; ids not checked: the kernel skips bad ones)."""
-        kernels.block_gather(self.keys, self.values, load_ids, k_slots, v_slots, self.block_size, self.cis, bias_slots,
-                             num_programs=num_programs, check_ids=False, block_table=self.block_table)
+        kernels.block_gather(
+            self.keys,
+            self.values,
+            load_ids,
+            k_slots,
+            v_slots,
+            self.block_size,
+            self.cis,
+            bias_slots,
+            num_programs=num_programs,
+            check_ids=False,
+            block_table=self.block_table,
+        )
 
     # -- sizes --------------------------------------------------------------------------------
     def row_bytes(self) -> int:

@@ -1,0 +1,310 @@
+"""The paged host tier's bookkeeping: who holds each physical block, and which block holds each position
+(the manager half of the split vLLM v1's kv_offload draws; `host_store` is the worker half).
+
+* `BlockAllocator` (the base of `host_store.HostBlockPool`, one per layer, shared by every cache
+  built on it: forks, a batch over one prefix, a ContextStore): a reference count per physical
+  block and a heap of the free ones.  A full block is immutable, so caches share it; a block is
+  free again when its last holder lets go.
+* `BlockTables` (the base of `host_store.HostKVStore`, one per cache and layer): a block table per
+  sequence (logical block -> physical block, vLLM's layout), on the host (lists, what multi-token
+  calls and forks decide by) and on the device (`block_table` [B, NB], what the decode step's
+  kernels read: the block gather and the row write-back go through it, no host sync).  A sequence
+  writes only its own blocks: forking copies its tail block, and a crop that makes a shared block
+  writable again copies it first (copy on write).
+
+A sequence's capacity is the cache's `max_length` (derived inside `generate()`), else it grows in
+chunks (`modeling.cache.GROWTH_CHUNK`); its blocks up to the capacity are assigned when the
+capacity is set (so a decode step never changes the table), and the pool grows by exactly the
+blocks assigned.
+
+Nothing here reads or writes a host buffer.  The buffers and every copy are `host_store`'s,
+reached through the pool: `_grow_buffers` (a growth) and `copy_block` (copy on write).
+"""
+
+from __future__ import annotations
+
+import collections
+import heapq
+import weakref
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..modeling.cache import capacity_for
+
+if TYPE_CHECKING:
+    from .host_store import HostBlockPool
+
+
+class BlockAllocator:
+    """Reference counts of a pool's P physical blocks (ids 0..P-1, P = `capacity`) and a min-heap of
+    the free ones: fresh blocks come out in ascending order (long contiguous runs).  The pool grows
+    by exactly the blocks asked for (`reserve`); the subclass that owns the buffers makes room for
+    them first (`_grow_buffers`)."""
+
+    def __init__(self) -> None:
+        self.refs: list[int] = []  # holders per physical block (0 = free)
+        self._free: list[int] = []  # a min-heap of the free block ids
+        self.on_file: list[bool] = []  # per block: its rows are a mapped file's, untouched (read them with pread)
+
+    @property
+    def capacity(self) -> int:
+        """P: physical blocks allocated."""
+        return len(self.refs)
+
+    def free_blocks(self) -> int:
+        return len(self._free)
+
+    def used_blocks(self) -> int:
+        return self.capacity - len(self._free)
+
+    def refcount(self, block: int) -> int:
+        """Holders of physical block `block` (0 = free)."""
+        self._check_ids([block])
+        return self.refs[block]
+
+    def reserve(self, free: int) -> None:
+        """Grow the pool (exactly) until `free` blocks are free: the buffers first (they copy the
+        stored blocks), then the new ids, free."""
+        missing = free - len(self._free)
+        if missing <= 0:
+            return
+        old, capacity = self.capacity, self.capacity + missing
+        self._grow_buffers(capacity)
+        self.on_file = []  # the grown buffers are anonymous memory: no block is a file's any more
+        self.refs.extend([0] * missing)
+        for block in range(old, capacity):
+            heapq.heappush(self._free, block)
+
+    def _grow_buffers(self, capacity: int) -> None:
+        """Make the buffers hold `capacity` blocks, keeping the `self.capacity` stored ones."""
+        raise NotImplementedError("the pool that owns the buffers grows them (host_store.HostBlockPool)")
+
+    def _hold_mapped(self, stored: int, capacity: int) -> None:
+        """After the buffers became a file's `capacity` blocks: blocks [0, stored) are the file's,
+        with one holder each (the caller's), the rest are free."""
+        self.refs = [1] * stored + [0] * (capacity - stored)
+        self.on_file = [True] * stored + [False] * (capacity - stored)
+        self._free = list(range(stored, capacity))
+
+    def allocate(self, count: int) -> list[int]:
+        """`count` free blocks (lowest ids first), each with one holder: the caller."""
+        self.reserve(count)
+        blocks = [heapq.heappop(self._free) for _ in range(count)]
+        for block in blocks:
+            self.refs[block] = 1
+            if self.on_file:
+                self.on_file[block] = False  # it will be written: no longer the file's rows
+        return blocks
+
+    def retain(self, blocks) -> None:
+        """One more holder for each of `blocks` (allocated ones)."""
+        blocks = [int(b) for b in blocks]
+        self._check_ids(blocks)
+        for block in blocks:
+            if self.refs[block] <= 0:
+                raise ValueError(f"block {block} is free; only an allocated block can be retained")
+        for block in blocks:
+            self.refs[block] += 1
+
+    def release(self, blocks) -> None:
+        """One holder fewer for each of `blocks`; a block with none left is free again."""
+        blocks = [int(b) for b in blocks]
+        self._check_ids(blocks)
+        for block, count in collections.Counter(blocks).items():
+            if self.refs[block] < count:
+                raise ValueError(
+                    f"block {block} is already free"
+                    if self.refs[block] == 0
+                    else f"block {block} has {self.refs[block]} holders, fewer than the {count} releases asked"
+                )
+        for block in blocks:
+            self.refs[block] -= 1
+            if self.refs[block] == 0:
+                heapq.heappush(self._free, block)
+
+    def release_tables(self, tables: list[list[int]]) -> None:
+        """A holder's finalizer: release every block named in `tables` (lists of ids, -1 = none)."""
+        held = [block for table in tables for block in table if block >= 0]
+        if held:
+            self.release(held)
+        for table in tables:
+            table.clear()
+
+    def _check_ids(self, blocks) -> None:
+        for block in blocks:
+            if not 0 <= block < self.capacity:
+                raise ValueError(f"block id {block} is outside the pool's {self.capacity} blocks")
+
+
+class BlockTables:
+    """Where a batch's positions live in a pool: sequence b's position t is row t % block of physical
+    block tables[b][t // block] (-1: none yet).
+
+    block_table [B, NB] int64 (on `device`, -1 = none) is the same table for the kernels.
+    `capacity`: positions per sequence with blocks assigned; `complete`: every logical block below
+    it has one (a fast path per step).  The subclass moves the bytes and names an empty store like
+    it for forks (`_sibling`).  The blocks held are released when the store is freed.
+    """
+
+    def __init__(
+        self,
+        batch: int,
+        pool: HostBlockPool,
+        block_size: int,
+        max_length: int | None,
+        reserved: int | None,
+        device: torch.device | str,
+    ) -> None:
+        self.pool = pool
+        self.block_size, self.max_length, self.device = block_size, max_length, torch.device(device)
+        self.reserved = reserved  # rows to allocate at once while they fit (`capacity_for`)
+        self.tables: list[list[int]] = [[] for _ in range(batch)]
+        self.capacity = 0
+        self.complete = True
+        self.block_table: torch.Tensor | None = None
+        self._finalizer = weakref.finalize(self, pool.release_tables, self.tables)
+
+    def _sibling(self, batch: int) -> BlockTables:
+        """An empty store of `batch` sequences like this one, over the same pool."""
+        raise NotImplementedError("the store that moves the bytes makes its siblings (host_store.HostKVStore)")
+
+    # -- capacity and block assignment --------------------------------------------------------
+    def blocks_for(self, rows: int) -> int:
+        return -(-rows // self.block_size)
+
+    def ensure(self, rows: int) -> None:
+        """Make room for `rows` positions per sequence (raises past max_length): the capacity
+        (max_length, reserved or GROWTH_CHUNK multiples, `capacity_for`), and a private block for
+        every logical block below it that has none, from the pool (which grows by exactly those)."""
+        if rows <= self.capacity and self.complete:
+            return
+        if rows > self.capacity:
+            self.capacity = capacity_for(rows, self.max_length, reserved=self.reserved)
+        self._assign(self.blocks_for(self.capacity))
+
+    def _assign(self, count: int) -> None:
+        """Blocks for logical blocks [0, count) of every sequence; the device table follows."""
+        width = max(count, *(len(table) for table in self.tables)) if self.tables else count
+        for table in self.tables:
+            table.extend([-1] * (width - len(table)))
+        missing = [(b, i) for b, table in enumerate(self.tables) for i in range(count) if table[i] < 0]
+        for (b, i), block in zip(missing, self.pool.allocate(len(missing))):
+            self.tables[b][i] = block
+        self.complete = True
+        self._push_table()
+
+    def _push_table(self) -> None:
+        """The host tables to the device table (in place while its shape holds: a fixed address)."""
+        width = max((len(table) for table in self.tables), default=0)
+        rows = [table + [-1] * (width - len(table)) for table in self.tables]
+        host = torch.tensor(rows, dtype=torch.long).view(len(self.tables), width)
+        if self.block_table is not None and self.block_table.shape == host.shape:
+            self.block_table.copy_(host)
+        else:
+            self.block_table = host.to(self.device)
+
+    # -- sharing ------------------------------------------------------------------------------
+    def forked(self, lengths: list[int], repeats: int = 1) -> BlockTables:
+        """A new store over the same pool with each sequence b (lengths[b] positions stored)
+        repeated `repeats` times (sequence b*repeats + j): its full blocks shared (one more
+        holder each), its partial tail block copied; blocks past the tail are assigned at the
+        next `ensure`.  Neither store's later writes reach the other."""
+        other = self._sibling(len(self.tables) * repeats)
+        for b, length in enumerate(lengths):
+            full, partial = divmod(length, self.block_size)
+            shared = self.tables[b][:full]
+            for j in range(repeats):
+                table = other.tables[b * repeats + j]
+                self.pool.retain(shared)
+                table.extend(shared)
+                if partial:
+                    (copy,) = self.pool.allocate(1)
+                    self.pool.copy_block(self.tables[b][full], copy, partial)
+                    table.append(copy)
+        other.capacity = max(lengths, default=0)  # recomputed (max_length / reserved) at the next ensure
+        other.complete = False
+        other._push_table()
+        return other
+
+    def adopt(self, batch: int, blocks: list[int], length: int) -> None:
+        """Sequence `batch` (holding nothing yet) holds `length` positions stored in the pool's
+        `blocks` (ceil(length / block) of them, in order): one more holder for each full one, a
+        copy of a partial last one (it will be written).  The blocks stay their owner's too."""
+        full, partial = divmod(length, self.block_size)
+        if len(blocks) != full + (1 if partial else 0):
+            needed = full + (1 if partial else 0)
+            raise ValueError(
+                f"{length} positions in blocks of {self.block_size} need {needed} blocks, got {len(blocks)}"
+            )
+        if any(block >= 0 for block in self.tables[batch]):
+            raise ValueError(f"sequence {batch} holds blocks already; adopt() fills an empty sequence")
+        self.pool.retain(blocks[:full])
+        table = list(blocks[:full])
+        if partial:
+            (copy,) = self.pool.allocate(1)
+            self.pool.copy_block(blocks[full], copy, partial)
+            table.append(copy)
+        self.tables[batch][:] = table
+        self.capacity = max(self.capacity, length)
+        self.complete = False
+        self._push_table()
+
+    def make_writable(self, lengths: list[int]) -> None:
+        """After a crop to lengths[b] positions: every block a sequence will write again (its tail
+        block and those past it) becomes private: a shared tail is copied, shared blocks past it
+        are let go (assigned afresh at the next `ensure`)."""
+        changed = False
+        for table, length in zip(self.tables, lengths):
+            full, partial = divmod(length, self.block_size)
+            for i in range(full, len(table)):
+                block = table[i]
+                if block < 0 or self.pool.refs[block] == 1:
+                    continue
+                if i == full and partial:
+                    (copy,) = self.pool.allocate(1)
+                    self.pool.copy_block(block, copy, partial)
+                    table[i] = copy
+                else:
+                    table[i] = -1
+                self.pool.release([block])
+                changed = True
+        if changed:
+            self.complete = False
+            self._push_table()
+
+    def sequence_blocks(self, batch: int, length: int | None = None) -> list[int]:
+        """Physical ids of sequence `batch`'s logical blocks (the first ceil(length / block) of
+        them if `length` is given: its stored blocks).  Read them with `pool.block(id)`."""
+        table = self.tables[batch]
+        return list(table if length is None else table[: self.blocks_for(length)])
+
+    def distinct_blocks(self) -> set[int]:
+        """Physical blocks this store holds (each counted once)."""
+        return {block for table in self.tables for block in table if block >= 0}
+
+    # -- where positions live -----------------------------------------------------------------
+    def _runs(self, batch: int, start: int, stop: int) -> list[tuple[int, int, int]]:
+        """Positions [start, stop) of sequence `batch` as contiguous runs of pool rows:
+        (first position, end position, first flat row of the pool), unassigned blocks skipped."""
+        runs: list[list[int]] = []
+        table, size = self.tables[batch], self.block_size
+        pos = start
+        while pos < stop:
+            index = pos // size
+            end = min(stop, (index + 1) * size)
+            block = table[index] if index < len(table) else -1
+            if block >= 0:
+                row = block * size + pos % size
+                if runs and runs[-1][1] == pos and runs[-1][2] + (pos - runs[-1][0]) == row:
+                    runs[-1][1] = end
+                else:
+                    runs.append([pos, end, row])
+            pos = end
+        return [tuple(run) for run in runs]
+
+    def _flat_rows(self, batch_idx: list[int], pos: list[int]) -> torch.Tensor:
+        """Flat pool rows [N] int64 (host) of positions pos[n] of sequences batch_idx[n]."""
+        size = self.block_size
+        rows = [self.tables[b][p // size] * size + p % size for b, p in zip(batch_idx, pos)]
+        return torch.tensor(rows, dtype=torch.long)
