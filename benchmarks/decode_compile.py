@@ -9,7 +9,7 @@ What is compiled is `ForecastKVModel.decode_layers`, the device part of a call (
 `forecastkv.modeling.compiled.compile_decode` compiles for generate()), on CUDA with
 mode="reduce-overhead", so that a compiled step is a replayed CUDA graph.  The host side of a
 decode step (`SparseCache.begin_call` / `finish_call`, the step logs) stays eager around it.
-Per cell: the cache is filled with random post-RoPE K/V (`synthetic_kv.fill_random`) and
+Per cell: the cache is filled with random post-RoPE K/V (`benchmarks/decode_fill.py`) and
 reserved for the whole run (fixed shapes); the first `--parity-steps` compiled steps (the compile,
 its time reported) are checked against eager steps from a fork of the same cache (inductor
 reorders float sums: the largest logit difference is reported); then `--warmup` compiled steps and
@@ -31,21 +31,32 @@ import time
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != HERE]  # benchmarks/kernels.py shadows HF's `kernels`
+# benchmarks/kernels.py shadows HF's `kernels`
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != HERE]
 sys.path.append(HERE)
+# decode_fill first: importing decode_sweep imports offload_decode, which takes benchmarks/ off sys.path
+from decode_fill import fill_random  # noqa: E402
 from decode_sweep import SMOLLM2_135M, TINY, build_model  # noqa: E402
 from offload_decode import MINICPM41_8B, synchronize  # noqa: E402
-from synthetic_kv import fill_random  # noqa: E402
 
 CONFIGS = {
     # name: (model shape, preset, device, dtype, torch.compile options, lengths, batches, modes)
     # SmolLM2 holds 8192 positions: "8K" leaves room for the timed steps
     "cpu": (SMOLLM2_135M, "smollm2-135m", "cpu", torch.float32, {}, [4096, 8128], [1, 4], ["forecast-offload"]),
     "tiny": (TINY, "smollm2-135m", "cpu", torch.float32, {}, [512], [1, 2], ["no-offload", "forecast-offload"]),
-    "tiny-eager": (TINY, "smollm2-135m", "cpu", torch.float32, {"backend": "eager"}, [256], [1], ["no-offload"]),  # gpu_check's dry run
+    # gpu_check's dry run
+    "tiny-eager": (TINY, "smollm2-135m", "cpu", torch.float32, {"backend": "eager"}, [256], [1], ["no-offload"]),
     # what benchmarks/gpu_check.py runs: 8 of MiniCPM4.1-8B's 32 layers (the compile fits its budget)
-    "gpu": ({**MINICPM41_8B, "num_hidden_layers": 8}, "minicpm4.1-8b", "cuda", torch.bfloat16, {"mode": "reduce-overhead"},
-            [32768], [4], ["no-offload", "forecast-offload"]),
+    "gpu": (
+        {**MINICPM41_8B, "num_hidden_layers": 8},
+        "minicpm4.1-8b",
+        "cuda",
+        torch.bfloat16,
+        {"mode": "reduce-overhead"},
+        [32768],
+        [4],
+        ["no-offload", "forecast-offload"],
+    ),
 }
 
 
@@ -100,13 +111,23 @@ def run_cell(model, mode: str, batch: int, length: int, args) -> dict:
         inner.decode_layers = eager_layers
         torch._dynamo.reset()
     eager_s, compiled_s = (sorted(times[side])[len(times[side]) // 2] for side in ("eager", "compiled"))
-    return {"status": "ok", "length": length, "batch": batch, "mode": mode,
-            "eager_step_s": eager_s, "compiled_step_s": compiled_s, "compile_s": compile_s, "rounds_s": times,
-            "eager_tokens_per_s": batch / eager_s, "compiled_tokens_per_s": batch / compiled_s,
-            "compiled_over_eager": eager_s / compiled_s,
-            "max_abs_logit_diff": float((eager_logits - compiled_logits).abs().max()), "logit_scale": float(eager_logits.abs().max()),
-            # e.g. inductor's cudagraph skips (a graph that mutates an input is not captured): what replay really ran
-            "inductor_counters": {k: dict(v) for k, v in counters.items() if k in ("inductor", "stats") and v}}
+    return {
+        "status": "ok",
+        "length": length,
+        "batch": batch,
+        "mode": mode,
+        "eager_step_s": eager_s,
+        "compiled_step_s": compiled_s,
+        "compile_s": compile_s,
+        "rounds_s": times,
+        "eager_tokens_per_s": batch / eager_s,
+        "compiled_tokens_per_s": batch / compiled_s,
+        "compiled_over_eager": eager_s / compiled_s,
+        "max_abs_logit_diff": float((eager_logits - compiled_logits).abs().max()),
+        "logit_scale": float(eager_logits.abs().max()),
+        # e.g. inductor's cudagraph skips (a graph that mutates an input is not captured): what replay really ran
+        "inductor_counters": {k: dict(v) for k, v in counters.items() if k in ("inductor", "stats") and v},
+    }
 
 
 def main(argv=None) -> int:
@@ -130,12 +151,21 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     torch.manual_seed(0)
     model = build_model(shape, preset, device, dtype)
-    result = {"config": args.config, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({os.cpu_count()} cores)",
-              "threads": torch.get_num_threads(), "torch": torch.__version__, "compile_options": args.compile_options, "cells": []}
+    result = {
+        "config": args.config,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({os.cpu_count()} cores)",
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "compile_options": args.compile_options,
+        "cells": [],
+    }
 
     def save():
-        result["summary"] = {f"{c['length']} b{c['batch']} {c['mode']} compiled/eager": round(c["compiled_over_eager"], 3)
-                             for c in result["cells"] if c.get("status") == "ok"}
+        result["summary"] = {
+            f"{c['length']} b{c['batch']} {c['mode']} compiled/eager": round(c["compiled_over_eager"], 3)
+            for c in result["cells"]
+            if c.get("status") == "ok"
+        }
         write_text_atomic(args.out, json.dumps(result, indent=1))
 
     save()
@@ -148,7 +178,12 @@ def main(argv=None) -> int:
                 try:
                     cell = run_cell(model, mode, batch, length, args)
                 except Exception as error:  # noqa: BLE001 - recorded, the next cell still runs
-                    cell = {"status": f"error: {type(error).__name__}: {str(error)[:300]}", "length": length, "batch": batch, "mode": mode}
+                    cell = {
+                        "status": f"error: {type(error).__name__}: {str(error)[:300]}",
+                        "length": length,
+                        "batch": batch,
+                        "mode": mode,
+                    }
                 result["cells"].append(cell)
                 print(json.dumps(cell), flush=True)
                 save()
