@@ -35,10 +35,26 @@ FORECAST_WEIGHTS = "forecast.safetensors"
 FORECAST_CONFIG = "forecast_config.json"
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "minicpm", "forecastkv")
 ARCH_KEYS = (
-    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-    "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings", "initializer_range",
-    "rms_norm_eps", "bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings",
-    "attention_bias", "mlp_bias", "rope_parameters", "rope_theta", "rope_scaling",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "hidden_act",
+    "max_position_embeddings",
+    "initializer_range",
+    "rms_norm_eps",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "tie_word_embeddings",
+    "attention_bias",
+    "mlp_bias",
+    "rope_parameters",
+    "rope_theta",
+    "rope_scaling",
 )
 RENAMES = ((re.compile(r"\.q_future_proj\."), ".forecast_proj."), (re.compile(r"\.q_curr_proj\."), ".current_proj."))
 IGNORED = re.compile(r"rotary_emb\.|\.inv_freq$")
@@ -62,9 +78,15 @@ def resolve_directory(path_or_id: str | os.PathLike, **hub_kwargs) -> Path:
     try:
         from huggingface_hub import snapshot_download
 
-        return Path(snapshot_download(str(path_or_id), **{k: v for k, v in hub_kwargs.items() if k in ("revision", "token", "cache_dir")}))
+        return Path(
+            snapshot_download(
+                str(path_or_id), **{k: v for k, v in hub_kwargs.items() if k in ("revision", "token", "cache_dir")}
+            )
+        )
     except Exception as error:  # offline machines land here
-        raise CheckpointError(f"{path_or_id!r} is neither a local directory nor a reachable hub id ({error})") from error
+        raise CheckpointError(
+            f"{path_or_id!r} is neither a local directory nor a reachable hub id ({error})"
+        ) from error
 
 
 def _our_name(key: str) -> str | None:
@@ -101,7 +123,9 @@ def detect_format(raw: dict, state) -> str:
 def config_from_raw(raw: dict, fmt: str) -> dict:
     """Our config kwargs from a foreign config.json."""
     if fmt == "forecastkv":
-        return {k: v for k, v in raw.items() if k not in ("architectures", "model_type", "transformers_version", "auto_map")}
+        return {
+            k: v for k, v in raw.items() if k not in ("architectures", "model_type", "transformers_version", "auto_map")
+        }
     kwargs = {key: raw[key] for key in ARCH_KEYS if key in raw}
     if fmt == "minicpm":
         if "scale_emb" in raw or "scale_depth" in raw or "dim_model_base" in raw:
@@ -154,32 +178,84 @@ def load_model(
     Peak memory is about the loaded model plus its largest tensor.
     """
     directory = resolve_directory(path_or_id, **kwargs)
-    config_file = directory / "config.json"
-    if not config_file.is_file():
-        raise CheckpointError(f"no config.json in {directory}")
-    try:
-        raw = json.loads(config_file.read_text())
-    except json.JSONDecodeError as error:
-        raise CheckpointError(f"corrupt config.json in {directory}: {error}") from error
+    raw = read_config_json(directory)
     checkpoint = open_checkpoint(directory)
     state = checkpoint.names  # name -> shape; the data stays on disk until load_into
     fmt = detect_format(raw, state)
     settings = config_from_raw(raw, fmt) if config is None else config.to_dict()
-    has_heads = any(FORECAST_KEY.search(key) for key in state)
-    sparda = any(SPARDA_NAME.search(key) for key in checkpoint.stored_names)  # heads under SparDA's own names
-    if has_heads:
+    heads, side = _merge_settings(
+        settings, checkpoint, sparse_config, forecast, forecast_weights, allow_geometry_mismatch
+    )
+    _require_forecast_heads(settings, directory)
+    for key in ("architectures", "model_type", "transformers_version", "auto_map", "torch_dtype", "dtype"):
+        settings.pop(key, None)
+    model_config = ForecastKVConfig(**settings)
+    dtype = resolve_dtype(dtype, raw, directory)
+    device = torch.device("cpu" if device is None else device)
+    with torch.device("meta"):
+        model = cls(model_config)
+    device_map = resolve_device_map(model, device_map, dtype)
+    if side.get("sparda"):
+        _complete_sparda_heads(model, heads)
+    if heads:
+        _check_heads(model, heads, forecast_weights, directory, side.get("base_model"))
+    shapes = {**state, **{name: tuple(tensor.shape) for name, tensor in heads.items()}}
+    created = _check_names(model, shapes, directory, created_ok=forecast is not None)
+    tied_head = model_config.tie_word_embeddings
+    loaded = [name for name in state if name not in heads and not (tied_head and name == "lm_head.weight")]
+    load_into(model, checkpoint, loaded, dtype, device, device_map)
+    for name, tensor in heads.items():
+        load_into_one(model, name, tensor, dtype, device, device_map)
+    materialize_rest(model, dtype, device, device_map)
+    if created:
+        from .forecast_init import apply_forecast_init
+
+        apply_forecast_init(model, model_config.forecast_config.init)
+    from .generation import load_generation_config
+
+    # the checkpoint's generation defaults, its offload mode (`forecastkv_cache`) included
+    model.generation_config = load_generation_config(directory) or model.generation_config
+    return model.eval()  # tensors sit on their device_map devices; the decoder loop moves activations
+
+
+def read_config_json(directory: Path) -> dict:
+    """The checkpoint's config.json; a missing or corrupt one is a `CheckpointError`."""
+    config_file = directory / "config.json"
+    if not config_file.is_file():
+        raise CheckpointError(f"no config.json in {directory}")
+    try:
+        return json.loads(config_file.read_text())
+    except json.JSONDecodeError as error:
+        raise CheckpointError(f"corrupt config.json in {directory}: {error}") from error
+
+
+def _merge_settings(
+    settings: dict,
+    checkpoint: LazyCheckpoint,
+    sparse_config,
+    forecast: dict | None,
+    forecast_weights,
+    allow_geometry_mismatch: bool,
+) -> tuple[dict[str, torch.Tensor], dict]:
+    """Update the config kwargs `settings` in place: the checkpoint's own heads, the caller's
+    sparse_config and forecast, the heads of `forecast_weights` and SparDA's rules.  Returns those
+    heads {name: tensor} and their side config (both empty without `forecast_weights`)."""
+    if any(FORECAST_KEY.search(key) for key in checkpoint.names):
         settings["forecast"] = {**ForecastConfig().to_dict(), **(settings.get("forecast") or {}), "enabled": True}
     if sparse_config is not None:
         settings["sparse_config"] = resolve_sparse_config(sparse_config)
     if forecast is not None:
         settings["forecast"] = {**(settings.get("forecast") or {}), **forecast, "enabled": True}
-    heads = None
+    sparda = any(SPARDA_NAME.search(key) for key in checkpoint.stored_names)  # heads under SparDA's own names
+    heads, side = {}, {}
     if forecast_weights is not None:
         heads, side = read_forecast_side(forecast_weights, settings)
         settings["forecast"] = {**side["forecast"], "enabled": True}
         if settings.get("sparse_config") is None:
             settings["sparse_config"] = side.get("sparse_config")
-        check_heads_geometry(forecast_weights, side.get("sparse_config"), settings.get("sparse_config"), allow_geometry_mismatch)
+        check_heads_geometry(
+            forecast_weights, side.get("sparse_config"), settings.get("sparse_config"), allow_geometry_mismatch
+        )
         # loaded heads exist to select blocks: the forecast selector goes on (also on a base with
         # its own sparse_config, e.g. MiniCPM4.1 or NOSA) unless the caller's dict names a selector
         explicit = isinstance(sparse_config, dict) and "selector" in sparse_config
@@ -189,7 +265,13 @@ def load_model(
     if sparda and settings.get("sparse_config") is not None:
         # SparDA's rules where the caller's dict does not name them
         given = sparse_config if isinstance(sparse_config, dict) else {}
-        settings["sparse_config"] = {**settings["sparse_config"], **{k: v for k, v in SPARDA_RULES.items() if k not in given}}
+        rules = {k: v for k, v in SPARDA_RULES.items() if k not in given}
+        settings["sparse_config"] = {**settings["sparse_config"], **rules}
+    return dict(heads), side
+
+
+def _require_forecast_heads(settings: dict, directory: Path) -> None:
+    """A sparse_config that selects with the forecast selector needs heads (loaded or created)."""
     sparse = settings.get("sparse_config")
     wants_forecast = isinstance(sparse, dict) and sparse.get("selector") == "forecast"
     if wants_forecast and not (settings.get("forecast") or {}).get("enabled"):
@@ -199,38 +281,14 @@ def load_model(
             f"missing forecast_proj on layers {layers} and current_proj on layer 0; "
             "pass forecast={...} to create them or forecast_weights=<dir> to load trained ones"
         )
-    for key in ("architectures", "model_type", "transformers_version", "auto_map", "torch_dtype", "dtype"):
-        settings.pop(key, None)
-    model_config = ForecastKVConfig(**settings)
-    dtype = resolve_dtype(dtype, raw, directory)
-    device = torch.device("cpu" if device is None else device)
-    with torch.device("meta"):
-        model = cls(model_config)
-    device_map = resolve_device_map(model, device_map, dtype)
-    heads = dict(heads or {})
-    if heads and side.get("sparda"):
-        last = f"model.layers.{model_config.num_hidden_layers - 1}.self_attn.forecast_proj.weight"
-        expected = dict(model.named_parameters())
-        if last not in heads and last in expected:  # SparDA may leave out the unused last head
-            heads[last] = torch.zeros(expected[last].shape)
-    if heads:
-        _check_heads(model, heads, forecast_weights, directory, side.get("base_model"))
-    shapes = {**state, **{name: tuple(tensor.shape) for name, tensor in heads.items()}}
-    created = _check_names(model, shapes, directory, created_ok=forecast is not None)
-    loaded = [name for name in state if name not in heads and not (model_config.tie_word_embeddings and name == "lm_head.weight")]
-    load_into(model, checkpoint, loaded, dtype, device, device_map)
-    for name, tensor in heads.items():
-        load_into_one(model, name, tensor, dtype, device, device_map)
-    materialize_rest(model, dtype, device, device_map)
-    if created:
-        from .forecast_init import apply_forecast_init
 
-        apply_forecast_init(model, model_config.forecast_config.init)
-    from ..inference.hf_cache import load_generation_config
 
-    # the checkpoint's generation defaults, its offload mode (`forecastkv_cache`) included
-    model.generation_config = load_generation_config(directory) or model.generation_config
-    return model.eval()  # tensors sit on their device_map devices; the decoder loop moves activations
+def _complete_sparda_heads(model, heads: dict[str, torch.Tensor]) -> None:
+    """SparDA may leave out the last layer's forecast head (nothing reads it): a zero one, in place."""
+    last = f"model.layers.{model.config.num_hidden_layers - 1}.self_attn.forecast_proj.weight"
+    expected = dict(model.named_parameters())
+    if heads and last not in heads and last in expected:
+        heads[last] = torch.zeros(expected[last].shape)
 
 
 def resolve_dtype(dtype, raw: dict, directory: Path) -> torch.dtype:
@@ -283,7 +341,9 @@ def resolve_device_map(model, device_map, dtype) -> dict | None:
         from accelerate import infer_auto_device_map
 
         if device_map not in ("auto", "balanced", "balanced_low_0", "sequential"):
-            raise ValueError(f"device_map={device_map!r} is not a dict or one of 'auto', 'balanced', 'balanced_low_0', 'sequential'")
+            raise ValueError(
+                f"device_map={device_map!r} is not a dict or one of 'auto', 'balanced', 'balanced_low_0', 'sequential'"
+            )
         planned = infer_auto_device_map(model, no_split_module_classes=model._no_split_modules, dtype=dtype)
         return resolve_device_map(model, planned, dtype)
     raise TypeError(f"device_map must be None, a str or a dict, got {type(device_map).__name__}")
@@ -293,7 +353,7 @@ def materialize_rest(model, dtype, device, device_map) -> None:
     """After loading: forecast heads the checkpoint lacked get storage (their init runs next),
     rotary tables are recomputed on their device (they are not stored), tied weights are tied."""
     from .lazy_weights import device_for
-    from .rope import RotaryEmbedding
+    from .modeling import RotaryEmbedding
 
     for name, param in list(model.named_parameters()):
         if param.is_meta and FORECAST_KEY.search(name):
@@ -318,6 +378,10 @@ GEOMETRY_KEYS = ("kernel_size", "kernel_stride", "block_size", "use_nope")
 BUDGET_KEYS = ("topk", "window_size", "init_blocks", "dense_len", "query_blocks", "policy", "lse")
 
 
+# the warnings' stacklevel: from_pretrained's caller (from_pretrained -> load_model -> _merge_settings -> here)
+CALLER_OF_FROM_PRETRAINED = 5
+
+
 def _describe(sparse: dict, keys) -> str:
     return ", ".join(f"{key} {sparse.get(key)}" for key in keys)
 
@@ -333,20 +397,35 @@ def check_heads_geometry(heads_path, trained: dict | None, used: dict | None, al
     trained, used = resolve_sparse_config(trained), resolve_sparse_config(used)
     geometry = [key for key in GEOMETRY_KEYS if trained.get(key) != used.get(key)]
     if geometry:
-        both = f"the forecast heads {heads_path} were trained for {_describe(trained, geometry)}; the sparse_config selects with {_describe(used, geometry)}"
+        both = (
+            f"the forecast heads {heads_path} were trained for {_describe(trained, geometry)}; "
+            f"the sparse_config selects with {_describe(used, geometry)}"
+        )
         if not allow_mismatch:
             raise CheckpointError(
                 f"{both}: heads score blocks of the geometry they were trained on. Load them with their own geometry "
-                "(leave sparse_config unset, or give one with the same kernel_size / kernel_stride / block_size), train heads for this "
-                "geometry, or pass allow_geometry_mismatch=True (--allow-geometry-mismatch) to use them anyway"
+                "(leave sparse_config unset, or give one with the same kernel_size / kernel_stride / block_size), "
+                "train heads for this geometry, or pass allow_geometry_mismatch=True (--allow-geometry-mismatch) "
+                "to use them anyway"
             )
-        # stacklevel 4: the caller of from_pretrained (from_pretrained -> load_model -> here)
-        warnings.warn(f"{both} (allowed by allow_geometry_mismatch): expect lower forecast recall", ForecastKVWarning, stacklevel=4)
+        warnings.warn(
+            f"{both} (allowed by allow_geometry_mismatch): expect lower forecast recall",
+            ForecastKVWarning,
+            stacklevel=CALLER_OF_FROM_PRETRAINED,
+        )
     budget = [key for key in BUDGET_KEYS if trained.get(key) != used.get(key)]
     if budget:
-        why = "" if geometry else " (same block geometry: the heads rank the same blocks, the selection keeps another number of them)"
-        warnings.warn(f"the forecast heads {heads_path} were trained with {_describe(trained, budget)}; selecting with {_describe(used, budget)}{why}",
-                      ForecastKVWarning, stacklevel=4)
+        why = (
+            ""
+            if geometry
+            else " (same block geometry: the heads rank the same blocks, the selection keeps another number of them)"
+        )
+        warnings.warn(
+            f"the forecast heads {heads_path} were trained with {_describe(trained, budget)}; "
+            f"selecting with {_describe(used, budget)}{why}",
+            ForecastKVWarning,
+            stacklevel=CALLER_OF_FROM_PRETRAINED,
+        )
 
 
 def _check_heads(model, heads: dict, heads_path, directory: Path, trained_on: str | None) -> None:
@@ -356,8 +435,9 @@ def _check_heads(model, heads: dict, heads_path, directory: Path, trained_on: st
     config = model.config
     origin = f" (forecast_config.json: trained on {trained_on})" if trained_on else ""
     advice = (
-        "heads only fit the base they were trained on: train heads for this base (forecastkv train-forecast), or leave out "
-        "forecast_weights and create untrained heads (forecast={'init': 'next_query'}, --forecast-init next_query)"
+        "heads only fit the base they were trained on: train heads for this base (forecastkv train-forecast), "
+        "or leave out forecast_weights and create untrained heads "
+        "(forecast={'init': 'next_query'}, --forecast-init next_query)"
     )
 
     def layers(names) -> list[int]:
@@ -370,13 +450,15 @@ def _check_heads(model, heads: dict, heads_path, directory: Path, trained_on: st
         raise CheckpointError(
             f"the forecast heads {heads_path} hold {len(heads)} tensors for layers {held[0]}-{held[-1]}{origin}, "
             f"but the base {directory} has {config.num_hidden_layers} layers"
-            + (f" (it has no {unknown[0]})" if unknown else f" (missing {missing[0]})") + f": {advice}"
+            + (f" (it has no {unknown[0]})" if unknown else f" (missing {missing[0]})")
+            + f": {advice}"
         )
     for name, tensor in heads.items():
         if tuple(tensor.shape) != expected[name]:
             raise CheckpointError(
-                f"the forecast heads {heads_path}: {name} has shape {tuple(tensor.shape)}{origin}, the base {directory} "
-                f"(hidden_size {config.hidden_size}, {config.num_key_value_heads} KV heads of {config.head_dim}, "
+                f"the forecast heads {heads_path}: {name} has shape {tuple(tensor.shape)}{origin}, "
+                f"the base {directory} (hidden_size {config.hidden_size}, "
+                f"{config.num_key_value_heads} KV heads of {config.head_dim}, "
                 f"heads_per_group {config.forecast_config.heads_per_group}) needs {expected[name]}: {advice}"
             )
 
@@ -391,12 +473,16 @@ def _check_names(model, state: dict, directory: Path, created_ok: bool) -> bool:
         expected.pop("lm_head.weight", None)
     unexpected = sorted(set(state) - set(expected))
     if unexpected:
-        raise CheckpointError(f"{directory} has {len(unexpected)} tensors this model does not know, e.g. {unexpected[:3]}")
+        raise CheckpointError(
+            f"{directory} has {len(unexpected)} tensors this model does not know, e.g. {unexpected[:3]}"
+        )
     missing = sorted(set(expected) - set(state))
     missing_heads = [key for key in missing if FORECAST_KEY.search(key)]
     missing_base = [key for key in missing if key not in missing_heads]
     if missing_base:
-        raise CheckpointError(f"partial checkpoint {directory}: {len(missing_base)} tensors missing, e.g. {missing_base[:3]}")
+        raise CheckpointError(
+            f"partial checkpoint {directory}: {len(missing_base)} tensors missing, e.g. {missing_base[:3]}"
+        )
     if missing_heads and not created_ok:
         layers = sorted({int(re.search(r"layers\.(\d+)\.", key).group(1)) for key in missing_heads})
         raise CheckpointError(
@@ -404,7 +490,9 @@ def _check_names(model, state: dict, directory: Path, created_ok: bool) -> bool:
         )
     for key, shape in state.items():
         if tuple(shape) != expected[key]:
-            raise CheckpointError(f"tensor {key} has shape {tuple(shape)} in {directory}, the model expects {expected[key]}")
+            raise CheckpointError(
+                f"tensor {key} has shape {tuple(shape)} in {directory}, the model expects {expected[key]}"
+            )
     return bool(missing_heads)
 
 
@@ -414,7 +502,9 @@ def _check_names(model, state: dict, directory: Path, created_ok: bool) -> bool:
 
 
 def forecast_state_dict(model) -> dict[str, torch.Tensor]:
-    return {key: value.detach().cpu().contiguous() for key, value in model.state_dict().items() if FORECAST_KEY.search(key)}
+    return {
+        key: value.detach().cpu().contiguous() for key, value in model.state_dict().items() if FORECAST_KEY.search(key)
+    }
 
 
 def save_forecast_weights(model, directory: str | os.PathLike, base_model: str | None = None) -> Path:
@@ -449,12 +539,9 @@ def read_safetensors_file(file: Path) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"corrupt checkpoint file {file}: {type(error).__name__}: {error}") from error
 
 
-def read_forecast_weights(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """The head tensors of `directory` (our forecast.safetensors) or of a SparDA indexer file."""
-    return read_forecast_side(directory)[0]
-
-
-SPARDA_HEAD = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn\.)?(q_future_proj|q_curr_proj|forecast_proj|current_proj)(?:\.weight)?$")
+SPARDA_HEAD = re.compile(
+    r"(?:^|\.)layers\.(\d+)\.(?:self_attn\.)?(q_future_proj|q_curr_proj|forecast_proj|current_proj)(?:\.weight)?$"
+)
 SPARDA_FILES = ("*.pt", "*.pth", "*.bin", "*.safetensors")
 
 
@@ -466,7 +553,9 @@ def _sparda_tensors(obj, found: dict) -> None:
         if isinstance(value, torch.Tensor) and isinstance(key, str):
             match = SPARDA_HEAD.search(key)
             if match and value.dim() == 2:
-                name = {"q_future_proj": "forecast_proj", "q_curr_proj": "current_proj"}.get(match.group(2), match.group(2))
+                name = {"q_future_proj": "forecast_proj", "q_curr_proj": "current_proj"}.get(
+                    match.group(2), match.group(2)
+                )
                 found[f"model.layers.{int(match.group(1))}.self_attn.{name}.weight"] = value
         elif isinstance(value, dict):
             _sparda_tensors(value, found)
@@ -490,16 +579,30 @@ def read_forecast_side(path: str | os.PathLike, settings: dict | None = None) ->
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
             raise CheckpointError(f"corrupt forecast heads file {side_file}: not JSON ({error})") from error
         if not isinstance(side, dict) or not isinstance(side.get("forecast"), dict):
-            raise CheckpointError(f"corrupt forecast heads file {side_file}: expected a JSON object with a 'forecast' section")
+            raise CheckpointError(
+                f"corrupt forecast heads file {side_file}: expected a JSON object with a 'forecast' section"
+            )
         return map_state_dict(read_safetensors_file(path / FORECAST_WEIGHTS)), side
-    files = [path] if path.is_file() else sorted(f for pattern in SPARDA_FILES for f in path.glob(pattern)) if path.is_dir() else []
+    files = (
+        [path]
+        if path.is_file()
+        else sorted(f for pattern in SPARDA_FILES for f in path.glob(pattern))
+        if path.is_dir()
+        else []
+    )
     if not files:
-        raise CheckpointError(f"no {FORECAST_WEIGHTS} (ours) or SparDA indexer checkpoint ({', '.join(SPARDA_FILES)}) at {path}")
+        raise CheckpointError(
+            f"no {FORECAST_WEIGHTS} (ours) or SparDA indexer checkpoint ({', '.join(SPARDA_FILES)}) at {path}"
+        )
     found: dict[str, torch.Tensor] = {}
     meta: dict = {}
     for file in files:
         try:
-            blob = read_safetensors_file(file) if file.suffix == ".safetensors" else load_pickled_weights(file, state_dict=False)
+            blob = (
+                read_safetensors_file(file)
+                if file.suffix == ".safetensors"
+                else load_pickled_weights(file, state_dict=False)
+            )
         except LazyCheckpointError as error:  # a pickle with foreign objects, or a corrupt file
             raise CheckpointError(f"cannot read SparDA indexer checkpoint: {error}") from error
         _sparda_tensors(blob, found)
@@ -510,12 +613,18 @@ def read_forecast_side(path: str | os.PathLike, settings: dict | None = None) ->
     settings = settings or {}
     rows = next(iter(found.values())).shape[0]
     kv_heads = int(settings.get("num_key_value_heads") or settings.get("num_attention_heads") or 1)
-    head_dim = int(settings.get("head_dim") or settings.get("hidden_size", rows) // int(settings.get("num_attention_heads", 1)))
+    head_dim = int(
+        settings.get("head_dim") or settings.get("hidden_size", rows) // int(settings.get("num_attention_heads", 1))
+    )
     if rows % (kv_heads * head_dim):
-        raise CheckpointError(f"SparDA head weight has {rows} rows, not a multiple of num_key_value_heads x head_dim = {kv_heads} x {head_dim}")
+        raise CheckpointError(
+            f"SparDA head weight has {rows} rows, "
+            f"not a multiple of num_key_value_heads x head_dim = {kv_heads} x {head_dim}"
+        )
     sparse = {k: v for k, v in meta.items() if k in _SPARSE_KEYS} or None
     side = {
-        "forecast": {**ForecastConfig().to_dict(), "heads_per_group": rows // (kv_heads * head_dim)}, "sparse_config": sparse,
+        "forecast": {**ForecastConfig().to_dict(), "heads_per_group": rows // (kv_heads * head_dim)},
+        "sparse_config": sparse,
         "sparda": True,
     }
     return found, side
@@ -542,8 +651,15 @@ from {module} import {cls}
 __all__ = ["{cls}"]
 '''
 TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
-    "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
 )
 
 
@@ -598,4 +714,6 @@ def copy_tokenizer_files(source: str | os.PathLike, target: str | os.PathLike) -
 def has_forecast_heads(path_or_id: str | os.PathLike) -> bool:
     """Whether the checkpoint stores Forecast heads (ours or SparDA's names); reads headers only."""
     checkpoint = open_checkpoint(resolve_directory(path_or_id))
-    return any(FORECAST_KEY.search(name) for name in checkpoint.names) or any(SPARDA_NAME.search(name) for name in checkpoint.stored_names)
+    return any(FORECAST_KEY.search(name) for name in checkpoint.names) or any(
+        SPARDA_NAME.search(name) for name in checkpoint.stored_names
+    )

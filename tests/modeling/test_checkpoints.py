@@ -11,16 +11,16 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 import forecastkv  # noqa: F401  (registers the Auto classes)
 from forecastkv import ForecastKVForCausalLM
 from forecastkv.modeling.checkpoints import CheckpointError
-from forecastkv.modeling.rope import RotaryEmbedding
-from tests.helpers import TINY_SPARSE, rel, tiny_config
+from forecastkv.modeling.modeling import RotaryEmbedding
+from tests.helpers import TINY_MODEL, TINY_SPARSE, rel, tiny_config
 
 HEAD_DIM = 16
 
 
 def random_llama(seed=0, **overrides):
-    settings = dict(vocab_size=128, hidden_size=96, intermediate_size=128, num_hidden_layers=3, num_attention_heads=6,
-                    num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.3, bos_token_id=None, eos_token_id=None)
-    settings.update(overrides)
+    """A random Llama of the tiny model's geometry (`TINY_MODEL` less our own query_chunk_size), 128 positions."""
+    settings = {key: value for key, value in TINY_MODEL.items() if key != "query_chunk_size"}
+    settings = {**settings, "max_position_embeddings": 128, **overrides}
     torch.manual_seed(seed)
     return LlamaForCausalLM(LlamaConfig(**settings)).eval()
 
@@ -45,11 +45,24 @@ def minicpm_dir(tmp_path, sparse_config, extra_state=None):
     """A tiny MiniCPM4.1-format directory (real config.json keys) and the Llama twin with muP folded in."""
     llama = random_llama(max_position_embeddings=128)
     config = {
-        "architectures": ["MiniCPMForCausalLM"], "model_type": "minicpm", "vocab_size": 128, "hidden_size": 96,
-        "intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 6, "num_key_value_heads": 2,
-        "hidden_act": "silu", "max_position_embeddings": 128, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-        "rope_scaling": LONGROPE, "tie_word_embeddings": False, "bos_token_id": None, "eos_token_id": None,
-        **MUP, "sparse_config": sparse_config,
+        "architectures": ["MiniCPMForCausalLM"],
+        "model_type": "minicpm",
+        "vocab_size": 128,
+        "hidden_size": 96,
+        "intermediate_size": 128,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 6,
+        "num_key_value_heads": 2,
+        "hidden_act": "silu",
+        "max_position_embeddings": 128,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "rope_scaling": LONGROPE,
+        "tie_word_embeddings": False,
+        "bos_token_id": None,
+        "eos_token_id": None,
+        **MUP,
+        "sparse_config": sparse_config,
         "auto_map": {"AutoModelForCausalLM": "modeling_minicpm.MiniCPMForCausalLM"},
     }
     state = dict(llama.state_dict())
@@ -69,7 +82,10 @@ def minicpm_dir(tmp_path, sparse_config, extra_state=None):
 
 
 # TINY_SPARSE's geometry in the keys of MiniCPM4.1's config.json (query_blocks is NOSA's, not MiniCPM's)
-MINICPM_SPARSE = {key: TINY_SPARSE[key] for key in ("kernel_size", "kernel_stride", "init_blocks", "block_size", "window_size", "topk", "dense_len")}
+MINICPM_SPARSE = {
+    key: TINY_SPARSE[key]
+    for key in ("kernel_size", "kernel_stride", "init_blocks", "block_size", "window_size", "topk", "dense_len")
+}
 DENSE_MINICPM = {**MINICPM_SPARSE, "use_nope": False, "dense_len": 100000}
 
 
@@ -104,8 +120,12 @@ def test_minicpm_sparse_generates_and_sparda_heads_load(tmp_path):
     directory, _ = minicpm_dir(tmp_path, sparse, heads)
     model = ForecastKVForCausalLM.from_pretrained(directory, sparse_config={**TINY_SPARSE, "selector": "forecast"})
     assert model.config.forecast_config.enabled
-    torch.testing.assert_close(model.model.layers[1].self_attn.forecast_proj.weight, heads["model.layers.1.self_attn.q_future_proj.weight"])
-    torch.testing.assert_close(model.model.layers[0].self_attn.current_proj.weight, heads["model.layers.0.self_attn.q_curr_proj.weight"])
+    torch.testing.assert_close(
+        model.model.layers[1].self_attn.forecast_proj.weight, heads["model.layers.1.self_attn.q_future_proj.weight"]
+    )
+    torch.testing.assert_close(
+        model.model.layers[0].self_attn.current_proj.weight, heads["model.layers.0.self_attn.q_curr_proj.weight"]
+    )
     ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(0))
     out = model.generate(ids, max_new_tokens=6, do_sample=False)
     assert out.shape == (1, 46)
@@ -149,7 +169,10 @@ def test_plain_llama_loads_dense_or_training_free_sparse(tmp_path):
 
 
 def test_save_and_load_round_trip_and_auto_class(tmp_path):
-    config = tiny_config(sparse_config={**TINY_SPARSE, "policy": "nosa", "selector": "forecast"}, forecast={"enabled": True, "heads_per_group": 2})
+    config = tiny_config(
+        sparse_config={**TINY_SPARSE, "policy": "nosa", "selector": "forecast"},
+        forecast={"enabled": True, "heads_per_group": 2},
+    )
     torch.manual_seed(0)
     model = ForecastKVForCausalLM(config).eval()
     model.save_pretrained(tmp_path / "ours")
@@ -168,7 +191,9 @@ def test_save_and_load_round_trip_and_auto_class(tmp_path):
 def test_forecast_weights_alone_reload_onto_base(tmp_path):
     llama = random_llama()
     llama.save_pretrained(tmp_path / "base")
-    trained = ForecastKVForCausalLM.from_pretrained(tmp_path / "base", sparse_config=TINY_SPARSE, forecast={"heads_per_group": 1})
+    trained = ForecastKVForCausalLM.from_pretrained(
+        tmp_path / "base", sparse_config=TINY_SPARSE, forecast={"heads_per_group": 1}
+    )
     with torch.no_grad():
         for layer in trained.model.layers:
             layer.self_attn.forecast_proj.weight.normal_()
@@ -305,7 +330,10 @@ def test_truncated_or_missing_shard_is_rejected(tmp_path):
     with pytest.raises(CheckpointError, match="corrupt checkpoint file .*model-00002-of-00003.safetensors: tensor"):
         ForecastKVForCausalLM.from_pretrained(tmp_path / "sharded")
     shard.unlink()
-    with pytest.raises(CheckpointError, match="partial checkpoint: shard model-00002-of-00003.safetensors listed in the index is missing"):
+    with pytest.raises(
+        CheckpointError,
+        match="partial checkpoint: shard model-00002-of-00003.safetensors listed in the index is missing",
+    ):
         ForecastKVForCausalLM.from_pretrained(tmp_path / "sharded")
 
 
@@ -313,12 +341,15 @@ def test_truncated_or_missing_shard_is_rejected(tmp_path):
 
 
 def test_dtype_accepts_every_value_transformers_takes(tmp_path):
-    """"auto" is the checkpoint's own dtype (config.json's, else its first floating tensor's); a
+    """ "auto" is the checkpoint's own dtype (config.json's, else its first floating tensor's); a
     torch.dtype, its name and "torch.<name>" are the same dtype; anything else names the value."""
     llama = random_llama(seed=8).to(torch.bfloat16)
     llama.save_pretrained(tmp_path / "bf16")  # config.json says dtype bfloat16
-    write_dir(tmp_path / "headerless", {**json.loads((tmp_path / "bf16" / "config.json").read_text()), "dtype": None},
-              {k: v.to(torch.float16) for k, v in llama.state_dict().items()})
+    write_dir(
+        tmp_path / "headerless",
+        {**json.loads((tmp_path / "bf16" / "config.json").read_text()), "dtype": None},
+        {k: v.to(torch.float16) for k, v in llama.state_dict().items()},
+    )
     assert ForecastKVForCausalLM.from_pretrained(tmp_path / "bf16", dtype="auto").dtype == torch.bfloat16
     assert ForecastKVForCausalLM.from_pretrained(tmp_path / "headerless", dtype="auto").dtype == torch.float16
     for value in (torch.float16, "float16", "torch.float16"):
@@ -335,14 +366,20 @@ def test_forecast_through_the_auto_class_creates_the_heads(tmp_path):
     what it does through ForecastKVForCausalLM, instead of being stored on the config unused."""
     torch.manual_seed(0)
     ForecastKVForCausalLM(tiny_config(sparse_config=TINY_SPARSE)).eval().save_pretrained(tmp_path / "ours")  # no heads
-    asked = {"sparse_config": {**TINY_SPARSE, "selector": "forecast"}, "forecast": {"init": "next_query", "heads_per_group": 2}}
+    asked = {
+        "sparse_config": {**TINY_SPARSE, "selector": "forecast"},
+        "forecast": {"init": "next_query", "heads_per_group": 2},
+    }
     torch.manual_seed(5)  # the last layer's head (it scores no layer) starts random
     direct = ForecastKVForCausalLM.from_pretrained(tmp_path / "ours", **asked)
     torch.manual_seed(5)
     auto = AutoModelForCausalLM.from_pretrained(tmp_path / "ours", **asked)
     assert auto.config.forecast_config.enabled and auto.config.forecast_config.heads_per_group == 2
     assert auto.config.sparse.selector == "forecast"
-    assert auto.model.layers[0].self_attn.forecast_proj.weight.shape == direct.model.layers[0].self_attn.forecast_proj.weight.shape
+    assert (
+        auto.model.layers[0].self_attn.forecast_proj.weight.shape
+        == direct.model.layers[0].self_attn.forecast_proj.weight.shape
+    )
     for key, value in direct.state_dict().items():
         assert torch.equal(value, auto.state_dict()[key]), key
     plain = AutoModelForCausalLM.from_pretrained(tmp_path / "ours")
@@ -372,12 +409,20 @@ def test_saved_directory_loads_with_trust_remote_code_in_a_fresh_process(tmp_pat
     model = ForecastKVForCausalLM(tiny_config(sparse_config=TINY_SPARSE, forecast={"enabled": True})).eval()
     model.save_pretrained(tmp_path / "ours")
     raw = json.loads((tmp_path / "ours" / "config.json").read_text())
-    assert raw["auto_map"] == {"AutoConfig": "configuration_forecastkv.ForecastKVConfig",
-                               "AutoModelForCausalLM": "modeling_forecastkv.ForecastKVForCausalLM"}
+    assert raw["auto_map"] == {
+        "AutoConfig": "configuration_forecastkv.ForecastKVConfig",
+        "AutoModelForCausalLM": "modeling_forecastkv.ForecastKVForCausalLM",
+    }
     prompt = torch.randint(3, 128, (40,), generator=torch.Generator().manual_seed(2)).tolist()
     env = {**__import__("os").environ, "HF_HOME": str(tmp_path / "hf")}  # a fresh modules cache
-    done = subprocess.run([sys.executable, "-c", REMOTE_LOAD, str(tmp_path / "ours"), json.dumps(prompt)], capture_output=True, text=True,
-                          env=env, cwd=tmp_path, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", REMOTE_LOAD, str(tmp_path / "ours"), json.dumps(prompt)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     loaded = json.loads(done.stdout.strip().splitlines()[-1])
     assert loaded["class"] == "forecastkv.modeling.modeling.ForecastKVForCausalLM"
@@ -387,7 +432,9 @@ def test_saved_directory_loads_with_trust_remote_code_in_a_fresh_process(tmp_pat
     # saving a model loaded that way writes the same small modules, never the package's sources
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "ours", trust_remote_code=True)
     reloaded.save_pretrained(tmp_path / "again")
-    assert sorted(p.name for p in (tmp_path / "again").iterdir()) == sorted(p.name for p in (tmp_path / "ours").iterdir())
+    assert sorted(p.name for p in (tmp_path / "again").iterdir()) == sorted(
+        p.name for p in (tmp_path / "ours").iterdir()
+    )
 
 
 def test_heads_must_fit_the_base_and_its_block_geometry(tmp_path):
@@ -404,19 +451,35 @@ def test_heads_must_fit_the_base_and_its_block_geometry(tmp_path):
     tiny_model(mode={}, num_hidden_layers=2).save_forecast_weights(tmp_path / "two_layers")
     tiny_model(mode={"block_size": 16, "window_size": 16}).save_forecast_weights(tmp_path / "block16")
     tiny_model(mode={"topk": 5}).save_forecast_weights(tmp_path / "topk5")
-    load = lambda heads, **kw: ForecastKVForCausalLM.from_pretrained(tmp_path / "base", forecast_weights=tmp_path / heads, **kw)  # noqa: E731
-    with pytest.raises(CheckpointError, match=rf"the forecast heads {tmp_path / 'two_layers'} hold 3 tensors for layers 0-1, but the base "
-                                              rf"{tmp_path / 'base'} has 3 layers .*train heads for this base"):
+    load = lambda heads, **kw: ForecastKVForCausalLM.from_pretrained(
+        tmp_path / "base", forecast_weights=tmp_path / heads, **kw
+    )  # noqa: E731
+    with pytest.raises(
+        CheckpointError,
+        match=rf"the forecast heads {tmp_path / 'two_layers'} hold 3 tensors for layers 0-1, but the base "
+        rf"{tmp_path / 'base'} has 3 layers .*train heads for this base",
+    ):
         load("two_layers")
-    with pytest.raises(CheckpointError, match="were trained for block_size 16; the sparse_config selects with block_size 8: .*allow_geometry_mismatch=True"):
+    with pytest.raises(
+        CheckpointError,
+        match="were trained for block_size 16; the sparse_config selects with block_size 8: "
+        ".*allow_geometry_mismatch=True",
+    ):
         load("block16")
-    with pytest.warns(ForecastKVWarning, match="trained for block_size 16; the sparse_config selects with block_size 8 \\(allowed by allow_geometry"):
+    geometry = "trained for block_size 16; the sparse_config selects with block_size 8 \\(allowed by allow_geometry"
+    with pytest.warns(ForecastKVWarning, match=geometry) as geometry_warnings:
         assert load("block16", allow_geometry_mismatch=True).config.sparse.block_size == 8
-    with pytest.warns(ForecastKVWarning, match="were trained with topk 5; selecting with topk 3 \\(same block geometry"):
+    with pytest.warns(
+        ForecastKVWarning, match="were trained with topk 5; selecting with topk 3 \\(same block geometry"
+    ) as budget_warnings:
         load("topk5")
+    # each warning points at the line that called from_pretrained (here), not into the package
+    assert {w.filename for w in [*geometry_warnings, *budget_warnings]} == {__file__}
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert load("topk5", sparse_config={**TINY_SPARSE, "topk": 5}).config.sparse.topk == 5  # the heads' own budget: silent
+        assert (
+            load("topk5", sparse_config={**TINY_SPARSE, "topk": 5}).config.sparse.topk == 5
+        )  # the heads' own budget: silent
     shutil.copytree(tmp_path / "topk5", tmp_path / "cut")
     data = (tmp_path / "cut" / "forecast.safetensors").read_bytes()
     (tmp_path / "cut" / "forecast.safetensors").write_bytes(data[:100])
