@@ -121,7 +121,7 @@ def resolve_model_path(path: str | os.PathLike) -> str:
     (`bundled_model_path`); what every ``--model`` / ``model.path`` / tokenizer setting accepts."""
     path = str(path)
     if path.startswith(BUNDLED_PREFIX):
-        return bundled_model_path(path[len(BUNDLED_PREFIX):])
+        return bundled_model_path(path[len(BUNDLED_PREFIX) :])
     return path
 
 
@@ -150,8 +150,13 @@ def _convert(name: str, out: Path) -> None:
         plain.generation_config = model.generation_config
         plain.save_pretrained(out)
     tok.save_pretrained(out)
-    info = {"name": name, "source": gguf_file, "source_size": (src / gguf_file).stat().st_size,
-            "format_version": FORMAT_VERSION, "dtype": "float32"}
+    info = {
+        "name": name,
+        "source": gguf_file,
+        "source_size": (src / gguf_file).stat().st_size,
+        "format_version": FORMAT_VERSION,
+        "dtype": "float32",
+    }
     (out / MARKER).write_text(json.dumps(info, indent=2) + "\n")
 
 

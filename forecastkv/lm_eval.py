@@ -48,7 +48,17 @@ logger = logging.getLogger(__name__)
 FORECAST_INIT_DEFAULT = "next_query"
 _RUNS: list = []  # the CacheCounters of every ForecastKVLM made in this process (cli_evaluate prints them)
 # HFLM options that load a model some other way than ForecastKVForCausalLM.from_pretrained
-UNSUPPORTED = ("parallelize", "tp_plan", "peft", "delta", "autogptq", "gptqmodel", "gguf_file", "quantization_config", "subfolder")
+UNSUPPORTED = (
+    "parallelize",
+    "tp_plan",
+    "peft",
+    "delta",
+    "autogptq",
+    "gptqmodel",
+    "gguf_file",
+    "quantization_config",
+    "subfolder",
+)
 PASSED_TO_LOADER = ("device_map", "allow_geometry_mismatch")
 
 
@@ -99,8 +109,11 @@ class CacheCounters:
         mib = 2.0**20
         rate = "n/a" if out["hit_rate"] is None else f"{100 * out['hit_rate']:.1f}%"
         per_step = 0.0 if out["h2d_bytes_per_step"] is None else out["h2d_bytes_per_step"]
-        return (text + f", H2D {per_step / mib:.2f} MiB per step, block hit rate {rate}, device tier {out['device_nbytes_max'] / mib:.1f} MiB, "
-                f"host tier {out['host_nbytes_max'] / mib:.1f} MiB")
+        return (
+            text + f", H2D {per_step / mib:.2f} MiB per step, block hit rate {rate}, "
+            f"device tier {out['device_nbytes_max'] / mib:.1f} MiB, "
+            f"host tier {out['host_nbytes_max'] / mib:.1f} MiB"
+        )
 
     def summary(self) -> dict:
         """Plain numbers (JSON): what `results["config"]["forecastkv"]["cache"]` holds."""
@@ -111,7 +124,9 @@ class CacheCounters:
         dense = self.offload == "dense-offload"
         out.update(
             h2d_bytes_per_step=self.h2d_step_bytes / self.decode_steps if self.decode_steps else None,
-            h2d_step_bytes=self.h2d_step_bytes, h2d_other_bytes=self.h2d_other_bytes, d2h_bytes=self.d2h_bytes,
+            h2d_step_bytes=self.h2d_step_bytes,
+            h2d_other_bytes=self.h2d_other_bytes,
+            d2h_bytes=self.d2h_bytes,
             hit_rate=None if dense or not self.wanted else self.hits / self.wanted,
             **{f"{key}_max": value for key, value in self.peak.items()},
         )
@@ -137,17 +152,32 @@ class ForecastKVLM(HFLM):
     """HFLM over a `ForecastKVForCausalLM`, with an attention mode and an offload mode (see the
     module docstring for the arguments)."""
 
-    def __init__(self, pretrained="bundled:smollm2-135m", sparse_config=None, forecast=None, forecast_init=None, forecast_weights=None,
-                 offload=None, device=None, backend="causal", **kwargs) -> None:
+    def __init__(
+        self,
+        pretrained="bundled:smollm2-135m",
+        sparse_config=None,
+        forecast=None,
+        forecast_init=None,
+        forecast_weights=None,
+        offload=None,
+        device=None,
+        backend="causal",
+        **kwargs,
+    ) -> None:
         from .inference import MODES
         from .inference.offloaded import MODE_SELECTOR
 
         if offload is not None and offload not in MODES:
-            raise ConfigError(f"offload={offload!r} is not an offload mode; choose one of {MODES} (or leave it out for the resident cache)")
+            raise ConfigError(
+                f"offload={offload!r} is not an offload mode; choose one of {MODES} "
+                "(or leave it out for the resident cache)"
+            )
         extra = sorted(set(kwargs) - set(PASSED_TO_LOADER) - _hflm_arguments())
         if extra:
-            raise ConfigError(f"unknown model_args {extra} for --model forecastkv; its own are pretrained, sparse_config, forecast, "
-                             f"forecast_init, forecast_weights, offload (and HFLM's: batch_size, device, dtype, max_length, ...)")
+            raise ConfigError(
+                f"unknown model_args {extra} for --model forecastkv; its own are pretrained, sparse_config, forecast, "
+                f"forecast_init, forecast_weights, offload (and HFLM's: batch_size, device, dtype, max_length, ...)"
+            )
         self.offload = offload
         self.selector = MODE_SELECTOR.get(offload)
         self.forecast_note = None
@@ -159,11 +189,21 @@ class ForecastKVLM(HFLM):
 
                 if not has_forecast_heads(pretrained):
                     forecast = {"init": FORECAST_INIT_DEFAULT}
-                    self.forecast_note = f"created: untrained heads ({FORECAST_INIT_DEFAULT} init); pass forecast_weights=<dir> for trained ones"
-                    logger.warning("offload=%s selects blocks with Forecast heads and %s has none: %s", offload, pretrained, self.forecast_note)
+                    self.forecast_note = (
+                        f"created: untrained heads ({FORECAST_INIT_DEFAULT} init); "
+                        "pass forecast_weights=<dir> for trained ones"
+                    )
+                    logger.warning(
+                        "offload=%s selects blocks with Forecast heads and %s has none: %s",
+                        offload,
+                        pretrained,
+                        self.forecast_note,
+                    )
         elif sparse_config is not None or forecast is not None or forecast_weights is not None:
-            raise ConfigError("sparse_config, forecast, forecast_init and forecast_weights apply when pretrained is a path; "
-                             "a loaded model is evaluated as it is")
+            raise ConfigError(
+                "sparse_config, forecast, forecast_init and forecast_weights apply when pretrained is a path; "
+                "a loaded model is evaluated as it is"
+            )
         self._load_args = {"sparse_config": sparse_config, "forecast": forecast, "forecast_weights": forecast_weights}
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         super().__init__(pretrained=pretrained, device=device, backend=backend, **kwargs)
@@ -178,22 +218,41 @@ class ForecastKVLM(HFLM):
         if self.selector is None or (config.sparse is not None and config.sparse.selector == self.selector):
             return
         if not loaded_here:
-            raise ConfigError(f"offload={self.offload!r} selects blocks with the {self.selector} selector, and the model passed as "
-                             f"pretrained does not ({'dense' if config.sparse is None else config.sparse.selector!r}); load it with "
-                             f"sparse_config={{..., 'selector': {self.selector!r}}} or pass a path")
+            raise ConfigError(
+                f"offload={self.offload!r} selects blocks with the {self.selector} selector, and the model passed as "
+                f"pretrained does not ({'dense' if config.sparse is None else config.sparse.selector!r}); load it with "
+                f"sparse_config={{..., 'selector': {self.selector!r}}} or pass a path"
+            )
         if config.sparse is None:
-            raise ConfigError(f"offload={self.offload!r} needs a sparse model, and this one is dense: pass sparse_config=<preset> (e.g. smollm2-135m)")
+            raise ConfigError(
+                f"offload={self.offload!r} needs a sparse model, and this one is dense: "
+                "pass sparse_config=<preset> (e.g. smollm2-135m)"
+            )
         if self.selector == "forecast" and not config.forecast_config.enabled:
-            raise ConfigError(f"offload={self.offload!r} selects blocks with Forecast heads and the model has none: "
-                             "pass forecast_init=next_query or forecast_weights=<dir>")
+            raise ConfigError(
+                f"offload={self.offload!r} selects blocks with Forecast heads and the model has none: "
+                "pass forecast_init=next_query or forecast_weights=<dir>"
+            )
         config.sparse_config = {**config.sparse_config, "selector": self.selector}
 
-    def _create_model(self, pretrained, revision="main", dtype="auto", trust_remote_code=False, gpus=None, max_memory_per_gpu=None,
-                      max_cpu_memory=None, offload_folder=None, **kwargs) -> None:
+    def _create_model(
+        self,
+        pretrained,
+        revision="main",
+        dtype="auto",
+        trust_remote_code=False,
+        gpus=None,
+        max_memory_per_gpu=None,
+        max_cpu_memory=None,
+        offload_folder=None,
+        **kwargs,
+    ) -> None:
         asked = sorted(name for name in UNSUPPORTED if kwargs.pop(name, None))
         if asked:
             raise ConfigError(f"--model forecastkv does not support the HFLM options {asked}")
-        self._model = ForecastKVForCausalLM.from_pretrained(pretrained, revision=revision, dtype=dtype, device=self.device, **self._load_args, **kwargs)
+        self._model = ForecastKVForCausalLM.from_pretrained(
+            pretrained, revision=revision, dtype=dtype, device=self.device, **self._load_args, **kwargs
+        )
 
     def _model_generate(self, context, max_length: int, stop: list[str], **generation_kwargs) -> torch.Tensor:
         """HFLM's generate with a fresh cache for this call (generation kwargs are deep-copied per
@@ -218,7 +277,10 @@ class ForecastKVLM(HFLM):
             "offload": self.offload,
             "sparse_config": config.sparse_config,
             "forecast": config.forecast if config.forecast_config.enabled else None,
-            "loglikelihood": "one forward in the attention mode above on the resident cache (the offload mode does not change the scores)",
+            "loglikelihood": (
+                "one forward in the attention mode above on the resident cache "
+                "(the offload mode does not change the scores)"
+            ),
             "cache": self.cache_counters.summary(),
         }
         if self.forecast_note:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import copy
 
 
-def deep_merge(base: dict, override: dict | None, *, strict: bool = False, opaque: tuple[str, ...] = (), where: str = "") -> dict:
+def deep_merge(
+    base: dict, override: dict | None, *, strict: bool = False, opaque: tuple[str, ...] = (), where: str = ""
+) -> dict:
     """A deep copy of `base` with `override` merged in, nested dicts section by section.
 
     strict: a key of `override` that `base` lacks is an error naming its dotted path and the

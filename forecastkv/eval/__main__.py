@@ -19,7 +19,9 @@ def run(args: argparse.Namespace) -> int:
 
     if args.limit is not None and args.limit < 1:
         raise SystemExit(f"--limit must be at least 1, got {args.limit}")
-    out = run_eval(args.config, limit=args.limit, output_dir=args.output_dir, progress=False if args.no_progress else None)
+    out = run_eval(
+        args.config, limit=args.limit, output_dir=args.output_dir, progress=False if args.no_progress else None
+    )
     if out["report"]:
         from pathlib import Path
 

@@ -49,7 +49,16 @@ def _kv_read_bytes(model, records: list | None, key_len: int, mode: Mode) -> int
     return int(total)
 
 
-OFFLOAD_FIELDS = ("mode", "h2d_bytes_per_step_mean", "hit_rate", "h2d_other_bytes", "d2h_bytes", "device_nbytes", "index_nbytes", "host_nbytes")
+OFFLOAD_FIELDS = (
+    "mode",
+    "h2d_bytes_per_step_mean",
+    "hit_rate",
+    "h2d_other_bytes",
+    "d2h_bytes",
+    "device_nbytes",
+    "index_nbytes",
+    "host_nbytes",
+)
 
 
 def _offload_stats(cache) -> dict | None:
@@ -68,8 +77,14 @@ def _h2d_per_step(cache, steps: int) -> float:
 
 @torch.no_grad()
 def evaluate_example(
-    model, example, mode: Mode, codec, prefill_chunk: int = 1024, recall_start: int | None = None,
-    bucket_tokens: int = 1024, recall: str = "all",
+    model,
+    example,
+    mode: Mode,
+    codec,
+    prefill_chunk: int = 1024,
+    recall_start: int | None = None,
+    bucket_tokens: int = 1024,
+    recall: str = "all",
 ) -> dict:
     """Score `example` with `model` already switched to `mode` (see `modes.attending_with`).
 
@@ -81,7 +96,9 @@ def evaluate_example(
     ids = torch.tensor([example.input_ids], dtype=torch.long, device=device)
     wanted = recall == "all" or (recall == "forecast" and mode.selector == "forecast")
     collect = mode.sparse and model.config.forecast_config.enabled and wanted
-    start_row = (default_recall_start(model.config.sparse) if recall_start is None else recall_start) if collect else None
+    start_row = (
+        (default_recall_start(model.config.sparse) if recall_start is None else recall_start) if collect else None
+    )
     cache = make_cache(model, mode)
 
     began = time.perf_counter()
@@ -94,12 +111,14 @@ def evaluate_example(
     offload = _offload_stats(cache)
     steps = len(step_bytes)
     result = {
-        "prompt_tokens": ids.shape[1], "decode_steps": steps,
+        "prompt_tokens": ids.shape[1],
+        "decode_steps": steps,
         "kv_read_bytes_per_step": (sum(step_bytes) / steps) if step_bytes else None,
         "h2d_bytes_per_step": _h2d_per_step(cache, steps) if offload and step_bytes else None,
         "offload_stats": offload,
         "time": {
-            "prefill_s": round(prefill_s, 4), "decode_s": round(decode_s, 4),
+            "prefill_s": round(prefill_s, 4),
+            "decode_s": round(decode_s, 4),
             "decode_ms_per_step": round(1000 * decode_s / steps, 3) if step_bytes else None,
         },
     }
@@ -129,7 +148,10 @@ def _prefill(model, ids: torch.Tensor, cache, chunk: int, start_row: int | None,
     for start in range(0, length, chunk):
         end = min(start + chunk, length)
         out = model(
-            ids[:, start:end], use_cache=True, collect_selections=collect, logits_to_keep=0 if perplexity else 1,
+            ids[:, start:end],
+            use_cache=True,
+            collect_selections=collect,
+            logits_to_keep=0 if perplexity else 1,
             **{CACHE_KWARG: cache},
         )
         logits = out.logits
@@ -141,7 +163,9 @@ def _prefill(model, ids: torch.Tensor, cache, chunk: int, start_row: int | None,
             positions = torch.arange(start, end, device=device).view(1, -1)
             for idx, record in enumerate(out.selections):
                 if "query" in record and "forecast" in record:
-                    counts[idx] += sel.recall_row_sums(record["query"], record["forecast"], positions, sparse, start_row)
+                    counts[idx] += sel.recall_row_sums(
+                        record["query"], record["forecast"], positions, sparse, start_row
+                    )
         del out
     return logits, counts, nll
 
@@ -166,7 +190,9 @@ def _greedy_decode(model, logits: torch.Tensor, length: int, cache, mode: Mode, 
             break
         key_len += 1
         out = model(
-            torch.tensor([[token]], device=device), use_cache=True, collect_selections=mode.sparse,
+            torch.tensor([[token]], device=device),
+            use_cache=True,
+            collect_selections=mode.sparse,
             **{CACHE_KWARG: cache},
         )
         step_bytes.append(_kv_read_bytes(model, out.selections, key_len, mode))
@@ -178,8 +204,10 @@ def _recall_fields(counts: torch.Tensor, start_row: int) -> dict:
     """The record's recall: counts [L, 3] (hits, wanted, chance), per-layer recall and chance."""
     wanted = counts[:, 1].clamp(min=1)
     return {
-        "start": start_row, "counts": counts.tolist(),
-        "per_layer": (counts[:, 0] / wanted).tolist(), "chance": (counts[:, 2] / wanted).tolist(),
+        "start": start_row,
+        "counts": counts.tolist(),
+        "per_layer": (counts[:, 0] / wanted).tolist(),
+        "chance": (counts[:, 2] / wanted).tolist(),
     }
 
 
@@ -188,6 +216,8 @@ def _perplexity_fields(nll: torch.Tensor, bucket_tokens: int) -> dict:
     buckets = []
     for lo in range(0, nll.numel(), bucket_tokens):
         part = nll[lo : lo + bucket_tokens]
-        buckets.append({"start": lo + 1, "end": lo + 1 + part.numel(), "nll_sum": float(part.sum()), "tokens": part.numel()})
+        buckets.append(
+            {"start": lo + 1, "end": lo + 1 + part.numel(), "nll_sum": float(part.sum()), "tokens": part.numel()}
+        )
     mean = float(nll.mean())
     return {"score": math.exp(mean), "nll": mean, "buckets": buckets, "prediction": None}

@@ -125,7 +125,9 @@ def code_sim_score(prediction: str, reference: str, **_) -> float:
     return round(100 * difflib.SequenceMatcher(None, line, reference).ratio()) / 100
 
 
-_ZH_PUNCTUATION = set(string.punctuation) | set("！？｡。＂＃＄％＆＇（）＊＋，－／：；＜＝＞＠［＼］＾＿｀｛｜｝～｟｠｢｣､、〃》「」『』【】〔〕〖〗〘〙〚〛〜〝〞〟〰〾〿–—‘’‛“”„‟…‧﹏.")
+_ZH_PUNCTUATION = set(string.punctuation) | set(
+    "！？｡。＂＃＄％＆＇（）＊＋，－／：；＜＝＞＠［＼］＾＿｀｛｜｝～｟｠｢｣､、〃》「」『』【】〔〕〖〗〘〙〚〛〜〝〞〟〰〾〿–—‘’‛“”„‟…‧﹏."
+)
 
 
 def normalize_zh_answer(text: str) -> str:
@@ -164,7 +166,9 @@ METRICS: dict[str, Callable[..., float]] = {
 }
 
 
-def best_over_references(metric: str, prediction: str, references: Sequence[str], all_classes: Sequence[str] = ()) -> float:
+def best_over_references(
+    metric: str, prediction: str, references: Sequence[str], all_classes: Sequence[str] = ()
+) -> float:
     """LongBench's per-example score: the max of `metric` over the references."""
     if metric not in METRICS:
         raise ValueError(f"unknown metric {metric!r}; known: {sorted(METRICS)}")

@@ -61,8 +61,13 @@ def _recall(records):
     chance = [c / max(w, 1) for _, w, c in counts]
     first = RECALL_FIRST_LAYER if len(recall) > RECALL_FIRST_LAYER else 0
     tail = slice(first, None)
-    return {"recall": recall, "chance": chance, "mean": _mean(recall[tail]), "mean_chance": _mean(chance[tail]),
-            "start": next(r["recall"]["start"] for r in records if r.get("recall"))}
+    return {
+        "recall": recall,
+        "chance": chance,
+        "mean": _mean(recall[tail]),
+        "mean_chance": _mean(chance[tail]),
+        "start": next(r["recall"]["start"] for r in records if r.get("recall")),
+    }
 
 
 def _fmt(value, digits=1):
@@ -76,7 +81,8 @@ def _describe_heads(heads: dict | None) -> str:
     if heads is None:
         return "none (no forecast selector)"
     if heads["source"] == "trained":
-        return f"trained, `{heads['path']}` (forecast.safetensors sha1 {heads.get('sha1') or '?'}), {heads['heads_per_group']} per KV group"
+        sha1 = heads.get("sha1") or "?"
+        return f"trained, `{heads['path']}` (forecast.safetensors sha1 {sha1}), {heads['heads_per_group']} per KV group"
     if heads["source"] == "init":
         return f"untrained, created at load with the `{heads['init']}` init, {heads['heads_per_group']} per KV group"
     return f"the checkpoint's own, {heads['heads_per_group']} per KV group"
@@ -97,73 +103,135 @@ def provenance_lines(records: list[dict]) -> list[str]:
             continue
         sparse = run["sparse_config"]
         geometry = "dense (no sparse_config)" if sparse is None else ", ".join(f"{k} {v}" for k, v in sparse.items())
-        lines += [f"- {prefix}model `{run['model']}`", f"  - heads: {_describe_heads(run['heads'])}", f"  - sparse config: {geometry}"]
+        lines += [
+            f"- {prefix}model `{run['model']}`",
+            f"  - heads: {_describe_heads(run['heads'])}",
+            f"  - sparse config: {geometry}",
+        ]
     return lines + [""]
 
 
 def tables(records: list[dict]) -> str:
+    """report.md's text: provenance, then scores, perplexity (by position), forecast recall, bytes and time."""
     modes = _ordered(r["mode"] for r in records)
-    lines = ["# Evaluation report", "", f"{len(records)} records; modes: {', '.join(modes)}.", "", *provenance_lines(records)]
+    lines = [
+        "# Evaluation report",
+        "",
+        f"{len(records)} records; modes: {', '.join(modes)}.",
+        "",
+        *provenance_lines(records),
+    ]
     groups = defaultdict(list)
     for r in records:
         groups[(r["task"], r["length"], r["mode"])].append(r)
     tasks = _ordered(r["task"] for r in records)
     lengths = sorted(set(r["length"] for r in records))
-    dense = "dense" if "dense" in modes else None
-    others = [m for m in modes if m != dense]
-
     scored = [t for t in tasks if t != "perplexity"]
     if scored:
-        head = ["task", "length", "n"] + modes + ([f"{m} − dense" for m in others] if dense else [])
-        lines += ["## Scores (×100, mean over examples)", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        for task in scored:
-            for length in lengths:
-                cells = {m: _mean(r["score"] for r in groups[(task, length, m)]) for m in modes}
-                if all(v is None for v in cells.values()):
-                    continue
-                n = max(len(groups[(task, length, m)]) for m in modes)
-                row = [task, str(length), str(n)] + [_fmt(None if cells[m] is None else 100 * cells[m]) for m in modes]
-                if dense:
-                    row += [_fmt(None if cells[m] is None or cells[dense] is None else 100 * (cells[m] - cells[dense]), 1) for m in others]
-                lines.append("| " + " | ".join(row) + " |")
-        lines.append("")
-
+        lines += _score_lines(groups, scored, lengths, modes)
     if "perplexity" in tasks:
-        head = ["length", "n"] + modes + ([f"{m} / dense" for m in others] if dense else [])
-        lines += ["## Perplexity on held-out essays (lower is better)", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        details = []
-        for length in lengths:
-            ppl = {m: pooled_perplexity(groups[("perplexity", length, m)]) if groups[("perplexity", length, m)] else None for m in modes}
-            if all(v is None for v in ppl.values()):
-                continue
-            n = max(len(groups[("perplexity", length, m)]) for m in modes)
-            row = [str(length), str(n)] + [_fmt(None if ppl[m] is None else ppl[m][0], 3) for m in modes]
-            if dense:
-                row += [_fmt(None if ppl[m] is None or ppl[dense] is None else ppl[m][0] / ppl[dense][0], 4) for m in others]
-            lines.append("| " + " | ".join(row) + " |")
-            spans = _ordered(k for v in ppl.values() if v for k in v[1])
-            details += [f"**{length} tokens, by position**", "", "| positions | " + " | ".join(modes) + " |", "|" + "---|" * (len(modes) + 1)]
-            for span in spans:
-                details.append(f"| {span[0]}–{span[1] - 1} | " + " | ".join(_fmt(ppl[m][1].get(span) if ppl[m] else None, 3) for m in modes) + " |")
-            details.append("")
-        lines += [""] + details
+        lines += _perplexity_lines(groups, lengths, modes)
+    lines += _recall_lines(records, lengths, modes)
+    lines += _bytes_lines(records, lengths, modes)
+    return "\n".join(lines)
 
+
+def _against_dense(modes: list[str]) -> tuple[str | None, list[str]]:
+    """("dense" when it is one of the modes, else None; the other modes), for the columns against dense."""
+    dense = "dense" if "dense" in modes else None
+    return dense, [m for m in modes if m != dense]
+
+
+def _score_lines(groups: dict, scored: list[str], lengths: list[int], modes: list[str]) -> list[str]:
+    """The scores table: one row per scored task and length, each mode's mean (x100) and its change against dense."""
+    dense, others = _against_dense(modes)
+    head = ["task", "length", "n"] + modes + ([f"{m} − dense" for m in others] if dense else [])
+    lines = ["## Scores (×100, mean over examples)", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for task in scored:
+        for length in lengths:
+            cells = {m: _mean(r["score"] for r in groups[(task, length, m)]) for m in modes}
+            if all(v is None for v in cells.values()):
+                continue
+            n = max(len(groups[(task, length, m)]) for m in modes)
+            row = [task, str(length), str(n)] + [_fmt(None if cells[m] is None else 100 * cells[m]) for m in modes]
+            if dense:
+                row += [
+                    _fmt(None if cells[m] is None or cells[dense] is None else 100 * (cells[m] - cells[dense]), 1)
+                    for m in others
+                ]
+            lines.append("| " + " | ".join(row) + " |")
+    return lines + [""]
+
+
+def _perplexity_lines(groups: dict, lengths: list[int], modes: list[str]) -> list[str]:
+    """The perplexity table (pooled per length, each mode against dense), then one table by position per length."""
+    dense, others = _against_dense(modes)
+    head = ["length", "n"] + modes + ([f"{m} / dense" for m in others] if dense else [])
+    lines = [
+        "## Perplexity on held-out essays (lower is better)",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+    ]
+    details = []
+    for length in lengths:
+        ppl = {
+            m: pooled_perplexity(groups[("perplexity", length, m)]) if groups[("perplexity", length, m)] else None
+            for m in modes
+        }
+        if all(v is None for v in ppl.values()):
+            continue
+        n = max(len(groups[("perplexity", length, m)]) for m in modes)
+        row = [str(length), str(n)] + [_fmt(None if ppl[m] is None else ppl[m][0], 3) for m in modes]
+        if dense:
+            row += [
+                _fmt(None if ppl[m] is None or ppl[dense] is None else ppl[m][0] / ppl[dense][0], 4) for m in others
+            ]
+        lines.append("| " + " | ".join(row) + " |")
+        spans = _ordered(k for v in ppl.values() if v for k in v[1])
+        details += [
+            f"**{length} tokens, by position**",
+            "",
+            "| positions | " + " | ".join(modes) + " |",
+            "|" + "---|" * (len(modes) + 1),
+        ]
+        for span in spans:
+            cells = " | ".join(_fmt(ppl[m][1].get(span) if ppl[m] else None, 3) for m in modes)
+            details.append(f"| {span[0]}–{span[1] - 1} | {cells} |")
+        details.append("")
+    return lines + [""] + details
+
+
+def _recall_lines(records: list[dict], lengths: list[int], modes: list[str]) -> list[str]:
+    """The forecast recall table, one row per mode and length that measured it (none: no lines)."""
     recall_rows = []
     for m in modes:
         for length in lengths:
             got = _recall([r for r in records if r["mode"] == m and r["length"] == length])
             if got:
                 recall_rows.append((m, length, got))
-    if recall_rows:
-        lines += [f"## Forecast recall (mean over layers ≥ {RECALL_FIRST_LAYER}; prefill rows from the start on)", "",
-                  "| mode | length | rows from | recall | chance | per layer |", "|---|---|---|---|---|---|"]
-        for m, length, got in recall_rows:
-            per = " ".join(f"{x:.2f}" for x in got["recall"])
-            lines.append(f"| {m} | {length} | {got['start']} | {got['mean']:.3f} | {got['mean_chance']:.3f} | {per} |")
-        lines.append("")
+    if not recall_rows:
+        return []
+    lines = [
+        f"## Forecast recall (mean over layers ≥ {RECALL_FIRST_LAYER}; prefill rows from the start on)",
+        "",
+        "| mode | length | rows from | recall | chance | per layer |",
+        "|---|---|---|---|---|---|",
+    ]
+    for m, length, got in recall_rows:
+        per = " ".join(f"{x:.2f}" for x in got["recall"])
+        lines.append(f"| {m} | {length} | {got['start']} | {got['mean']:.3f} | {got['mean_chance']:.3f} | {per} |")
+    return lines + [""]
 
-    lines += ["## Bytes per decode step and time (mean over examples)", "",
-              "| mode | length | KV read MiB/step | H2D MiB/step | prefill s | decode ms/step |", "|---|---|---|---|---|---|"]
+
+def _bytes_lines(records: list[dict], lengths: list[int], modes: list[str]) -> list[str]:
+    """The bytes per decode step and time table, one row per mode and length, and what its columns count."""
+    lines = [
+        "## Bytes per decode step and time (mean over examples)",
+        "",
+        "| mode | length | KV read MiB/step | H2D MiB/step | prefill s | decode ms/step |",
+        "|---|---|---|---|---|---|",
+    ]
     for m in modes:
         for length in lengths:
             rs = [r for r in records if r["mode"] == m and r["length"] == length]
@@ -171,12 +239,18 @@ def tables(records: list[dict]) -> str:
                 continue
             kv = _mean(r["kv_read_bytes_per_step"] for r in rs)
             h2d = _mean(r["h2d_bytes_per_step"] for r in rs)
-            lines.append(f"| {m} | {length} | {_fmt(None if kv is None else kv / MIB, 3)} | {_fmt(None if h2d is None else h2d / MIB, 3)} | "
-                         f"{_fmt(_mean(r['time']['prefill_s'] for r in rs), 2)} | {_fmt(_mean(r['time']['decode_ms_per_step'] for r in rs), 1)} |")
-    lines += ["", "KV read: bytes of K/V (and NOSA bias) the attention read per decode step, all layers — what a "
-              "cache without slot reuse would move host→device. H2D: every byte the offloaded runtime "
-              "counted host→device during the decode steps, per step (— on the resident cache, which moves nothing). Times are wall-clock on the machine that ran it.", ""]
-    return "\n".join(lines)
+            prefill = _fmt(_mean(r["time"]["prefill_s"] for r in rs), 2)
+            decode = _fmt(_mean(r["time"]["decode_ms_per_step"] for r in rs), 1)
+            kv_mib, h2d_mib = _fmt(None if kv is None else kv / MIB, 3), _fmt(None if h2d is None else h2d / MIB, 3)
+            lines.append(f"| {m} | {length} | {kv_mib} | {h2d_mib} | {prefill} | {decode} |")
+    return lines + [
+        "",
+        "KV read: bytes of K/V (and NOSA bias) the attention read per decode step, all layers — what a "
+        "cache without slot reuse would move host→device. H2D: every byte the offloaded runtime "
+        "counted host→device during the decode steps, per step (— on the resident cache, which moves nothing). "
+        "Times are wall-clock on the machine that ran it.",
+        "",
+    ]
 
 
 def summary(records: list[dict]) -> str:
@@ -191,11 +265,22 @@ def summary(records: list[dict]) -> str:
             ppl = [r for r in rs if r["task"] == "perplexity"]
             recall = _recall(rs)
             kv, h2d = _mean(r["kv_read_bytes_per_step"] for r in rs), _mean(r["h2d_bytes_per_step"] for r in rs)
-            rows.append([m, _length_label(length), _fmt(None if not scored else 100 * _mean(scored)),
-                         _fmt(pooled_perplexity(ppl)[0] if ppl else None, 3), _fmt(None if recall is None else recall["mean"], 3),
-                         _fmt(None if kv is None else kv / MIB, 3), _fmt(None if h2d is None else h2d / MIB, 3)])
+            rows.append(
+                [
+                    m,
+                    _length_label(length),
+                    _fmt(None if not scored else 100 * _mean(scored)),
+                    _fmt(pooled_perplexity(ppl)[0] if ppl else None, 3),
+                    _fmt(None if recall is None else recall["mean"], 3),
+                    _fmt(None if kv is None else kv / MIB, 3),
+                    _fmt(None if h2d is None else h2d / MIB, 3),
+                ]
+            )
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
-    return "\n".join("  ".join(cell.ljust(w) if i < 2 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths))).rstrip() for row in rows)
+    return "\n".join(
+        "  ".join(cell.ljust(w) if i < 2 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths))).rstrip()
+        for row in rows
+    )
 
 
 def mark_stale(directory: str | Path, missing: int, total: int) -> None:
@@ -204,9 +289,11 @@ def mark_stale(directory: str | Path, missing: int, total: int) -> None:
     path = Path(directory) / "report.md"
     old = path.read_text(encoding="utf-8") if path.is_file() else "# Evaluation report\n\nNo results yet.\n"
     body = "\n".join(line for line in old.splitlines() if not line.startswith(STALE_MARK)).lstrip("\n")
-    banner = (f"{STALE_MARK} a run of this suite is in progress: {missing} of its {total} records are missing or were "
-              "produced by other settings and are being computed. What follows is from before that run; it is "
-              "rewritten when the run ends.")
+    banner = (
+        f"{STALE_MARK} a run of this suite is in progress: {missing} of its {total} records are missing or were "
+        "produced by other settings and are being computed. What follows is from before that run; it is "
+        "rewritten when the run ends."
+    )
     write_text_atomic(path, banner + "\n\n" + body + ("" if body.endswith("\n") else "\n"))
 
 
@@ -237,7 +324,10 @@ def _styles(plt, labels: list[str]) -> tuple[dict, dict]:
     """A colour and a look per label.  Curves that coincide (modes that score the same, or hold
     the same bytes) would hide each other, so each also gets its own marker, size and dash."""
     colors = {label: plt.cm.tab10(i % 10) for i, label in enumerate(labels)}
-    looks = {label: {"marker": "osD^v<>p"[i % 8], "ms": 8 - 1.5 * (i % 4), "ls": ["-", "--", "-.", ":"][i % 4]} for i, label in enumerate(labels)}
+    looks = {
+        label: {"marker": "osD^v<>p"[i % 8], "ms": 8 - 1.5 * (i % 4), "ls": ["-", "--", "-.", ":"][i % 4]}
+        for i, label in enumerate(labels)
+    }
     return colors, looks
 
 
@@ -300,7 +390,9 @@ def _score_plot(plt, records: list[dict], modes: list[str], colors: dict, looks:
 def _recall_plot(plt, records: list[dict], modes: list[str], colors: dict, looks: dict, path: Path) -> Path | None:
     """Forecast recall per layer, one curve per (mode, length), chance in grey; None: no record has recall."""
     lengths = sorted(set(r["length"] for r in records))
-    curves = [(m, n, _recall([r for r in records if r["mode"] == m and r["length"] == n])) for m in modes for n in lengths]
+    curves = [
+        (m, n, _recall([r for r in records if r["mode"] == m and r["length"] == n])) for m in modes for n in lengths
+    ]
     curves = [c for c in curves if c[2]]
     if not curves:
         return None
@@ -315,8 +407,16 @@ def _recall_plot(plt, records: list[dict], modes: list[str], colors: dict, looks
         layers = [layer + (i - (len(curves) - 1) / 2) * spread for layer in range(len(got["recall"]))]
         look = looks[m]
         ax.plot(
-            layers, got["recall"], marker=look["marker"], ms=look["ms"] / 1.6, ls=look["ls"], lw=1.2, color=colors[m],
-            alpha=shades[n], mfc="none" if i % 2 else colors[m], label=f"{m}, {_length_label(n)} tokens",
+            layers,
+            got["recall"],
+            marker=look["marker"],
+            ms=look["ms"] / 1.6,
+            ls=look["ls"],
+            lw=1.2,
+            color=colors[m],
+            alpha=shades[n],
+            mfc="none" if i % 2 else colors[m],
+            label=f"{m}, {_length_label(n)} tokens",
         )
         chances.setdefault((n, tuple(round(c, 6) for c in got["chance"])), got["chance"])
     for (n, _), chance in chances.items():  # chance depends on the rows, not the mode: drawn once per length
@@ -388,7 +488,7 @@ def plot_over_length(lengths: list[int], panels: list[dict], path: Path, title: 
         ax.set_title(panel["title"], fontsize=10)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8, loc="best", frameon=True, framealpha=0.85)
-    for ax in list(axes.flat)[len(panels):]:
+    for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
     fig.suptitle(title)
     fig.tight_layout()

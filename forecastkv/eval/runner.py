@@ -73,11 +73,16 @@ def load_model(spec: dict, device: torch.device):
     if spec["config"] is not None:  # a random model (tests)
         torch.manual_seed(spec["seed"])
         forecast = None if spec["forecast"] is None else {**spec["forecast"], "enabled": True}
-        model = ForecastKVForCausalLM(ForecastKVConfig(**spec["config"], sparse_config=spec["sparse_config"], forecast=forecast))
+        model = ForecastKVForCausalLM(
+            ForecastKVConfig(**spec["config"], sparse_config=spec["sparse_config"], forecast=forecast)
+        )
     else:
         model = ForecastKVForCausalLM.from_pretrained(
-            resolve_model_path(spec["path"]), sparse_config=spec["sparse_config"], forecast=spec["forecast"],
-            forecast_weights=spec["forecast_weights"])
+            resolve_model_path(spec["path"]),
+            sparse_config=spec["sparse_config"],
+            forecast=spec["forecast"],
+            forecast_weights=spec["forecast_weights"],
+        )
     if dtype is not None:
         model = model.to(dtype)
     return model.to(device).eval()
@@ -106,8 +111,9 @@ def validate_against_model(config: dict, model) -> dict:
         lengths += [(f"longbench:{name}", n) for name in bench["tasks"] for n in bench["lengths"]]
     for task, length in lengths:
         if length > limit:
-            raise ValueError(f"task {task!r}: length {length} exceeds the model's context "
-                             f"(max_position_embeddings={limit})")
+            raise ValueError(
+                f"task {task!r}: length {length} exceeds the model's context (max_position_embeddings={limit})"
+            )
     rows = {}
     if bench is not None:
         if bench.get("dir") is not None:
@@ -156,16 +162,23 @@ def provenance(config: dict, model) -> dict:
     spec = config["model"]
     forecast = model.config.forecast_config
     if spec.get("forecast_weights") is not None:
-        heads = {"source": "trained", "path": str(spec["forecast_weights"]), "sha1": config.get("heads_sha1"),
-                 "heads_per_group": forecast.heads_per_group}
+        heads = {
+            "source": "trained",
+            "path": str(spec["forecast_weights"]),
+            "sha1": config.get("heads_sha1"),
+            "heads_per_group": forecast.heads_per_group,
+        }
     elif not forecast.enabled:
         heads = None
     elif spec.get("forecast") is not None or spec.get("config") is not None:
         heads = {"source": "init", "init": forecast.init, "heads_per_group": forecast.heads_per_group}
     else:
         heads = {"source": "checkpoint", "heads_per_group": forecast.heads_per_group}
-    return {"model": spec["path"] if spec.get("config") is None else "random test model (model.config)",
-            "heads": heads, "sparse_config": model.config.sparse_config}
+    return {
+        "model": spec["path"] if spec.get("config") is None else "random test model (model.config)",
+        "heads": heads,
+        "sparse_config": model.config.sparse_config,
+    }
 
 
 def fingerprint(config: dict, unit: Unit) -> str:
@@ -181,11 +194,14 @@ def fingerprint(config: dict, unit: Unit) -> str:
 
 def canonical_order(config: dict, units: list[Unit]) -> dict[tuple, int]:
     modes = config["modes"]
-    return {(u.key, m, fingerprint(config, u)): i * len(modes) + j for i, u in enumerate(units) for j, m in enumerate(modes)}
+    return {
+        (u.key, m, fingerprint(config, u)): i * len(modes) + j for i, u in enumerate(units) for j, m in enumerate(modes)
+    }
 
 
-def run_eval(source, limit: int | None = None, output_dir: str | None = None, progress: bool | None = None,
-             after_record=None) -> dict:
+def run_eval(
+    source, limit: int | None = None, output_dir: str | None = None, progress: bool | None = None, after_record=None
+) -> dict:
     """Run a suite (YAML path or dict).  Returns {"results": path, "report": path or None,
     "evaluated": records this call evaluated on this process}.
 
@@ -204,43 +220,8 @@ def run_eval(source, limit: int | None = None, output_dir: str | None = None, pr
     out.mkdir(parents=True, exist_ok=True)
     done = {record_id(r) for r in read_records(out)}
     writer = ShardWriter(out, rank)
-    mine = units[rank::world]
-    pending = [(u, [m for m in config["modes"] if (u.key, m, fingerprint(config, u)) not in done]) for u in mine]
-    pending = [(u, modes) for u, modes in pending if modes]
-    # build every pending example once first (then drop it: 128K prompts add up), so a task that
-    # cannot fit its length fails before any run
-    for unit, _ in pending:
-        build_example(config, unit, codec, rows)
-    missing = sum((u.key, m, fingerprint(config, u)) not in done for u in units for m in config["modes"])
-    if missing and rank == 0:  # the report on disk no longer describes this suite until the merge
-        from .report import mark_stale
-
-        mark_stale(out, missing, len(units) * len(config["modes"]))
-
-    from tqdm.auto import tqdm
-
-    bar = tqdm(total=sum(len(m) for _, m in pending), desc=f"eval[{rank}/{world}]",
-               disable=not config["progress"] or rank != 0, unit="run")
-    evaluated = 0
-    for unit, modes in pending:
-        example = build_example(config, unit, codec, rows)
-        for name in modes:
-            mode = parse_mode(name)
-            bar.set_postfix_str(f"{unit.key} {name}")
-            with attending_with(model, mode):
-                result = evaluate_example(model, example, mode, codec, config["prefill_chunk"], config["recall_start"],
-                                          config["bucket_tokens"], config["recall"])
-            record = {"key": unit.key, "task": unit.task, "length": unit.length, "index": unit.index, "mode": name,
-                      "attention": mode.attention, "cache": mode.cache, "metric": example.metric,
-                      "references": example.references, "depth": example.meta.get("depth"), "seed": config["seed"],
-                      "fingerprint": fingerprint(config, unit), "run": run,
-                      **result}
-            writer.append(record)
-            evaluated += 1
-            bar.update(1)
-            if after_record is not None:
-                after_record(record)
-    bar.close()
+    pending = _pending(config, units, done, codec, rows, out, rank, world)
+    evaluated = _evaluate(config, model, codec, rows, pending, run, writer, after_record, rank, world)
     _barrier(world)
     report = None
     if rank == 0:
@@ -252,3 +233,75 @@ def run_eval(source, limit: int | None = None, output_dir: str | None = None, pr
         results = out / "results.jsonl"
     _barrier(world)
     return {"results": str(results), "report": None if report is None else str(report), "evaluated": evaluated}
+
+
+def _pending(config: dict, units: list[Unit], done: set, codec, rows, out: Path, rank: int, world: int) -> list:
+    """This process's (unit, [modes without a record in `done`]); every such example is built once
+    first, so a task that cannot fit its length fails before any run.  While records are missing,
+    report.md carries a stale banner."""
+    mine = units[rank::world]
+    pending = [(u, [m for m in config["modes"] if (u.key, m, fingerprint(config, u)) not in done]) for u in mine]
+    pending = [(u, modes) for u, modes in pending if modes]
+    for unit, _ in pending:  # then dropped: 128K prompts add up
+        build_example(config, unit, codec, rows)
+    missing = sum((u.key, m, fingerprint(config, u)) not in done for u in units for m in config["modes"])
+    if missing and rank == 0:  # the report on disk no longer describes this suite until the merge
+        from .report import mark_stale
+
+        mark_stale(out, missing, len(units) * len(config["modes"]))
+    return pending
+
+
+def _evaluate(
+    config: dict, model, codec, rows, pending: list, run: dict, writer: ShardWriter, after_record, rank: int, world: int
+) -> int:
+    """Evaluate every pending (unit, mode) under its mode, with a progress bar; each record is on
+    disk (`writer`) before `after_record(record)` and the next run.  Returns how many ran."""
+    from tqdm.auto import tqdm
+
+    bar = tqdm(
+        total=sum(len(m) for _, m in pending),
+        desc=f"eval[{rank}/{world}]",
+        disable=not config["progress"] or rank != 0,
+        unit="run",
+    )
+    evaluated = 0
+    for unit, modes in pending:
+        example = build_example(config, unit, codec, rows)
+        for name in modes:
+            mode = parse_mode(name)
+            bar.set_postfix_str(f"{unit.key} {name}")
+            with attending_with(model, mode):
+                result = evaluate_example(
+                    model,
+                    example,
+                    mode,
+                    codec,
+                    config["prefill_chunk"],
+                    config["recall_start"],
+                    config["bucket_tokens"],
+                    config["recall"],
+                )
+            record = {
+                "key": unit.key,
+                "task": unit.task,
+                "length": unit.length,
+                "index": unit.index,
+                "mode": name,
+                "attention": mode.attention,
+                "cache": mode.cache,
+                "metric": example.metric,
+                "references": example.references,
+                "depth": example.meta.get("depth"),
+                "seed": config["seed"],
+                "fingerprint": fingerprint(config, unit),
+                "run": run,
+                **result,
+            }
+            writer.append(record)
+            evaluated += 1
+            bar.update(1)
+            if after_record is not None:
+                after_record(record)
+    bar.close()
+    return evaluated

@@ -140,8 +140,15 @@ def haystack(units: list[list[int]], count: int, rng: random.Random) -> tuple[li
 
 
 def assemble(
-    codec, task: str, length: int, head: str, tail: str, units: list[list[int]],
-    needles: Sequence[tuple[float, str]], max_new_tokens: int, rng: random.Random,
+    codec,
+    task: str,
+    length: int,
+    head: str,
+    tail: str,
+    units: list[list[int]],
+    needles: Sequence[tuple[float, str]],
+    max_new_tokens: int,
+    rng: random.Random,
 ) -> tuple[list[int], dict]:
     """Prompt ids of exactly `length - max_new_tokens` tokens with each (depth, text) needle
     inserted at its depth of the context.  Returns (ids, meta with "needles": [(start, end, depth)]
@@ -181,8 +188,10 @@ def assemble(
 # the tasks
 # ----------------------------------------------------------------------------------------------
 
-NIAH_HEAD = ("Some special magic numbers are hidden within the following text. Make sure to memorize them. "
-             "I will quiz you about the numbers afterwards.\n")
+NIAH_HEAD = (
+    "Some special magic numbers are hidden within the following text. Make sure to memorize them. "
+    "I will quiz you about the numbers afterwards.\n"
+)
 
 
 def _number(rng: random.Random, digits: int) -> str:
@@ -207,7 +216,9 @@ def _join(names: list[str]) -> str:
     return ", ".join(names[:-1]) + ", and " + names[-1] if len(names) > 1 else names[0]
 
 
-def niah(codec, task, length, index, seed, depth, max_new_tokens, haystack_kind, keys=1, values=1, queries=1, essays=None):
+def niah(
+    codec, task, length, index, seed, depth, max_new_tokens, haystack_kind, keys=1, values=1, queries=1, essays=None
+):
     """Needles "One of the special magic numbers for <key> is: <7 digits>." in essays or noise."""
     rng = example_rng(seed, task, length, index)
     words = word_list(essays)
@@ -217,20 +228,29 @@ def niah(codec, task, length, index, seed, depth, max_new_tokens, haystack_kind,
         pairs = [(names[0], _number(rng, 7)) for _ in range(values)]
     else:
         pairs = [(name, _number(rng, 7)) for name in names]
-    needles = [(d, f"One of the special magic numbers for {k} is: {v}.") for d, (k, v) in zip(_depths(rng, depth, len(pairs)), pairs)]
+    needles = [
+        (d, f"One of the special magic numbers for {k} is: {v}.")
+        for d, (k, v) in zip(_depths(rng, depth, len(pairs)), pairs)
+    ]
     if queries > 1:
         asked = names[:queries]
         refs = [v for _, v in pairs[:queries]]
-        tail = (f"\nWhat are all the special magic numbers for {_join(asked)} mentioned in the provided text? "
-                f"The special magic numbers for {_join(asked)} mentioned in the provided text are")
+        tail = (
+            f"\nWhat are all the special magic numbers for {_join(asked)} mentioned in the provided text? "
+            f"The special magic numbers for {_join(asked)} mentioned in the provided text are"
+        )
     elif values > 1:
         refs = [v for _, v in pairs]
-        tail = (f"\nWhat are all the special magic numbers for {names[0]} mentioned in the provided text? "
-                f"The special magic numbers for {names[0]} mentioned in the provided text are")
+        tail = (
+            f"\nWhat are all the special magic numbers for {names[0]} mentioned in the provided text? "
+            f"The special magic numbers for {names[0]} mentioned in the provided text are"
+        )
     else:
         refs = [pairs[0][1]]
-        tail = (f"\nWhat is the special magic number for {names[0]} mentioned in the provided text? "
-                f"The special magic number for {names[0]} mentioned in the provided text is")
+        tail = (
+            f"\nWhat is the special magic number for {names[0]} mentioned in the provided text? "
+            f"The special magic number for {names[0]} mentioned in the provided text is"
+        )
     ids, meta = assemble(codec, task, length, NIAH_HEAD, tail, units, needles, max_new_tokens, rng)
     meta.update(depth=depth, haystack=haystack_kind, needle_texts=[t for _, t in needles])
     return Example(task, length, index, ids, refs, "string_match_all", max_new_tokens, meta)
@@ -241,10 +261,21 @@ def passkey(codec, task, length, index, seed, depth, max_new_tokens, essays=None
     rng = example_rng(seed, task, length, index)
     key = _number(rng, 5)
     needle = f"The pass key is {key}. Remember it. {key} is the pass key."
-    head = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
-            "I will quiz you about the important information there.\n")
-    ids, meta = assemble(codec, task, length, head, "\nWhat is the pass key? The pass key is", noise_units(codec),
-                         [(depth, needle)], max_new_tokens, rng)
+    head = (
+        "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
+        "I will quiz you about the important information there.\n"
+    )
+    ids, meta = assemble(
+        codec,
+        task,
+        length,
+        head,
+        "\nWhat is the pass key? The pass key is",
+        noise_units(codec),
+        [(depth, needle)],
+        max_new_tokens,
+        rng,
+    )
     meta.update(depth=depth, needle_texts=[needle])
     return Example(task, length, index, ids, [key], "string_match_all", max_new_tokens, meta)
 
@@ -261,21 +292,29 @@ def variable_tracking(codec, task, length, index, seed, depth, max_new_tokens, h
     texts = [f"VAR {names[0]} = {value}."] + [f"VAR {b} = {a}." for a, b in zip(names, names[1:])]
     later = sorted(depth + (1.0 - depth) * rng.random() for _ in range(hops))
     head = "Memorize and track the chain(s) of variable assignment hidden in the following text.\n"
-    tail = (f"\nQuestion: Find all variables that are assigned the value {value} in the text above. "
-            f"Answer: According to the chain(s) of variable assignment in the text above, {hops + 1} variables "
-            f"are assigned the value {value}, they are:")
-    ids, meta = assemble(codec, task, length, head, tail, noise_units(codec), list(zip([depth] + later, texts)), max_new_tokens, rng)
+    tail = (
+        f"\nQuestion: Find all variables that are assigned the value {value} in the text above. "
+        f"Answer: According to the chain(s) of variable assignment in the text above, {hops + 1} variables "
+        f"are assigned the value {value}, they are:"
+    )
+    ids, meta = assemble(
+        codec, task, length, head, tail, noise_units(codec), list(zip([depth] + later, texts)), max_new_tokens, rng
+    )
     meta.update(depth=depth, needle_texts=texts)
     return Example(task, length, index, ids, names, "string_match_all", max_new_tokens, meta)
 
 
-def _fill_items(codec, prompt_budget: int, fixed: list[str], extra: Callable[[], list[str]], rng: random.Random, numbered: bool):
+def _fill_items(
+    codec, prompt_budget: int, fixed: list[str], extra: Callable[[], list[str]], rng: random.Random, numbered: bool
+):
     """Items (fixed + as many `extra()` groups as fit) shuffled, optionally numbered, encoded;
     dropped group by group until they fit `prompt_budget` tokens.  Returns ids, items."""
     groups = []
     while True:  # grow with a cheap per-item estimate, then check exactly
         items = fixed + [w for g in groups for w in g]
-        estimate = sum(len(codec.encode(f" {len(items)}. {w}" if numbered else f" {w}")) for w in items[-8:]) / max(len(items[-8:]), 1)
+        estimate = sum(len(codec.encode(f" {len(items)}. {w}" if numbered else f" {w}")) for w in items[-8:]) / max(
+            len(items[-8:]), 1
+        )
         if len(items) * estimate >= prompt_budget:
             break
         groups.append(extra())
@@ -294,7 +333,9 @@ def _fill_items(codec, prompt_budget: int, fixed: list[str], extra: Callable[[],
     return [t for ids in encoded for t in ids], order
 
 
-def common_words(codec, task, length, index, seed, depth, max_new_tokens, num_cw=10, freq_cw=30, freq_ucw=3, essays=None):
+def common_words(
+    codec, task, length, index, seed, depth, max_new_tokens, num_cw=10, freq_cw=30, freq_ucw=3, essays=None
+):
     """A numbered word list: `num_cw` words appear `freq_cw` times, the rest `freq_ucw` times or
     once (filling the last tokens); name the `num_cw` most common.  freq_cw shrinks at short
     lengths so the common words fill at most half of the list."""
@@ -309,17 +350,23 @@ def common_words(codec, task, length, index, seed, depth, max_new_tokens, num_cw
             raise ValueError(f"task {task!r}: the word list ({len(words)} words) runs out at length {length}")
         return word
 
-    head = ("Below is a numbered list of words. In these words, some appear more often than others. "
-            "Memorize the ones that appear most often.\n")
-    tail = (f"\nQuestion: What are the {num_cw} most common words in the above list? "
-            f"Answer: The top {num_cw} words that appear most often in the list are:")
+    head = (
+        "Below is a numbered list of words. In these words, some appear more often than others. "
+        "Memorize the ones that appear most often.\n"
+    )
+    tail = (
+        f"\nQuestion: What are the {num_cw} most common words in the above list? "
+        f"Answer: The top {num_cw} words that appear most often in the list are:"
+    )
     head_ids, tail_ids = codec.encode(head), codec.encode(tail)
     budget = length - max_new_tokens - len(head_ids) - len(tail_ids)
     per_item = len(codec.encode(f" {budget // 4}. {common[0]}"))
     freq = max(freq_ucw + 1, min(freq_cw, budget // (2 * num_cw * per_item)))
     if budget < num_cw * freq * per_item:
-        raise ValueError(f"task {task!r}: length {length} is too short; it needs at least "
-                         f"{length - budget + num_cw * freq * per_item} tokens")
+        raise ValueError(
+            f"task {task!r}: length {length} is too short; it needs at least "
+            f"{length - budget + num_cw * freq * per_item} tokens"
+        )
     fixed = [w for w in common for _ in range(freq)]
     body, order = _fill_items(codec, budget, fixed, lambda: [rest()] * freq_ucw, rng, numbered=True)
     # top up with words used once (still rarer than the common ones) until within an item of the budget
@@ -340,10 +387,14 @@ def frequent_words(codec, task, length, index, seed, depth, max_new_tokens, alph
     import numpy as np
 
     rng = example_rng(seed, task, length, index)
-    head = ("Read the following coded text and track the frequency of each coded word. "
-            "Find the three most frequently appeared coded words.\n")
-    tail = ("\nQuestion: What are the three most frequently appeared words in the above coded text? "
-            "Answer: According to the coded text above, the three most frequently appeared words are:")
+    head = (
+        "Read the following coded text and track the frequency of each coded word. "
+        "Find the three most frequently appeared coded words.\n"
+    )
+    tail = (
+        "\nQuestion: What are the three most frequently appeared words in the above coded text? "
+        "Answer: According to the coded text above, the three most frequently appeared words are:"
+    )
     head_ids, tail_ids = codec.encode(head), codec.encode(tail)
     budget = length - max_new_tokens - len(head_ids) - len(tail_ids)
     codes = sorted({"".join(rng.choice(string.ascii_lowercase) for _ in range(4)) for _ in range(vocab)})
@@ -381,6 +432,7 @@ _HELDOUT_CACHE = CodecCache()
 
 def heldout_stream(codec, essays: Sequence[str] | None = None) -> list[int]:
     """The held-out essays (or `essays`) joined by blank lines, as one id list."""
+
     def compute() -> list[int]:
         texts = essays
         if texts is None:
@@ -419,8 +471,17 @@ TASKS: dict[str, tuple[Callable, int, dict]] = {
 }
 
 
-def generate_example(task: str, codec, length: int, index: int = 0, seed: int = 0, depth: float | None = None,
-                     max_new_tokens: int | None = None, essays: Sequence[str] | None = None, **options) -> Example:
+def generate_example(
+    task: str,
+    codec,
+    length: int,
+    index: int = 0,
+    seed: int = 0,
+    depth: float | None = None,
+    max_new_tokens: int | None = None,
+    essays: Sequence[str] | None = None,
+    **options,
+) -> Example:
     """Example `index` of `task` at `length` tokens (prompt + max_new_tokens).
 
     depth: the needle depth in [0, 1] (default: seeded uniform); options override the task's

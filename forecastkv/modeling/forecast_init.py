@@ -51,7 +51,7 @@ import torch
 from .heads import scoring_head_weight
 
 RATIO_SPREAD = 8.0
-DEFAULT_SEED = 0                      # the Kaiming draws when no seed is given
+DEFAULT_SEED = 0  # the Kaiming draws when no seed is given
 INITS = ("kaiming", "next_query")
 
 
@@ -94,7 +94,12 @@ def _rms_row_norm(weight: torch.Tensor) -> torch.Tensor:
 
 
 def next_query_weight(
-    q_weight: torch.Tensor, w_norm_next: torch.Tensor, w_norm_this: torch.Tensor, num_kv_heads: int, heads_per_group: int, head_dim: int
+    q_weight: torch.Tensor,
+    w_norm_next: torch.Tensor,
+    w_norm_this: torch.Tensor,
+    num_kv_heads: int,
+    heads_per_group: int,
+    head_dim: int,
 ) -> torch.Tensor:
     """The `next_query` forecast weight [H_kv*n*d, hidden] (fp32) for one layer (see module doc)."""
     source = head_averaged_query(q_weight, num_kv_heads, heads_per_group, head_dim)
@@ -137,7 +142,12 @@ def apply_forecast_init(model, init: str, seed: int | None = None) -> None:
                 new = head_averaged_query(source.self_attn.q_proj.weight, h_kv, n, d)
             else:
                 new = next_query_weight(
-                    source.self_attn.q_proj.weight, source.input_layernorm.weight, layer.input_layernorm.weight, h_kv, n, d
+                    source.self_attn.q_proj.weight,
+                    source.input_layernorm.weight,
+                    layer.input_layernorm.weight,
+                    h_kv,
+                    n,
+                    d,
                 )
             weight.copy_(new.to(device=weight.device, dtype=weight.dtype))
 
@@ -162,7 +172,9 @@ def calibrate_forecast_scale(model, head_sq: torch.Tensor, query_sq: torch.Tenso
             f"[{len(layers)}, {kv_heads * n}] / [{len(layers)}, {heads}]"
         )
     group = heads // kv_heads
-    target = query_sq if n == group else query_sq.view(len(layers), kv_heads, group).mean(-1).repeat_interleave(n, dim=1)
+    target = (
+        query_sq if n == group else query_sq.view(len(layers), kv_heads, group).mean(-1).repeat_interleave(n, dim=1)
+    )
     factors = (target / head_sq.clamp(min=1e-20)).sqrt()
     for layer in range(len(layers)):
         weight = scoring_head_weight(layers, layer)

@@ -38,10 +38,10 @@ from forecastkv.errors import UserInputError
 CHECKPOINT_DIR = "checkpoints"
 SUFFIX = ".safetensors"
 NAME = re.compile(r"^step-(\d+)\.safetensors$")
-STATE_KEY = "forecastkv.checkpoint"   # the metadata entry holding the JSON state
-CHECKSUM_KEY = "forecastkv.sha256"    # the metadata entry holding `state_checksum`
-FORMAT = 2                            # bumped when the layout changes (2: checksummed)
-READABLE = (1, 2)                     # format 1 (no checksum) still loads, unverified
+STATE_KEY = "forecastkv.checkpoint"  # the metadata entry holding the JSON state
+CHECKSUM_KEY = "forecastkv.sha256"  # the metadata entry holding `state_checksum`
+FORMAT = 2  # bumped when the layout changes (2: checksummed)
+READABLE = (1, 2)  # format 1 (no checksum) still loads, unverified
 # the files a run directory holds, which `write_atomic` writes through `.<name>.<random>.tmp`
 RUN_FILES = ("forecast.safetensors", "forecast_config.json", "metrics.jsonl", "recall.md", "recipe.json")
 
@@ -57,6 +57,7 @@ class CheckpointCorrupt(CheckpointUnusable):
 class CheckpointMissing(UserInputError, FileNotFoundError):
     """A resume path that does not exist or holds no checkpoint."""
 
+
 # JSON tags of what JSON cannot hold as is (a dict with one of these keys is a tagged value)
 TENSOR, TUPLE, ITEMS, NDARRAY = "__tensor__", "__tuple__", "__items__", "__ndarray__"
 TAGS = (TENSOR, TUPLE, ITEMS, NDARRAY)
@@ -66,10 +67,22 @@ def model_fingerprint(model) -> str:
     """A short hash of the frozen base: architecture + sparse config + a few weight tensors, so a
     resume directory written for another model is refused."""
     config = model.config
-    arch = {k: getattr(config, k, None) for k in (
-        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-        "num_key_value_heads", "head_dim", "max_position_embeddings", "rope_parameters", "mup", "sparse_config",
-    )}
+    arch = {
+        k: getattr(config, k, None)
+        for k in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "max_position_embeddings",
+            "rope_parameters",
+            "mup",
+            "sparse_config",
+        )
+    }
     arch["heads_per_group"] = config.forecast_config.heads_per_group
     digest = hashlib.sha256(json.dumps(arch, sort_keys=True, default=str).encode())
     inner = model.model
@@ -125,7 +138,10 @@ def _encode(value, path: str, tensors: dict):
             if clash:
                 raise ValueError(f"checkpoint state at {path!r} uses the reserved key {clash[0]!r}")
             return {k: _encode(v, _join(path, k), tensors) for k, v in value.items()}
-        items = [[_encode(k, _join(path, f"key{i}"), tensors), _encode(v, _join(path, k), tensors)] for i, (k, v) in enumerate(value.items())]
+        items = [
+            [_encode(k, _join(path, f"key{i}"), tensors), _encode(v, _join(path, k), tensors)]
+            for i, (k, v) in enumerate(value.items())
+        ]
         return {ITEMS: items}
     if isinstance(value, tuple):
         return {TUPLE: [_encode(v, _join(path, i), tensors) for i, v in enumerate(value)]}
@@ -238,7 +254,11 @@ def find_checkpoint(resume: str | os.PathLike) -> Path:
     found = list_checkpoints(run_dir)
     if not found:
         legacy = sorted((run_dir / CHECKPOINT_DIR).glob("step-*.pt"))
-        note = f"; {len(legacy)} pickled .pt checkpoint(s) of an older version are not loaded (unpickling can run code)" if legacy else ""
+        note = (
+            f"; {len(legacy)} pickled .pt checkpoint(s) of an older version are not loaded (unpickling can run code)"
+            if legacy
+            else ""
+        )
         raise CheckpointMissing(f"resume directory {path} holds no checkpoints ({CHECKPOINT_DIR}/step-*{SUFFIX}){note}")
     return found[-1]
 
@@ -259,13 +279,17 @@ def load_checkpoint(path: str | os.PathLike) -> dict:
             "(.pt, older versions) are not loaded, since unpickling can run arbitrary code"
         ) from error
     if STATE_KEY not in meta:
-        raise CheckpointUnusable(f"{path} is a safetensors file without a forecastkv checkpoint state ({STATE_KEY!r} metadata)")
+        raise CheckpointUnusable(
+            f"{path} is a safetensors file without a forecastkv checkpoint state ({STATE_KEY!r} metadata)"
+        )
     try:
         payload = json.loads(meta[STATE_KEY])
     except json.JSONDecodeError as error:
         raise CheckpointCorrupt(f"{path} is corrupt: its checkpoint state is not JSON ({error})") from None
     if payload.get("format") not in READABLE:
-        raise CheckpointUnusable(f"{path} has checkpoint format {payload.get('format')!r}; this version reads formats {READABLE}")
+        raise CheckpointUnusable(
+            f"{path} has checkpoint format {payload.get('format')!r}; this version reads formats {READABLE}"
+        )
     if payload["format"] >= 2:
         expected = meta.get(CHECKSUM_KEY)
         if expected is None or state_checksum(meta[STATE_KEY], tensors) != expected:

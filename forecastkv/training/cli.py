@@ -41,7 +41,9 @@ def _data_source(text: str) -> str:
             raise argparse.ArgumentTypeError(f"{text} is neither a .txt nor a .jsonl file")
         return str(path)
     if path.suffix in DATA_SUFFIXES or text.startswith(("/", "./", "../", "~")):
-        raise argparse.ArgumentTypeError(f"{text} does not exist (a .txt / .jsonl file or directory, or a datasets name)")
+        raise argparse.ArgumentTypeError(
+            f"{text} does not exist (a .txt / .jsonl file or directory, or a datasets name)"
+        )
     return text
 
 
@@ -52,9 +54,15 @@ def build_parser(prog: str = "forecastkv train-forecast") -> argparse.ArgumentPa
     parser.add_argument("--output", help="output directory (default: the recipe's output_dir, or the resumed run's)")
     parser.add_argument("--max-steps", type=int, help="stop (with a checkpoint) once this step is reached")
     parser.add_argument("--steps", type=_positive, help="override train.steps")
-    parser.add_argument("--data", type=_data_source, metavar="SOURCE",
-                        help="override data.source: a .txt / .jsonl file, a directory of them, or a datasets name")
-    parser.add_argument("--seq-len", type=_positive, metavar="T", help="override data.seq_len (tokens per training sequence)")
+    parser.add_argument(
+        "--data",
+        type=_data_source,
+        metavar="SOURCE",
+        help="override data.source: a .txt / .jsonl file, a directory of them, or a datasets name",
+    )
+    parser.add_argument(
+        "--seq-len", type=_positive, metavar="T", help="override data.seq_len (tokens per training sequence)"
+    )
     parser.add_argument("--overwrite", action="store_true", help="start again in a directory that holds a previous run")
     parser.add_argument("--no-progress", action="store_true", help="no tqdm bar")
     return parser
@@ -65,8 +73,8 @@ def _check_resume_overrides(args, stored: dict) -> None:
     for option, key, value in (("--data", "source", args.data), ("--seq-len", "seq_len", args.seq_len)):
         if value is not None and value != stored["data"][key]:
             raise SystemExit(
-                f"{option} {value} differs from the resumed run's data.{key}={stored['data'][key]!r}: a resumed run keeps its "
-                "data; start a new run (another --output, or --overwrite) to change it"
+                f"{option} {value} differs from the resumed run's data.{key}={stored['data'][key]!r}: "
+                "a resumed run keeps its data; start a new run (another --output, or --overwrite) to change it"
             )
 
 
@@ -106,10 +114,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"forecast weights: {result.output_dir / 'forecast.safetensors'}")
     if result.history:
         final = result.history[-1]
-        print(f"step {result.step}: mean forecast recall (layers >= 1) {final['mean_recall']:.4f} (chance {final['mean_chance']:.4f})")
+        print(
+            f"step {result.step}: mean forecast recall (layers >= 1) {final['mean_recall']:.4f} "
+            f"(chance {final['mean_chance']:.4f})"
+        )
     change = recall_change(result.history)
     if change is not None:
-        print(change)   # the last line: a fall says so
+        print(change)  # the last line: a fall says so
     return 0
 
 

@@ -91,7 +91,9 @@ def _jsonl_texts(file: Path, text_field: str) -> list[str]:
         except json.JSONDecodeError as error:  # its "line 1" is the line's own: report the file's
             raise DataError(f"{file}:{line_no}: not a JSON object ({error.msg} at column {error.colno})") from None
         if not isinstance(row, dict):
-            raise DataError(f"{file}:{line_no}: expected a JSON object with a {text_field!r} field, got a {type(row).__name__}")
+            raise DataError(
+                f"{file}:{line_no}: expected a JSON object with a {text_field!r} field, got a {type(row).__name__}"
+            )
         if text_field not in row:
             raise DataError(f"{file}:{line_no} has no field {text_field!r} (keys: {sorted(row)})")
         if not isinstance(row[text_field], str):
@@ -143,7 +145,8 @@ def open_dataset(source, split: str, field: str):
         except Exception as error:  # a hub name it cannot reach, a local path it cannot read, a missing split
             first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             raise DataError(
-                f"data source {str(source)!r} is not a local .txt/.jsonl path, and `datasets` cannot load it (split {split!r}): {first}"
+                f"data source {str(source)!r} is not a local .txt/.jsonl path, "
+                f"and `datasets` cannot load it (split {split!r}): {first}"
             ) from error
     if field not in dataset.column_names:
         raise DataError(f"dataset {source!r} has no column {field!r} (columns: {dataset.column_names})")
@@ -151,7 +154,11 @@ def open_dataset(source, split: str, field: str):
 
 
 def load_documents(
-    source="bundled", split: str = "train", text_field: str = "text", token_field: str | None = None, max_documents: int | None = None
+    source="bundled",
+    split: str = "train",
+    text_field: str = "text",
+    token_field: str | None = None,
+    max_documents: int | None = None,
 ) -> list:
     """Documents as strings (or lists of token ids when `token_field` names pre-tokenised rows)."""
     if isinstance(source, str) and source.startswith("bundled"):
@@ -197,7 +204,11 @@ def tokenize_documents(documents: Sequence, tokenizer, eos_token_id: int | None 
     stream: list[int] = []
     for doc in documents:
         if isinstance(doc, str):
-            ids = tokenizer.encode(doc) if isinstance(tokenizer, ByteCodec) else tokenizer(doc, add_special_tokens=False)["input_ids"]
+            ids = (
+                tokenizer.encode(doc)
+                if isinstance(tokenizer, ByteCodec)
+                else tokenizer(doc, add_special_tokens=False)["input_ids"]
+            )
         else:
             ids = list(doc)
         stream.extend(ids)
@@ -236,7 +247,11 @@ class PackedSequences:
     def order(self, epoch: int) -> torch.Tensor:
         if self._order_epoch != epoch:
             n = len(self)
-            self._order = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed * 100_003 + epoch)) if self.shuffle else torch.arange(n)
+            self._order = (
+                torch.randperm(n, generator=torch.Generator().manual_seed(self.seed * 100_003 + epoch))
+                if self.shuffle
+                else torch.arange(n)
+            )
             self._order_epoch = epoch
         return self._order
 
@@ -253,21 +268,38 @@ class PackedSequences:
         return self.sequences[list(range(min(count, len(self))))].long()
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "cursor": self.cursor, "seed": self.seed, "num_sequences": len(self), "seq_len": self.seq_len}
+        return {
+            "epoch": self.epoch,
+            "cursor": self.cursor,
+            "seed": self.seed,
+            "num_sequences": len(self),
+            "seq_len": self.seq_len,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         mine = self.state_dict()
         for key in ("seed", "num_sequences", "seq_len"):
             if state[key] != mine[key]:
                 raise DataError(
-                    f"cannot resume the data position: the checkpoint's {key}={state[key]} but this {self.name} has {key}={mine[key]}"
+                    f"cannot resume the data position: the checkpoint's {key}={state[key]} "
+                    f"but this {self.name} has {key}={mine[key]}"
                 )
         self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
 
 
 def build_sequences(
-    source, tokenizer, seq_len: int, *, split: str = "train", text_field: str = "text", token_field: str | None = None,
-    max_documents: int | None = None, seed: int = 0, shuffle: bool = True, min_sequences: int = 1, name: str = "training data",
+    source,
+    tokenizer,
+    seq_len: int,
+    *,
+    split: str = "train",
+    text_field: str = "text",
+    token_field: str | None = None,
+    max_documents: int | None = None,
+    seed: int = 0,
+    shuffle: bool = True,
+    min_sequences: int = 1,
+    name: str = "training data",
     pack: bool = True,
 ) -> PackedSequences:
     """Load, tokenise and pack `source`; error if it yields fewer than `min_sequences` sequences.
@@ -276,14 +308,24 @@ def build_sequences(
     truncated to `seq_len`, read lazily (for corpora too large to hold as one stream).
     """
     if not pack:
-        if token_field is None or _is_local_source(source) or (isinstance(source, str) and source.startswith("bundled")):
+        if (
+            token_field is None
+            or _is_local_source(source)
+            or (isinstance(source, str) and source.startswith("bundled"))
+        ):
             raise DataError("data.pack: false needs a `datasets` source with pre-tokenised rows (data.token_field)")
         dataset = open_dataset(source, split, token_field)
         if max_documents is not None:
             dataset = dataset.select(range(min(max_documents, len(dataset))))
         if len(dataset) == 0:
             raise DataError(f"{name} {source!r} (split {split!r}) is empty")
-        packed = PackedSequences(DatasetRows(dataset, token_field, seq_len, str(source)), seq_len, seed=seed, shuffle=shuffle, name=f"{name} {source!r}")
+        packed = PackedSequences(
+            DatasetRows(dataset, token_field, seq_len, str(source)),
+            seq_len,
+            seed=seed,
+            shuffle=shuffle,
+            name=f"{name} {source!r}",
+        )
         total = f"{len(dataset)} rows"
     else:
         docs = load_documents(source, split, text_field, token_field, max_documents)
@@ -293,7 +335,10 @@ def build_sequences(
         packed = PackedSequences(tokens, seq_len, seed=seed, shuffle=shuffle, name=f"{name} {source!r}")
         total = f"{tokens.numel()} tokens"
     if len(packed) < min_sequences:
-        raise DataError(f"{name} {source!r} yields {len(packed)} sequences of seq_len={seq_len} ({total}); need at least {min_sequences}")
+        raise DataError(
+            f"{name} {source!r} yields {len(packed)} sequences of seq_len={seq_len} ({total}); "
+            f"need at least {min_sequences}"
+        )
     return packed
 
 

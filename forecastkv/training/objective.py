@@ -59,7 +59,9 @@ class ObjectiveConfig:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"objective.{name} must be a positive integer, got {value!r}")
         if self.teacher_kernel < self.teacher_stride:
-            raise ValueError(f"objective.teacher_kernel={self.teacher_kernel} must be >= teacher_stride={self.teacher_stride}")
+            raise ValueError(
+                f"objective.teacher_kernel={self.teacher_kernel} must be >= teacher_stride={self.teacher_stride}"
+            )
         if self.align_pooling not in ("max", "mean"):
             raise ValueError(f"objective.align_pooling={self.align_pooling!r} is not one of ('max', 'mean')")
         if self.loss not in ("topk", "full"):
@@ -81,7 +83,8 @@ class ObjectiveConfig:
         """The fine grid must tile the deployed one: kernel_stride a multiple of teacher_stride."""
         if sparse.kernel_stride % self.teacher_stride:
             raise ValueError(
-                f"objective.teacher_stride={self.teacher_stride} must divide sparse_config.kernel_stride={sparse.kernel_stride}"
+                f"objective.teacher_stride={self.teacher_stride} "
+                f"must divide sparse_config.kernel_stride={sparse.kernel_stride}"
             )
 
 
@@ -120,7 +123,12 @@ def renormalise(probs: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def teacher_rows(
-    queries: torch.Tensor, fine_keys: torch.Tensor, positions: torch.Tensor, sparse, objective: ObjectiveConfig, count: int
+    queries: torch.Tensor,
+    fine_keys: torch.Tensor,
+    positions: torch.Tensor,
+    sparse,
+    objective: ObjectiveConfig,
+    count: int,
 ) -> torch.Tensor:
     """The aligned teacher for a chunk of query rows.
 
@@ -157,7 +165,9 @@ def teacher_selection(aligned: torch.Tensor, positions: torch.Tensor, sparse, n_
 
 
 @torch.no_grad()
-def supervised_keys(ids: torch.Tensor, positions: torch.Tensor, sparse, n_blocks: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+def supervised_keys(
+    ids: torch.Tensor, positions: torch.Tensor, sparse, n_blocks: int, count: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Compressed-key slots of the supervised blocks (selected, not forced, not -1).
 
     ids [B, H, R, K] -> (index [B, H, R, K*r] clamped into [0, count), valid bool [B, H, R, K*r]),
@@ -166,7 +176,7 @@ def supervised_keys(ids: torch.Tensor, positions: torch.Tensor, sparse, n_blocks
     r = sparse.block_size // sparse.kernel_stride
     forced = sel.forced_blocks(positions, n_blocks, sparse.block_size, sparse.init_blocks, sparse.local_blocks)
     forced_at = torch.gather(forced[:, None].expand(-1, ids.shape[1], -1, -1), -1, ids.clamp(min=0))
-    keep = (ids >= 0) & ~forced_at                                              # [B, H, R, K]
+    keep = (ids >= 0) & ~forced_at  # [B, H, R, K]
     index = (ids.clamp(min=0).unsqueeze(-1) * r + torch.arange(r, device=ids.device)).flatten(-2)
     valid = keep.repeat_interleave(r, dim=-1) & (index < count)
     return index.clamp(max=max(count - 1, 0)), valid
@@ -220,6 +230,7 @@ class TopkTargets(NamedTuple):
 
     def take(self, index: torch.Tensor) -> "TopkTargets":
         """Rows `index` [B, r] (int64, per sequence) of every field (the R axis, dim 2)."""
+
         def rows(t: torch.Tensor) -> torch.Tensor:
             view = index[:, None, :, None].expand(t.shape[0], t.shape[1], index.shape[1], t.shape[3])
             return torch.gather(t, 2, view)
@@ -243,7 +254,12 @@ def topk_targets(teacher: torch.Tensor, positions: torch.Tensor, sparse) -> Topk
 
 
 def rows_kl(
-    forecast: torch.Tensor, ckeys: torch.Tensor, positions: torch.Tensor, teacher: torch.Tensor, sparse, loss: str,
+    forecast: torch.Tensor,
+    ckeys: torch.Tensor,
+    positions: torch.Tensor,
+    teacher: torch.Tensor,
+    sparse,
+    loss: str,
     targets: TopkTargets | None = None,
 ) -> torch.Tensor:
     """Summed KL of some query rows: forecast [B, R, H*n, d], ckeys [B, C, H, d], positions [B, R],

@@ -21,15 +21,15 @@ from .objective import ObjectiveConfig
 
 DEFAULTS: dict = {
     "model": {
-        "path": None,                 # checkpoint dir / hub id / "bundled:<name>"; or `config` below
-        "config": None,               # ForecastKVConfig kwargs for a random model (tests)
-        "seed": 0,                    # weights of a random `config` model
-        "sparse_config": None,        # preset name or dict; None keeps the checkpoint's own
+        "path": None,  # checkpoint dir / hub id / "bundled:<name>"; or `config` below
+        "config": None,  # ForecastKVConfig kwargs for a random model (tests)
+        "seed": 0,  # weights of a random `config` model
+        "sparse_config": None,  # preset name or dict; None keeps the checkpoint's own
         "forecast": {"heads_per_group": 1, "init": "kaiming"},
-        "forecast_weights": None,     # start from trained heads (a forecast.safetensors directory)
-        "calibrate_init": True,       # scale each new head so its output norm matches the real queries'
-        "backbone": "query",          # what the frozen model attends with: dense | query | forecast
-        "dtype": "auto",              # auto: bfloat16 on CUDA, float32 on CPU
+        "forecast_weights": None,  # start from trained heads (a forecast.safetensors directory)
+        "calibrate_init": True,  # scale each new head so its output norm matches the real queries'
+        "backbone": "query",  # what the frozen model attends with: dense | query | forecast
+        "dtype": "auto",  # auto: bfloat16 on CUDA, float32 on CPU
     },
     "data": {
         "source": "bundled",
@@ -37,30 +37,30 @@ DEFAULTS: dict = {
         "text_field": "text",
         "token_field": None,
         "max_documents": None,
-        "pack": True,                 # False: each pre-tokenised dataset row is one sequence (lazy)
-        "tokenizer": None,            # None: the model's; "bytes": ByteTokenizer (tests)
+        "pack": True,  # False: each pre-tokenised dataset row is one sequence (lazy)
+        "tokenizer": None,  # None: the model's; "bytes": ByteTokenizer (tests)
         "seq_len": 1024,
         "shuffle_seed": 0,
-        "row_start": 0,               # cached query rows come from [row_start, seq_len)
-        "cache_rows": None,           # rows cached per sequence (None: all of [row_start, seq_len))
+        "row_start": 0,  # cached query rows come from [row_start, seq_len)
+        "cache_rows": None,  # rows cached per sequence (None: all of [row_start, seq_len))
         "eval_source": "bundled",
         "eval_split": "heldout",
         "eval_sequences": 4,
-        "eval_seq_len": None,         # None: seq_len.  Recall needs lengths well past the budget
-        "eval_start": None,           # recall counts rows t >= eval_start (None: eval_seq_len // 2)
+        "eval_seq_len": None,  # None: seq_len.  Recall needs lengths well past the budget
+        "eval_start": None,  # recall counts rows t >= eval_start (None: eval_seq_len // 2)
         "eval_backbone": "dense",
-        "val_sequences": 0,           # > 0: per-layer guard on unseen training text (trainer.guard_layers)
-        "val_seq_len": None,          # None: seq_len
-        "val_start": None,            # None: val_seq_len // 2
+        "val_sequences": 0,  # > 0: per-layer guard on unseen training text (trainer.guard_layers)
+        "val_seq_len": None,  # None: seq_len
+        "val_start": None,  # None: val_seq_len // 2
     },
     "objective": ObjectiveConfig().to_dict(),
     "train": {
         "steps": 2000,
-        "max_steps": None,            # stop (with a checkpoint) once this step is reached
-        "global_batch": 32,           # sequences per round
-        "micro_batch": 1,             # sequences per frozen forward
-        "steps_per_round": 1,         # optimizer steps on one round's cached features
-        "rows_per_step": None,        # cached rows drawn per sequence per step (None: all)
+        "max_steps": None,  # stop (with a checkpoint) once this step is reached
+        "global_batch": 32,  # sequences per round
+        "micro_batch": 1,  # sequences per frozen forward
+        "steps_per_round": 1,  # optimizer steps on one round's cached features
+        "rows_per_step": None,  # cached rows drawn per sequence per step (None: all)
         "lr": 5e-4,
         "warmup_steps": 0,
         "betas": [0.9, 0.95],
@@ -69,19 +69,19 @@ DEFAULTS: dict = {
         "grad_clip": 0.5,
         "seed": 0,
         "log_every": 1,
-        "eval_every": 100,            # 0: only before and after; -1: never
-        "eval_at_start": True,        # False: skip the step-0 evaluation (the init's recall)
+        "eval_every": 100,  # 0: only before and after; -1: never
+        "eval_at_start": True,  # False: skip the step-0 evaluation (the init's recall)
         "save_every": 50,
         "keep_last": 5,
         "progress": True,
-        "threads": None,              # torch intra-op threads (None: torch's default); 1 is faster on a busy CPU
+        "threads": None,  # torch intra-op threads (None: torch's default); 1 is faster on a busy CPU
     },
     "output_dir": "runs/forecast",
     "resume": None,
 }
 
-OPAQUE = ("config", "sparse_config")                   # dict values that replace the default whole
-SHORTCUTS = {"max_steps": "train", "steps": "train"}   # load_recipe(max_steps=3) = train={"max_steps": 3}
+OPAQUE = ("config", "sparse_config")  # dict values that replace the default whole
+SHORTCUTS = {"max_steps": "train", "steps": "train"}  # load_recipe(max_steps=3) = train={"max_steps": 3}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -222,7 +222,8 @@ def check_recipe(recipe: dict, world: int) -> None:
     per_step = world * train["micro_batch"]
     if train["global_batch"] % per_step:
         raise ConfigError(
-            f"train.global_batch={train['global_batch']} must be a multiple of processes x micro_batch = {world} x {train['micro_batch']}"
+            f"train.global_batch={train['global_batch']} must be a multiple of processes x micro_batch = "
+            f"{world} x {train['micro_batch']}"
         )
 
 
@@ -236,6 +237,11 @@ def check_against_model(recipe: dict, model, objective: ObjectiveConfig) -> None
         if length is None:
             continue
         if length > config.max_position_embeddings:
-            raise ConfigError(f"data.{key}={length} exceeds the model's max_position_embeddings={config.max_position_embeddings}")
+            raise ConfigError(
+                f"data.{key}={length} exceeds the model's max_position_embeddings={config.max_position_embeddings}"
+            )
         if length < sparse.kernel_size:
-            raise ConfigError(f"data.{key}={length} is shorter than sparse_config.kernel_size={sparse.kernel_size}: no compressed key to select")
+            raise ConfigError(
+                f"data.{key}={length} is shorter than sparse_config.kernel_size={sparse.kernel_size}: "
+                "no compressed key to select"
+            )

@@ -94,7 +94,11 @@ def build_model(model_cfg: dict, device: torch.device):
         raise ConfigError(f"model.dtype={model_cfg['dtype']!r} is not one of {sorted(dtypes)}")
     if model_cfg["path"] is not None:
         base = resolve_model_path(model_cfg["path"])  # what from_pretrained reads (bundled names resolved)
-        kwargs = {"forecast_weights": model_cfg["forecast_weights"]} if model_cfg["forecast_weights"] else {"forecast": forecast}
+        kwargs = (
+            {"forecast_weights": model_cfg["forecast_weights"]}
+            if model_cfg["forecast_weights"]
+            else {"forecast": forecast}
+        )
         model = ForecastKVForCausalLM.from_pretrained(base, sparse_config=sparse, **kwargs)
     elif model_cfg["config"] is not None:
         settings = {**model_cfg["config"], "forecast": forecast}
@@ -152,8 +156,8 @@ def _seeded(*parts: int) -> torch.Generator:
     return torch.Generator().manual_seed(value)
 
 
-FEATURE_DIR = "features"      # <output_dir>/features/: the current round's cached features
-FEATURE_FORMAT = 1            # bumped when what a feature file holds changes
+FEATURE_DIR = "features"  # <output_dir>/features/: the current round's cached features
+FEATURE_FORMAT = 1  # bumped when what a feature file holds changes
 
 
 @dataclass
@@ -164,10 +168,10 @@ class RoundCache:
 
     folder: Path | None
     identity: dict
-    built: int = 0            # micro-batches built by this call
-    loaded: int = 0           # micro-batches read from the cache
-    load_s: float = 0.0       # seconds those reads took
-    saved_s: float = 0.0      # seconds their builds had taken: the time the cache saved
+    built: int = 0  # micro-batches built by this call
+    loaded: int = 0  # micro-batches read from the cache
+    load_s: float = 0.0  # seconds those reads took
+    saved_s: float = 0.0  # seconds their builds had taken: the time the cache saved
 
 
 def feature_identity(recipe: dict, model, fingerprint: str, device, mixed: str) -> dict:
@@ -176,11 +180,22 @@ def feature_identity(recipe: dict, model, fingerprint: str, device, mixed: str) 
     backbone, the cached rows' range and seed, the torch version."""
     data, train, model_cfg = recipe["data"], recipe["train"], recipe["model"]
     identity = {
-        "format": FEATURE_FORMAT, "fingerprint": fingerprint, "path": model_cfg["path"], "config": model_cfg["config"],
-        "model_seed": model_cfg["seed"], "dtype": str(next(model.parameters()).dtype), "device": torch.device(device).type,
-        "mixed_precision": mixed, "sparse": model.config.sparse.to_dict(), "objective": recipe["objective"],
-        "backbone": model_cfg["backbone"], "seq_len": data["seq_len"], "row_start": data["row_start"],
-        "cache_rows": data["cache_rows"], "seed": train["seed"], "torch": torch.__version__,
+        "format": FEATURE_FORMAT,
+        "fingerprint": fingerprint,
+        "path": model_cfg["path"],
+        "config": model_cfg["config"],
+        "model_seed": model_cfg["seed"],
+        "dtype": str(next(model.parameters()).dtype),
+        "device": torch.device(device).type,
+        "mixed_precision": mixed,
+        "sparse": model.config.sparse.to_dict(),
+        "objective": recipe["objective"],
+        "backbone": model_cfg["backbone"],
+        "seq_len": data["seq_len"],
+        "row_start": data["row_start"],
+        "cache_rows": data["cache_rows"],
+        "seed": train["seed"],
+        "torch": torch.__version__,
     }
     return json.loads(json.dumps(identity, default=str))
 
@@ -210,8 +225,15 @@ def _drop_older_rounds(folder: Path, chunks: range, round_index: int) -> None:
 
 
 def build_round(
-    model, batch: torch.Tensor, first_chunk: int, round_index: int, recipe: dict, objective: ObjectiveConfig, device,
-    cache: RoundCache | None = None, on_layer_done=None,
+    model,
+    batch: torch.Tensor,
+    first_chunk: int,
+    round_index: int,
+    recipe: dict,
+    objective: ObjectiveConfig,
+    device,
+    cache: RoundCache | None = None,
+    on_layer_done=None,
 ) -> list[Features]:
     """Cached features of this process's sequences batch [n, T], one `Features` per micro-batch
     (`Features.merge` joins them); micro-batch k (global index first_chunk + k) caches rows drawn
@@ -241,7 +263,9 @@ def build_round(
                     on_layer_done(layers)
                 continue
         started = time.perf_counter()
-        rows = cached_rows(batch.shape[1], data["row_start"], data["cache_rows"], _seeded(train["seed"], round_index, chunk))
+        rows = cached_rows(
+            batch.shape[1], data["row_start"], data["cache_rows"], _seeded(train["seed"], round_index, chunk)
+        )
         done = None if on_layer_done is None else (lambda idx: on_layer_done(1))
         part = build_features(model, ids.to(device), rows, sparse, objective, recipe["model"]["backbone"], done)
         parts.append(part)
@@ -265,11 +289,15 @@ def step_rows(features: Features, first_chunk: int, step: int, recipe: dict) -> 
     for b in range(batch):
         chunk = first_chunk + b // micro
         if chunk not in draws:
-            draws[chunk] = torch.randperm(count, generator=_seeded(train["seed"], ROW_DRAW_SALT, step, chunk))[:take].sort().values
+            draws[chunk] = (
+                torch.randperm(count, generator=_seeded(train["seed"], ROW_DRAW_SALT, step, chunk))[:take].sort().values
+            )
     return torch.stack([draws[first_chunk + b // micro] for b in range(batch)]).to(features.positions.device)
 
 
-def step_loss(model, features: Features, first_chunk: int, step: int, recipe: dict, objective: ObjectiveConfig, denominator: float) -> list[float]:
+def step_loss(
+    model, features: Features, first_chunk: int, step: int, recipe: dict, objective: ObjectiveConfig, denominator: float
+) -> list[float]:
     """Back-propagate one step's loss over this process's cached rows; returns the per-layer
     losses (this process's share of the global mean)."""
     sparse = model.config.sparse
@@ -278,7 +306,15 @@ def step_loss(model, features: Features, first_chunk: int, step: int, recipe: di
     per_layer, total = [], 0.0
     for layer in range(model.config.num_hidden_layers):
         targets = None if feats.targets is None else feats.targets[layer]
-        loss = rows_kl(head_vectors(model, feats, layer), feats.ckeys[layer], feats.positions, feats.teachers[layer], sparse, objective.loss, targets)
+        loss = rows_kl(
+            head_vectors(model, feats, layer),
+            feats.ckeys[layer],
+            feats.positions,
+            feats.teachers[layer],
+            sparse,
+            objective.loss,
+            targets,
+        )
         loss = loss / denominator
         per_layer.append(float(loss.detach()))
         total = total + loss
@@ -297,7 +333,17 @@ def sum_over_processes(params: list[torch.nn.Parameter], accelerator) -> None:
         offset += p.numel()
 
 
-def backward_step(model, params, features: Features, first_chunk: int, step: int, recipe: dict, objective, denominator: float, accelerator) -> float:
+def backward_step(
+    model,
+    params,
+    features: Features,
+    first_chunk: int,
+    step: int,
+    recipe: dict,
+    objective,
+    denominator: float,
+    accelerator,
+) -> float:
     """Gradients of the global-batch loss in `params` (this process's share, summed over
     processes); returns that loss (summed over layers)."""
     layer_losses = step_loss(model, features, first_chunk, step, recipe, objective, denominator)
@@ -313,7 +359,9 @@ def _calibration_sums(model, part: Features) -> torch.Tensor:
     """One micro-batch's calibration sums, float64 [L*H*n + L*Hq + 1]: squared head-output norms
     summed over its rows, squared real-query norms summed over its rows, the row count."""
     layers = model.config.num_hidden_layers
-    head_sq = torch.stack([head_vectors(model, part, m).double().pow(2).sum(-1).sum(dim=(0, 1)).cpu() for m in range(layers)])
+    head_sq = torch.stack(
+        [head_vectors(model, part, m).double().pow(2).sum(-1).sum(dim=(0, 1)).cpu() for m in range(layers)]
+    )
     rows = part.positions.numel()
     query_sq = part.query_sq.double().cpu() * rows
     return torch.cat([head_sq.flatten(), query_sq.flatten(), torch.tensor([float(rows)], dtype=torch.float64)])
@@ -328,14 +376,16 @@ def calibrate_from_features(model, parts: list[Features], accelerator) -> None:
     from every process and added in global micro-batch order, so the factors are bitwise the same
     however the batch is split over processes (a sum over processes would round differently).
     """
-    sums = torch.stack([_calibration_sums(model, part) for part in parts])           # [micro-batches, S]
+    sums = torch.stack([_calibration_sums(model, part) for part in parts])  # [micro-batches, S]
     if accelerator.num_processes > 1:
-        sums = accelerator.gather(sums.to(accelerator.device)).cpu()                  # rank order = global order
+        sums = accelerator.gather(sums.to(accelerator.device)).cpu()  # rank order = global order
     total = sums.sum(dim=0)
     layers, heads = model.config.num_hidden_layers, model.config.num_attention_heads
     head_sq, query_sq = total[:-1].split([total.numel() - 1 - layers * heads, layers * heads])
     count = total[-1]
-    calibrate_forecast_scale(model, (head_sq / count).view(layers, -1).float(), (query_sq / count).view(layers, heads).float())
+    calibrate_forecast_scale(
+        model, (head_sq / count).view(layers, -1).float(), (query_sq / count).view(layers, heads).float()
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -343,7 +393,9 @@ def calibrate_from_features(model, parts: list[Features], accelerator) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
-def evaluate(model, sequences: torch.Tensor, start: int, backbone: str, accelerator, progress: str | None = None, check=None) -> dict:
+def evaluate(
+    model, sequences: torch.Tensor, start: int, backbone: str, accelerator, progress: str | None = None, check=None
+) -> dict:
     """Held-out forecast recall (`recall.measure_recall_counts`), sequences split over
     processes, counts summed; returns `RecallReport.to_dict()`.  progress: a bar with this
     label (this process's sequences); check: called before each sequence (it may raise to stop)."""
@@ -365,7 +417,16 @@ def evaluate(model, sequences: torch.Tensor, start: int, backbone: str, accelera
 
 
 @torch.no_grad()
-def guard_layers(model, start_heads: dict, sequences: torch.Tensor, start: int, backbone: str, accelerator, progress: bool = False, check=None) -> dict:
+def guard_layers(
+    model,
+    start_heads: dict,
+    sequences: torch.Tensor,
+    start: int,
+    backbone: str,
+    accelerator,
+    progress: bool = False,
+    check=None,
+) -> dict:
     """Give each layer whose validation recall fell below its starting head's the starting head back.
 
     start_heads: {name: tensor} as `forecast_heads` before training; sequences [N, T] validation
@@ -378,7 +439,9 @@ def guard_layers(model, start_heads: dict, sequences: torch.Tensor, start: int, 
     try:
         for name, p in heads.items():
             p.copy_(start_heads[name].to(p.device))
-        before = evaluate(model, sequences, start, backbone, accelerator, label % "starting" if progress else None, check)
+        before = evaluate(
+            model, sequences, start, backbone, accelerator, label % "starting" if progress else None, check
+        )
     finally:
         for name, p in heads.items():
             p.copy_(trained[name])
@@ -389,8 +452,14 @@ def guard_layers(model, start_heads: dict, sequences: torch.Tensor, start: int, 
         if new < old and name in heads:
             heads[name].copy_(start_heads[name].to(heads[name].device))
             restored.append(layer)
-    return {"start": before["recall"], "trained": after["recall"], "restored": restored,
-            "length": sequences.shape[1], "rows_from": start, "sequences": sequences.shape[0]}
+    return {
+        "start": before["recall"],
+        "trained": after["recall"],
+        "restored": restored,
+        "length": sequences.shape[1],
+        "rows_from": start,
+        "sequences": sequences.shape[0],
+    }
 
 
 # ----------------------------------------------------------------------------------------------
@@ -403,10 +472,10 @@ class TrainResult:
     output_dir: Path
     step: int
     model: object
-    history: list = field(default_factory=list)   # eval dicts, each with its "step"
-    losses: list = field(default_factory=list)     # (step, loss summed over layers)
-    speed: dict = field(default_factory=dict)      # steps_per_s (optimizer steps only), feature_s, step_s
-    guard: dict | None = None                      # `guard_layers`' result (data.val_sequences > 0)
+    history: list = field(default_factory=list)  # eval dicts, each with its "step"
+    losses: list = field(default_factory=list)  # (step, loss summed over layers)
+    speed: dict = field(default_factory=dict)  # steps_per_s (optimizer steps only), feature_s, step_s
+    guard: dict | None = None  # `guard_layers`' result (data.val_sequences > 0)
 
 
 @dataclass
@@ -414,10 +483,10 @@ class Progress:
     """What a run has done so far, and what a checkpoint carries of it besides the tensors."""
 
     step: int = 0
-    history: list = field(default_factory=list)    # eval dicts
-    losses: list = field(default_factory=list)     # (step, loss)
-    start_heads: dict | None = None                # the heads after calibration, before step 1: the guard's fallback
-    guard: dict | None = None                      # the guard's result, once it ran
+    history: list = field(default_factory=list)  # eval dicts
+    losses: list = field(default_factory=list)  # (step, loss)
+    start_heads: dict | None = None  # the heads after calibration, before step 1: the guard's fallback
+    guard: dict | None = None  # the guard's result, once it ran
 
 
 def _tokenizer(data_cfg: dict, model, path: str | None):
@@ -439,13 +508,27 @@ def _datasets(recipe: dict, tokenizer):
     data_cfg, train = recipe["data"], recipe["train"]
     fields = {"text_field": data_cfg["text_field"], "token_field": data_cfg["token_field"]}
     data = build_sequences(
-        data_cfg["source"], tokenizer, data_cfg["seq_len"], split=data_cfg["split"], max_documents=data_cfg["max_documents"],
-        seed=data_cfg["shuffle_seed"], min_sequences=train["global_batch"], name="training data", pack=data_cfg["pack"], **fields,
+        data_cfg["source"],
+        tokenizer,
+        data_cfg["seq_len"],
+        split=data_cfg["split"],
+        max_documents=data_cfg["max_documents"],
+        seed=data_cfg["shuffle_seed"],
+        min_sequences=train["global_batch"],
+        name="training data",
+        pack=data_cfg["pack"],
+        **fields,
     )
     eval_seqs = None
     if data_cfg["eval_source"] and data_cfg["eval_sequences"] > 0:
         held = build_sequences(
-            data_cfg["eval_source"], tokenizer, eval_window(data_cfg)[0], split=data_cfg["eval_split"], shuffle=False, name="eval data", **fields,
+            data_cfg["eval_source"],
+            tokenizer,
+            eval_window(data_cfg)[0],
+            split=data_cfg["eval_split"],
+            shuffle=False,
+            name="eval data",
+            **fields,
         )
         eval_seqs = held.first(data_cfg["eval_sequences"])
     val_seqs = None
@@ -456,9 +539,13 @@ def _datasets(recipe: dict, tokenizer):
 
 def _optimizer(params: list, train: dict):
     """AdamW with the recipe's settings and a linear warm-up (constant after)."""
-    optimizer = torch.optim.AdamW(params, lr=train["lr"], betas=tuple(train["betas"]), eps=train["eps"], weight_decay=train["weight_decay"])
+    optimizer = torch.optim.AdamW(
+        params, lr=train["lr"], betas=tuple(train["betas"]), eps=train["eps"], weight_decay=train["weight_decay"]
+    )
     warmup = train["warmup_steps"]
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup > 0 else 1.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup > 0 else 1.0
+    )
     return optimizer, scheduler
 
 
@@ -475,13 +562,16 @@ def _resume(resume, model, optimizer, scheduler, data, fingerprint: str, base: s
         )
     heads = dict(forecast_heads(model))
     if set(state["trainable"]) != set(heads):
-        raise UserInputError(f"resume checkpoint {path} holds tensors {sorted(state['trainable'])[:3]}..., this model trains {sorted(heads)[:3]}...")
+        raise UserInputError(
+            f"resume checkpoint {path} holds tensors {sorted(state['trainable'])[:3]}..., "
+            f"this model trains {sorted(heads)[:3]}..."
+        )
     with torch.no_grad():
         for name, tensor in state["trainable"].items():
             heads[name].copy_(tensor.to(heads[name].device))
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
-    data.load_state_dict(state["data"])   # the position at the start of the step's round
+    data.load_state_dict(state["data"])  # the position at the start of the step's round
     ckpt.set_rng_state(state["rng"])
     return Progress(state["step"], state["history"], state["losses"], state["start_heads"], state["guard"])
 
@@ -504,8 +594,13 @@ def _recall_table(history: list) -> str:
         return ""
     evals = [history[0], history[-1]] if len(history) > 1 else [history[-1]]
     final = history[-1]
-    table = sel.recall_table({f"recall @ step {e['step']}": (e["recall"], e["mean_recall"]) for e in evals}, final["chance"], final["mean_chance"])
-    return table + f"\nT = {final['length']}, rows t >= {final['start']}, {final['backbone']} backbone, {final['rows']} rows per layer.\n"
+    table = sel.recall_table(
+        {f"recall @ step {e['step']}": (e["recall"], e["mean_recall"]) for e in evals},
+        final["chance"],
+        final["mean_chance"],
+    )
+    setting = f"T = {final['length']}, rows t >= {final['start']}, {final['backbone']} backbone"
+    return table + f"\n{setting}, {final['rows']} rows per layer.\n"
 
 
 def _guard_note(guard: dict | None) -> str:
@@ -513,7 +608,8 @@ def _guard_note(guard: dict | None) -> str:
         return ""
     restored = ", ".join(str(i) for i in guard["restored"]) or "none"
     return (
-        f"\nPer-layer guard on {guard['sequences']} unseen training window{'s' if guard['sequences'] != 1 else ''} of {guard['length']} tokens "
+        f"\nPer-layer guard on {guard['sequences']} unseen training window{'s' if guard['sequences'] != 1 else ''} "
+        f"of {guard['length']} tokens "
         f"(rows t >= {guard['rows_from']}): layers given their starting head back: {restored}.\n"
     )
 
@@ -533,8 +629,10 @@ def recall_change(history: list) -> str | None:
     before, after = history[0]["mean_recall"], history[-1]["mean_recall"]
     change = f"{before:.4f} (step 0) -> {after:.4f} (step {history[-1]['step']})"
     if after < before:
-        return (f"WARNING: mean forecast recall FELL {change}: the trained heads select worse than their start on the "
-                f"held-out text; the starting heads, or fewer steps / a lower lr, may serve better")
+        return (
+            f"WARNING: mean forecast recall FELL {change}: the trained heads select worse than their start on the "
+            f"held-out text; the starting heads, or fewer steps / a lower lr, may serve better"
+        )
     return f"mean forecast recall rose {change}" if after > before else f"mean forecast recall unchanged: {change}"
 
 
@@ -564,10 +662,14 @@ class TrainingInterrupted(KeyboardInterrupt):
     def message(self) -> str:
         name = signal.Signals(self.signum).name
         if self.checkpoint is None:
-            return (f"{name}: stopped before the first step; nothing to save (features built so far are kept in "
-                    f"{self.output_dir / FEATURE_DIR}); run the same command again to start")
-        return (f"{name}: stopped at step {self.step}, saved {self.checkpoint}; resume with: "
-                f"forecastkv train-forecast --resume {self.output_dir}")
+            return (
+                f"{name}: stopped before the first step; nothing to save (features built so far are kept in "
+                f"{self.output_dir / FEATURE_DIR}); run the same command again to start"
+            )
+        return (
+            f"{name}: stopped at step {self.step}, saved {self.checkpoint}; resume with: "
+            f"forecastkv train-forecast --resume {self.output_dir}"
+        )
 
 
 class _Stop(Exception):
@@ -641,11 +743,17 @@ def prepare_run_dir(out_dir: Path, overwrite: bool, main: bool) -> str | None:
                 f"{out_dir} holds a finished run (step {state['step']} of {steps}); nothing was retrained: pass "
                 f"--resume {out_dir} --steps N to train it further, --overwrite to start again, or another --output"
             )
-        _say(main, f"resuming the interrupted run in {out_dir} from step {state['step']} of {steps} ({path.name}); "
-                   "--overwrite starts it again instead")
+        _say(
+            main,
+            f"resuming the interrupted run in {out_dir} from step {state['step']} of {steps} ({path.name}); "
+            "--overwrite starts it again instead",
+        )
         return str(path)
     if (out_dir / "metrics.jsonl").exists():
-        _say(main, f"starting again in {out_dir}: the interrupted run there left no checkpoint (its metrics.jsonl is dropped)")
+        _say(
+            main,
+            f"starting again in {out_dir}: the interrupted run there left no checkpoint (its metrics.jsonl is dropped)",
+        )
     return None
 
 
@@ -806,8 +914,15 @@ class _Session:
             started = time.time()
             self.optimizer.zero_grad(set_to_none=True)
             loss = backward_step(
-                self.model, self.params, features, self.first_chunk, step, self.recipe, self.objective,
-                self.denominator, self.accelerator,
+                self.model,
+                self.params,
+                features,
+                self.first_chunk,
+                step,
+                self.recipe,
+                self.objective,
+                self.denominator,
+                self.accelerator,
             )
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, train["grad_clip"]))
             lr = self.scheduler.get_last_lr()[0]
@@ -863,8 +978,15 @@ class _Session:
         try:
             with self.accelerator.autocast():
                 parts = build_round(
-                    self.model, batch, self.first_chunk, round_index, self.recipe, self.objective,
-                    self.accelerator.device, cache, on_layer_done,
+                    self.model,
+                    batch,
+                    self.first_chunk,
+                    round_index,
+                    self.recipe,
+                    self.objective,
+                    self.accelerator.device,
+                    cache,
+                    on_layer_done,
                 )
         finally:
             bar.close()
@@ -892,8 +1014,13 @@ class _Session:
             return
         label = f"recall at step {step} ({self.eval_seqs.shape[0]} held-out sequences)" if self.show else None
         recall = evaluate(
-            self.model, self.eval_seqs, eval_window(self.data_cfg)[1], self.data_cfg["eval_backbone"],
-            self.accelerator, label, self.check_local,
+            self.model,
+            self.eval_seqs,
+            eval_window(self.data_cfg)[1],
+            self.data_cfg["eval_backbone"],
+            self.accelerator,
+            label,
+            self.check_local,
         )
         result = {"step": step, **recall}
         self.run.history.append(result)
@@ -908,11 +1035,21 @@ class _Session:
                 position = self.round_start if step % self.per_round else self.data.state_dict()
             run, model = self.run, self.model
             state = {
-                "step": step, "trainable": _head_copy(model), "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(), "rng": ckpt.rng_state(), "data": position,
-                "recipe": self.recipe, "fingerprint": self.fingerprint, "base_model": self.base,
-                "sparse_config": model.config.sparse.to_dict(), "forecast": model.config.forecast_config.to_dict(),
-                "history": run.history, "losses": run.losses, "start_heads": run.start_heads, "guard": run.guard,
+                "step": step,
+                "trainable": _head_copy(model),
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "rng": ckpt.rng_state(),
+                "data": position,
+                "recipe": self.recipe,
+                "fingerprint": self.fingerprint,
+                "base_model": self.base,
+                "sparse_config": model.config.sparse.to_dict(),
+                "forecast": model.config.forecast_config.to_dict(),
+                "history": run.history,
+                "losses": run.losses,
+                "start_heads": run.start_heads,
+                "guard": run.guard,
             }
             self.saved_path = ckpt.save_checkpoint(self.out_dir, step, state, self.train["keep_last"])
         self.saved_step = step
@@ -932,8 +1069,14 @@ class _Session:
                     "data.val_sequences > 0, but the resumed checkpoint holds no starting heads to guard with"
                 )
             run.guard = guard_layers(
-                self.model, run.start_heads, self.val_seqs, val_window(data_cfg)[1], data_cfg["eval_backbone"],
-                self.accelerator, self.show, self.check_local,
+                self.model,
+                run.start_heads,
+                self.val_seqs,
+                val_window(data_cfg)[1],
+                data_cfg["eval_backbone"],
+                self.accelerator,
+                self.show,
+                self.check_local,
             )
             if self.main:
                 _append_metrics(self.metrics_path, {"step": run.step, "guard": run.guard})
@@ -966,7 +1109,10 @@ class _Session:
                 shutil.rmtree(out_dir / FEATURE_DIR, ignore_errors=True)
         self.accelerator.wait_for_everyone()
         speed = {
-            **self.speed(), "features_built": cache.built, "features_read": cache.loaded,
-            "feature_read_s": cache.load_s, "feature_saved_s": cache.saved_s,
+            **self.speed(),
+            "features_built": cache.built,
+            "features_read": cache.loaded,
+            "feature_read_s": cache.load_s,
+            "feature_saved_s": cache.saved_s,
         }
         return TrainResult(out_dir, run.step, self.model, run.history, run.losses, speed, run.guard)

@@ -17,7 +17,12 @@ FIXTURES = Path(__file__).parent / "fixtures"
 
 def tiny_suite(output_dir, **changes) -> dict:
     suite = {
-        "model": {"config": dict(EVAL_MODEL), "sparse_config": dict(TINY_SPARSE), "forecast": {"heads_per_group": 1}, "seed": 0},
+        "model": {
+            "config": dict(EVAL_MODEL),
+            "sparse_config": dict(TINY_SPARSE),
+            "forecast": {"heads_per_group": 1},
+            "seed": 0,
+        },
         "tokenizer": "bytes",
         "modes": ["dense", "infllmv2-query", "infllmv2-forecast"],
         "tasks": [
@@ -41,7 +46,9 @@ def same_records(a: list[dict], b: list[dict], rel: float = 1e-6) -> None:
     """Equal except wall-clock times; floats to a relative tolerance (thread counts may differ)."""
     assert len(a) == len(b), (len(a), len(b))
     for x, y in zip(a, b):
-        _same({k: v for k, v in x.items() if k != "time"}, {k: v for k, v in y.items() if k != "time"}, rel, x.get("key"))
+        _same(
+            {k: v for k, v in x.items() if k != "time"}, {k: v for k, v in y.items() if k != "time"}, rel, x.get("key")
+        )
 
 
 def _same(x, y, rel, where) -> None:

@@ -24,7 +24,9 @@ ESSAYS = ["Rivers carry silt to the sea. Farmers plant rice in spring. Markets o
 @pytest.fixture(scope="module")
 def model():
     torch.manual_seed(0)
-    config = ForecastKVConfig(**EVAL_MODEL, sparse_config=dict(TINY_SPARSE), forecast={"enabled": True, "heads_per_group": 1})
+    config = ForecastKVConfig(
+        **EVAL_MODEL, sparse_config=dict(TINY_SPARSE), forecast={"enabled": True, "heads_per_group": 1}
+    )
     return ForecastKVForCausalLM(config).eval()
 
 
@@ -58,8 +60,12 @@ def test_recall_equals_selection_counts_on_one_forward(model):
     assert got["recall"]["start"] == start
     for layer, record in enumerate(records):
         rows = slice(start, None)  # the rows counted: position >= start
-        hits, wanted, chance = sel.forecast_recall_counts(record["query"][:, :, rows], record["forecast"][:, :, rows], positions[:, rows], sparse)
-        assert got["recall"]["counts"][layer] == pytest.approx([hits.sum().item(), wanted.sum().item(), chance.sum().item()], rel=1e-6)
+        hits, wanted, chance = sel.forecast_recall_counts(
+            record["query"][:, :, rows], record["forecast"][:, :, rows], positions[:, rows], sparse
+        )
+        assert got["recall"]["counts"][layer] == pytest.approx(
+            [hits.sum().item(), wanted.sum().item(), chance.sum().item()], rel=1e-6
+        )
     assert 0.0 <= min(got["recall"]["per_layer"]) and max(got["recall"]["per_layer"]) <= 1.0
 
 
@@ -74,13 +80,18 @@ def test_bytes_per_decode_step(model):
     with attending_with(model, dense_mode):
         dense = evaluate_example(model, ex, dense_mode, codec)
     assert dense["decode_steps"] == 3
-    assert dense["kv_read_bytes_per_step"] == pytest.approx(sum(k * c.num_key_value_heads * per_head_token * c.num_hidden_layers for k in keys) / 3)
+    assert dense["kv_read_bytes_per_step"] == pytest.approx(
+        sum(k * c.num_key_value_heads * per_head_token * c.num_hidden_layers for k in keys) / 3
+    )
     query_mode = parse_mode("infllmv2-query")
     with attending_with(model, query_mode):
         sparse_run = evaluate_example(model, ex, query_mode, codec)
     # deep in the sequence every head reads the full budget: budget - 1 complete blocks + the current partial block
     bs, budget = sparse.block_size, sparse.budget_blocks
-    expect = [((budget - 1) * bs + (k - (k - 1) // bs * bs)) * c.num_key_value_heads * per_head_token * c.num_hidden_layers for k in keys]
+    expect = [
+        ((budget - 1) * bs + (k - (k - 1) // bs * bs)) * c.num_key_value_heads * per_head_token * c.num_hidden_layers
+        for k in keys
+    ]
     assert sparse_run["kv_read_bytes_per_step"] == pytest.approx(sum(expect) / 3)
     assert sparse_run["h2d_bytes_per_step"] is None and sparse_run["offload_stats"] is None
 
@@ -89,7 +100,11 @@ def test_switched_modes_match_models_loaded_in_that_mode(model):
     ids = torch.randint(0, 128, (1, 120), generator=torch.Generator().manual_seed(1))
     state = model.state_dict()
     saved = dict(model.config.sparse_config)
-    for name, sparse in (("dense", None), ("infllmv2-query", {**TINY_SPARSE, "selector": "query"}), ("infllmv2-forecast", {**TINY_SPARSE, "selector": "forecast"})):
+    for name, sparse in (
+        ("dense", None),
+        ("infllmv2-query", {**TINY_SPARSE, "selector": "query"}),
+        ("infllmv2-forecast", {**TINY_SPARSE, "selector": "forecast"}),
+    ):
         config = ForecastKVConfig(**EVAL_MODEL, sparse_config=sparse, forecast={"enabled": True, "heads_per_group": 1})
         loaded = ForecastKVForCausalLM(config).eval()
         loaded.load_state_dict(state)
@@ -105,14 +120,19 @@ def test_offloaded_cache_modes_give_resident_results(model):
     pytest.importorskip("forecastkv.inference")
     codec = ByteCodec(128)
     ex = generate_example("passkey", codec, 320, essays=ESSAYS, max_new_tokens=4)
-    for resident_name, offloaded_name in (("infllmv2-query", "infllmv2-query@sparse-offload"), ("infllmv2-forecast", "infllmv2-forecast@forecast-offload")):
+    for resident_name, offloaded_name in (
+        ("infllmv2-query", "infllmv2-query@sparse-offload"),
+        ("infllmv2-forecast", "infllmv2-forecast@forecast-offload"),
+    ):
         runs = {}
         for name in (resident_name, offloaded_name):
             mode = parse_mode(name)
             with attending_with(model, mode):
                 runs[name] = evaluate_example(model, ex, mode, codec)
         a, b = runs[resident_name], runs[offloaded_name]
-        assert a["prediction"] == b["prediction"] and sum(a["recall"]["counts"], []) == pytest.approx(sum(b["recall"]["counts"], []))
+        assert a["prediction"] == b["prediction"] and sum(a["recall"]["counts"], []) == pytest.approx(
+            sum(b["recall"]["counts"], [])
+        )
         assert b["h2d_bytes_per_step"] is not None and 0 < b["h2d_bytes_per_step"] <= b["kv_read_bytes_per_step"]
         assert b["offload_stats"]["mode"] == offloaded_name.split("@")[1]
 
@@ -154,8 +174,13 @@ def test_nosa_modes_on_a_model_with_a_delta():
     ids = torch.tensor([ex.input_ids])
     for name, selector in (("nosa", "query"), ("nosa-forecast", "forecast")):
         mode = parse_mode(name)
-        loaded = ForecastKVForCausalLM(ForecastKVConfig(**EVAL_MODEL, sparse_config={**nosa, "selector": selector},
-                                                        forecast={"enabled": True, "heads_per_group": 1})).eval()
+        loaded = ForecastKVForCausalLM(
+            ForecastKVConfig(
+                **EVAL_MODEL,
+                sparse_config={**nosa, "selector": selector},
+                forecast={"enabled": True, "heads_per_group": 1},
+            )
+        ).eval()
         loaded.load_state_dict(model.state_dict())
         with torch.no_grad(), attending_with(model, mode):
             torch.testing.assert_close(model(ids).logits, loaded(ids).logits, rtol=0, atol=0)

@@ -25,11 +25,17 @@ def test_prompt_is_the_official_template():
     row = longbench.load_rows("hotpotqa", DIR)[0]
     ex = longbench.build_example("hotpotqa", row, 0, codec, 4096)
     text = codec.decode(ex.input_ids)
-    assert text.startswith("Answer the question based on the given passages. Only give me the answer and do not output any other words.\n\nThe following are given passages.\nPassage 1:\nThe comet")
+    assert text.startswith(
+        "Answer the question based on the given passages. Only give me the answer and do not output any other words."
+        "\n\nThe following are given passages.\nPassage 1:\nThe comet"
+    )
     assert text.endswith("Question: Which city hosts the observatory where the comet was found?\nAnswer:")
     assert ex.max_new_tokens == 32 and ex.metric == "qa_f1" and ex.references == ["Graz"] and not ex.meta["truncated"]
     lcc = longbench.build_example("lcc", longbench.load_rows("lcc", DIR)[0], 0, codec, 1024)
-    assert codec.decode(lcc.input_ids) == "Please complete the code given below. \ndef add(a, b):\n    total = a + b\nNext line of code:\n"
+    assert (
+        codec.decode(lcc.input_ids)
+        == "Please complete the code given below. \ndef add(a, b):\n    total = a + b\nNext line of code:\n"
+    )
 
 
 def test_middle_truncation_keeps_both_ends():

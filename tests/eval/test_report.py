@@ -6,16 +6,27 @@ import matplotlib
 from forecastkv.eval import report
 
 MIB = 2**20
-RUN = {"model": "bundled:smollm2-135m", "heads": {"source": "trained", "path": "runs/heads", "sha1": "0123456789abcdef", "heads_per_group": 1},
-       "sparse_config": {"block_size": 64, "topk": 8, "selector": "forecast"}}
+RUN = {
+    "model": "bundled:smollm2-135m",
+    "heads": {"source": "trained", "path": "runs/heads", "sha1": "0123456789abcdef", "heads_per_group": 1},
+    "sparse_config": {"block_size": 64, "topk": 8, "selector": "forecast"},
+}
 
 
 def _record(mode, task, length, *, score=None, recall=None, h2d=None, run=RUN):
     counts = None if recall is None else [[round(r * 100), 100, 40] for r in recall]
-    return {"mode": mode, "task": task, "length": length, "score": score, "run": run,
-            "recall": None if counts is None else {"start": 256, "counts": counts},
-            "buckets": [{"start": 1, "end": 101, "nll_sum": 200.0, "tokens": 100}] if task == "perplexity" else [],
-            "kv_read_bytes_per_step": 2 * MIB, "h2d_bytes_per_step": h2d, "time": {"prefill_s": 1.0, "decode_ms_per_step": 10.0}}
+    return {
+        "mode": mode,
+        "task": task,
+        "length": length,
+        "score": score,
+        "run": run,
+        "recall": None if counts is None else {"start": 256, "counts": counts},
+        "buckets": [{"start": 1, "end": 101, "nll_sum": 200.0, "tokens": 100}] if task == "perplexity" else [],
+        "kv_read_bytes_per_step": 2 * MIB,
+        "h2d_bytes_per_step": h2d,
+        "time": {"prefill_s": 1.0, "decode_ms_per_step": 10.0},
+    }
 
 
 def _records():
@@ -33,7 +44,7 @@ def test_summary_table_for_the_terminal():
     lines = text.splitlines()
     assert lines[0].split()[:4] == ["mode", "length", "score", "perplexity"]
     dense = next(line for line in lines if line.startswith("dense "))
-    assert dense.split()[:4] == ["dense", "2K", "100.0", f"{2.718281828 ** 2:.3f}"]
+    assert dense.split()[:4] == ["dense", "2K", "100.0", f"{2.718281828**2:.3f}"]
     offload = next(line for line in lines if line.startswith("infllmv2-forecast@forecast-offload"))
     assert offload.split()[2:] == ["50.0", "—", "0.783", "2.000", "0.250"]  # recall: mean over layers >= 1
 
@@ -46,7 +57,9 @@ def test_report_names_model_heads_and_sparse_config(tmp_path):
     assert "trained, `runs/heads` (forecast.safetensors sha1 0123456789abcdef)" in text
     assert "sparse config: block_size 64, topk 8, selector forecast" in text
     init = {**RUN, "heads": {"source": "init", "init": "next_query", "heads_per_group": 1}}
-    assert "untrained, created at load with the `next_query` init" in report.tables([_record("dense", "passkey", 2048, score=1.0, run=init)])
+    assert "untrained, created at load with the `next_query` init" in report.tables(
+        [_record("dense", "passkey", 2048, score=1.0, run=init)]
+    )
 
 
 def test_stale_banner_until_the_report_is_rewritten(tmp_path):
@@ -74,6 +87,10 @@ def test_recall_curves_that_coincide_are_both_visible(tmp_path, monkeypatch):
     assert list(a.get_ydata()) == list(b.get_ydata())  # the same recall ...
     assert all(x != y for x, y in zip(a.get_xdata(), b.get_xdata()))  # ... drawn side by side
     assert max(abs(x - y) for x, y in zip(a.get_xdata(), b.get_xdata())) < 0.5  # each still at its layer
-    assert (a.get_linestyle(), a.get_marker(), str(a.get_markerfacecolor())) != (b.get_linestyle(), b.get_marker(), str(b.get_markerfacecolor()))
+    assert (a.get_linestyle(), a.get_marker(), str(a.get_markerfacecolor())) != (
+        b.get_linestyle(),
+        b.get_marker(),
+        str(b.get_markerfacecolor()),
+    )
     assert [label for label in lines if label.startswith("chance")] == ["chance, 2K tokens"]  # drawn once
     close("all")

@@ -30,7 +30,10 @@ def test_uninterrupted_run_and_report(reference_run):
     out, records = reference_run
     # 2 passkey + 1 perplexity examples x 3 modes, in canonical order: example-major, modes in order
     assert [(r["key"], r["mode"]) for r in records] == [
-        (k, m) for k in ("passkey/320/0", "passkey/320/1", "perplexity/200/0") for m in ("dense", "infllmv2-query", "infllmv2-forecast")]
+        (k, m)
+        for k in ("passkey/320/0", "passkey/320/1", "perplexity/200/0")
+        for m in ("dense", "infllmv2-query", "infllmv2-forecast")
+    ]
     for r in records:
         assert r["prompt_tokens"] == (320 - 3 if r["task"] == "passkey" else 200)
         assert (r["recall"] is None) == (r["mode"] != "infllmv2-forecast")  # recall: forecast (the default)
@@ -39,7 +42,9 @@ def test_uninterrupted_run_and_report(reference_run):
     # what produced them, in every record and in the report
     assert all(r["run"] == records[0]["run"] for r in records)
     assert records[0]["run"]["heads"] == {"source": "init", "init": "kaiming", "heads_per_group": 1}
-    assert records[0]["run"]["sparse_config"]["block_size"] == 8 and records[0]["run"]["model"].startswith("random test model")
+    assert records[0]["run"]["sparse_config"]["block_size"] == 8 and records[0]["run"]["model"].startswith(
+        "random test model"
+    )
     assert "## What produced these results" in text and "created at load with the `kaiming` init" in text
     geometry = next(line for line in text.splitlines() if "sparse config:" in line)
     assert all(f"{key} {value}," in geometry for key, value in (("block_size", 8), ("kernel_size", 4), ("topk", 3)))
@@ -76,7 +81,9 @@ def test_report_is_marked_stale_while_a_changed_suite_reruns(reference_run, tmp_
 def test_heads_digest_names_the_trained_file(tmp_path):
     (tmp_path / "forecast.safetensors").write_bytes(b"heads v1")
     first = runner.heads_digest({"forecast_weights": str(tmp_path)})
-    assert len(first) == 16 and first == runner.heads_digest({"forecast_weights": str(tmp_path / "forecast.safetensors")})
+    assert len(first) == 16 and first == runner.heads_digest(
+        {"forecast_weights": str(tmp_path / "forecast.safetensors")}
+    )
     (tmp_path / "forecast.safetensors").write_bytes(b"heads v2")  # retrained into the same directory
     assert runner.heads_digest({"forecast_weights": str(tmp_path)}) != first
     assert runner.heads_digest({"forecast_weights": None}) is None
@@ -115,8 +122,20 @@ def test_two_processes_equal_one(reference_run, tmp_path):
     suite = tmp_path / "suite.yaml"
     suite.write_text(yaml.safe_dump(tiny_suite(tmp_path / "out")))
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-           "-m", "forecastkv.eval", "--config", str(suite), "--no-progress"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+        "-m",
+        "forecastkv.eval",
+        "--config",
+        str(suite),
+        "--no-progress",
+    ]
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     shards = [read_jsonl(tmp_path / "out" / f"results.rank{r}.jsonl") for r in (0, 1)]
@@ -125,17 +144,23 @@ def test_two_processes_equal_one(reference_run, tmp_path):
     same_records(read_jsonl(tmp_path / "out" / MERGED), expected)
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"tasks": [{"name": "needle_party", "lengths": [400]}]}, "unknown task 'needle_party'"),
-    ({"modes": ["dense", "psychic"]}, "unknown attention mode 'psychic'"),
-    ({"modes": ["dense@floppy-disk"]}, "cache mode 'floppy-disk'"),
-    ({"tasks": [{"name": "passkey", "lengths": [4000]}]}, r"length 4000 exceeds the model's context \(max_position_embeddings=640\)"),
-    ({"longbench": {"dir": "EMPTY", "tasks": ["hotpotqa"], "lengths": [512]}}, r"lacks \['hotpotqa.jsonl'\]"),
-    ({"longbench": {"dir": "MISSING", "tasks": ["hotpotqa"], "lengths": [512]}}, "does not exist"),
-    ({"modes": ["infllmv2-forecast"], "model": {"forecast": None}}, "needs forecast heads, but the model has none"),
-    ({"modes": ["nosa"]}, "needs NOSA's A/delta"),
-    ({"tasks": [{"name": "cwe", "lengths": [300], "max_new_tokens": 8}]}, "task 'cwe': length 300 is too short"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"tasks": [{"name": "needle_party", "lengths": [400]}]}, "unknown task 'needle_party'"),
+        ({"modes": ["dense", "psychic"]}, "unknown attention mode 'psychic'"),
+        ({"modes": ["dense@floppy-disk"]}, "cache mode 'floppy-disk'"),
+        (
+            {"tasks": [{"name": "passkey", "lengths": [4000]}]},
+            r"length 4000 exceeds the model's context \(max_position_embeddings=640\)",
+        ),
+        ({"longbench": {"dir": "EMPTY", "tasks": ["hotpotqa"], "lengths": [512]}}, r"lacks \['hotpotqa.jsonl'\]"),
+        ({"longbench": {"dir": "MISSING", "tasks": ["hotpotqa"], "lengths": [512]}}, "does not exist"),
+        ({"modes": ["infllmv2-forecast"], "model": {"forecast": None}}, "needs forecast heads, but the model has none"),
+        ({"modes": ["nosa"]}, "needs NOSA's A/delta"),
+        ({"tasks": [{"name": "cwe", "lengths": [300], "max_new_tokens": 8}]}, "task 'cwe': length 300 is too short"),
+    ],
+)
 def test_bad_input_errors_keep_earlier_results(reference_run, tmp_path, change, message):
     out, _ = reference_run
     before = {p.name: p.read_bytes() for p in out.iterdir()}
@@ -151,12 +176,24 @@ def test_bad_input_errors_keep_earlier_results(reference_run, tmp_path, change, 
 
 
 def test_longbench_fixture_end_to_end(tmp_path):
-    suite = tiny_suite(tmp_path, tasks=[], modes=["dense", "infllmv2-query"],
-                       longbench={"dir": str(FIXTURES / "longbench"), "tasks": ["hotpotqa", "trec"], "lengths": [256], "max_new_tokens": 4})
+    suite = tiny_suite(
+        tmp_path,
+        tasks=[],
+        modes=["dense", "infllmv2-query"],
+        longbench={
+            "dir": str(FIXTURES / "longbench"),
+            "tasks": ["hotpotqa", "trec"],
+            "lengths": [256],
+            "max_new_tokens": 4,
+        },
+    )
     records = read_jsonl(runner.run_eval(suite, limit=1)["results"])
     assert [(r["key"], r["mode"]) for r in records] == [
-        ("longbench:hotpotqa/256/0", "dense"), ("longbench:hotpotqa/256/0", "infllmv2-query"),
-        ("longbench:trec/256/0", "dense"), ("longbench:trec/256/0", "infllmv2-query")]
+        ("longbench:hotpotqa/256/0", "dense"),
+        ("longbench:hotpotqa/256/0", "infllmv2-query"),
+        ("longbench:trec/256/0", "dense"),
+        ("longbench:trec/256/0", "infllmv2-query"),
+    ]
     assert records[0]["metric"] == "qa_f1" and records[2]["metric"] == "classification"
     assert records[0]["references"] == ["Graz"] and all(0.0 <= r["score"] <= 1.0 for r in records)
 
@@ -165,12 +202,17 @@ def test_cli_eval_subcommand(reference_run, tmp_path, capsys):
     from forecastkv.cli import main
 
     suite = tmp_path / "suite.yaml"
-    suite.write_text(yaml.safe_dump(tiny_suite(tmp_path / "out", tasks=[{"name": "perplexity", "lengths": [200]}], modes=["dense"])))
+    suite.write_text(
+        yaml.safe_dump(tiny_suite(tmp_path / "out", tasks=[{"name": "perplexity", "lengths": [200]}], modes=["dense"]))
+    )
     assert main(["eval", "--config", str(suite), "--no-progress"]) == 0
     printed = capsys.readouterr().out
     assert "report:" in printed and "What produced these results" in printed and "heads: untrained" in printed
-    table = printed[printed.index("mode "):].splitlines()
-    assert table[0].split()[:4] == ["mode", "length", "score", "perplexity"] and table[1].split()[:2] == ["dense", "200"]
+    table = printed[printed.index("mode ") :].splitlines()
+    assert table[0].split()[:4] == ["mode", "length", "score", "perplexity"] and table[1].split()[:2] == [
+        "dense",
+        "200",
+    ]
     assert len(read_jsonl(tmp_path / "out" / MERGED)) == 1
 
 

@@ -15,13 +15,25 @@ ESSAYS = [
     "Painters study light and shadow. Good taste can be learned? Writing essays helps thinking. " * 30,
     " ".join(a + b + c + d for a in "bcdfgk" for b in "aeiou" for c in "lmnprst" for d in "aeiou") + ".",  # 1050 words
 ]
-NEEDLE_TASKS = ["niah_single_noise", "niah_single_essay", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt", "passkey"]
+NEEDLE_TASKS = [
+    "niah_single_noise",
+    "niah_single_essay",
+    "niah_multikey",
+    "niah_multivalue",
+    "niah_multiquery",
+    "vt",
+    "passkey",
+]
 # every needle of a task as the prompt states it, and how many a prompt holds
 NIAH_NEEDLE = r"One of the special magic numbers for [a-z]+-[a-z]+ is: \d{7}\."
 NEEDLES = {
-    "niah_single_noise": (NIAH_NEEDLE, 1), "niah_single_essay": (NIAH_NEEDLE, 1), "niah_multikey": (NIAH_NEEDLE, 4),
-    "niah_multivalue": (NIAH_NEEDLE, 4), "niah_multiquery": (NIAH_NEEDLE, 4),
-    "vt": (r"VAR [A-Z]{5} = (?:\d{5}|[A-Z]{5})\.", 5), "passkey": (r"The pass key is (\d{5})\. Remember it\. \1 is the pass key\.", 1),
+    "niah_single_noise": (NIAH_NEEDLE, 1),
+    "niah_single_essay": (NIAH_NEEDLE, 1),
+    "niah_multikey": (NIAH_NEEDLE, 4),
+    "niah_multivalue": (NIAH_NEEDLE, 4),
+    "niah_multiquery": (NIAH_NEEDLE, 4),
+    "vt": (r"VAR [A-Z]{5} = (?:\d{5}|[A-Z]{5})\.", 5),
+    "passkey": (r"The pass key is (\d{5})\. Remember it\. \1 is the pass key\.", 1),
 }
 
 
@@ -50,7 +62,9 @@ def needle_depths(codec, ex) -> dict[str, float]:
         assert len(hits) == 1 and begin <= hits[0] and hits[0] + len(ids) <= end, (ex.task, text, hits)
         spans[text] = (hits[0], hits[0] + len(ids))
     haystack = (end - begin) - sum(b - a for a, b in spans.values())
-    return {text: (a - begin - sum(y - x for x, y in spans.values() if y <= a)) / haystack for text, (a, _) in spans.items()}
+    return {
+        text: (a - begin - sum(y - x for x, y in spans.values() if y <= a)) / haystack for text, (a, _) in spans.items()
+    }
 
 
 def queried_needle(ex, depths: dict[str, float]) -> str:
@@ -75,7 +89,11 @@ def check_example(codec, task, length, depth, seed=0):
         assert abs(measured - depth) <= 0.01, (task, measured, depth)
         # the other needles at their own (random) depths, as the generator reports them
         reported = {codec.decode(ex.input_ids[a:b]).strip(): d for a, b, d in ex.meta["needles"]}
-        assert reported.keys() == depths.keys() and all(abs(depths[t] - reported[t]) <= 0.01 for t in depths), (task, depths, reported)
+        assert reported.keys() == depths.keys() and all(abs(depths[t] - reported[t]) <= 0.01 for t in depths), (
+            task,
+            depths,
+            reported,
+        )
         if task == "vt":  # the chain's later links come after its start
             assert min(depths.values()) >= depth - 0.01
         # every reference is in the prompt
@@ -111,7 +129,9 @@ def test_aggregation_references_match_counts():
     words = re.findall(r"\d+\. (\w+)", codec.decode(cwe.input_ids))
     counts = Counter(words)
     top = {w for w, _ in counts.most_common(10)}
-    assert set(cwe.references) == top and min(counts[w] for w in top) > max(c for w, c in counts.items() if w not in top)
+    assert set(cwe.references) == top and min(counts[w] for w in top) > max(
+        c for w, c in counts.items() if w not in top
+    )
     fwe = generate_example("fwe", codec, 6000, essays=ESSAYS)
     begin, end = fwe.meta["context"]
     counts = Counter(codec.decode(fwe.input_ids[begin:end]).split())

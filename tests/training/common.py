@@ -20,16 +20,32 @@ def write_texts(folder: Path, docs: int = 6, words: int = 400, seed: int = 0) ->
         path.write_text(" ".join(rng.choice(WORDS) for _ in range(words)))
         paths.append(str(path))
     held = folder / "held.jsonl"
-    held.write_text("\n".join('{"text": "%s"}' % " ".join(rng.choice(WORDS) for _ in range(300)) for _ in range(2)) + "\n")
+    held.write_text(
+        "\n".join('{"text": "%s"}' % " ".join(rng.choice(WORDS) for _ in range(300)) for _ in range(2)) + "\n"
+    )
     return paths, str(held)
 
 
 def tiny_recipe(folder: Path, output: Path, steps: int = 4, seed: int = 0, **train) -> dict:
     paths, held = write_texts(folder)
     return {
-        "model": {"config": dict(TINY_MODEL), "seed": seed, "sparse_config": dict(TRAINING_SPARSE), "forecast": {"heads_per_group": 1, "init": "kaiming"}},
+        "model": {
+            "config": dict(TINY_MODEL),
+            "seed": seed,
+            "sparse_config": dict(TRAINING_SPARSE),
+            "forecast": {"heads_per_group": 1, "init": "kaiming"},
+        },
         "data": {"source": paths, "tokenizer": "bytes", "seq_len": 64, "eval_source": held, "eval_sequences": 2},
         "objective": {"chunk_size": 24},
-        "train": {"steps": steps, "global_batch": 4, "micro_batch": 1, "lr": 1e-2, "eval_every": 0, "save_every": 2, "progress": False, **train},
+        "train": {
+            "steps": steps,
+            "global_batch": 4,
+            "micro_batch": 1,
+            "lr": 1e-2,
+            "eval_every": 0,
+            "save_every": 2,
+            "progress": False,
+            **train,
+        },
         "output_dir": str(output),
     }

@@ -33,16 +33,22 @@ def test_sparda_recipes_match_the_release():
         recipe = load_recipe(Path(RECIPES[0]).parent / f"{name}.yaml")
         train = recipe["train"]
         assert (train["steps"], train["global_batch"], recipe["data"]["seq_len"]) == (2000, 32, length)
-        assert (train["lr"], train["betas"], train["eps"], train["weight_decay"], train["grad_clip"]) == (5e-4, [0.9, 0.95], 1e-6, 0.01, 0.5)
+        assert (train["lr"], train["betas"], train["eps"], train["weight_decay"], train["grad_clip"]) == (
+            5e-4,
+            [0.9, 0.95],
+            1e-6,
+            0.01,
+            0.5,
+        )
         assert recipe["model"]["sparse_config"] == name
 
 
 def test_recipe_merging_defaults_and_checks(tmp_path):
     from forecastkv.training import recipe as rc
 
-    assert load_recipe is rc.load_recipe                                    # trainer re-exports it
+    assert load_recipe is rc.load_recipe  # trainer re-exports it
     recipe = rc.load_recipe({"model": {"config": {"a": 1, "b": 2}}}, model={"config": {"a": 3}}, max_steps=7)
-    assert recipe["model"]["config"] == {"a": 3}                            # a model config is one value, replaced whole
+    assert recipe["model"]["config"] == {"a": 3}  # a model config is one value, replaced whole
     assert recipe["train"]["max_steps"] == 7 and recipe["train"]["steps"] == rc.DEFAULTS["train"]["steps"]
     assert rc.last_step(recipe["train"]) == 7
     with pytest.raises(ValueError, match=r"unknown recipe key 'data.seq_lenn'; allowed: \["):
@@ -53,7 +59,9 @@ def test_recipe_merging_defaults_and_checks(tmp_path):
         rc.check_recipe(rc.load_recipe({"train": {"log_every": 0}}), world=1)
     with pytest.raises(ValueError, match=r"train.eval_every must be an integer >= -1, got -2"):
         rc.check_recipe(rc.load_recipe({"train": {"eval_every": -2}}), world=1)
-    with pytest.raises(ValueError, match=r"train.global_batch=32 must be a multiple of processes x micro_batch = 3 x 1"):
+    with pytest.raises(
+        ValueError, match=r"train.global_batch=32 must be a multiple of processes x micro_batch = 3 x 1"
+    ):
         rc.check_recipe(rc.load_recipe({}), world=3)
     listing = tmp_path / "list.yaml"
     listing.write_text("- a\n- b\n")
@@ -67,7 +75,7 @@ def test_cli_stop_and_resume(tmp_path):
     out = tmp_path / "run"
     assert main(["--config", str(config), "--output", str(out), "--max-steps", "1", "--no-progress"]) == 0
     assert [p.name for p in list_checkpoints(out)] == ["step-000001.safetensors"]
-    assert main(["--resume", str(out), "--no-progress"]) == 0           # the recipe comes from the checkpoint
+    assert main(["--resume", str(out), "--no-progress"]) == 0  # the recipe comes from the checkpoint
     assert [p.name for p in list_checkpoints(out)][-1] == "step-000003.safetensors"
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3]
@@ -79,11 +87,15 @@ def test_cli_stop_and_resume(tmp_path):
 def test_recall_protocol_and_geometry(tmp_path):
     from forecastkv.training.recall import RecallProtocol, build_parser, resolve_geometry
 
-    assert resolve_geometry(None, None, 12)["topk"] == 12                     # smollm2-135m preset, topk overridden
+    assert resolve_geometry(None, None, 12)["topk"] == 12  # smollm2-135m preset, topk overridden
     side = tmp_path / "heads"
     side.mkdir()
-    (side / "forecast_config.json").write_text(json.dumps({"forecast": {}, "sparse_config": {"kernel_size": 32, "kernel_stride": 16, "block_size": 64, "topk": 5}}))
-    assert resolve_geometry(None, side)["topk"] == 5                          # the heads' own geometry
+    (side / "forecast_config.json").write_text(
+        json.dumps(
+            {"forecast": {}, "sparse_config": {"kernel_size": 32, "kernel_stride": 16, "block_size": 64, "topk": 5}}
+        )
+    )
+    assert resolve_geometry(None, side)["topk"] == 5  # the heads' own geometry
     assert resolve_geometry('{"kernel_size": 4, "kernel_stride": 2, "block_size": 8}')["block_size"] == 8
     with pytest.raises(ValueError, match=r"recall start=2048 must lie in \[0, length=2048\)"):
         RecallProtocol(length=2048, start=2048)

@@ -8,16 +8,23 @@ import pytest
 import torch
 
 from forecastkv.errors import DataError
-from forecastkv.training.data import ByteTokenizer, DatasetRows, PackedSequences, build_sequences, load_documents, tokenize_documents
+from forecastkv.training.data import (
+    ByteTokenizer,
+    DatasetRows,
+    PackedSequences,
+    build_sequences,
+    load_documents,
+    tokenize_documents,
+)
 
 
 def test_txt_jsonl_and_directories(tmp_path):
     (tmp_path / "a.txt").write_text("abc")
     (tmp_path / "b.jsonl").write_text(json.dumps({"text": "de"}) + "\n\n" + json.dumps({"text": "f"}) + "\n")
     assert load_documents([str(tmp_path / "a.txt"), str(tmp_path / "b.jsonl")]) == ["abc", "de", "f"]
-    assert load_documents(str(tmp_path)) == ["abc", "de", "f"]                  # a directory, sorted
+    assert load_documents(str(tmp_path)) == ["abc", "de", "f"]  # a directory, sorted
     tokens = tokenize_documents(["abc", "de"], ByteTokenizer(128))
-    assert tokens.tolist() == [97, 98, 99, 0, 100, 101, 0]                      # EOS after each document
+    assert tokens.tolist() == [97, 98, 99, 0, 100, 101, 0]  # EOS after each document
     with pytest.raises(ValueError, match=r"b.jsonl:1 has no field 'body'"):
         load_documents(str(tmp_path / "b.jsonl"), text_field="body")
     with pytest.raises(DataError, match="missing.txt: no such file or directory"):
@@ -48,7 +55,10 @@ def test_one_byte_codec_for_training_and_eval():
 
     tokenizer = ByteTokenizer(256)
     assert isinstance(tokenizer, ByteCodec) and tokenizer.eos_token_id == 0 and ByteCodec(256).eos_token_id is None
-    assert tokenizer.decode(tokenizer.encode("héllo")) == "héllo" and ByteTokenizer(128).encode("é") == [67, 41]   # 0xc3, 0xa9 mod 128
+    assert tokenizer.decode(tokenizer.encode("héllo")) == "héllo" and ByteTokenizer(128).encode("é") == [
+        67,
+        41,
+    ]  # 0xc3, 0xa9 mod 128
     assert tokenize_documents(["ab", "c"], ByteCodec(128)).tolist() == [97, 98, 99]
     assert tokenize_documents(["ab", "c"], ByteCodec(128, eos_token_id=5)).tolist() == [97, 98, 5, 99, 5]
     with pytest.raises(ValueError, match=r"ByteCodec vocab_size must be a positive integer, got 0"):
@@ -61,15 +71,15 @@ def test_packing_order_and_resume():
     assert data.sequences.shape == (10, 10)
     first = data.take(4)
     again = PackedSequences(tokens, seq_len=10, seed=3).take(4)
-    assert torch.equal(first, again)                                             # deterministic
+    assert torch.equal(first, again)  # deterministic
     assert not torch.equal(first, PackedSequences(tokens, seq_len=10, seed=4).take(4))
     state = data.state_dict()
-    rest = data.take(13)                                                         # crosses into epoch 1
+    rest = data.take(13)  # crosses into epoch 1
     resumed = PackedSequences(tokens, seq_len=10, seed=3)
     resumed.load_state_dict(state)
     assert torch.equal(resumed.take(13), rest)
     epoch0 = torch.cat([first, rest[:6]])[:, 0].sort().values
-    assert epoch0.tolist() == list(range(0, 100, 10))                            # each sequence once per epoch
+    assert epoch0.tolist() == list(range(0, 100, 10))  # each sequence once per epoch
     with pytest.raises(ValueError, match=r"checkpoint's num_sequences=10 but this dataset has num_sequences=9"):
         PackedSequences(torch.arange(95), seq_len=10, seed=3).load_state_dict(state)
 
@@ -97,9 +107,12 @@ def test_too_short_and_empty(tmp_path):
 
 
 def test_datasets_is_optional_and_lazy(monkeypatch):
-    code = "import sys, forecastkv.training.data, forecastkv.training; print('datasets' in sys.modules, 'forecastkv.eval' in sys.modules)"
+    code = (
+        "import sys, forecastkv.training.data, forecastkv.training; "
+        "print('datasets' in sys.modules, 'forecastkv.eval' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0 and out.stdout.strip() == "False False"    # nor does training import eval
+    assert out.returncode == 0 and out.stdout.strip() == "False False"  # nor does training import eval
     monkeypatch.setitem(sys.modules, "datasets", None)  # as on a machine without it (lm-eval installs it here)
     with pytest.raises(ImportError, match=r"needs the `datasets` package"):
         load_documents("some-org/some-dataset")

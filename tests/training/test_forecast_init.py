@@ -12,7 +12,9 @@ from tests.helpers import TINY_MODEL, TRAINING_SPARSE
 
 def tiny(heads_per_group=1, seed=0, forecast=True):
     torch.manual_seed(seed)
-    config = ForecastKVConfig(**TINY_MODEL, sparse_config=TRAINING_SPARSE, forecast={"enabled": forecast, "heads_per_group": heads_per_group})
+    config = ForecastKVConfig(
+        **TINY_MODEL, sparse_config=TRAINING_SPARSE, forecast={"enabled": forecast, "heads_per_group": heads_per_group}
+    )
     return ForecastKVForCausalLM(config)
 
 
@@ -26,14 +28,16 @@ def test_kaiming_bounds_and_seed():
     apply_forecast_init(b, "kaiming", seed=3)
     ha, hb = heads(a), heads(b)
     bound = 1 / math.sqrt(TINY_MODEL["hidden_size"])
-    unused = "model.layers.2.self_attn.forecast_proj.weight"    # the last layer's: no consumer
+    unused = "model.layers.2.self_attn.forecast_proj.weight"  # the last layer's: no consumer
     assert not ha.pop(unused).any() and not hb.pop(unused).any()
     for key, value in ha.items():
-        assert torch.equal(value, hb[key])                       # the seed alone fixes the weights
+        assert torch.equal(value, hb[key])  # the seed alone fixes the weights
         assert value.abs().max() <= bound
         assert abs(value.std().item() - bound / math.sqrt(3)) < 0.15 * bound
     apply_forecast_init(b, "kaiming", seed=4)
-    assert not torch.equal(heads(b)["model.layers.0.self_attn.forecast_proj.weight"], ha["model.layers.0.self_attn.forecast_proj.weight"])
+    assert not torch.equal(
+        heads(b)["model.layers.0.self_attn.forecast_proj.weight"], ha["model.layers.0.self_attn.forecast_proj.weight"]
+    )
 
 
 @pytest.mark.parametrize("n, split", [(1, [[0, 1, 2]]), (2, [[0, 1], [2]]), (3, [[0], [1], [2]])])
@@ -50,7 +54,12 @@ def test_next_query_copies_head_averaged_queries(n, split):
         return torch.stack([q[:, part].mean(dim=1) for part in split], dim=1).reshape(-1, hidden)
 
     for l in range(2):
-        torch.testing.assert_close(layers[l].self_attn.forecast_proj.weight, averaged(layers[l + 1].self_attn.q_proj.weight), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(
+            layers[l].self_attn.forecast_proj.weight,
+            averaged(layers[l + 1].self_attn.q_proj.weight),
+            rtol=1e-5,
+            atol=1e-6,
+        )
     torch.testing.assert_close(layers[0].self_attn.current_proj.weight, averaged(layers[0].self_attn.q_proj.weight))
     assert not layers[2].self_attn.forecast_proj.weight.any()
 
@@ -95,13 +104,17 @@ def test_next_query_scale_on_smollm2(bundled_path):
     """On the real SmolLM2 the copied heads stay at the q_proj scale on every layer (max |w| within
     4x of the copied q_proj's, measured <= 3.0), where the plain ratio-corrected copy of layer 0 is
     ~290x larger (layer-0 norm weights down to 2e-4)."""
-    model = ForecastKVForCausalLM.from_pretrained(bundled_path, sparse_config="smollm2-135m", forecast={"init": "kaiming"})
+    model = ForecastKVForCausalLM.from_pretrained(
+        bundled_path, sparse_config="smollm2-135m", forecast={"init": "kaiming"}
+    )
     apply_forecast_init(model, "next_query")
     layers = model.model.layers
     q_max = [layers[l + 1].self_attn.q_proj.weight.abs().max().item() for l in range(29)]
     scales = [layers[l].self_attn.forecast_proj.weight.abs().max().item() / q_max[l] for l in range(29)]
     assert max(scales) < 4.0, scales
-    raw = head_averaged_query(layers[1].self_attn.q_proj.weight, 3, 1, 64) * (layers[1].input_layernorm.weight / layers[0].input_layernorm.weight)
+    raw = head_averaged_query(layers[1].self_attn.q_proj.weight, 3, 1, 64) * (
+        layers[1].input_layernorm.weight / layers[0].input_layernorm.weight
+    )
     assert raw.abs().max().item() / q_max[0] > 50
 
 
@@ -119,4 +132,4 @@ def test_created_heads_are_deterministic(tmp_path, init):
     assert set(loads[0]) == set(loads[1]) and len(loads[0]) == 4
     for key, value in loads[0].items():
         assert torch.equal(value, loads[1][key]), key
-    assert not loads[0]["model.layers.2.self_attn.forecast_proj.weight"].any()   # no consumer: zero
+    assert not loads[0]["model.layers.2.self_attn.forecast_proj.weight"].any()  # no consumer: zero

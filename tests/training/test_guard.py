@@ -49,13 +49,16 @@ def test_guard_restores_only_layers_that_fell(tmp_path):
 
 def test_trainer_guard_runs_once_and_resumes(tmp_path):
     extra = {"val_sequences": 2, "val_seq_len": 96}
-    recipe = lambda out: {**tiny_recipe(tmp_path / "data", out, steps=4, save_every=2), "data": {**tiny_recipe(tmp_path / "data", out)["data"], **extra}}
+    recipe = lambda out: {
+        **tiny_recipe(tmp_path / "data", out, steps=4, save_every=2),
+        "data": {**tiny_recipe(tmp_path / "data", out)["data"], **extra},
+    }
     full = train_forecast(recipe(tmp_path / "full"))
     assert full.guard is not None and len(full.guard["start"]) == 3 and full.guard["length"] == 96
     rows = [json.loads(line) for line in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
     assert sum("guard" in row for row in rows) == 1 and "guard" in (tmp_path / "full" / "recall.md").read_text()
     heads = dict(forecast_heads(full.model))
-    for layer in full.guard["restored"]:   # a restored layer scores its start again in the final eval
+    for layer in full.guard["restored"]:  # a restored layer scores its start again in the final eval
         assert layer in range(3) and recall_head_name(layer) in heads
     train_forecast(recipe(tmp_path / "cut"), max_steps=2)
     resumed = train_forecast(recipe(tmp_path / "other"), resume=str(tmp_path / "cut"))

@@ -7,7 +7,15 @@ import torch
 
 from forecastkv.modeling import SparseConfig
 from forecastkv.modeling.selection import compress_keys
-from forecastkv.training.objective import ObjectiveConfig, TopkTargets, align_to_grid, layer_loss, rows_kl, teacher_rows, topk_targets
+from forecastkv.training.objective import (
+    ObjectiveConfig,
+    TopkTargets,
+    align_to_grid,
+    layer_loss,
+    rows_kl,
+    teacher_rows,
+    topk_targets,
+)
 from tests.helpers import TRAINING_SPARSE as TINY_SPARSE
 
 EPS = 1e-8
@@ -59,8 +67,11 @@ def ref_selection(teacher, t, sp, n_blocks, width):
     qb = t // bs
     scores = []
     for j in range(n_blocks):
-        vals = [float(teacher[c]) for c in range(teacher.shape[0])
-                if c * s < (j + 1) * bs and c * s + p > j * bs and c * s + p <= t]
+        vals = [
+            float(teacher[c])
+            for c in range(teacher.shape[0])
+            if c * s < (j + 1) * bs and c * s + p > j * bs and c * s + p <= t
+        ]
         score = max(vals) if vals else -math.inf
         if j < sp["init_blocks"] or qb - local <= j <= qb:
             score = math.inf
@@ -116,7 +127,10 @@ def reference_loss(q, k, f, sp, objective, policy="infllmv2"):
                 sq = sum(ref_softmax_visible(f[b, t, g * n + v], coarse, vis_c) for v in range(n)) / n
                 sq = sq / (sq.sum() + EPS)
                 if objective.loss == "full":
-                    total = total + sum(tp[i] * (torch.log(tp[i].clamp(min=EPS)) - torch.log(sq[i].clamp(min=EPS))) for i in range(count))
+                    total = total + sum(
+                        tp[i] * (torch.log(tp[i].clamp(min=EPS)) - torch.log(sq[i].clamp(min=EPS)))
+                        for i in range(count)
+                    )
                     continue
                 chosen, width_ = ref_selection(tp, t, sp, n_blocks, width)
                 slots = []
@@ -152,8 +166,12 @@ CASES = [
     ("infllmv2, n=1, chunked", dict(TINY_SPARSE), 1, ObjectiveConfig(chunk_size=16)),
     ("infllmv2, n=2, one chunk", dict(TINY_SPARSE), 2, ObjectiveConfig(chunk_size=64)),
     ("nosa shortlist", dict(TINY_SPARSE, policy="nosa", topk=6, query_blocks=2), 1, ObjectiveConfig(chunk_size=7)),
-    ("wider fine grid 4/2 on 8/4", dict(TINY_SPARSE, kernel_size=8, kernel_stride=4, block_size=16, window_size=16, topk=4), 1,
-     ObjectiveConfig(teacher_kernel=4, teacher_stride=2, chunk_size=13)),
+    (
+        "wider fine grid 4/2 on 8/4",
+        dict(TINY_SPARSE, kernel_size=8, kernel_stride=4, block_size=16, window_size=16, topk=4),
+        1,
+        ObjectiveConfig(teacher_kernel=4, teacher_stride=2, chunk_size=13),
+    ),
     ("full-row KL", dict(TINY_SPARSE), 1, ObjectiveConfig(loss="full", chunk_size=16)),
 ]
 
@@ -168,7 +186,7 @@ def test_loss_matches_loops_reference(name, sp, n, objective):
     expected = reference_loss(q, k, f_ref, sp, objective, policy=sp.get("policy", "infllmv2"))
     (grad_ref,) = torch.autograd.grad(expected, f_ref)
     assert loss.item() > 1e-3
-    assert abs(loss.item() - expected.item()) <= 1e-5 * abs(expected.item())      # fp32, rel 1e-5
+    assert abs(loss.item() - expected.item()) <= 1e-5 * abs(expected.item())  # fp32, rel 1e-5
     assert (grad - grad_ref).norm() / grad_ref.norm() < 1e-4
 
 
@@ -208,23 +226,27 @@ def test_topk_targets_are_row_local():
     fine = compress_keys(k, objective.teacher_kernel, objective.teacher_stride)
     positions = torch.arange(48).expand(2, -1)
     teacher = teacher_rows(q, fine, positions, sparse, objective, ckeys.shape[1])
-    cached = TopkTargets.cat([topk_targets(teacher[:, :, s : s + 16], positions[:, s : s + 16], sparse) for s in range(0, 48, 16)], dim=2)
+    cached = TopkTargets.cat(
+        [topk_targets(teacher[:, :, s : s + 16], positions[:, s : s + 16], sparse) for s in range(0, 48, 16)], dim=2
+    )
     assert all(torch.equal(a, b) for a, b in zip(cached, topk_targets(teacher, positions, sparse)))
-    index = torch.tensor([[25, 30, 33, 39], [24, 31, 36, 38]])   # rows < 40: 5 blocks, not the 6 of all rows
+    index = torch.tensor([[25, 30, 33, 39], [24, 31, 36, 38]])  # rows < 40: 5 blocks, not the 6 of all rows
     rows_teacher = torch.stack([teacher[b][:, index[b]] for b in range(2)])
     rows_f, rows_pos = torch.stack([f[b, index[b]] for b in range(2)]), torch.gather(positions, 1, index)
     taken, direct = cached.take(index), topk_targets(rows_teacher, rows_pos, sparse)
     assert all(torch.equal(a, b) for a, b in zip(taken, direct))
     assert taken.valid.any() and not taken.valid.all()
     with_cache = rows_kl(rows_f, ckeys, rows_pos, rows_teacher, sparse, "topk", taken)
-    assert with_cache.item() > 0 and torch.equal(with_cache, rows_kl(rows_f, ckeys, rows_pos, rows_teacher, sparse, "topk"))
+    assert with_cache.item() > 0 and torch.equal(
+        with_cache, rows_kl(rows_f, ckeys, rows_pos, rows_teacher, sparse, "topk")
+    )
 
 
 def test_align_to_grid_geometry():
     fine = torch.arange(1.0, 12.0)  # Cf = 11, ratio 4: windows [-1..3], [3..7], [7..11]
     assert align_to_grid(fine, 4, 3).tolist() == [4.0, 8.0, 11.0]
-    assert align_to_grid(fine, 4, 5).tolist() == [4.0, 8.0, 11.0, 0.0, 0.0]       # zero-padded
-    assert align_to_grid(fine, 4, 2).tolist() == [4.0, 8.0]                        # truncated
+    assert align_to_grid(fine, 4, 5).tolist() == [4.0, 8.0, 11.0, 0.0, 0.0]  # zero-padded
+    assert align_to_grid(fine, 4, 2).tolist() == [4.0, 8.0]  # truncated
     assert torch.allclose(align_to_grid(fine, 4, 1, "mean"), torch.tensor([(1 + 2 + 3 + 4) / 5]))
 
 

@@ -30,7 +30,11 @@ HEAD = "model.layers.1.self_attn.forecast_proj.weight"
 
 
 def heads_of(result):
-    return {k: v.detach().clone() for k, v in result.model.state_dict().items() if "forecast_proj" in k or "current_proj" in k}
+    return {
+        k: v.detach().clone()
+        for k, v in result.model.state_dict().items()
+        if "forecast_proj" in k or "current_proj" in k
+    }
 
 
 def assert_same_heads(a, b):
@@ -58,12 +62,15 @@ def test_stale_temporaries_are_removed_at_start(tmp_path):
     """Issue 26 item 11: `.step-*.safetensors.*.tmp` (and the run files' temporaries) left by a
     kill inside an atomic write are deleted when the next run starts; other files stay."""
     out = tmp_path / "run"
-    stale = [out / "checkpoints" / ".step-000002.safetensors.k3x9a1b2.tmp", out / ".forecast.safetensors.q1w2e3r4.tmp",
-             out / ".metrics.jsonl.a8b7c6d5.tmp"]
+    stale = [
+        out / "checkpoints" / ".step-000002.safetensors.k3x9a1b2.tmp",
+        out / ".forecast.safetensors.q1w2e3r4.tmp",
+        out / ".metrics.jsonl.a8b7c6d5.tmp",
+    ]
     for path in stale:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(b"\0" * 1024)
-    mine = out / ".notes.txt.abcdefgh.tmp"   # not a file the run writes: left alone
+    mine = out / ".notes.txt.abcdefgh.tmp"  # not a file the run writes: left alone
     mine.write_text("user file")
     train_forecast(tiny_recipe(tmp_path / "data", out, steps=2))
     assert [p for p in stale if p.exists()] == []
@@ -82,7 +89,7 @@ def test_fresh_run_into_a_killed_runs_directory_resumes_without_duplicates(tmp_p
     full = train_forecast(tiny_recipe(tmp_path / "data", tmp_path / "full", steps=5, save_every=2))
     out = tmp_path / "killed"
     train_forecast(tiny_recipe(tmp_path / "data", out, steps=5, save_every=2), max_steps=3)
-    (out / "checkpoints" / "step-000003.safetensors").unlink()   # killed after logging step 3, before its checkpoint
+    (out / "checkpoints" / "step-000003.safetensors").unlink()  # killed after logging step 3, before its checkpoint
     assert metric_steps(out) == [1, 2, 3]
     rerun = train_forecast(tiny_recipe(tmp_path / "data", out, steps=5, save_every=2))
     assert "resuming the interrupted run" in capsys.readouterr().err
@@ -115,12 +122,14 @@ def test_rerun_into_a_finished_directory_is_refused(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "holds a finished run (step 2 of 2)" in err[0]
     assert f"--resume {out}" in err[0] and "--overwrite" in err[0] and "Traceback" not in err[0]
-    assert (out / "metrics.jsonl").read_text() == before and (out / "forecast.safetensors").stat().st_mtime_ns == weights
+    assert (out / "metrics.jsonl").read_text() == before and (
+        out / "forecast.safetensors"
+    ).stat().st_mtime_ns == weights
     with pytest.raises(RunExists):
         train_forecast(tiny_recipe(tmp_path / "data", out, steps=2))
     assert forecastkv_main([*argv, "--overwrite"]) == 0
     assert "--overwrite: deleted the previous run" in capsys.readouterr().err
-    assert metric_steps(out) == [1, 2]                    # one history, not two
+    assert metric_steps(out) == [1, 2]  # one history, not two
 
 
 def test_last_line_says_when_recall_fell(tmp_path, capsys, monkeypatch):
@@ -135,11 +144,19 @@ def test_last_line_says_when_recall_fell(tmp_path, capsys, monkeypatch):
     falling.calls = 0
     monkeypatch.setattr(trainer_module, "evaluate", falling)
     config = write_config(tmp_path, steps=2)
-    assert forecastkv_main(["train-forecast", "--config", str(config), "--output", str(tmp_path / "run"), "--no-progress"]) == 0
+    assert (
+        forecastkv_main(["train-forecast", "--config", str(config), "--output", str(tmp_path / "run"), "--no-progress"])
+        == 0
+    )
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last.startswith("WARNING: mean forecast recall FELL 0.9000 (step 0) -> 0.8000 (step 2)")
-    assert recall_change([{"step": 0, "mean_recall": 0.5}, {"step": 9, "mean_recall": 0.6}]) == "mean forecast recall rose 0.5000 (step 0) -> 0.6000 (step 9)"
-    assert recall_change([{"step": 3, "mean_recall": 0.5}, {"step": 9, "mean_recall": 0.4}]) is None   # no start to compare with
+    assert (
+        recall_change([{"step": 0, "mean_recall": 0.5}, {"step": 9, "mean_recall": 0.6}])
+        == "mean forecast recall rose 0.5000 (step 0) -> 0.6000 (step 9)"
+    )
+    assert (
+        recall_change([{"step": 3, "mean_recall": 0.5}, {"step": 9, "mean_recall": 0.4}]) is None
+    )  # no start to compare with
 
 
 # ----------------------------------------------------------------------------------------------
@@ -198,7 +215,7 @@ def test_resume_reuses_the_cached_features(tmp_path, monkeypatch):
     still ends bit-identical to an uninterrupted run.  A damaged cache file is rebuilt."""
     recipe = lambda out: tiny_recipe(tmp_path / "data", out, steps=6, save_every=2, steps_per_round=6, rows_per_step=8)  # noqa: E731
     full = train_forecast(recipe(tmp_path / "full"))
-    assert not (tmp_path / "full" / "features").exists()          # a finished run keeps no cache
+    assert not (tmp_path / "full" / "features").exists()  # a finished run keeps no cache
     out = tmp_path / "cut"
     first = train_forecast(recipe(out), max_steps=3)
     assert first.speed["features_built"] == 4 and first.speed["features_read"] == 0
@@ -235,7 +252,9 @@ def test_feature_key_covers_what_features_depend_on(tmp_path):
     recipe = load_recipe(tiny_recipe(tmp_path / "data", tmp_path / "run"))
     model, _ = build_model(recipe["model"], torch.device("cpu"))
     ids = torch.arange(64).view(1, 64)
-    key = lambda r, ids=ids, rnd=0, chunk=0: feature_key(feature_identity(r, model, "fp", "cpu", "no"), ids, rnd, chunk, model)  # noqa: E731
+    key = lambda r, ids=ids, rnd=0, chunk=0: feature_key(
+        feature_identity(r, model, "fp", "cpu", "no"), ids, rnd, chunk, model
+    )  # noqa: E731
     base = key(recipe)
     changed = [
         {**recipe, "data": {**recipe["data"], "row_start": 8}},
@@ -243,7 +262,9 @@ def test_feature_key_covers_what_features_depend_on(tmp_path):
         {**recipe, "model": {**recipe["model"], "seed": 1}},
         {**recipe, "model": {**recipe["model"], "backbone": "dense"}},
     ]
-    assert len({base, *(key(r) for r in changed), key(recipe, ids=ids + 1), key(recipe, rnd=1), key(recipe, chunk=1)}) == 8
+    assert (
+        len({base, *(key(r) for r in changed), key(recipe, ids=ids + 1), key(recipe, rnd=1), key(recipe, chunk=1)}) == 8
+    )
     assert key(recipe) == base
 
 
@@ -281,7 +302,7 @@ def test_interrupt_in_process_writes_a_checkpoint(tmp_path, monkeypatch):
 
     def interrupted(*args):
         loss = real(*args)
-        if args[4] == 2:   # the step that makes step 3
+        if args[4] == 2:  # the step that makes step 3
             os.kill(os.getpid(), signal.SIGINT)
         return loss
 
@@ -292,9 +313,11 @@ def test_interrupt_in_process_writes_a_checkpoint(tmp_path, monkeypatch):
     assert stop.value.exit_status == 130 and stop.value.step == 3
     assert [p.name for p in list_checkpoints(out)] == ["step-000003.safetensors"]
     assert f"resume with: forecastkv train-forecast --resume {out}" in stop.value.message()
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler          # handlers restored
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
     monkeypatch.setattr(trainer_module, "backward_step", real)
-    assert_same_heads(full, train_forecast(tiny_recipe(tmp_path / "data", out, steps=5, save_every=10), resume=str(out)))
+    assert_same_heads(
+        full, train_forecast(tiny_recipe(tmp_path / "data", out, steps=5, save_every=10), resume=str(out))
+    )
 
 
 @pytest.mark.parametrize("signum, status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
@@ -305,8 +328,17 @@ def test_a_signal_at_a_random_step_leaves_a_checkpoint(tmp_path, signum, status)
     config = write_config(tmp_path, steps=100000, save_every=100000, log_every=1, eval_every=-1, threads=1)
     out = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-c", "import sys; from forecastkv.cli import main; sys.exit(main())",
-           "train-forecast", "--config", str(config), "--output", str(out), "--no-progress"]
+    cmd = [
+        sys.executable,
+        "-c",
+        "import sys; from forecastkv.cli import main; sys.exit(main())",
+        "train-forecast",
+        "--config",
+        str(config),
+        "--output",
+        str(out),
+        "--no-progress",
+    ]
     proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
     while time.time() < deadline and not ((out / "metrics.jsonl").is_file() and metric_steps(out)):
@@ -342,16 +374,39 @@ def test_data_seq_len_and_steps_overrides(tmp_path, capsys):
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     (corpus / "a.txt").write_text("my own corpus " * 300)
-    (corpus / "b.jsonl").write_text("\n".join(json.dumps({"text": "line %d of mine " % i * 20}) for i in range(20)) + "\n")
+    (corpus / "b.jsonl").write_text(
+        "\n".join(json.dumps({"text": "line %d of mine " % i * 20}) for i in range(20)) + "\n"
+    )
     out = tmp_path / "run"
-    assert forecastkv_main(["train-forecast", "--config", str(config), "--output", str(out), "--data", str(corpus),
-                            "--seq-len", "32", "--steps", "2", "--no-progress"]) == 0
+    assert (
+        forecastkv_main(
+            [
+                "train-forecast",
+                "--config",
+                str(config),
+                "--output",
+                str(out),
+                "--data",
+                str(corpus),
+                "--seq-len",
+                "32",
+                "--steps",
+                "2",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     recipe = json.loads((out / "recipe.json").read_text())
     assert (recipe["data"]["source"], recipe["data"]["seq_len"], recipe["train"]["steps"]) == (str(corpus), 32, 2)
     assert metric_steps(out) == [1, 2]
     capsys.readouterr()
-    for bad, says in ((["--seq-len", "0"], "must be at least 1"), (["--steps", "x"], "expected a positive integer"),
-                      (["--data", str(tmp_path / "missing.jsonl")], "does not exist"), (["--data", str(config)], "neither a .txt nor a .jsonl")):
+    for bad, says in (
+        (["--seq-len", "0"], "must be at least 1"),
+        (["--steps", "x"], "expected a positive integer"),
+        (["--data", str(tmp_path / "missing.jsonl")], "does not exist"),
+        (["--data", str(config)], "neither a .txt nor a .jsonl"),
+    ):
         with pytest.raises(SystemExit) as exit_:
             forecastkv_main(["train-forecast", "--config", str(config), "--output", str(tmp_path / "bad"), *bad])
         assert exit_.value.code == 2

@@ -42,13 +42,13 @@ def test_only_forecast_heads_change(tmp_path):
 
     recipe = tiny_recipe(tmp_path / "data", tmp_path / "run", steps=3)
     before, _ = build_model(load_recipe(recipe)["model"], torch.device("cpu"))
-    apply_forecast_init(before, "kaiming", seed=0)   # what the trainer starts from (train.seed = 0)
+    apply_forecast_init(before, "kaiming", seed=0)  # what the trainer starts from (train.seed = 0)
     before = {k: v.clone() for k, v in before.state_dict().items()}
     result = train_forecast(recipe)
     after = result.model.state_dict()
     assert set(after) == set(before)
     changed = {k for k in after if not torch.equal(after[k], before[k])}
-    assert changed == HEADS                      # the last layer's forecast_proj has no consumer
+    assert changed == HEADS  # the last layer's forecast_proj has no consumer
     assert not any(p.requires_grad for n, p in result.model.named_parameters() if n not in HEADS)
 
     # outputs: forecast weights under their state-dict names, the loader's side config, a recall table
@@ -69,9 +69,9 @@ def test_only_forecast_heads_change(tmp_path):
     assert {"optimizer", "scheduler", "rng", "data", "recipe", "fingerprint"} <= set(state)
     assert not any(key.startswith("model.") for key in state if key != "trainable")
     assert {"torch", "python", "numpy"} <= set(state["rng"]) and isinstance(state["rng"]["python"], tuple)
-    assert set(state["optimizer"]["state"]) == {0, 1, 2}                # integer keys survive the JSON
+    assert set(state["optimizer"]["state"]) == {0, 1, 2}  # integer keys survive the JSON
     assert state["data"]["cursor"] == 12 % state["data"]["num_sequences"] and state["recipe"]["train"]["steps"] == 3
-    with safe_open(str(last), "pt") as f:                               # the tensors: heads, optimizer moments, RNG
+    with safe_open(str(last), "pt") as f:  # the tensors: heads, optimizer moments, RNG
         assert {name.split("/")[0] for name in f.keys()} == {"trainable", "optimizer", "rng"}
 
 
@@ -79,14 +79,19 @@ def test_resume_matches_uninterrupted_run(tmp_path):
     full = train_forecast(tiny_recipe(tmp_path / "data", tmp_path / "full", steps=5, save_every=2))
     stopped = train_forecast(tiny_recipe(tmp_path / "data", tmp_path / "cut", steps=5, save_every=2), max_steps=3)
     assert stopped.step == 3
-    assert [p.name for p in list_checkpoints(tmp_path / "cut")] == ["step-000002.safetensors", "step-000003.safetensors"]
-    resumed = train_forecast(tiny_recipe(tmp_path / "data", tmp_path / "other", steps=5, save_every=2), resume=str(tmp_path / "cut"))
+    assert [p.name for p in list_checkpoints(tmp_path / "cut")] == [
+        "step-000002.safetensors",
+        "step-000003.safetensors",
+    ]
+    resumed = train_forecast(
+        tiny_recipe(tmp_path / "data", tmp_path / "other", steps=5, save_every=2), resume=str(tmp_path / "cut")
+    )
     assert resumed.step == 5 and resumed.output_dir == tmp_path / "cut"
     a, b = heads_of(full.model), heads_of(resumed.model)
-    assert all(torch.equal(a[k], b[k]) for k in HEADS)          # exact
+    assert all(torch.equal(a[k], b[k]) for k in HEADS)  # exact
     assert [loss for _, loss in full.losses] == [loss for _, loss in resumed.losses]
     steps = [json.loads(line)["step"] for line in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()]
-    assert steps == sorted(steps)                                  # the killed run's tail was dropped
+    assert steps == sorted(steps)  # the killed run's tail was dropped
     # speed counts the optimizer steps this call ran (4 and 5), over the time they took
     assert resumed.speed["steps_per_s"] * resumed.speed["step_s"] == pytest.approx(2, rel=1e-9)
 
@@ -110,16 +115,21 @@ def test_pickled_checkpoint_is_refused_unread(tmp_path):
     run = tmp_path / "run"
     marker = tmp_path / "unpickled"
     (run / "checkpoints").mkdir(parents=True)
-    bad = run / "checkpoints" / "step-000004.safetensors"   # named like a checkpoint
+    bad = run / "checkpoints" / "step-000004.safetensors"  # named like a checkpoint
     torch.save({"step": 4, "trainable": {}, "payload": Payload(marker)}, bad)
-    with pytest.raises(ValueError, match=r"step-000004.safetensors is not a forecastkv checkpoint .* unpickling can run arbitrary code"):
+    with pytest.raises(
+        ValueError, match=r"step-000004.safetensors is not a forecastkv checkpoint .* unpickling can run arbitrary code"
+    ):
         load_checkpoint(bad)
     with pytest.raises(ValueError, match=r"not a forecastkv checkpoint"):
         train_forecast(tiny_recipe(tmp_path / "data", tmp_path / "other", steps=2), resume=str(run))
     assert not marker.exists()
     # an older run's pickled .pt checkpoints are not picked up, and the error says why
     bad.rename(run / "checkpoints" / "step-000004.pt")
-    with pytest.raises(FileNotFoundError, match=r"holds no checkpoints .* 1 pickled .pt checkpoint\(s\) of an older version are not loaded"):
+    with pytest.raises(
+        FileNotFoundError,
+        match=r"holds no checkpoints .* 1 pickled .pt checkpoint\(s\) of an older version are not loaded",
+    ):
         find_checkpoint(run)
     assert not marker.exists()
 
@@ -135,19 +145,32 @@ def test_checkpoint_state_round_trips(tmp_path):
     """Tuples, integer keys, numpy arrays, 0-d and empty tensors, NaN come back as they were."""
     rng = numpy.random.RandomState(3).get_state()
     state = {
-        "python": random.Random(1).getstate(), "numpy": rng, "ints": {0: {"t": torch.tensor(2.5)}, 7: None},
-        "empty": torch.zeros(0, 3), "pairs": [(1, 0.1), (2, float("nan"))], "path": pathlib.Path("a/b"), "flag": True,
+        "python": random.Random(1).getstate(),
+        "numpy": rng,
+        "ints": {0: {"t": torch.tensor(2.5)}, 7: None},
+        "empty": torch.zeros(0, 3),
+        "pairs": [(1, 0.1), (2, float("nan"))],
+        "path": pathlib.Path("a/b"),
+        "flag": True,
     }
     loaded = load_checkpoint(save_checkpoint(tmp_path, 1, state))
     assert loaded["python"] == state["python"]
-    assert loaded["numpy"][0] == "MT19937" and loaded["numpy"][1].dtype == rng[1].dtype and (loaded["numpy"][1] == rng[1]).all()
+    assert (
+        loaded["numpy"][0] == "MT19937"
+        and loaded["numpy"][1].dtype == rng[1].dtype
+        and (loaded["numpy"][1] == rng[1]).all()
+    )
     assert loaded["numpy"][2:] == rng[2:]
-    assert set(loaded["ints"]) == {0, 7} and torch.equal(loaded["ints"][0]["t"], torch.tensor(2.5)) and loaded["ints"][7] is None
+    assert (
+        set(loaded["ints"]) == {0, 7}
+        and torch.equal(loaded["ints"][0]["t"], torch.tensor(2.5))
+        and loaded["ints"][7] is None
+    )
     assert loaded["empty"].shape == (0, 3) and loaded["pairs"][0] == (1, 0.1) and math.isnan(loaded["pairs"][1][1])
     assert loaded["path"] == "a/b" and loaded["flag"] is True
     with pytest.raises(TypeError, match=r"checkpoint state at 'bad/0' is a builtins.set; a checkpoint holds tensors"):
         save_checkpoint(tmp_path, 2, {"bad": [{1, 2}]})
-    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-000001.safetensors"]   # the failed write left nothing
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-000001.safetensors"]  # the failed write left nothing
 
 
 # ----------------------------------------------------------------------------------------------
@@ -162,8 +185,20 @@ def _cli_run(tmp_path: Path, processes: int) -> Path:
     config = tmp_path / f"procs{processes}.yaml"
     config.write_text(yaml.safe_dump(tiny_recipe(tmp_path / "data", out, steps=3, threads=1)))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_port", str(free_port()),
-           "-m", "forecastkv.training.cli", "--config", str(config), "--no-progress"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(processes),
+        "--master_port",
+        str(free_port()),
+        "-m",
+        "forecastkv.training.cli",
+        "--config",
+        str(config),
+        "--no-progress",
+    ]
     run = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert json.loads((out / "recipe.json").read_text())["processes"] == processes
@@ -196,7 +231,9 @@ def test_two_processes_match_one(tmp_path):
     for key in HEADS:
         assert (a[key] - b[key]).abs().max().item() <= 5e-4, key
     for key in ("grad_norm", "loss"):
-        assert len(_logged(one, key)) == 3 and _logged(one, key) == pytest.approx(_logged(two, key), rel=5e-6, abs=0), key
+        assert len(_logged(one, key)) == 3 and _logged(one, key) == pytest.approx(_logged(two, key), rel=5e-6, abs=0), (
+            key
+        )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -230,7 +267,7 @@ def test_empty_and_too_short_datasets(tmp_path):
     recipe["data"]["source"] = str(short)
     with pytest.raises(ValueError, match=r"has 12 tokens, fewer than one sequence of seq_len=64"):
         train_forecast(recipe)
-    recipe["data"]["source"] = str(tmp_path / "data" / "doc0.txt")   # 1550 bytes = 24 sequences of 64
+    recipe["data"]["source"] = str(tmp_path / "data" / "doc0.txt")  # 1550 bytes = 24 sequences of 64
     recipe["train"]["global_batch"] = 64
     with pytest.raises(ValueError, match=r"yields 24 sequences of seq_len=64 .* need at least 64"):
         train_forecast(recipe)
@@ -239,7 +276,10 @@ def test_empty_and_too_short_datasets(tmp_path):
 def test_resume_from_another_model(tmp_path):
     train_forecast(tiny_recipe(tmp_path / "data", tmp_path / "run", steps=2))
     other = tiny_recipe(tmp_path / "data", tmp_path / "run2", steps=4, seed=1)
-    with pytest.raises(ValueError, match=r"was written for base model 'random:0' \(fingerprint [0-9a-f]+\), but this run uses 'random:1'"):
+    with pytest.raises(
+        ValueError,
+        match=r"was written for base model 'random:0' \(fingerprint [0-9a-f]+\), but this run uses 'random:1'",
+    ):
         train_forecast(other, resume=str(tmp_path / "run"))
     with pytest.raises(FileNotFoundError, match=r"holds no checkpoints"):
         train_forecast(other, resume=str(tmp_path / "data"))
@@ -262,7 +302,9 @@ def test_recipe_errors(tmp_path):
 def test_smollm2_smoke(tmp_path, bundled_path):
     """One step on the bundled SmolLM2-135M with the shipped recipe (short sequences)."""
     result = train_forecast(
-        ROOT / "configs" / "train" / "smollm2-135m.yaml", output_dir=str(tmp_path / "run"), steps=1,
+        ROOT / "configs" / "train" / "smollm2-135m.yaml",
+        output_dir=str(tmp_path / "run"),
+        steps=1,
         data={"seq_len": 384, "row_start": 128, "eval_seq_len": 512, "eval_start": 256, "eval_sequences": 1},
         train={"global_batch": 1, "progress": False},
     )
@@ -272,7 +314,9 @@ def test_smollm2_smoke(tmp_path, bundled_path):
 
 def test_multi_vector_heads_train_and_save(tmp_path):
     """heads_per_group = G = 3: trained (the loss falls), saved with their vector count."""
-    recipe = tiny_recipe(tmp_path / "data", tmp_path / "run", steps=4, eval_every=-1, steps_per_round=4, rows_per_step=16)
+    recipe = tiny_recipe(
+        tmp_path / "data", tmp_path / "run", steps=4, eval_every=-1, steps_per_round=4, rows_per_step=16
+    )
     recipe["model"]["forecast"] = {"heads_per_group": 3, "init": "next_query"}
     recipe["data"]["row_start"] = 8
     started = time.perf_counter()
@@ -280,7 +324,9 @@ def test_multi_vector_heads_train_and_save(tmp_path):
     wall = time.perf_counter() - started
     saved = load_file(Path(result.output_dir) / "forecast.safetensors")
     assert saved["model.layers.1.self_attn.forecast_proj.weight"].shape == (2 * 3 * 16, 96)
-    assert json.loads((Path(result.output_dir) / "forecast_config.json").read_text())["forecast"]["heads_per_group"] == 3
+    assert (
+        json.loads((Path(result.output_dir) / "forecast_config.json").read_text())["forecast"]["heads_per_group"] == 3
+    )
     losses = [loss for _, loss in result.losses]
     assert losses[-1] < losses[0]
     # speed: the 4 optimizer steps over their own time; the one round's feature time apart; both
@@ -288,5 +334,12 @@ def test_multi_vector_heads_train_and_save(tmp_path):
     speed = result.speed
     assert speed["steps_per_s"] * speed["step_s"] == pytest.approx(4, rel=1e-9)
     assert 0 < speed["step_s"] and 0 < speed["feature_s"] and speed["step_s"] + speed["feature_s"] < wall
-    logged = [row for row in map(json.loads, (Path(result.output_dir) / "metrics.jsonl").read_text().splitlines()) if "loss" in row][-1]
-    assert logged["step"] == 4 and (logged["steps_per_s"], logged["feature_s"]) == (speed["steps_per_s"], speed["feature_s"])
+    logged = [
+        row
+        for row in map(json.loads, (Path(result.output_dir) / "metrics.jsonl").read_text().splitlines())
+        if "loss" in row
+    ][-1]
+    assert logged["step"] == 4 and (logged["steps_per_s"], logged["feature_s"]) == (
+        speed["steps_per_s"],
+        speed["feature_s"],
+    )
