@@ -14,8 +14,12 @@ TINY_TRAIN = {
     "train": {"steps": 4, "global_batch": 2, "steps_per_round": 4, "rows_per_step": 32, "save_every": 4},
 }
 TINY_EVAL = {"quality": {"tasks": [{"name": "perplexity", "lengths": [512, 1024], "examples": 1}]}}
-TINY_CURVES = {"lengths": [512, 1024], "decode_steps": 3, "generation": {"new_tokens": 5},
-               "questions": {"max_tokens": 200, "new_tokens": 2, "ask": ["What is life?", "When was this written?"]}}
+TINY_CURVES = {
+    "lengths": [512, 1024],
+    "decode_steps": 3,
+    "generation": {"new_tokens": 5},
+    "questions": {"max_tokens": 200, "new_tokens": 2, "ask": ["What is life?", "When was this written?"]},
+}
 
 
 def _run(tmp_path):
@@ -36,16 +40,20 @@ def test_demo_runs_end_to_end_at_a_tiny_size(bundled_path, tmp_path, capsys):
     # the summary is printed last and kept as summary.txt; the README quotes one in the same form
     from tests.test_readme import SUMMARY_HEAD, demo_block, summary_shape
 
-    summary = printed[printed.rindex(SUMMARY_HEAD):].rstrip("\n")
+    summary = printed[printed.rindex(SUMMARY_HEAD) :].rstrip("\n")
     assert summary == (tmp_path / "summary.txt").read_text().rstrip("\n")
     assert summary_shape(summary) == summary_shape(demo_block())
 
     # perplexity per selector at both lengths, the numbers the eval wrote
     records = [json.loads(line) for line in (tmp_path / "eval" / "quality" / "results.jsonl").read_text().splitlines()]
     assert len(records) == 6 and sorted(result["perplexity"]) == ["dense", "infllmv2-forecast", "infllmv2-query"]
-    assert all(sorted(by_length) == [512, 1024] and all(1 < v < 1e3 for v in by_length.values()) for by_length in result["perplexity"].values())
+    assert all(
+        sorted(by_length) == [512, 1024] and all(1 < v < 1e3 for v in by_length.values())
+        for by_length in result["perplexity"].values()
+    )
     assert result["forecast_over_query_perplexity"][1024] == pytest.approx(
-        result["perplexity"]["infllmv2-forecast"][1024] / result["perplexity"]["infllmv2-query"][1024])
+        result["perplexity"]["infllmv2-forecast"][1024] / result["perplexity"]["infllmv2-query"][1024]
+    )
 
     # the curves: the resident cache grows with the context, the offloaded tiers' device side by
     # far less; whole-layer copies grow with it and dwarf the block fetches at 1024 (50% budget)
@@ -56,9 +64,16 @@ def test_demo_runs_end_to_end_at_a_tiny_size(bundled_path, tmp_path, capsys):
         growth = large[mode]["device_nbytes"] - small[mode]["device_nbytes"]
         assert growth < 0.25 * (large["no-offload"]["device_nbytes"] - small["no-offload"]["device_nbytes"])
         assert large[mode]["host_nbytes"] > 1.8 * small[mode]["host_nbytes"]
-        assert large[mode]["steady"]["h2d_bytes_per_step"] < 0.5 * large["dense-offload"]["steady"]["h2d_bytes_per_step"]
-        assert 0 <= large[mode]["steady"]["hit_rate"] <= 1 and large[mode]["cold"]["hit_rate"] == 0  # empty slots at first
-    assert large["dense-offload"]["steady"]["h2d_bytes_per_step"] > 1.8 * small["dense-offload"]["steady"]["h2d_bytes_per_step"]
+        assert (
+            large[mode]["steady"]["h2d_bytes_per_step"] < 0.5 * large["dense-offload"]["steady"]["h2d_bytes_per_step"]
+        )
+        assert (
+            0 <= large[mode]["steady"]["hit_rate"] <= 1 and large[mode]["cold"]["hit_rate"] == 0
+        )  # empty slots at first
+    assert (
+        large["dense-offload"]["steady"]["h2d_bytes_per_step"]
+        > 1.8 * small["dense-offload"]["steady"]["h2d_bytes_per_step"]
+    )
     assert large["no-offload"]["steady"]["h2d_bytes_per_step"] == 0
     assert 0 <= result["recall_before"] <= 1 and 0 <= result["recall_after"] <= 1 and result["chance"] < 1
 
@@ -72,7 +87,9 @@ def test_demo_runs_end_to_end_at_a_tiny_size(bundled_path, tmp_path, capsys):
     assert all(row["ttft_s"] > 0 for row in asked)
 
     report = (tmp_path / "report.md").read_text()
-    assert "curves.png" in report and "recall_by_layer.png" in report and "forecast-offload" in report and "GPU" in report
+    assert (
+        "curves.png" in report and "recall_by_layer.png" in report and "forecast-offload" in report and "GPU" in report
+    )
     for png in ("curves.png", "recall_by_layer.png"):
         assert (tmp_path / png).stat().st_size > 1000
     assert list((tmp_path / "eval" / "quality").glob("*.png"))
@@ -90,10 +107,20 @@ def test_gpu_runs_quotes_only_real_gpu_runs(tmp_path):
     from forecastkv.demo import _gpu_line, gpu_runs
 
     assert gpu_runs(tmp_path / "missing") == [] and "benchmarks/gpu_check.py --out" in _gpu_line([])
-    for name, env, dry in (("cpu", {"cuda_available": False}, False), ("dry", {"cuda_available": True}, True),
-                           ("h200", {"cuda_available": True}, False)):
+    for name, env, dry in (
+        ("cpu", {"cuda_available": False}, False),
+        ("dry", {"cuda_available": True}, True),
+        ("h200", {"cuda_available": True}, False),
+    ):
         (tmp_path / name).mkdir()
-        summary = {"date": f"2026-12-0{len(name)}", "machine": f"{name} box", "state": "finished", "ok": True, "dry_run": dry, "environment": env}
+        summary = {
+            "date": f"2026-12-0{len(name)}",
+            "machine": f"{name} box",
+            "state": "finished",
+            "ok": True,
+            "dry_run": dry,
+            "environment": env,
+        }
         (tmp_path / name / "summary.json").write_text(json.dumps(summary))
     (tmp_path / "h200" / "summary.md").write_text("# GPU check\n")
     runs = gpu_runs(tmp_path)
