@@ -63,26 +63,18 @@ TENSOR, TUPLE, ITEMS, NDARRAY = "__tensor__", "__tuple__", "__items__", "__ndarr
 TAGS = (TENSOR, TUPLE, ITEMS, NDARRAY)
 
 
+# the config fields of a base model's fingerprint (with heads_per_group and a few weight tensors)
+FINGERPRINT_KEYS = (
+    "vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads num_key_value_heads head_dim "
+    "max_position_embeddings rope_parameters mup sparse_config"
+).split()
+
+
 def model_fingerprint(model) -> str:
     """A short hash of the frozen base: architecture + sparse config + a few weight tensors, so a
     resume directory written for another model is refused."""
     config = model.config
-    arch = {
-        k: getattr(config, k, None)
-        for k in (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "head_dim",
-            "max_position_embeddings",
-            "rope_parameters",
-            "mup",
-            "sparse_config",
-        )
-    }
+    arch = {k: getattr(config, k, None) for k in FINGERPRINT_KEYS}
     arch["heads_per_group"] = config.forecast_config.heads_per_group
     digest = hashlib.sha256(json.dumps(arch, sort_keys=True, default=str).encode())
     inner = model.model

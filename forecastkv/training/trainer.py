@@ -306,14 +306,9 @@ def step_loss(
     per_layer, total = [], 0.0
     for layer in range(model.config.num_hidden_layers):
         targets = None if feats.targets is None else feats.targets[layer]
+        vectors = head_vectors(model, feats, layer)
         loss = rows_kl(
-            head_vectors(model, feats, layer),
-            feats.ckeys[layer],
-            feats.positions,
-            feats.teachers[layer],
-            sparse,
-            objective.loss,
-            targets,
+            vectors, feats.ckeys[layer], feats.positions, feats.teachers[layer], sparse, objective.loss, targets
         )
         loss = loss / denominator
         per_layer.append(float(loss.detach()))
