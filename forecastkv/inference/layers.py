@@ -373,7 +373,7 @@ class OffloadedLayer(OffloadedStaging, SparseCacheLayer):
         )
 
     def decode_attention(self, q: torch.Tensor, plan: RuntimePlan) -> torch.Tensor:
-        """One decode token per sequence, q [B, Hq, d] -> [B, Hq, d], straight over the slots with
+        """One decode token per sequence, q [B, 1, Hq, d] -> [B, 1, Hq, d], straight over the slots with
         the `sparse_decode_slots` kernel, or a gather of the slots + masked SDPA
         (`kernels.decode_kernels` decides); dense-offload attends the whole layer's copy."""
         ops = self.kernels
@@ -384,8 +384,8 @@ class OffloadedLayer(OffloadedStaging, SparseCacheLayer):
         if plan.dense:
             keys, values, cis = self._dense_copy(plan)
             return ops.sparse_decode_blocks(
-                q, keys, values, selection, self.lengths, block_size, bias=cis, check_ids=False
-            )[0]
+                q[:, 0], keys, values, selection, self.lengths, block_size, bias=cis, check_ids=False
+            )[0].unsqueeze(1)
         slot = self._slot_of_selected(plan)
         batch, heads, _ = selection.shape
         slot_lens = torch.zeros((batch, heads, self.budget + 2), dtype=torch.long, device=slot.device)
@@ -393,14 +393,14 @@ class OffloadedLayer(OffloadedStaging, SparseCacheLayer):
         stored = (self.lengths.view(-1, 1, 1) - selection.clamp(min=0) * block_size).clamp(0, block_size)
         slot_lens.scatter_(-1, torch.where(slot >= 0, slot, self.budget + 1), torch.where(slot >= 0, stored, 0))
         return ops.sparse_decode_slots(
-            q,
+            q[:, 0],
             self.k_slots,
             self.v_slots,
             slot_lens[..., : self.budget + 1],
             block_size,
             bias_slots=self.bias_slots,
             check_ids=False,
-        )[0]
+        )[0].unsqueeze(1)
 
     def record_plan(self) -> None:
         """The step's plan counters into the step log, plus the whole-layer copies of a dense row

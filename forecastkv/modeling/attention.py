@@ -217,7 +217,7 @@ class SparseAttention(nn.Module):
                     sparse,
                     bounds=step.bounds(),
                 )
-            out = cache_layer.decode_attention(q[:, 0], plan).view(batch, 1, self.num_heads, d)
+            out = cache_layer.decode_attention(q, plan)
         else:
             out = self._attend_chunks(q, forecast_in, positions, cache_layer, selections_out, selector, step, sparse)
         return self.o_proj(out.reshape(batch, length, self.num_heads * d))

@@ -247,7 +247,7 @@ class CacheLayer(Protocol):
         """The `Plan` for selection [B, H, K] (-1 = none); a runtime layer starts its fetch here."""
 
     def decode_attention(self, q: torch.Tensor, plan: Plan) -> torch.Tensor:
-        """One token per sequence, q [B, Hq, d], over the planned blocks -> [B, Hq, d]."""
+        """One token per sequence, q [B, 1, Hq, d], over the planned blocks -> [B, 1, Hq, d]."""
 
     def full(self) -> tuple:
         """(keys, values [B, S, H, d], cis [B, S, H] or None, S): every stored row on the device."""
@@ -609,14 +609,15 @@ class SparseCacheLayer(CacheLayerMixin):
         return gather_blocks(self.keys, self.values, self.cis, selection, self.lengths, self.block_size)
 
     def decode_attention(self, q: torch.Tensor, plan: Plan) -> torch.Tensor:
-        """One decode token per sequence, q [B, Hq, d], over the planned blocks -> [B, Hq, d]: the
+        """One decode token per sequence, q [B, 1, Hq, d], over the planned blocks -> [B, 1, Hq, d]: the
         `sparse_decode_blocks` kernel reading the blocks in place (no gather copy, no host sync), or
         a gather + masked SDPA (`kernels.decode_kernels` decides).  Keys are those stored (position
         < length), which at a decode step is every key up to the token."""
         if self.kernels.decode_kernels:
             return self.kernels.sparse_decode_blocks(
-                q, self.keys, self.values, plan.selection, self.lengths, self.block_size, bias=self.cis, check_ids=False
-            )[0]
+                q[:, 0], self.keys, self.values, plan.selection, self.lengths, self.block_size, bias=self.cis,
+                check_ids=False,
+            )[0].unsqueeze(1)
         return attend_gathered(
             q,
             *gather_blocks(self.keys, self.values, self.cis, plan.selection, self.lengths, self.block_size),
@@ -639,16 +640,16 @@ def attend_gathered(
     bias: torch.Tensor | None,
     lengths: torch.Tensor,
 ) -> torch.Tensor:
-    """Decode attention over gathered blocks (`gather_blocks`' output): q [B, Hq, d], keys/values
+    """Decode attention over gathered blocks (`gather_blocks`' output): q [B, 1, Hq, d], keys/values
     [B, H, L, d], key_pos [B, H, L] (-1 = not a key), bias [B, H, L] or None, lengths [B] (the token
-    sits at lengths - 1) -> [B, Hq, d].  The G query heads of a KV head attend as rows of it."""
-    batch, heads, dim = q.shape
+    sits at lengths - 1) -> [B, 1, Hq, d].  The G query heads of a KV head attend as rows of it."""
+    batch, _, heads, dim = q.shape
     kv_heads = keys.shape[1]
     allowed = ((key_pos >= 0) & (key_pos < lengths.view(-1, 1, 1))).unsqueeze(2)  # [B, H, 1, L]: one row, shared
     out = masked_attention(
         q.view(batch, kv_heads, heads // kv_heads, dim), keys, values, allowed, bias, heads // kv_heads
     )
-    return out.reshape(batch, heads, dim)
+    return out.reshape(batch, 1, heads, dim)
 
 
 def block_rows(selection: torch.Tensor, block_size: int, lengths: torch.Tensor):
