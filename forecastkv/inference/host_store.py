@@ -352,6 +352,7 @@ class HostKVStore(BlockTables):
         if problem:
             raise ValueError(f"this host block pool holds blocks of another geometry ({problem})")
         super().__init__(batch, pool, block_size, max_length, reserved, device)
+        self.row_nbytes = self.row_bytes()  # what a decode step's write-back moves per sequence
 
     def _sibling(self, batch: int) -> HostKVStore:
         """An empty store of `batch` sequences with this one's geometry and settings, over the same pool."""
@@ -371,25 +372,33 @@ class HostKVStore(BlockTables):
         self.pool.wait_writes()
 
     # -- D2H write-back -----------------------------------------------------------------------
-    @transfer_function
     def write_rows(
-        self, positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, cis: torch.Tensor | None
+        self,
+        positions: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        cis: torch.Tensor | None,
+        ops: kernels.KernelSet | None = None,
     ) -> int:
         """A decode step's write-back: row b of keys/values [B, H, d] (cis [B, H]) at position
         positions[b] (device int64 [B], -1 = skip), through the `row_store` kernel and the device
-        block table (UVA writes into pinned memory on CUDA: no host index, no sync).  Returns
-        bytes moved."""
-        kernels.row_store(
-            keys.to(self.dtype),
-            values.to(self.dtype),
-            positions,
-            self.keys,
-            self.values,
-            None if cis is None else cis.to(self.cis_dtype),
-            self.cis,
-            block_table=self.block_table,
-        )
-        self.pool.record_write(keys.device)
+        block table (UVA writes into pinned memory on CUDA: no host index, no sync).  ops: the
+        caller's `KernelSet` (a decode step passes its layer's: no dispatch, no checks per step);
+        None chooses one and checks the ids.  Returns bytes moved."""
+        pool = self.pool
+        with host_transfer():  # not `@transfer_function`: one frame shallower in a decode step
+            (kernels.row_store if ops is None else ops.row_store)(
+                keys.to(self.dtype),
+                values.to(self.dtype),
+                positions,
+                pool.keys,
+                pool.values,
+                None if cis is None else cis.to(self.cis_dtype),
+                pool.cis,
+                block_table=self.block_table,
+                check_ids=ops is None,
+            )
+        pool.record_write(keys.device)
         moved = keys.numel() * keys.element_size() * 2
         return moved + (0 if cis is None else cis.numel() * cis.element_size())
 
@@ -478,7 +487,6 @@ class HostKVStore(BlockTables):
                     flat[row : row + end - first], non_blocking=self.pin and target.is_cuda
                 )
 
-    @transfer_function
     def gather(
         self,
         load_ids: torch.Tensor,
@@ -486,23 +494,26 @@ class HostKVStore(BlockTables):
         v_slots: torch.Tensor,
         bias_slots: torch.Tensor | None,
         num_programs: int,
+        ops: kernels.KernelSet | None = None,
     ) -> None:
         """The block gather through the device block table: load_ids [H, B, M] logical block ids
         (-1 = skip) into slots [B, M*block, H, d] (`kernels.block_gather`; the UVA kernel on CUDA,
-        no sync; ids not checked: the kernel skips bad ones)."""
-        kernels.block_gather(
-            self.keys,
-            self.values,
-            load_ids,
-            k_slots,
-            v_slots,
-            self.block_size,
-            self.cis,
-            bias_slots,
-            num_programs=num_programs,
-            check_ids=False,
-            block_table=self.block_table,
-        )
+        no sync; ids not checked: the kernel skips bad ones).  ops: the caller's `KernelSet`."""
+        pool = self.pool
+        with host_transfer():  # not `@transfer_function`: a decode step's fetch stays one frame shallower
+            (kernels.block_gather if ops is None else ops.block_gather)(
+                pool.keys,
+                pool.values,
+                load_ids,
+                k_slots,
+                v_slots,
+                self.block_size,
+                pool.cis,
+                bias_slots,
+                num_programs=num_programs,
+                check_ids=False,
+                block_table=self.block_table,
+            )
 
     # -- sizes --------------------------------------------------------------------------------
     def row_bytes(self) -> int:

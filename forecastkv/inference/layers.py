@@ -21,6 +21,7 @@ Nothing in a decode step reads the host store's rows or the device back: the hos
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -265,14 +266,16 @@ class OffloadedLayer(OffloadedStaging, SparseCacheLayer):
     def _make_room(self, step: CallInfo) -> None:
         """Host capacity for the call; for a decode step room for its compression windows, and
         its write-back's bytes (`SparseCacheLayer.prepare`)."""
-        self.host.reserved = self.reserved  # a reserve() after the store was made (an attached cache) counts
-        self.host.ensure(step.key_count)
+        host = self.host
+        host.reserved = self.reserved  # a reserve() after the store was made (an attached cache) counts
+        if step.key_count > host.capacity or not host.complete:  # else nothing to assign: no call per step
+            host.ensure(step.key_count)
         self.decoding = step.decode
         if step.decode:
             if self.staging.holder is not None:
                 self.staging.release()  # a decode step reads no staged layer
             self._grow_windows_for(self.columns)
-            self.d2h_bytes += self.host.shape[0] * self.host.row_bytes()
+            self.d2h_bytes += host.shape[0] * host.row_nbytes
 
     def _append_token(
         self, keys: torch.Tensor, values: torch.Tensor, cis: torch.Tensor | None, pos: torch.Tensor
@@ -280,7 +283,7 @@ class OffloadedLayer(OffloadedStaging, SparseCacheLayer):
         """A decode step: keys/values [B, H, d], cis [B, H] or None, pos [B].  The row goes to the
         host through the `row_store` kernel; the tail slot, the ring and the compressed keys are
         updated on the device from the ring.  Fixed shapes, no host read, no host-store read."""
-        self.host.write_rows(pos, keys, values, cis)  # its bytes were counted by `prepare`
+        self.host.write_rows(pos, keys, values, cis, self.kernels)  # its bytes were counted by `prepare`
         valid, index = pos >= 0, pos.clamp(min=0)
         tail = self.budget * self.block_size + index % self.block_size
         ring = index % self.ring_rows
@@ -324,17 +327,22 @@ class OffloadedLayer(OffloadedStaging, SparseCacheLayer):
         )
         self.last_plan = plan
         if self.fetch == "prefetch":
-            plan.done = self.prefetcher.launch(lambda: self._gather(load_ids), keep_alive=(load_ids,))
+            fetch, ids = self._gather(load_ids)
+            plan.done = self.prefetcher.launch(fetch, keep_alive=(ids,))
             plan.fetched = True
         return plan
 
-    def _gather(self, load_ids: torch.Tensor) -> None:
-        """Copy the host blocks named by load_ids [B, H, M] into their slots (tail column skipped)
-        through the block table: the UVA kernel on CUDA (no sync, skips bad ids), its reference elsewhere."""
+    def _gather(self, load_ids: torch.Tensor):
+        """The copy of the host blocks named by load_ids [B, H, M] into their slots (tail column
+        skipped) through the block table, ready to run now or on the side stream: the UVA kernel on
+        CUDA (no sync, skips bad ids), its reference elsewhere.  Returns (the fetch, its ids)."""
         ids = (
             torch.cat([load_ids, load_ids.new_full((*load_ids.shape[:2], 1), -1)], dim=-1).permute(1, 0, 2).contiguous()
         )
-        self.host.gather(ids, self.k_slots, self.v_slots, self.bias_slots, self.gather_programs)
+        fetch = functools.partial(
+            self.host.gather, ids, self.k_slots, self.v_slots, self.bias_slots, self.gather_programs, self.kernels
+        )
+        return fetch, ids
 
     def _ready(self, plan: RuntimePlan) -> RuntimePlan:
         """`plan` with its blocks in place (waits for this layer's fetch only)."""
@@ -343,7 +351,7 @@ class OffloadedLayer(OffloadedStaging, SparseCacheLayer):
         if plan.fetched:
             self.prefetcher.wait(plan.done)
         else:
-            self._gather(plan.load_ids)
+            self._gather(plan.load_ids)[0]()
             plan.fetched = True
         return plan
 
