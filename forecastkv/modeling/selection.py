@@ -61,19 +61,6 @@ def compress_keys(keys: torch.Tensor, kernel_size: int, kernel_stride: int) -> t
     return windows.float().mean(dim=-1).to(keys.dtype)
 
 
-def compress_keys_incremental(
-    tail: torch.Tensor, new_keys: torch.Tensor, kernel_size: int, kernel_stride: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decode-time compression with a tail buffer of not-yet-compressed keys.
-
-    tail [B, n_tail, H, d] holds the keys from the first incomplete window on; new_keys [B, n, H, d].
-    Returns (the newly completed compressed keys [B, c_new, H, d], the new tail).
-    """
-    keys = torch.cat([tail, new_keys], dim=1)
-    compressed = compress_keys(keys, kernel_size, kernel_stride)
-    return compressed, keys[:, compressed.shape[1] * kernel_stride :]
-
-
 def compressed_visibility(
     positions: torch.Tensor, num_keys: int, kernel_size: int, kernel_stride: int, lag: int = 0
 ) -> torch.Tensor:

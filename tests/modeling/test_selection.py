@@ -13,6 +13,15 @@ from tests.helpers import TINY_SPARSE, tiny_model, tiny_sparse
 INF = float("inf")
 
 
+def compress_keys_incremental(tail: torch.Tensor, new_keys: torch.Tensor, kernel_size: int, kernel_stride: int):
+    """Compression with a tail buffer of not-yet-compressed keys (how a cache extends its compressed
+    keys piece by piece): tail [B, n_tail, H, d] from the first incomplete window on, new_keys
+    [B, n, H, d] -> (the newly completed compressed keys [B, c_new, H, d], the new tail)."""
+    keys = torch.cat([tail, new_keys], dim=1)
+    compressed = sel.compress_keys(keys, kernel_size, kernel_stride)
+    return compressed, keys[:, compressed.shape[1] * kernel_stride :]
+
+
 # ---------------------------------------------------------------------------------------------
 # brute-force references (plain Python loops over one sequence, one KV head, one query position)
 # ---------------------------------------------------------------------------------------------
@@ -124,7 +133,7 @@ def test_compress_batch_and_incremental_match_loops(length):
     # incremental, token by token and in uneven pieces
     tail, parts = keys[:, :0], []
     for start, stop in [(0, 1), (1, 4), (4, 5), (5, length)]:
-        new, tail = sel.compress_keys_incremental(tail, keys[:, start:stop], 4, 2)
+        new, tail = compress_keys_incremental(tail, keys[:, start:stop], 4, 2)
         parts.append(new)
     torch.testing.assert_close(torch.cat(parts, 1), batch)
     assert tail.shape[1] < 4
