@@ -1,6 +1,7 @@
-"""`diff_block_map` (the slot cache's bookkeeping) against a per-row pure-Python reference: hits keep
-their slots, misses fill empty slots first and then the lowest-numbered stale ones, stale blocks
-stay mapped and can hit again, -1 pads, and every (sequence, KV head) row is independent."""
+"""inference/layers.py: `diff_block_map` (the slot cache's bookkeeping) against a per-row
+pure-Python reference: hits keep their slots, misses fill empty slots first and then the
+lowest-numbered stale ones, stale blocks stay mapped and can hit again, -1 pads, and every
+(sequence, KV head) row is independent."""
 
 from __future__ import annotations
 
