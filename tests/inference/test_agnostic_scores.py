@@ -32,7 +32,7 @@ def test_pooled_cis_scores_equal_the_reference(lag):
         n_blocks = sel.num_blocks(int(query_pos.max()) + 1, sparse.block_size)
         cis = layer.full()[2]
         expected = sel.agnostic_block_scores(cis, query_pos, sparse, n_blocks, lag=lag)
-        got = sel.pooled_agnostic_scores(layer.pooled_compressed_cis(), query_pos, sparse, n_blocks, lag=lag)
+        got = sel.pooled_agnostic_scores(layer.compressed()[2], query_pos, sparse, n_blocks, lag=lag)
         assert torch.equal(got, expected), step
 
 
