@@ -29,7 +29,7 @@ comes from `forecastkv.modeling.selection`; this module only adds the alignment 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from typing import NamedTuple
 
 import torch
@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from forecastkv.modeling import selection as sel
+from forecastkv.modeling.configuration import strict_from_dict
 
 EPS = 1e-8
 
@@ -69,12 +70,8 @@ class ObjectiveConfig:
 
     @classmethod
     def from_dict(cls, values: dict | None) -> "ObjectiveConfig":
-        values = dict(values or {})
-        allowed = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - allowed)
-        if unknown:
-            raise ValueError(f"unknown objective key(s) {unknown}; allowed keys are {sorted(allowed)}")
-        return cls(**values)
+        """Strictly, as every config section (`modeling.configuration.strict_from_dict`)."""
+        return cls() if values is None else strict_from_dict(cls, values, "objective")
 
     def to_dict(self) -> dict:
         return asdict(self)
