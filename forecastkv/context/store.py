@@ -43,6 +43,7 @@ from pathlib import Path
 
 import torch
 
+from ..errors import UserInputError
 from ..inference.host_store import HostBlockPool
 from ..modeling.cache import SparseCache
 from ..modeling.token_record import recorded_tokens, set_tokens
@@ -65,7 +66,7 @@ def default_namespace() -> str:
 
 def _check_max_bytes(max_bytes) -> None:
     if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0):
-        raise ValueError(f"max_bytes must be a non-negative integer or None (no cap), got {max_bytes!r}")
+        raise UserInputError(f"max_bytes must be a non-negative integer or None (no cap), got {max_bytes!r}")
 
 
 class ContextStore:
@@ -91,7 +92,7 @@ class ContextStore:
         _check_max_bytes(max_bytes)
         sparse = model.config.sparse
         if selector not in (None, "query", "forecast"):
-            raise ValueError(f"selector={selector!r} is not one of (None, 'query', 'forecast')")
+            raise UserInputError(f"selector={selector!r} is not one of (None, 'query', 'forecast')")
         self.model = model
         self.selector = (selector or sparse.selector) if sparse is not None else None
         self.block_size = sparse.block_size if sparse is not None else 64
@@ -198,7 +199,7 @@ class ContextStore:
 
         selector = MODE_SELECTOR.get(mode) or self.selector
         if self.selector is not None and selector != self.selector:
-            raise ValueError(
+            raise UserInputError(
                 f"mode {mode!r} selects with the {selector} selector, but this store keeps prefills routed by the "
                 f"{self.selector} selector; open a ContextStore with selector={selector!r} for it"
             )
@@ -213,7 +214,7 @@ class ContextStore:
         `new_cache`; reserve: rows the cache allocates at once (prompt + new tokens)."""
         tokens = sequence_ids(ids)
         if not tokens:
-            raise ValueError("lookup needs at least one token id")
+            raise UserInputError("lookup needs at least one token id")
         found = self.index.stored_prefix(tokens, (len(tokens) - 1) // self.block_size)
         found = self.disk_tier.load_blocks(found)  # a block that is gone or bad on disk ends the match there
         cache = self.new_cache(mode, max_length)
@@ -284,7 +285,7 @@ class ContextStore:
         other processes' blocks join it, what they removed or this store evicted goes, new blocks
         are written, the index replaced atomically).  Returns the namespace directory."""
         if self.dir is None:
-            raise ValueError("this ContextStore has no directory: build it with ContextStore(model, dir)")
+            raise UserInputError("this ContextStore has no directory: build it with ContextStore(model, dir)")
         return self.disk_tier.save(self.block_rows)
 
     # -- checks ---------------------------------------------------------------------------------
@@ -305,9 +306,9 @@ class ContextStore:
         layer = cache.layers[0]
         held = cache.host_lengths()
         if held is None:
-            raise ValueError("the cache holds no tokens yet")
+            raise UserInputError("the cache holds no tokens yet")
         if len(held) != 1:
-            raise ValueError(f"insert takes a cache of one sequence, this one holds {len(held)}")
+            raise UserInputError(f"insert takes a cache of one sequence, this one holds {len(held)}")
         if dtype_name(layer.dtype) != self.identity["dtype"]["kv"]:
             raise ContextStoreError(
                 f"the cache holds {dtype_name(layer.dtype)} K/V, this store keeps {self.identity['dtype']['kv']}"

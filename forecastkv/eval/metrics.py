@@ -20,6 +20,8 @@ import string
 from collections import Counter
 from typing import Callable, Sequence
 
+from ..errors import ConfigError, DataError
+
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCTUATION = set(string.punctuation)
 
@@ -32,7 +34,7 @@ _PUNCTUATION = set(string.punctuation)
 def string_match_all(prediction: str, references: Sequence[str]) -> float:
     """Share of the references found (case-insensitive substring) in the prediction."""
     if not references:
-        raise ValueError("string_match_all needs at least one reference")
+        raise DataError("string_match_all needs at least one reference")
     text = prediction.lower()
     return sum(ref.lower() in text for ref in references) / len(references)
 
@@ -109,7 +111,7 @@ def retrieval_score(prediction: str, reference: str, **_) -> float:
     paragraph number ("Paragraph N")."""
     match = re.search(r"Paragraph (\d+)", reference)
     if match is None:
-        raise ValueError(f"retrieval reference {reference!r} has no 'Paragraph N'")
+        raise DataError(f"retrieval reference {reference!r} has no 'Paragraph N'")
     return _share_equal(re.findall(r"\d+", prediction), match.group(1))
 
 
@@ -149,7 +151,7 @@ def retrieval_zh_score(prediction: str, reference: str, **_) -> float:
     """`retrieval_score` for the Chinese reference format "段落N"."""
     match = re.search(r"段落(\d+)", reference)
     if match is None:
-        raise ValueError(f"retrieval reference {reference!r} has no '段落N'")
+        raise DataError(f"retrieval reference {reference!r} has no '段落N'")
     return _share_equal(re.findall(r"\d+", prediction), match.group(1))
 
 
@@ -171,7 +173,7 @@ def best_over_references(
 ) -> float:
     """LongBench's per-example score: the max of `metric` over the references."""
     if metric not in METRICS:
-        raise ValueError(f"unknown metric {metric!r}; known: {sorted(METRICS)}")
+        raise ConfigError(f"unknown metric {metric!r}; known: {sorted(METRICS)}")
     return max((METRICS[metric](prediction, ref, all_classes=all_classes) for ref in references), default=0.0)
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from ..bundled import resolve_model_path
+from ..errors import ConfigError
 from . import longbench
 from .codec import ByteCodec, TextCodec
 from .config import Unit, load_config, max_new_tokens, work_units
@@ -94,7 +95,7 @@ def load_codec(config: dict, model):
         return ByteCodec(model.config.vocab_size, model.config.eos_token_id)
     path = name or config["model"]["path"]
     if path is None:
-        raise ValueError("a random model (model.config) needs tokenizer: bytes or a tokenizer path")
+        raise ConfigError("a random model (model.config) needs tokenizer: bytes or a tokenizer path")
     from transformers import AutoTokenizer
 
     return TextCodec(AutoTokenizer.from_pretrained(resolve_model_path(path)))
@@ -111,7 +112,7 @@ def validate_against_model(config: dict, model) -> dict:
         lengths += [(f"longbench:{name}", n) for name in bench["tasks"] for n in bench["lengths"]]
     for task, length in lengths:
         if length > limit:
-            raise ValueError(
+            raise ConfigError(
                 f"task {task!r}: length {length} exceeds the model's context (max_position_embeddings={limit})"
             )
     rows = {}

@@ -23,6 +23,8 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+from ..errors import ConfigError
+
 NOISE = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
 
@@ -159,7 +161,7 @@ def assemble(
     budget = prompt - len(head_ids) - len(tail_ids) - sum(map(len, needle_ids))
     if budget < 1:
         needed = length - budget + 1
-        raise ValueError(f"task {task!r}: length {length} is too short; it needs at least {needed} tokens")
+        raise ConfigError(f"task {task!r}: length {length} is too short; it needs at least {needed} tokens")
     filler, starts = haystack(units, budget, rng)
     snap = max(1, budget // 200)
     order = sorted(range(len(needles)), key=lambda i: needles[i][0])
@@ -167,7 +169,7 @@ def assemble(
     for i in order:
         depth = needles[i][0]
         if not 0.0 <= depth <= 1.0:
-            raise ValueError(f"needle depth {depth} must lie in [0, 1]")
+            raise ConfigError(f"needle depth {depth} must lie in [0, 1]")
         target = max(round(depth * budget), lowest)
         near = [s for s in starts + [budget] if abs(s - target) <= snap and s >= lowest]
         where = min(near, key=lambda s: (abs(s - target), s)) if near else target
@@ -329,7 +331,7 @@ def _fill_items(
             break
         groups.pop()
     if total > prompt_budget:
-        raise ValueError(f"the fixed items need {total} tokens, more than the {prompt_budget} available")
+        raise ConfigError(f"the fixed items need {total} tokens, more than the {prompt_budget} available")
     return [t for ids in encoded for t in ids], order
 
 
@@ -347,7 +349,7 @@ def common_words(
     def rest() -> str:
         word = next(spare, None)
         if word is None:
-            raise ValueError(f"task {task!r}: the word list ({len(words)} words) runs out at length {length}")
+            raise ConfigError(f"task {task!r}: the word list ({len(words)} words) runs out at length {length}")
         return word
 
     head = (
@@ -363,7 +365,7 @@ def common_words(
     per_item = len(codec.encode(f" {budget // 4}. {common[0]}"))
     freq = max(freq_ucw + 1, min(freq_cw, budget // (2 * num_cw * per_item)))
     if budget < num_cw * freq * per_item:
-        raise ValueError(
+        raise ConfigError(
             f"task {task!r}: length {length} is too short; it needs at least "
             f"{length - budget + num_cw * freq * per_item} tokens"
         )
@@ -419,9 +421,9 @@ def frequent_words(codec, task, length, index, seed, depth, max_new_tokens, alph
         if counts[top[2]] > counts[top[3]]:
             break
     else:  # pragma: no cover - needs a pathological budget
-        raise ValueError(f"task {task!r}: no draw with a clear top three at length {length}")
+        raise ConfigError(f"task {task!r}: no draw with a clear top three at length {length}")
     if not picks:
-        raise ValueError(f"task {task!r}: length {length} is too short")
+        raise ConfigError(f"task {task!r}: length {length} is too short")
     ids = head_ids + body + tail_ids
     meta = {"counts": {codes[c]: counts[c] for c in top[:3]}, "context": (len(head_ids), len(head_ids) + len(body))}
     return Example(task, length, index, ids, [codes[c] for c in top[:3]], "string_match_all", max_new_tokens, meta)
@@ -449,7 +451,7 @@ def perplexity(codec, task, length, index, seed, depth, max_new_tokens, essays=N
     teacher-forced NLL per position bucket.  max_new_tokens is ignored."""
     stream = heldout_stream(codec, essays)
     if not stream:
-        raise ValueError("the held-out essays are empty")
+        raise ConfigError("the held-out essays are empty")
     rng = example_rng(seed, task, length, index)
     start = rng.randrange(len(stream))
     ids = [stream[(start + i) % len(stream)] for i in range(length)]
@@ -488,11 +490,11 @@ def generate_example(
     defaults (e.g. keys=, hops=, num_cw=); essays: haystack texts instead of the bundled essays.
     """
     if task not in TASKS:
-        raise ValueError(f"unknown task {task!r}; known tasks: {sorted(TASKS)} and longbench:<name>")
+        raise ConfigError(f"unknown task {task!r}; known tasks: {sorted(TASKS)} and longbench:<name>")
     builder, default_new, defaults = TASKS[task]
     new = default_new if max_new_tokens is None else max_new_tokens
     if depth is None:
         depth = example_rng(seed, task + "/depth", length, index).random()
     if length <= new:
-        raise ValueError(f"task {task!r}: length {length} must exceed max_new_tokens={new}")
+        raise ConfigError(f"task {task!r}: length {length} must exceed max_new_tokens={new}")
     return builder(codec, task, length, index, seed, depth, new, essays=essays, **{**defaults, **options})
