@@ -273,4 +273,4 @@ class OffloadedSparseCache(SparseCache):
         }
 
 
-register_offloaded_cache(OffloadedSparseCache.for_model)  # generate(cache_implementation=<mode>) builds it
+register_offloaded_cache(OffloadedSparseCache)  # generate(cache_implementation=<mode>) builds it

@@ -84,14 +84,15 @@ def prepare_generation_config(model, parent, generation_config=None, *args, **kw
     return prepared, model_kwargs
 
 
-# builds the cache of an offload mode: the runtime registers `OffloadedSparseCache.for_model` when
-# it is imported (`import forecastkv` does), so this module never imports the runtime
-_OFFLOADED_CACHE_BUILDER: list = []
+# the cache class of the offload modes: the runtime registers `OffloadedSparseCache` when it is
+# imported (`import forecastkv` does), so this module never imports the runtime
+_OFFLOADED_CACHE: list = []
 
 
-def register_offloaded_cache(builder) -> None:
-    """`builder(model, mode=...)` builds the cache of an offload mode (`inference/offloaded.py`)."""
-    _OFFLOADED_CACHE_BUILDER[:] = [builder]
+def register_offloaded_cache(cache_class) -> None:
+    """`cache_class.for_model(model, mode=...)` builds the cache of an offload mode
+    (`inference/offloaded.py`); looked up at each build, so a patched `for_model` is the one used."""
+    _OFFLOADED_CACHE[:] = [cache_class]
 
 
 def cache_for_generation(model, generation_config):
@@ -102,9 +103,9 @@ def cache_for_generation(model, generation_config):
     mode = getattr(generation_config, GENERATION_KEY, None)
     if mode is None:
         return SparseCache(model.config)
-    if not _OFFLOADED_CACHE_BUILDER:
+    if not _OFFLOADED_CACHE:
         raise UserInputError(f"{GENERATION_KEY}={mode!r} needs the offloaded runtime: import forecastkv.inference")
-    return _OFFLOADED_CACHE_BUILDER[0](model, mode=mode)
+    return _OFFLOADED_CACHE[0].for_model(model, mode=mode)
 
 
 def set_default_cache(model, mode: str | None) -> None:
