@@ -27,6 +27,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # benchmarks/kernels.py shadows HF's `kernels`
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != HERE]
 sys.path.append(HERE)  # appended, so HF's `kernels` still wins: for decode_fill
+from decode_fill import fill_random  # noqa: E402  (at import, while benchmarks/ is on the path)
 
 MINICPM41_8B = dict(
     vocab_size=73448,
@@ -75,8 +76,6 @@ def count_syncs(fn, device: torch.device) -> int | None:
 
 
 def run_config(model, mode: str, batch: int, length: int, args, device) -> dict:
-    from decode_fill import fill_random
-
     from forecastkv.inference import OffloadedSparseCache
     from forecastkv.inference.fill import greedy_steps
 
