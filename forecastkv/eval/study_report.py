@@ -1,0 +1,361 @@
+"""The selector study's report: a Markdown table, a Pareto plot per length, a recall plot, the records.
+
+`forecastkv.eval.study.run_study` returns one record (a dict) per cell of selectors x budgets x lengths:
+
+    length            context tokens
+    selector          "dense" (the baseline) or one of `forecastkv.modes.SELECTORS`
+    budget_kind       "blocks" (a fixed budget) or "top_p" (the smallest set holding p of the mass, capped)
+    budget_blocks     the budget (fixed) or the cap (top-p), in blocks of block_size tokens, init and local included
+    p                 the top-p mass (None for a fixed budget)
+    budget_tokens     budget_blocks x block_size
+    budget_share      budget_blocks over the context's blocks (0..1)
+    prefetch          whether the selector knows a layer's blocks a layer ahead (None for dense)
+    offload_mode      the offloaded runtime's mode that measured bytes and hits (None: resident only)
+    recall_mass       share of the oracle's attention mass the selected blocks hold
+    overlap           share of the oracle's blocks the selector also picked
+    ppl, ppl_ratio    held-out perplexity, and its ratio to dense's
+    needle_accuracy   share of needles retrieved (0..1)
+    h2d_bytes_per_step  bytes the offloaded runtime counted host->device per decode step, all layers
+    hit_rate          share of wanted blocks already in the device slots
+    selected_blocks   blocks attended per layer, head and step (mean; below the cap under top-p)
+    seconds           wall time of the cell
+    skipped           why the cell was not measured (None: measured)
+
+Any metric may be None (not measured: e.g. oracle has no bytes, the offloaded runtime refuses it).
+
+Files `write_study_report` writes into its directory:
+
+    report.md            the table (one section per length) and what its columns mean
+    pareto_<length>.png  quality (perplexity ratio, needle accuracy) against H2D MiB per decode step
+    recall.png           recall against oracle over the budget, one panel per length
+    records.json         the records as given
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..atomic import write_text_atomic
+from ..modes import SELECTORS
+
+MIB = 2**20
+MISSING = "-"
+# table rows and plot curves in this order: the baseline, the bound, then the deployable selectors
+SELECTOR_ORDER = ("dense", "oracle", *(s for s in SELECTORS if s != "oracle"))
+FIXED_MARKER, TOP_P_MARKER = "o", "^"
+
+COLUMNS = (
+    "selector",
+    "budget",
+    "prefetch (mode)",
+    "recall (mass)",
+    "overlap",
+    "ppl ratio",
+    "needle acc",
+    "H2D MiB/step",
+    "hit rate",
+    "selected blocks",
+    "note",
+)
+
+BUDGET_NOTE = (
+    "A budget counts blocks of `block_size` tokens, the init and local blocks included; it is printed as "
+    "blocks, tokens and the share of the context's blocks. A top-p budget keeps, per KV head, the smallest "
+    "set of blocks holding p of the score mass, capped at the budget shown (`selected blocks` is what it used)."
+)
+COLUMN_NOTE = (
+    "recall (mass): share of the oracle's attention mass the selected blocks hold; overlap: share of the "
+    "oracle's blocks also selected; ppl ratio: held-out perplexity over dense's; needle acc: share of needles "
+    "retrieved; H2D MiB/step: bytes the offloaded runtime counted host→device per decode step, all layers; "
+    "hit rate: share of wanted blocks already in the device slots; prefetch: whether the selector knows a "
+    "layer's blocks a layer ahead (which fixes its offload mode). `-`: not measured."
+)
+
+
+def _fmt(value, digits: int = 3, scale: float = 1.0) -> str:
+    return MISSING if value is None else f"{value / scale:.{digits}f}"
+
+
+def _length_label(n: int) -> str:
+    return f"{n // 1024}K" if n % 1024 == 0 else str(n)
+
+
+def budget_label(record: dict) -> str:
+    """The budget as printed: "16 blocks = 1024 tokens = 12.5%", "p=0.9 (cap 32 blocks)", or "all blocks"."""
+    blocks = record.get("budget_blocks")
+    if record["selector"] == "dense" or blocks is None:
+        return "all blocks"
+    if record.get("budget_kind") == "top_p":
+        return f"p={record['p']:g} (cap {blocks} blocks)"
+    parts = [f"{blocks} blocks"]
+    if record.get("budget_tokens") is not None:
+        parts.append(f"{record['budget_tokens']} tokens")
+    if record.get("budget_share") is not None:
+        parts.append(f"{100 * record['budget_share']:.1f}%")
+    return " = ".join(parts)
+
+
+def _prefetch_label(record: dict) -> str:
+    if record.get("prefetch") is None:
+        return MISSING
+    ahead = "yes" if record["prefetch"] else "no"
+    return f"{ahead} ({record.get('offload_mode') or 'resident only'})"
+
+
+def _selector_rank(selector: str) -> int:
+    return SELECTOR_ORDER.index(selector) if selector in SELECTOR_ORDER else len(SELECTOR_ORDER)
+
+
+def _row_key(record: dict):
+    """Rows by selector, then fixed budgets before top-p, then budget, p, and sync before prefetch."""
+    return (
+        _selector_rank(record["selector"]),
+        record["selector"],
+        record.get("budget_kind") == "top_p",
+        record.get("budget_blocks") or 0,
+        record.get("p") or 0.0,
+        bool(record.get("prefetch")),
+    )
+
+
+def _row(record: dict) -> list[str]:
+    """One table row: the metrics, or `-` and the reason in the note for a skipped cell."""
+    head = [record["selector"], budget_label(record), _prefetch_label(record)]
+    if record.get("skipped"):
+        return head + [MISSING] * (len(COLUMNS) - len(head) - 1) + [f"skipped: {record['skipped']}"]
+    return head + [
+        _fmt(record.get("recall_mass")),
+        _fmt(record.get("overlap")),
+        _fmt(record.get("ppl_ratio"), 4),
+        _fmt(record.get("needle_accuracy"), 2),
+        _fmt(record.get("h2d_bytes_per_step"), 3, MIB),
+        _fmt(record.get("hit_rate")),
+        _fmt(record.get("selected_blocks"), 1),
+        "",
+    ]
+
+
+def _context_blocks(records: list[dict]) -> int | None:
+    """The context's blocks at one length, from any record that has a budget and its share."""
+    for r in records:
+        if r.get("budget_blocks") and r.get("budget_share"):
+            return round(r["budget_blocks"] / r["budget_share"])
+    return None
+
+
+def study_table(records: list[dict]) -> str:
+    """The Markdown table, one section per length (shortest first), one row per cell."""
+    lines = []
+    for length in sorted({r["length"] for r in records}):
+        cells = sorted((r for r in records if r["length"] == length), key=_row_key)
+        blocks = _context_blocks(cells)
+        size = f" ({blocks} blocks)" if blocks else ""
+        lines += [f"### {_length_label(length)} context: {length} tokens{size}", ""]
+        lines += ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+        lines += ["| " + " | ".join(_row(r)) + " |" for r in cells]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _measured(records: list[dict]) -> list[dict]:
+    return [r for r in records if not r.get("skipped")]
+
+
+def _model_name(records: list[dict], model: str | None) -> str:
+    return model or next((r["model"] for r in records if r.get("model")), "model not recorded")
+
+
+def _curves(records: list[dict]) -> dict[str, list[dict]]:
+    """label -> its records, one curve per selector (and per offload mode when one selector ran in several)."""
+    selectors = sorted({r["selector"] for r in records}, key=lambda s: (_selector_rank(s), s))
+    curves = {}
+    for selector in selectors:
+        mine = [r for r in records if r["selector"] == selector]
+        modes = list(dict.fromkeys(r.get("offload_mode") for r in mine))
+        for mode in modes:
+            label = selector if len(modes) == 1 or mode is None else f"{selector} [{mode}]"
+            curves[label] = [r for r in mine if r.get("offload_mode") == mode]
+    return curves
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+# (record field, axis label, short name for the legend)
+PARETO_PANELS = (
+    ("ppl_ratio", "perplexity / dense (lower is better)", "ppl ratio"),
+    ("needle_accuracy", "needle accuracy (share retrieved)", "needle acc"),
+)
+
+
+def _draw_curve(ax, rows: list[dict], field: str, color, label: str | None) -> None:
+    """A selector's fixed budgets as a solid line of circles, its top-p cells as a dashed line of triangles,
+    both over H2D MiB per step (cells without bytes or without this metric are left out)."""
+    for kind, marker, style in (("blocks", FIXED_MARKER, "-"), ("top_p", TOP_P_MARKER, "--")):
+        points = sorted(
+            (r["h2d_bytes_per_step"] / MIB, r[field])
+            for r in rows
+            if r.get("budget_kind") == kind and r.get("h2d_bytes_per_step") is not None and r.get(field) is not None
+        )
+        if points:
+            xs, ys = zip(*points)
+            ax.plot(xs, ys, color=color, marker=marker, ls=style, ms=7, label=label if kind == "blocks" else None)
+            label = None if kind == "blocks" else label  # one legend entry per selector
+
+
+def _no_bytes_note(label: str, rows: list[dict], field: str, short: str) -> str | None:
+    """A legend line for a selector measured without bytes (oracle: resident only): its range of `field`."""
+    if any(r.get("h2d_bytes_per_step") is not None for r in rows):
+        return None
+    values = [r[field] for r in rows if r.get(field) is not None]
+    if not values:
+        return f"{label}: no H2D bytes (resident only), not measured here"
+    span = f"{min(values):.3g}" if min(values) == max(values) else f"{min(values):.3g}–{max(values):.3g}"
+    return f"{label}: resident only, no H2D bytes; {short} {span}"
+
+
+def _pareto_panel(ax, records: list[dict], panel: tuple[str, str, str], colors: dict) -> None:
+    field, ylabel, short = panel
+    dense = [r[field] for r in records if r["selector"] == "dense" and r.get(field) is not None]
+    if dense:
+        ax.axhline(sum(dense) / len(dense), color="black", ls=":", lw=1.2, label="dense (reference)")
+    for label, rows in _curves([r for r in records if r["selector"] != "dense"]).items():
+        note = _no_bytes_note(label, rows, field, short)
+        if note:  # an invisible handle: the legend names the value the axes cannot place
+            ax.plot([], [], color=colors[label], marker="x", ls="none", label=note)
+        else:
+            _draw_curve(ax, rows, field, colors[label], label)
+    ax.plot([], [], color="grey", marker=FIXED_MARKER, ls="-", label="fixed budget (8, 16, ... blocks)")
+    ax.plot([], [], color="grey", marker=TOP_P_MARKER, ls="--", label="top-p budget (capped)")
+    ax.set_xlabel("H2D per decode step (MiB, all layers)")
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="best")
+
+
+def pareto_plot(records: list[dict], path: str | Path, length: int, model: str | None = None) -> Path:
+    """Quality against H2D bytes per decode step at one `length`: two panels (perplexity ratio, needle
+    accuracy), one curve per selector, dense as a horizontal reference.  Writes the PNG `path`."""
+    plt = _pyplot()
+    rows = [r for r in _measured(records) if r["length"] == length]
+    if not rows:
+        raise ValueError(
+            f"pareto_plot: no measured record at length {length}; lengths: {sorted({r['length'] for r in records})}"
+        )
+    labels = list(_curves([r for r in rows if r["selector"] != "dense"]))
+    colors = {label: plt.cm.tab10(i % 10) for i, label in enumerate(labels)}
+    fig, axes = plt.subplots(1, len(PARETO_PANELS), figsize=(13, 5))
+    for ax, panel in zip(axes, PARETO_PANELS):
+        _pareto_panel(ax, rows, panel, colors)
+    fig.suptitle(
+        f"{_model_name(records, model)}, {length}-token context: quality against bytes moved\n"
+        "H2D = bytes the offloaded runtime copies host→device per decode step (KV blocks missing from the slots)",
+        fontsize=11,
+    )
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def _recall_points(rows: list[dict], kind: str) -> list[tuple[float, float]]:
+    """(budget in blocks, recall) per cell of `kind`: a fixed budget at its blocks, top-p at the blocks it
+    selected (its cap when that was not counted)."""
+    points = []
+    for r in rows:
+        if r.get("budget_kind") != kind or r.get("recall_mass") is None:
+            continue
+        blocks = r["budget_blocks"] if kind == "blocks" else (r.get("selected_blocks") or r["budget_blocks"])
+        points.append((blocks, r["recall_mass"]))
+    return sorted(points)
+
+
+def recall_plot(records: list[dict], path: str | Path, model: str | None = None) -> Path:
+    """Recall (share of the oracle's attention mass) against the budget in blocks, one curve per selector
+    and one panel per length.  Writes the PNG `path`."""
+    plt = _pyplot()
+    rows = [r for r in _measured(records) if r["selector"] != "dense" and r.get("recall_mass") is not None]
+    if not rows:
+        raise ValueError("recall_plot: no measured record has recall_mass")
+    lengths = sorted({r["length"] for r in rows})
+    labels = sorted({r["selector"] for r in rows}, key=lambda s: (_selector_rank(s), s))
+    colors = {label: plt.cm.tab10(i % 10) for i, label in enumerate(labels)}
+    fig, axes = plt.subplots(1, len(lengths), figsize=(5 * len(lengths), 4.2), squeeze=False)
+    for ax, length in zip(axes[0], lengths):
+        here = [r for r in rows if r["length"] == length]
+        for selector in labels:
+            mine = [r for r in here if r["selector"] == selector]
+            for kind, marker, style in (("blocks", FIXED_MARKER, "-"), ("top_p", TOP_P_MARKER, "--")):
+                points = _recall_points(mine, kind)
+                if points:
+                    xs, ys = zip(*points)
+                    name = selector if kind == "blocks" else f"{selector} top-p"
+                    ax.plot(xs, ys, color=colors[selector], marker=marker, ls=style, ms=6, label=name)
+        ax.set_xscale("log", base=2)
+        budgets = sorted({r["budget_blocks"] for r in here if r.get("budget_kind") == "blocks"})
+        if budgets:
+            ax.set_xticks(budgets)
+            ax.set_xticklabels([str(b) for b in budgets])
+        ax.set_ylim(0, 1.05)
+        ax.set_title(f"{_length_label(length)} context ({length} tokens)", fontsize=10)
+        ax.set_xlabel("budget (blocks; top-p: blocks selected)")
+        ax.set_ylabel("recall of oracle's attention mass")
+        ax.grid(alpha=0.3)
+    handles, names = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, names, loc="upper left", bbox_to_anchor=(1.0, 0.9), frameon=False, fontsize=8)
+    fig.suptitle(f"{_model_name(records, model)}: block recall against oracle over the budget")
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def _report_text(records: list[dict], model: str, pictures: list[Path]) -> str:
+    measured = _measured(records)
+    seconds = sum(r.get("seconds") or 0.0 for r in records)
+    lines = [
+        "# Selector study",
+        "",
+        f"Model: {model}. {len(records)} cells ({len(records) - len(measured)} skipped), "
+        f"lengths {', '.join(str(n) for n in sorted({r['length'] for r in records}))}; "
+        f"{seconds:.0f} s of measurement in all.",
+        "",
+        BUDGET_NOTE,
+        "",
+        study_table(records),
+        COLUMN_NOTE,
+        "",
+    ]
+    lines += [f"![{p.stem}]({p.name})" for p in pictures]
+    return "\n".join(lines) + "\n"
+
+
+def write_study_report(records: list[dict], out_dir: str | Path, model: str | None = None) -> list[Path]:
+    """Write report.md, one pareto_<length>.png per length with a measured cell, recall.png (when some
+    cell measured recall) and records.json into `out_dir`; returns the paths written, report.md first."""
+    if not records:
+        raise ValueError("write_study_report: no records (the study measured no cell)")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    name = _model_name(records, model)
+    measured = _measured(records)
+    pictures = [
+        pareto_plot(records, out / f"pareto_{length}.png", length, name)
+        for length in sorted({r["length"] for r in measured})
+    ]
+    if any(r["selector"] != "dense" and r.get("recall_mass") is not None for r in measured):
+        pictures.append(recall_plot(records, out / "recall.png", name))
+    report = out / "report.md"
+    write_text_atomic(report, _report_text(records, name, pictures))
+    data = out / "records.json"
+    write_text_atomic(data, json.dumps(records, indent=1) + "\n")
+    return [report, *pictures, data]

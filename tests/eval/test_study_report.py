@@ -1,0 +1,175 @@
+"""The selector study's report: the table prints every kind of cell (dense, fixed, top-p, skipped, missing
+values), the plots and files are written for synthetic records, and bad records fail with a clear error."""
+
+import json
+
+import pytest
+
+from forecastkv.eval.study_report import (
+    COLUMNS,
+    MIB,
+    budget_label,
+    pareto_plot,
+    recall_plot,
+    study_table,
+    write_study_report,
+)
+
+BLOCK = 64
+
+
+def cell(length=2048, selector="query", kind="blocks", blocks=16, p=None, **metrics):
+    """One study record with every field; metrics default to plausible values, any can be overridden."""
+    context_blocks = length // BLOCK
+    record = {
+        "length": length,
+        "selector": selector,
+        "budget_kind": kind,
+        "budget_blocks": blocks,
+        "p": p,
+        "budget_tokens": None if blocks is None else blocks * BLOCK,
+        "budget_share": None if blocks is None else blocks / context_blocks,
+        "prefetch": selector in ("forecast", "reuse", "speculate"),
+        "offload_mode": "forecast-offload" if selector in ("forecast", "reuse", "speculate") else "sparse-offload",
+        "recall_mass": 0.8,
+        "overlap": 0.7,
+        "ppl": 11.0,
+        "ppl_ratio": 1.1,
+        "needle_accuracy": 0.75,
+        "h2d_bytes_per_step": 3 * MIB,
+        "hit_rate": 0.85,
+        "selected_blocks": None if blocks is None else float(blocks),
+        "seconds": 2.0,
+        "skipped": None,
+    }
+    record.update(metrics)
+    return record
+
+
+def dense(length=2048):
+    return cell(
+        length,
+        "dense",
+        kind=None,
+        blocks=None,
+        prefetch=None,
+        offload_mode=None,
+        recall_mass=None,
+        overlap=None,
+        ppl_ratio=1.0,
+        h2d_bytes_per_step=None,
+        hit_rate=None,
+        selected_blocks=None,
+    )
+
+
+def table_rows(text: str) -> dict[str, list[list[str]]]:
+    """section heading -> the table's body rows, each split into its cells."""
+    sections, heading = {}, None
+    for line in text.splitlines():
+        if line.startswith("### "):
+            heading = line[4:]
+            sections[heading] = []
+        elif line.startswith("| ") and not line.startswith("| selector"):
+            sections[heading].append([c.strip() for c in line.strip("|").split("|")])
+    return sections
+
+
+def test_budget_is_printed_as_blocks_tokens_and_share():
+    assert budget_label(cell(2048, blocks=16)) == "16 blocks = 1024 tokens = 50.0%"
+    assert budget_label(cell(8192, blocks=16)) == "16 blocks = 1024 tokens = 12.5%"
+    assert budget_label(cell(kind="top_p", blocks=32, p=0.9)) == "p=0.9 (cap 32 blocks)"
+    assert budget_label(dense()) == "all blocks"
+    # a budget of every block, and a single-block context
+    assert budget_label(cell(64, blocks=1)) == "1 blocks = 64 tokens = 100.0%"
+
+
+def test_table_prints_every_kind_of_cell():
+    records = [
+        cell(blocks=8, h2d_bytes_per_step=1.5 * MIB),
+        cell(kind="top_p", blocks=32, p=0.95, selected_blocks=19.25),
+        cell(selector="oracle", blocks=8, prefetch=False, offload_mode=None, h2d_bytes_per_step=None, hit_rate=None),
+        cell(selector="oracle", kind="top_p", blocks=32, p=0.8, skipped="the offloaded runtime refuses oracle"),
+        cell(selector="forecast", blocks=16, needle_accuracy=None, ppl_ratio=1.02345),
+        dense(),
+    ]
+    rows = table_rows(study_table(records))["2K context: 2048 tokens (32 blocks)"]
+    assert all(len(r) == len(COLUMNS) for r in rows)
+    # dense first, then oracle, then the deployable selectors in SELECTORS order; fixed budgets before top-p
+    assert [r[:2] for r in rows] == [
+        ["dense", "all blocks"],
+        ["oracle", "8 blocks = 512 tokens = 25.0%"],
+        ["oracle", "p=0.8 (cap 32 blocks)"],
+        ["query", "8 blocks = 512 tokens = 25.0%"],
+        ["query", "p=0.95 (cap 32 blocks)"],
+        ["forecast", "16 blocks = 1024 tokens = 50.0%"],
+    ]
+    dense_row, oracle_row, skipped_row, query_row, top_p_row, forecast_row = rows
+    assert dense_row[2:] == ["-", "-", "-", "1.0000", "0.75", "-", "-", "-", ""]
+    assert oracle_row[2] == "no (resident only)" and oracle_row[7:9] == ["-", "-"]
+    assert skipped_row[3:10] == ["-"] * 7 and skipped_row[10] == "skipped: the offloaded runtime refuses oracle"
+    assert query_row[2:] == ["no (sparse-offload)", "0.800", "0.700", "1.1000", "0.75", "1.500", "0.850", "8.0", ""]
+    assert top_p_row[9] == "19.2"  # the blocks top-p used, below its cap
+    assert forecast_row[2] == "yes (forecast-offload)"
+    assert forecast_row[5:7] == ["1.0234", "-"]  # a missing metric is "-", not 0
+
+
+def test_table_has_one_section_per_length_shortest_first():
+    text = study_table([cell(8192, blocks=32), cell(2048, blocks=8), dense(4096)])
+    assert list(table_rows(text)) == [
+        "2K context: 2048 tokens (32 blocks)",
+        "4K context: 4096 tokens",  # only dense there: no budget gives the block count
+        "8K context: 8192 tokens (128 blocks)",
+    ]
+
+
+def synthetic_study(lengths=(2048, 8192)) -> list[dict]:
+    records = []
+    for length in lengths:
+        records.append(dense(length))
+        for selector in ("oracle", "query", "forecast"):
+            for blocks in (8, 16, 32):
+                recall = 1.0 if selector == "oracle" else blocks / 40
+                h2d = None if selector == "oracle" else blocks * 0.25 * MIB
+                records.append(cell(length, selector, blocks=blocks, recall_mass=recall, h2d_bytes_per_step=h2d))
+            for p in (0.8, 0.9):
+                skipped = "oracle has no offloaded runtime" if selector == "oracle" else None
+                records.append(cell(length, selector, "top_p", 32, p, selected_blocks=20 * p, skipped=skipped))
+    return records
+
+
+def test_report_writes_table_plots_and_records(tmp_path):
+    records = synthetic_study()
+    paths = write_study_report(records, tmp_path / "study", model="tiny model")
+    names = [p.name for p in paths]
+    assert names == ["report.md", "pareto_2048.png", "pareto_8192.png", "recall.png", "records.json"]
+    for path in paths:
+        assert path.is_file() and path.stat().st_size > 0
+    for png in paths[1:4]:
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads((tmp_path / "study" / "records.json").read_text()) == records
+    report = (tmp_path / "study" / "report.md").read_text()
+    assert "Model: tiny model" in report and "4 skipped" in report
+    assert "![pareto_2048](pareto_2048.png)" in report and "![recall](recall.png)" in report
+    assert "| forecast | p=0.9 (cap 32 blocks) | yes (forecast-offload) |" in report
+
+
+def test_plots_with_a_single_cell_and_no_bytes(tmp_path):
+    """One oracle cell (no bytes anywhere): the Pareto plot still draws (its value named in the legend)."""
+    only = [cell(selector="oracle", blocks=1, h2d_bytes_per_step=None, recall_mass=1.0)]
+    assert pareto_plot(only, tmp_path / "p.png", 2048).stat().st_size > 0
+    assert recall_plot(only, tmp_path / "r.png").stat().st_size > 0
+
+
+def test_dense_only_study_has_no_recall_plot(tmp_path):
+    paths = write_study_report([dense(2048)], tmp_path)
+    assert [p.name for p in paths] == ["report.md", "pareto_2048.png", "records.json"]
+
+
+def test_nothing_to_draw_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="no measured record at length 4096; lengths: \\[2048\\]"):
+        pareto_plot([cell()], tmp_path / "p.png", 4096)
+    with pytest.raises(ValueError, match="no measured record has recall_mass"):
+        recall_plot([dense(), cell(skipped="out of time")], tmp_path / "r.png")
+    with pytest.raises(ValueError, match="no records"):
+        write_study_report([], tmp_path)
