@@ -109,7 +109,7 @@ class ResidentLayer(SparseCacheLayer):
         return {name: getattr(self, name) for name in names if getattr(self, name, None) is not None}
 
     def index_tensors(self) -> dict:
-        names = ("ckeys", "coarse_keys", "pooled_cis", "lengths")
+        names = ("ckeys", "coarse_keys", "pooled_cis", "block_lo", "block_hi", "lengths")
         return {name: getattr(self, name) for name in names if getattr(self, name, None) is not None}
 
     def host_nbytes(self) -> int:
@@ -152,8 +152,12 @@ class OffloadedLayer(OffloadedStaging, SparseCacheLayer):
         fetch: str,
         staging: Staging,
         gather_programs: int | None = None,
+        key_bounds: bool = False,
     ) -> None:
-        super().__init__(kernel_size, kernel_stride, coarse=coarse, max_length=max_length, block_size=block_size)
+        super().__init__(
+            kernel_size, kernel_stride, coarse=coarse, max_length=max_length, block_size=block_size,
+            key_bounds=key_bounds,
+        )
         self.budget, self.fetch = budget, fetch
         self.staging = staging
         self.gather_programs = gather_programs
@@ -180,6 +184,7 @@ class OffloadedLayer(OffloadedStaging, SparseCacheLayer):
             coarse=self.coarse,
             max_length=self.max_length,
             block_size=self.block_size,
+            key_bounds=self.bounds_kernel is not None,
         )
         self.reserved = reserved
         self._fresh()
@@ -191,10 +196,11 @@ class OffloadedLayer(OffloadedStaging, SparseCacheLayer):
     # -- allocation ---------------------------------------------------------------------------
     @property
     def ring_rows(self) -> int:
-        """R: rows of the widest compression window (kernel, or MiniCPM4.1's coarse one)."""
+        """R: rows of the widest window an index pools (kernel, MiniCPM4.1's coarse one, Quest's block)."""
         if self.kernel is None:
             return 1
-        return max(self.kernel[0], self.coarse[0] if self.coarse else 0)
+        windows = [size for _, (size, _) in filter(lambda pair: pair[1], self._window_buffers())]
+        return max(windows)
 
     def _allocate(self, keys: torch.Tensor, cis: torch.Tensor | None) -> None:
         batch, _, heads, dim = keys.shape
@@ -437,7 +443,7 @@ class OffloadedLayer(OffloadedStaging, SparseCacheLayer):
         return {name: t for name, t in tensors.items() if t is not None}
 
     def index_tensors(self) -> dict:
-        names = ("ckeys", "coarse_keys", "pooled_cis", "lengths")
+        names = ("ckeys", "coarse_keys", "pooled_cis", "block_lo", "block_hi", "lengths")
         return {name: getattr(self, name) for name in names if getattr(self, name, None) is not None}
 
     def host_nbytes(self) -> int:

@@ -31,7 +31,7 @@ import torch
 
 from ..modeling.cache import SparseCache
 from ..modeling.generation import register_offloaded_cache
-from ..modes import MODE_FETCH, MODE_SELECTOR, MODES
+from ..modes import MODE_FETCH, MODE_SELECTOR, MODES, SELECTOR_PREFETCH, SELECTORS
 from .host_store import HostBlockPool
 from .layers import OffloadedLayer, ResidentLayer, gather_programs_for
 from .staging import Staging
@@ -39,6 +39,32 @@ from .staging import Staging
 
 def _nbytes(tensors: dict) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def resolve_selector(mode: str, selector: str | None, sparse) -> str | None:
+    """The selector a cache of `mode` runs: `selector` when given; else the model's own when it is one of
+    the selectors beyond query and forecast (quest, reuse, speculate); else the mode's (`MODE_SELECTOR`:
+    sparse-offload compares the query selector with the forecast modes on one model).  A ValueError when
+    the mode cannot run it: the oracle reads every key, so only `no-offload` keeps what it needs, and a
+    mode that fetches a layer ahead needs a selector that knows the blocks a layer ahead
+    (`SELECTOR_PREFETCH`)."""
+    if selector is not None and selector not in SELECTORS:
+        raise ValueError(f"selector={selector!r} is not None or one of {SELECTORS}")
+    own = sparse.selector if sparse is not None else None
+    if selector is None:
+        selector = own if own not in (None, "query", "forecast") else MODE_SELECTOR.get(mode)
+    if selector == "oracle" and mode != "no-offload":
+        raise ValueError(
+            f"the oracle selector reads every key of every layer, so the offloaded runtime cannot run it in mode "
+            f"{mode!r}: it is a measurement (use SparseCache or mode 'no-offload')"
+        )
+    if selector is not None and MODE_FETCH.get(mode) == "prefetch" and not SELECTOR_PREFETCH[selector]:
+        ahead = sorted(name for name, yes in SELECTOR_PREFETCH.items() if yes)
+        raise ValueError(
+            f"mode {mode!r} fetches blocks a layer ahead, but the {selector!r} selector only knows them at the "
+            f"consuming layer; use 'sparse-offload', or a selector that plans ahead: {ahead}"
+        )
+    return selector
 
 
 class OffloadedSparseCache(SparseCache):
@@ -57,6 +83,7 @@ class OffloadedSparseCache(SparseCache):
         record_selections: bool = False,
         gather_programs: int | None = None,
         pools: "list[HostBlockPool | None] | None" = None,
+        selector: str | None = None,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"unknown offload mode {mode!r}; choose one of {MODES}")
@@ -71,7 +98,7 @@ class OffloadedSparseCache(SparseCache):
         if max_length is not None and (not isinstance(max_length, int) or max_length <= 0):
             raise ValueError(f"max_length must be a positive integer or None, got {max_length!r}")
         sparse = config.sparse
-        selector = MODE_SELECTOR.get(mode)
+        selector = resolve_selector(mode, selector, sparse)
         if selector == "forecast" and not config.forecast_config.enabled:
             raise ValueError(
                 f"mode {mode!r} selects with Forecast heads, but this model has none; "
@@ -156,6 +183,7 @@ class OffloadedSparseCache(SparseCache):
                 coarse=coarse,
                 max_length=max_length,
                 block_size=sparse.block_size if sparse is not None else None,
+                key_bounds=self.keeps_key_bounds(sparse),
             )
         block_size = sparse.block_size if sparse is not None else 64
         budget = sparse.budget_blocks if sparse is not None else 1
@@ -168,6 +196,7 @@ class OffloadedSparseCache(SparseCache):
             fetch=MODE_FETCH.get(mode, "sync"),
             staging=self.staging,
             gather_programs=self.gather_programs,
+            key_bounds=self.keeps_key_bounds(sparse),
         )
 
     @classmethod
@@ -179,11 +208,12 @@ class OffloadedSparseCache(SparseCache):
         sequence (prompt + new tokens); past it the cache raises (None: generate() reserves its own
         length).  options: first_layer_resident (default True), record_selections (default False:
         keep every plan for replay tests), gather_programs (persistent programs of the block gather;
-        default: about one per 8 SMs, twice that above batch 16)."""
+        default: about one per 8 SMs, twice that above batch 16), selector (`resolve_selector`)."""
         config = model.config
         if mode is None:
             sparse = config.sparse
-            mode = "forecast-offload" if sparse is not None and sparse.selector == "forecast" else "sparse-offload"
+            ahead = sparse is not None and SELECTOR_PREFETCH[options.get("selector") or sparse.selector]
+            mode = "forecast-offload" if ahead else "sparse-offload"
         return cls(config, mode=mode, max_length=max_length, **options)
 
     def compiles_decode(self, step) -> bool:

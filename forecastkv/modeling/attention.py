@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import selection as sel
+from . import selectors
 from .cache import CallInfo, Plan
 from .heads import scoring_head
 from .prefill import (
@@ -43,6 +44,50 @@ STAGE1_QUERY_ROWS = 2048
 FROM_CONFIG = object()  # `sparse=` not given: the module's config's
 
 
+# the selectors that score with the layer's own queries, not vectors handed over by the layer before
+OWN_QUERY_KINDS = ("query", "quest", "oracle")
+
+
+def layer_selector(selector: str | None, layer_idx: int, sparse) -> str | None:
+    """The rule layer `layer_idx` selects by under the call's `selector`: reuse's anchors and
+    speculate's layer 0 (which has no layer before it to guess its queries) select with their own
+    queries ("query"); reuse's other layers take the last anchor's blocks ("reuse"); every other
+    selector is the same on every layer (forecast's layer 0 scores itself with current_proj)."""
+    if selector == "reuse":
+        return "query" if layer_idx in sparse.reuse_anchors else "reuse"
+    if selector == "speculate" and layer_idx == 0:
+        return "query"
+    return selector
+
+
+def key_selection(
+    kind: str, q: torch.Tensor, positions: torch.Tensor, cache_layer, sparse, n_blocks: int
+) -> torch.Tensor:
+    """The selection int64 [B, H, Tq, budget] of the selectors that score keys themselves, not the
+    compressed index: "quest" (the cache's block key bounds, `selectors.quest_block_scores`, init and
+    local blocks forced) and "oracle" (the exact attention mass over every stored key,
+    `selectors.oracle_block_mass`; no forced blocks: it is the upper bound).  q [B, Tq, Hq, d]."""
+    if kind == "quest":
+        low, high = cache_layer.key_bounds()
+        scores = selectors.quest_block_scores(q, low, high, positions, sparse.block_size, n_blocks)
+        scores = sel.force_blocks(scores, positions, sparse.block_size, sparse.init_blocks, sparse.local_blocks)
+        agnostic = None
+        if sparse.policy == "nosa":
+            pooled = cache_layer.decode_index()[2]
+            agnostic = sel.pooled_agnostic_scores(pooled, positions, sparse, n_blocks)
+        return sel.select_blocks(scores, positions, sparse, agnostic)
+    keys = cache_layer.full()[0]
+    mass = selectors.oracle_block_mass(q, keys, positions, sparse.block_size, n_blocks)
+    if not sparse.top_p:
+        return selectors.oracle_blocks(mass, positions, sparse.budget_blocks, sparse.block_size)
+    blocks = torch.arange(n_blocks, device=mass.device).view(1, 1, -1)
+    future = (blocks > torch.div(positions, sparse.block_size, rounding_mode="floor").unsqueeze(-1))[:, None]
+    return selectors.top_p_blocks(
+        mass.masked_fill(future, sel.NEG_INF), positions, sparse.top_p, sparse.budget_blocks, sparse.block_size,
+        logits=False,
+    )
+
+
 def plan_decode(vectors: torch.Tensor, positions: torch.Tensor, cache_layer, sparse, kind: str) -> Plan:
     """Select `cache_layer`'s blocks for a decode step and plan their fetch: the one place both
     selectors make a `Plan` (the decoder layer before calls it for the next layer with the
@@ -53,15 +98,17 @@ def plan_decode(vectors: torch.Tensor, positions: torch.Tensor, cache_layer, spa
     shapes that stay fixed from step to step.  The cache layer's kernel choices decide between the
     decode-time scoring kernels and `selection.score_blocks` (what `layer_selection` runs)."""
     ckeys, coarse, pooled, rows = cache_layer.decode_index()
+    n_blocks = sel.num_blocks(rows, sparse.block_size)
+    if kind in ("quest", "oracle"):
+        return cache_layer.plan(key_selection(kind, vectors, positions, cache_layer, sparse, n_blocks)[:, :, 0])
     coarse = coarse if kind == "query" else None
     pooled = pooled if sparse.policy == "nosa" else None
-    n_blocks = sel.num_blocks(rows, sparse.block_size)
     ops, lag = cache_layer.kernels, sel.visibility_lag(kind)
     if ops.decode_kernels:  # the decode-time scoring kernels (Triton on CUDA), equal at one row
         pos = positions[:, 0]
         # the cache's own buffers, in range by construction: no Python-level checks per step
-        scores = ops.block_scores(vectors[:, 0], ckeys, pos, sparse, n_blocks, kind, lag, lse_keys=coarse,
-                                  check_ids=False)
+        scores = ops.block_scores(vectors[:, 0], ckeys, pos, sparse, n_blocks, sel.score_kind(kind), lag,
+                                  lse_keys=coarse, check_ids=False)
         agnostic = None
         if pooled is not None:
             agnostic = ops.agnostic_scores(pooled, pos, sparse, n_blocks, lag, check_ids=False).unsqueeze(2)
@@ -69,7 +116,7 @@ def plan_decode(vectors: torch.Tensor, positions: torch.Tensor, cache_layer, spa
     else:
         scores = sel.score_blocks(vectors, ckeys, positions, sparse, n_blocks, kind, lag, lse_keys=coarse)
         agnostic = None if pooled is None else sel.pooled_agnostic_scores(pooled, positions, sparse, n_blocks, lag)
-    selection = sel.select_blocks(scores, positions, sparse, agnostic)
+    selection = sel.select_blocks(scores, positions, sparse, agnostic, sel.scores_are_logits(kind, vectors, ckeys))
     return cache_layer.plan(selection[:, :, 0])
 
 
@@ -140,12 +187,18 @@ class SparseAttention(nn.Module):
         """This layer's selection [B, H, R, budget] from `vectors` against `cache_layer`'s keys.
 
         kind "query": real queries, fresh keys (lag 0).  kind "forecast": forecast vectors scored as
-        the prefetching runtime does, before this layer appended the row's own token (lag 1).
+        the prefetching runtime does, before this layer appended the row's own token (lag 1); kind
+        "speculate" the same with guessed queries.  "quest" and "oracle": real queries, scored by
+        `key_selection`.
         bounds (lowest, highest entry of positions) and key_count (the longest stored sequence):
         host ints the caller already holds; a prefill passes them so that its query chunks read
         nothing back from the device (else each is read here, one CUDA sync each).
         """
         sparse = self.sparse if sparse is FROM_CONFIG else sparse
+        if kind in ("quest", "oracle"):
+            bounds = sel.position_range(positions) if bounds is None else bounds
+            return key_selection(kind, vectors, positions, cache_layer, sparse, sel.num_blocks(bounds[1] + 1,
+                                                                                              sparse.block_size))
         # the incrementally pooled CIS: a decode step never re-pools every token, and an
         # offloaded cache keeps the raw CIS on the host
         ckeys, coarse, pooled = cache_layer.compressed(key_count)
@@ -174,16 +227,20 @@ class SparseAttention(nn.Module):
         selector: str | None = None,
         step: CallInfo | None = None,
         sparse=FROM_CONFIG,
+        reused: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """hidden [B, T, hidden] (post-norm), positions [B, T] (-1 = padding), cos/sin [B, T, d].
 
-        cache_layer: this layer's `CacheLayer`.  forecast_in: the forecast vectors scoring this
-        layer [B, T, H*n, d] (forecast selector).  plan: this layer's decode `Plan`, made one layer
-        ahead (forecast selector).  selections_out: if a dict, receives {"query": ids, "forecast":
-        ids} for recall measurements.  selector: overrides `sparse_config.selector` (training routes
-        the frozen backbone with "query").  step: the call's `CallInfo` (the model passes it; a
-        direct call without it reads the positions once).  sparse: the call's SparseConfig (the
-        model reads it once per call); by default the config's.  Returns [B, T, hidden].
+        cache_layer: this layer's `CacheLayer`.  forecast_in: the vectors scoring this layer
+        [B, T, H*n, d] from the layer before (forecast heads, or speculate's guessed queries).
+        plan: this layer's decode `Plan`, made one layer ahead.  reused: the selection [B, H, T, K]
+        this layer reuses (reuse selector, from its anchor).  selections_out: if a dict, receives
+        {"selected": the ids attended with, "query": ids, "forecast": ids} for recall measurements.
+        selector: overrides `sparse_config.selector` (training routes the frozen backbone with
+        "query"); this layer's rule is `layer_selector` of it.  step: the call's `CallInfo` (the
+        model passes it; a direct call without it reads the positions once).  sparse: the call's
+        SparseConfig (the model reads it once per call); by default the config's.  Returns
+        [B, T, hidden].
         """
         batch, length, _ = hidden.shape
         d = self.head_dim
@@ -196,15 +253,20 @@ class SparseAttention(nn.Module):
         cis = self.compute_cis(v) if self.nosa_bias else None
         cache_layer.append(k, v, cis, positions, step)
 
-        selector = selector or (sparse.selector if sparse is not None else None)
+        selector = layer_selector(selector or (sparse.selector if sparse is not None else None), self.layer_idx, sparse)
         if selector == "forecast" and forecast_in is None and plan is None:
             if not self.scores_itself:
                 raise ValueError(f"layer {self.layer_idx} got no forecast vectors from layer {self.layer_idx - 1}")
             forecast_in = self.project_forecast(hidden, cos, sin, "current_proj")  # layer 0 scores itself
+        vectors = self._scoring_vectors(selector, q, forecast_in, reused, plan, step, sparse)
 
         if step.decode and sparse is not None and not step.any_dense:
             if plan is None:
-                plan = plan_decode(q if selector == "query" else forecast_in, positions, cache_layer, sparse, selector)
+                plan = (
+                    cache_layer.plan(reused[:, :, 0])
+                    if selector == "reuse"
+                    else plan_decode(vectors, positions, cache_layer, sparse, selector)
+                )
             if selections_out is not None:
                 self._record(
                     selections_out,
@@ -219,32 +281,48 @@ class SparseAttention(nn.Module):
                 )
             out = cache_layer.decode_attention(q, plan)
         else:
-            out = self._attend_chunks(q, forecast_in, positions, cache_layer, selections_out, selector, step, sparse)
+            out = self._attend_chunks(q, vectors, forecast_in, positions, cache_layer, selections_out, selector, step,
+                                      sparse)
         return self.o_proj(out.reshape(batch, length, self.num_heads * d))
+
+    def _scoring_vectors(self, selector, q, forecast_in, reused, plan, step: CallInfo, sparse):
+        """What this layer's selection starts from: its queries (query, quest, oracle), the vectors
+        handed over (forecast, speculate), or the reused selection (reuse).  A ValueError when the
+        layer before handed over nothing where the call needs it (a sparse call without a plan)."""
+        if selector in OWN_QUERY_KINDS or sparse is None:
+            return q
+        given = reused if selector == "reuse" else forecast_in
+        if given is None and plan is None and not step.all_dense:
+            what = "blocks to reuse" if selector == "reuse" else f"{selector} vectors"
+            raise ValueError(f"layer {self.layer_idx} got no {what} from layer {self.layer_idx - 1}")
+        return given
 
     def _record(
         self, out: dict | None, q, forecast_in, positions, cache_layer, selection, selector, sparse, **host
     ) -> None:
-        """Store both selectors' choices (the one in use is `selection`) for recall measurements;
-        `host`: `select`'s bounds / key_count."""
+        """Store the selection in use ("selected") and the query and forecast selectors' choices for
+        recall measurements (forecast: when the layer before handed Forecast vectors over); `host`:
+        `select`'s bounds / key_count."""
         if out is None or sparse is None:
             return
         select = lambda vectors, kind: self.select(vectors, positions, cache_layer, kind, sparse=sparse, **host)  # noqa: E731
+        out["selected"] = selection
         out["query"] = selection if selector == "query" else select(q, "query")
-        if forecast_in is not None:
+        if forecast_in is not None and selector != "speculate":  # speculate hands over guessed queries
             out["forecast"] = selection if selector == "forecast" else select(forecast_in, "forecast")
 
     def _attend_chunks(
-        self, q, forecast_in, positions, cache_layer, selections_out, selector, step: CallInfo, sparse
+        self, q, vectors, forecast_in, positions, cache_layer, selections_out, selector, step: CallInfo, sparse
     ) -> torch.Tensor:
         """All rows of a multi-token call (and decode steps of a batch holding a dense sequence).
 
-        q [B, T, Hq, d] -> [B, T, Hq, d].  Each sequence is dense or sparse for the whole call
-        (`prefill.dense_sequences`).  Sparse rows are selected in query chunks and attend only
-        their blocks (`prefill.chunked_sparse_attention`, or FlexAttention on CUDA), so memory is
-        O(chunk x selected keys); K/V are never repeated per query head.  Every host-side number
-        comes from `step` (one read of the positions per call, none at a decode step), so on CUDA
-        the chunk loop itself never waits for the device.
+        q [B, T, Hq, d] -> [B, T, Hq, d]; vectors: what selection starts from (`_scoring_vectors`:
+        [B, T, heads, d] vectors, or reuse's ids [B, H, T, K]); forecast_in: for the records.  Each
+        sequence is dense or sparse for the whole call (`prefill.dense_sequences`).  Sparse rows are
+        selected in query chunks and attend only their blocks (`prefill.chunked_sparse_attention`, or
+        FlexAttention on CUDA), so memory is O(chunk x selected keys); K/V are never repeated per
+        query head.  Every host-side number comes from `step` (one read of the positions per call,
+        none at a decode step), so on CUDA the chunk loop itself never waits for the device.
         """
         keys, values, cis, count = cache_layer.full()
         dense = dense_sequences(positions, sparse)
@@ -256,7 +334,7 @@ class SparseAttention(nn.Module):
         n_blocks = sel.num_blocks(count, sparse.block_size)
         if step.decode:  # a decode step of a batch holding a dense sequence
             host = {"bounds": step.bounds(), "key_count": count, "sparse": sparse}
-            ids = self.select(q if selector == "query" else forecast_in, positions, cache_layer, selector, **host)
+            ids = vectors if selector == "reuse" else self.select(vectors, positions, cache_layer, selector, **host)
             self._record(selections_out, q, forecast_in, positions, cache_layer, ids, selector, **host)
             masks = row_block_masks(ids, positions, n_blocks, sparse.block_size, dense if any_dense else None)
             return masked_decode_attention(q, keys, values, cis, positions, masks, sparse.block_size)
@@ -274,7 +352,10 @@ class SparseAttention(nn.Module):
             pos = positions[:, rows]
             f_rows = None if forecast_in is None else forecast_in[:, rows]
             host = {"bounds": step.bounds(start, start + chunk), "key_count": count, "sparse": sparse}
-            ids = self.select(q[:, rows] if selector == "query" else f_rows, pos, cache_layer, selector, **host)
+            if selector == "reuse":
+                ids = vectors[:, :, rows]
+            else:
+                ids = self.select(vectors[:, rows], pos, cache_layer, selector, **host)
             if selections_out is not None:
                 chunk_records: dict = {}
                 self._record(chunk_records, q[:, rows], f_rows, pos, cache_layer, ids, selector, **host)

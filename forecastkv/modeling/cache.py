@@ -39,6 +39,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .. import kernels
+from ..modes import SELECTORS
 from . import selection as sel
 from .prefill import masked_attention
 from .selection import num_compressed
@@ -103,15 +104,18 @@ def window_rows(old_lengths: torch.Tensor, new_lengths: torch.Tensor, size: int,
 
 
 def compress_windows(
-    source: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype | None = None, ring: bool = False
+    source: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype | None = None, ring: bool = False, reduce="mean"
 ) -> torch.Tensor:
     """Mean of the key rows of each window.  source [B, S, H, ...], rows [B, W, size] -> [B, W, H, ...]
     (fp32 mean, cast to `dtype`, by default the source's, as `selection.compress_keys`).
-    ring: source holds the latest S rows, row r at r % S (an offloaded layer's device ring)."""
+    ring: source holds the latest S rows, row r at r % S (an offloaded layer's device ring).
+    reduce "amin" / "amax": the per-channel min / max instead (Quest's block key bounds, exact)."""
     batch = torch.arange(source.shape[0], device=rows.device).view(-1, 1, 1)
     index = rows % source.shape[1] if ring else rows.clamp(max=source.shape[1] - 1)
-    windows = source[batch, index]  # [B, W, size, H, ...]
-    return windows.movedim(2, -1).float().mean(dim=-1).to(dtype or source.dtype)
+    windows = source[batch, index].movedim(2, -1)  # [B, W, H, ..., size]
+    if reduce != "mean":
+        return getattr(windows, reduce)(dim=-1).to(dtype or source.dtype)
+    return windows.float().mean(dim=-1).to(dtype or source.dtype)
 
 
 def write_windows(target: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, windows: torch.Tensor) -> None:
@@ -293,9 +297,14 @@ class SparseCacheLayer(CacheLayerMixin):
         coarse: tuple[int, int] | None = None,
         max_length: int | None = None,
         block_size: int | None = None,
+        key_bounds: bool = False,
     ) -> None:
         super().__init__()
         self.kernel = (kernel_size, kernel_stride) if kernel_size else None
+        # Quest's per-block key min / max, kept like the compressed keys (windows of one block)
+        self.bounds_kernel = (block_size, block_size) if key_bounds and self.kernel else None
+        self.block_lo: torch.Tensor | None = None
+        self.block_hi: torch.Tensor | None = None
         self.coarse = coarse
         self.max_length = max_length
         self.block_size = block_size
@@ -340,7 +349,7 @@ class SparseCacheLayer(CacheLayerMixin):
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         # beams of one prompt share its length, and beam_idx only permutes within a prompt's
         # beams, so host_lengths stay as they are (reading beam_idx would cost a sync per step)
-        for name in ("keys", "values", "cis", "ckeys", "coarse_keys", "pooled_cis", "lengths"):
+        for name in ("keys", "values", "cis", "ckeys", "coarse_keys", "pooled_cis", "block_lo", "block_hi", "lengths"):
             tensor = getattr(self, name, None)
             if tensor is not None:
                 setattr(self, name, tensor.index_select(0, beam_idx.to(tensor.device)))
@@ -438,7 +447,7 @@ class SparseCacheLayer(CacheLayerMixin):
         """Room for the compression windows of `rows` positions (compressed keys, pooled CIS)."""
         if self.kernel is None or self._windows_fit(rows):
             return
-        for name, kernel in (("ckeys", self.kernel), ("pooled_cis", self.kernel), ("coarse_keys", self.coarse)):
+        for name, kernel in self._window_buffers():
             target = getattr(self, name)
             if target is not None and kernel is not None:
                 size, stride = kernel
@@ -456,6 +465,16 @@ class SparseCacheLayer(CacheLayerMixin):
                     ),
                 )
 
+    def _window_buffers(self) -> tuple:
+        """(buffer name, its window (size, stride) or None) of every index kept by windows."""
+        return (
+            ("ckeys", self.kernel),
+            ("pooled_cis", self.kernel),
+            ("coarse_keys", self.coarse),
+            ("block_lo", self.bounds_kernel),
+            ("block_hi", self.bounds_kernel),
+        )
+
     def _windows_fit(self, rows: int) -> bool:
         """Whether every window buffer already holds the windows of `rows` positions (a decode
         step of a reserved cache: nothing to grow, checked in a few calls)."""
@@ -463,6 +482,8 @@ class SparseCacheLayer(CacheLayerMixin):
         if self.ckeys is None or self.ckeys.shape[1] < need:
             return False
         if self.pooled_cis is not None and self.pooled_cis.shape[1] < need:
+            return False
+        if self.block_lo is not None and self.block_lo.shape[1] < max(num_compressed(rows, *self.bounds_kernel), 1):
             return False
         return (
             self.coarse is None
@@ -504,13 +525,17 @@ class SparseCacheLayer(CacheLayerMixin):
             )
         if self.coarse is not None:
             self.coarse_keys = self._extend_one(self.coarse_keys, self.coarse, old_lengths, key_source, ring=ring)
+        if self.bounds_kernel is not None:
+            bounds = self.bounds_kernel
+            self.block_lo = self._extend_one(self.block_lo, bounds, old_lengths, key_source, ring=ring, reduce="amin")
+            self.block_hi = self._extend_one(self.block_hi, bounds, old_lengths, key_source, ring=ring, reduce="amax")
 
     def _window_capacity(self, size: int, stride: int) -> tuple[int | None, int | None]:
         """(max_length, reserved) counted in compression windows of `size` / `stride`."""
         windows = lambda rows: None if rows is None else max(num_compressed(rows, size, stride), 1)  # noqa: E731
         return windows(self.max_length), windows(self.reserved)
 
-    def _extend_one(self, target, kernel, old_lengths, source, dtype=None, ring: bool = False):
+    def _extend_one(self, target, kernel, old_lengths, source, dtype=None, ring: bool = False, reduce="mean"):
         """`_extend` for a one-token step: each sequence completes at most one window.  Fixed
         shapes, no host read; source is the layer's rows by position, or a ring (`compress_windows`)."""
         size, stride = kernel
@@ -520,7 +545,7 @@ class SparseCacheLayer(CacheLayerMixin):
             for n in (old_lengths, self.lengths)
         ]
         rows = (first.unsqueeze(-1) * stride + torch.arange(size, device=first.device)).unsqueeze(1)  # [B, 1, size]
-        window = compress_windows(source, rows, dtype, ring)[:, 0]
+        window = compress_windows(source, rows, dtype, ring, reduce)[:, 0]
         index = first.clamp(max=target.shape[1] - 1)
         batch = torch.arange(first.shape[0], device=first.device)
         done = (last > first).view(-1, *([1] * (window.dim() - 1)))
@@ -542,8 +567,11 @@ class SparseCacheLayer(CacheLayerMixin):
             self.pooled_cis = self._extend(self.pooled_cis, self.kernel, old_lengths, cis_source, torch.float32)
         if self.coarse is not None:
             self.coarse_keys = self._extend(self.coarse_keys, self.coarse, old_lengths, key_source)
+        if self.bounds_kernel is not None:
+            self.block_lo = self._extend(self.block_lo, self.bounds_kernel, old_lengths, key_source, reduce="amin")
+            self.block_hi = self._extend(self.block_hi, self.bounds_kernel, old_lengths, key_source, reduce="amax")
 
-    def _extend(self, target, kernel, old_lengths, source, dtype=None):
+    def _extend(self, target, kernel, old_lengths, source, dtype=None, reduce="mean"):
         """`target` [B, C, ...] with the windows of `kernel` completed since `old_lengths` written."""
         size, stride = kernel
         ids, valid, rows = window_rows(old_lengths, self.lengths, size, stride)
@@ -559,7 +587,7 @@ class SparseCacheLayer(CacheLayerMixin):
             reserved,
         )
         if ids.shape[1]:
-            write_windows(target, ids, valid, compress_windows(source, rows.to(source.device), dtype))
+            write_windows(target, ids, valid, compress_windows(source, rows.to(source.device), dtype, reduce=reduce))
         return target
 
     def step_for(self, positions: torch.Tensor) -> CallInfo:
@@ -589,6 +617,17 @@ class SparseCacheLayer(CacheLayerMixin):
         not yet complete), and the rows they span (`capacity_rows`).  Changes only when a buffer
         grows, which a reserved or max_length cache never does while decoding."""
         return self.ckeys, self.coarse_keys, self.pooled_cis, self.capacity_rows()
+
+    def key_bounds(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Quest's index: per complete block the per-channel min and max key, each [B, NBc, H, d], whole as
+        allocated (fixed shapes; blocks not yet complete are masked by the scoring).  Kept only by a cache
+        built for the quest selector."""
+        if self.block_lo is None:
+            raise ValueError(
+                "this cache keeps no block key bounds: build the cache while sparse_config.selector is 'quest' "
+                "(or SparseCache(..., selector='quest'))"
+            )
+        return self.block_lo, self.block_hi
 
     def plan(self, selection: torch.Tensor) -> Plan:
         """Resident cache: nothing to move.  The `Plan` of selection [B, H, K] (-1 = none), with the
@@ -706,8 +745,9 @@ class SparseCache(Cache):
     """Everything resident on the model's device; the default cache of `generate()`.
 
     max_length: preallocate this many positions per sequence (else grow in chunks);
-    selector: "query" or "forecast" overrides the model's `sparse_config.selector` for runs with
-    this cache (how the runtime modes compare selectors on one model); None keeps the model's.
+    selector: one of `modes.SELECTORS` overrides the model's `sparse_config.selector` for runs with
+    this cache (how the runtime modes compare selectors on one model); None keeps the model's.  A
+    cache for the quest selector keeps Quest's block key bounds too.
     """
 
     def __init__(
@@ -715,19 +755,25 @@ class SparseCache(Cache):
     ) -> None:
         sparse = config.sparse if config is not None else None
         num_layers = num_layers if num_layers is not None else config.num_hidden_layers
-        if selector not in (None, "query", "forecast"):
-            raise ValueError(f"selector={selector!r} is not one of (None, 'query', 'forecast')")
+        if selector is not None and selector not in SELECTORS:
+            raise ValueError(f"selector={selector!r} is not None or one of {SELECTORS}")
         self.selector = selector
         self.signature = model_signature(config) if config is not None else None
         self.unrecorded_from: tuple[int, ...] | None = None  # decode steps' first positions (`token_record.py`)
         super().__init__(layers=[self._make_layer(config, sparse, idx, max_length) for idx in range(num_layers)])
 
-    @staticmethod
-    def _make_layer(config, sparse, idx: int, max_length: int | None) -> SparseCacheLayer:
+    def keeps_key_bounds(self, sparse) -> bool:
+        """Whether the layers keep Quest's block key bounds: the cache's selector (or the model's) is quest."""
+        return sparse is not None and (self.selector or sparse.selector) == "quest"
+
+    def _make_layer(self, config, sparse, idx: int, max_length: int | None) -> SparseCacheLayer:
         kernel = (sparse.kernel_size, sparse.kernel_stride) if sparse is not None else (None, None)
         coarse = sparse.coarse_kernel if sparse is not None and sparse.lse == "coarse" else None
         block_size = sparse.block_size if sparse is not None else None
-        return SparseCacheLayer(*kernel, coarse=coarse, max_length=max_length, block_size=block_size)
+        return SparseCacheLayer(
+            *kernel, coarse=coarse, max_length=max_length, block_size=block_size,
+            key_bounds=self.keeps_key_bounds(sparse),
+        )
 
     def check_model(self, config) -> None:
         """Raise if this cache was built for a model of another shape than `config`'s."""

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 from transformers import PreTrainedConfig
 
 from ..errors import ConfigError
+from ..modes import SELECTORS
 
 # Presets are package data (forecastkv/presets/*.json), so any install -- wheel, sdist or editable --
 # finds them; `configs/` at the repository root holds only run recipes.
@@ -64,7 +65,13 @@ class SparseConfig:
     lse: str = "exact"  # "exact" | "coarse" (MiniCPM4.1's k2 estimate)
     policy: str = "infllmv2"  # "infllmv2" | "nosa"
     query_blocks: int = 16  # NOSA: query-aware blocks besides init + local
-    selector: str = "query"  # "query" | "forecast"
+    selector: str = "query"  # one of SELECTORS (forecastkv/modes.py documents each)
+    # Twilight-style top-p budget: 0 = the fixed budget; else per KV head the fewest non-forced blocks
+    # holding p of their score mass, forced blocks kept, at most budget_blocks in all
+    top_p: float = 0.0
+    # the `reuse` selector (Kascade): layers that select with their own query; the others reuse the
+    # blocks of the last anchor before them
+    reuse_anchors: tuple = (0,)
     # NOSA: whether dense attention (below dense_len) adds the CIS bias as sparse attention does;
     # SparDA-NOSA's dense fallback adds none (its preset sets False)
     dense_cis_bias: bool = True
@@ -92,7 +99,7 @@ class SparseConfig:
             )
         if not isinstance(self.dense_len, int) or self.dense_len < -1:
             raise ConfigError(f"sparse_config.dense_len must be an integer >= -1, got {self.dense_len!r}")
-        choices = {"lse": ("exact", "coarse"), "policy": ("infllmv2", "nosa"), "selector": ("query", "forecast")}
+        choices = {"lse": ("exact", "coarse"), "policy": ("infllmv2", "nosa"), "selector": SELECTORS}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"sparse_config.{name}={getattr(self, name)!r} is not one of {allowed}")
@@ -100,6 +107,28 @@ class SparseConfig:
             raise ConfigError(f"sparse_config.dense_cis_bias must be true or false, got {self.dense_cis_bias!r}")
         if self.use_nope:
             raise ConfigError("sparse_config.use_nope=True is not supported: selection uses post-RoPE keys")
+        self._check_budget_rules()
+
+    def _check_budget_rules(self) -> None:
+        """top_p in [0, 1] (0: off), and reuse_anchors a list of distinct layer ids holding 0 (stored as a tuple)."""
+        p = self.top_p
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p <= 1.0:
+            raise ConfigError(f"sparse_config.top_p must be a number in [0, 1] (0 = the fixed budget), got {p!r}")
+        if p and self.policy != "infllmv2":
+            raise ConfigError(f"sparse_config.top_p={p!r} needs policy 'infllmv2' (NOSA fills a fixed budget), "
+                              f"got policy {self.policy!r}")
+        anchors = self.reuse_anchors
+        if isinstance(anchors, (str, bytes)) or not isinstance(anchors, (list, tuple)):
+            raise ConfigError(f"sparse_config.reuse_anchors must be a list of layer ids, got {anchors!r}")
+        if any(isinstance(a, bool) or not isinstance(a, int) or a < 0 for a in anchors):
+            raise ConfigError(f"sparse_config.reuse_anchors must hold non-negative layer ids, got {list(anchors)!r}")
+        if 0 not in anchors or len(set(anchors)) != len(anchors):
+            raise ConfigError(
+                f"sparse_config.reuse_anchors must hold layer 0 (it has no layer before it to reuse) and no id "
+                f"twice, got {list(anchors)!r}"
+            )
+        object.__setattr__(self, "reuse_anchors", tuple(sorted(anchors)))
+        object.__setattr__(self, "top_p", float(p))
 
     # cached: computed at the first read, then a plain attribute (selection reads them every step)
     @functools.cached_property
@@ -121,7 +150,9 @@ class SparseConfig:
         return None if values is None else strict_from_dict(cls, values, "sparse_config")
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        values = asdict(self)
+        values["reuse_anchors"] = list(self.reuse_anchors)  # plain JSON, and equal to what was read
+        return values
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,9 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.activations import ACT2FN
 from transformers.utils import ModelOutput
 
-from .attention import SparseAttention, plan_decode
+from ..errors import ConfigError
+from ..modes import SELECTOR_PREFETCH
+from .attention import SparseAttention, layer_selector, plan_decode
 from .cache import CallInfo, SparseCache
 from .configuration import ForecastKVConfig
 
@@ -133,55 +135,85 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.layer_idx = layer_idx
 
+    def guess_queries(self, hidden: torch.Tensor, call: "LayerCall") -> torch.Tensor:
+        """This layer's queries [B, T, Hq, d] guessed from the residual hidden [B, T, hidden] entering the
+        layer before (the speculate selector, InfiniGen-style: this layer's input norm and q_proj, no training)."""
+        return self.self_attn.queries(self.input_layernorm(hidden), call.cos, call.sin)
+
     def forward(
         self,
         hidden: torch.Tensor,
         call: "LayerCall",
         cache_layer,
-        forecast: torch.Tensor | None = None,
+        handoff: torch.Tensor | None = None,
         plan=None,
         next_cache_layer=None,
         selections_out: dict | None = None,
+        next_layer: "DecoderLayer | None" = None,
     ):
-        """hidden [B, T, hidden] -> (hidden, forecast vectors scoring the next layer or None, the
-        next layer's decode plan or None).
+        """hidden [B, T, hidden] -> (hidden, what the next layer selects from or None, the next
+        layer's decode plan or None).
 
-        call: what every layer of the call shares (`LayerCall`).  forecast: the vectors scoring
-        this layer [B, T, H*n, d], from the layer before (None: layer 0 makes its own, or the query
-        selector).  plan: this layer's decode `Plan`, made by the layer before.  next_cache_layer:
-        the next layer's cache layer: with the forecast selector at a decode step its blocks are
-        planned here, before this layer attends, so a runtime can fetch them meanwhile."""
+        call: what every layer of the call shares (`LayerCall`).  handoff: what this layer selects
+        from, made by the layer before: forecast vectors [B, T, H*n, d] (forecast), guessed queries
+        [B, T, Hq, d] (speculate) or the anchor's selection [B, H, T, K] (reuse); None: layer 0
+        makes its own, or the selector needs none.  plan: this layer's decode `Plan`, made by the
+        layer before.  next_cache_layer / next_layer: the next layer's cache layer and module
+        (speculate guesses its queries): with a selector that plans ahead, at a decode step the next
+        layer's blocks are planned here, so a runtime can fetch them while this layer runs."""
         attn = self.self_attn
         normed = self.input_layernorm(hidden)
-        if call.want_forecast and forecast is None and attn.scores_itself:
-            forecast = attn.project_forecast(normed, call.cos, call.sin, "current_proj")
-        next_forecast = next_plan = None
-        if call.want_forecast and next_cache_layer is not None:
-            next_forecast = attn.project_forecast(normed, call.cos, call.sin)
-            if call.plans_ahead and next_cache_layer.is_initialized:
-                vectors, positions = (
-                    next_forecast.to(next_cache_layer.device),
-                    call.positions.to(next_cache_layer.device),
-                )
-                next_plan = plan_decode(vectors, positions, next_cache_layer, call.sparse, "forecast")
+        kind, next_kind = call.kind_of(self.layer_idx), call.kind_of(self.layer_idx + 1)
+        if call.want_forecast and handoff is None and attn.scores_itself:
+            handoff = attn.project_forecast(normed, call.cos, call.sin, "current_proj")
+        next_handoff = None
+        if next_cache_layer is not None:
+            if next_kind == "speculate":
+                device = next_layer.input_layernorm.weight.device
+                next_handoff = next_layer.guess_queries(hidden.to(device), call if device == hidden.device else
+                                                        call.to(device))
+            elif call.want_forecast:
+                next_handoff = attn.project_forecast(normed, call.cos, call.sin)
+            elif next_kind == "reuse" and kind == "reuse":
+                next_handoff = handoff  # the same anchor's blocks
+        next_plan = self._plan_next(call, next_kind, next_handoff, next_cache_layer)
+        anchor_of_next = next_cache_layer is not None and next_kind == "reuse" and kind != "reuse"
+        record = {} if anchor_of_next and selections_out is None else selections_out
         out = attn(
             normed,
             call.positions,
             call.cos,
             call.sin,
             cache_layer,
-            forecast_in=forecast,
+            forecast_in=None if kind == "reuse" else handoff,
             plan=plan,
-            selections_out=selections_out,
-            selector=call.selector,
+            selections_out=record,
+            selector=kind,
             step=call.step,
             sparse=call.sparse,
+            reused=handoff if kind == "reuse" else None,
         )
+        if anchor_of_next:  # an anchor hands its own blocks to the layers after it
+            next_handoff = record.get("selected")
+            next_plan = self._plan_next(call, next_kind, next_handoff, next_cache_layer)
         if call.layer_callback is not None:
             call.layer_callback(self.layer_idx, normed, call.positions, call.cos, call.sin, cache_layer)
         hidden = hidden + out * call.residual_scale
         hidden = hidden + self.mlp(self.post_attention_layernorm(hidden)) * call.residual_scale
-        return hidden, next_forecast, next_plan
+        return hidden, next_handoff, next_plan
+
+    @staticmethod
+    def _plan_next(call: "LayerCall", next_kind, next_handoff, next_cache_layer):
+        """The next layer's decode `Plan` from what this layer hands it (None when the call does not
+        plan ahead or there is nothing to plan from): its blocks scored by the forecast / guessed
+        vectors, or the anchor's blocks reused."""
+        if not call.plans_ahead or next_handoff is None or not next_cache_layer.is_initialized:
+            return None
+        device = next_cache_layer.device
+        if next_kind == "reuse":
+            return next_cache_layer.plan(next_handoff[:, :, 0].to(device))
+        vectors, positions = next_handoff.to(device), call.positions.to(device)
+        return plan_decode(vectors, positions, next_cache_layer, call.sparse, next_kind)
 
 
 @dataclass
@@ -202,6 +234,10 @@ class LayerCall:
     want_forecast: bool
     plans_ahead: bool
     layer_callback: object = None
+
+    def kind_of(self, layer_idx: int) -> str | None:
+        """The selection rule of layer `layer_idx` in this call (`attention.layer_selector`)."""
+        return layer_selector(self.selector, layer_idx, self.sparse)
 
     def to(self, device) -> "LayerCall":
         """This call with its tensors on `device` (layers spread over devices by a device_map)."""
@@ -366,7 +402,12 @@ class ForecastKVModel(ForecastKVPreTrainedModel):
         # a cache may carry a selector of its own (the runtime's modes compare selectors on one model)
         selector = (cache.selector or sparse.selector) if sparse is not None else None
         want_forecast = config.forecast_config.enabled and (selector == "forecast" or collect_selections)
-        plans_ahead = selector == "forecast" and step.decode and not step.any_dense
+        plans_ahead = selector is not None and SELECTOR_PREFETCH[selector] and step.decode and not step.any_dense
+        if selector == "reuse" and max(sparse.reuse_anchors) >= len(self.layers):
+            raise ConfigError(
+                f"sparse_config.reuse_anchors={list(sparse.reuse_anchors)} names a layer past the model's "
+                f"{len(self.layers)} layers"
+            )
         call = LayerCall(
             positions, cos, sin, step, sparse, selector, residual_scale, want_forecast, plans_ahead, layer_callback
         )
@@ -433,19 +474,21 @@ class ForecastKVModel(ForecastKVPreTrainedModel):
         (`compiled.py`).  Each layer hands the next its forecast vectors and decode plan.
         Returns (hidden, per-layer selections or None)."""
         selections = [] if collect_selections else None
-        forecast = plan = None
+        handoff = plan = None
         last = len(self.layers) - 1
         for idx, layer in enumerate(self.layers):
             device = layer.input_layernorm.weight.device
             if hidden.device != device:  # device_map: layers on several devices
-                hidden, forecast, call = (
+                hidden, handoff, call = (
                     hidden.to(device),
-                    None if forecast is None else forecast.to(device),
+                    None if handoff is None else handoff.to(device),
                     call.to(device),
                 )
             record = {} if collect_selections else None
-            next_cache_layer = cache.layers[idx + 1] if idx < last else None
-            hidden, forecast, plan = layer(hidden, call, cache.layers[idx], forecast, plan, next_cache_layer, record)
+            next_cache_layer, next_layer = (cache.layers[idx + 1], self.layers[idx + 1]) if idx < last else (None, None)
+            hidden, handoff, plan = layer(
+                hidden, call, cache.layers[idx], handoff, plan, next_cache_layer, record, next_layer
+            )
             if selections is not None:
                 selections.append(record)
         return hidden, selections

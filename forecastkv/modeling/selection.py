@@ -76,10 +76,23 @@ def visibility_lag(kind: str) -> int:
     runtime sees.  Deployed scoring, the decode kernels' callers and the training teacher and
     student all take it from here (with `compressed_visibility`), so training optimises exactly
     what is deployed."""
-    lags = {"query": 0, "forecast": 1}
+    lags = {"query": 0, "forecast": 1, "speculate": 1}  # speculate: a guess of the next layer's queries
     if kind not in lags:
         raise ValueError(f"score kind {kind!r} is not one of {tuple(lags)}")
     return lags[kind]
+
+
+def score_kind(kind: str) -> str:
+    """The scoring rule of selector `kind` as the kernels name it: "forecast" (the raw dot product when
+    there is one vector per KV head, else the group softmax), or "query" (the group softmax) for the
+    selectors that score with (guessed) queries: query and speculate."""
+    return "forecast" if kind == "forecast" else "query"
+
+
+def scores_are_logits(kind: str, vectors: torch.Tensor, ckeys: torch.Tensor) -> bool:
+    """Whether `kind`'s block scores are raw logits (forecast with one vector per KV head: a dot product)
+    rather than probability-like (summed softmax); what a top-p budget turns into mass (`selectors.block_mass`)."""
+    return kind == "forecast" and vectors.shape[2] == ckeys.shape[2]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -301,7 +314,7 @@ def key_scores(
     p, s = sparse.kernel_size, sparse.kernel_stride
     lag = visibility_lag(kind) if lag is None else lag
     visible = compressed_visibility(positions, ckeys.shape[1], p, s, lag)
-    if kind == "forecast" and vectors.shape[2] == ckeys.shape[2]:
+    if scores_are_logits(kind, vectors, ckeys):
         return dot_scores(vectors, ckeys, visible, masked_from)
     lse_visible = None
     if lse_keys is not None:
@@ -393,14 +406,21 @@ def select_blocks(
     positions: torch.Tensor,
     sparse,
     agnostic_scores: torch.Tensor | None = None,
+    logits: bool = False,
 ) -> torch.Tensor:
     """The final selection [B, H, Tq, budget_blocks] for `sparse.policy` from forced block scores.
 
-    infllmv2: top-(topk + local_blocks).  nosa: a shortlist of init + local + query_blocks from the
-    block scores, filled to the budget from `agnostic_scores` (see `agnostic_block_scores`).
+    infllmv2: top-(topk + local_blocks), or with `sparse.top_p` the top-p budget capped at that
+    (`selectors.top_p_blocks`; logits: the scores are raw dot products, made mass by a softmax).
+    nosa: a shortlist of init + local + query_blocks from the block scores, filled to the budget from
+    `agnostic_scores` (see `agnostic_block_scores`).
     """
     budget = sparse.budget_blocks
     if sparse.policy == "infllmv2":
+        if sparse.top_p:
+            from .selectors import top_p_blocks  # selectors builds on this module
+
+            return top_p_blocks(block_scores, positions, sparse.top_p, budget, sparse.block_size, logits)
         return topk_blocks(block_scores, positions, budget, sparse.block_size)
     if agnostic_scores is None:
         raise ValueError("the nosa policy needs agnostic (CIS) block scores")
@@ -444,13 +464,14 @@ def layer_selection(
         raise ValueError(
             "the nosa policy needs the layer's CIS (cis [B, S, H] or pooled_cis [B, C, H]) to fill the budget"
         )
+    logits = scores_are_logits(kind, vectors, ckeys)
     if vectors.shape[1] > 1 and bounds is not None and _fused_stage1(vectors.device):
         if sparse.policy == "nosa" and pooled_cis is None:
             pooled_cis = compress_keys(cis.float(), sparse.kernel_size, sparse.kernel_stride)
         scores, agnostic = prefill_block_scores(
             vectors, ckeys, positions, sparse, n_blocks, kind, coarse, pooled_cis, bounds
         )
-        return select_blocks(scores, positions, sparse, agnostic)
+        return select_blocks(scores, positions, sparse, agnostic, logits)
     scores = score_blocks(vectors, ckeys, positions, sparse, n_blocks, kind=kind, lse_keys=coarse, bounds=bounds)
     agnostic = None
     if sparse.policy == "nosa":
@@ -459,7 +480,7 @@ def layer_selection(
             agnostic = pooled_agnostic_scores(pooled_cis, positions, sparse, n_blocks, lag)
         else:
             agnostic = agnostic_block_scores(cis, positions, sparse, n_blocks, lag)
-    return select_blocks(scores, positions, sparse, agnostic)
+    return select_blocks(scores, positions, sparse, agnostic, logits)
 
 
 def _fused_stage1(device: torch.device) -> bool:
@@ -498,7 +519,7 @@ def prefill_block_scores(
             )
         pooled_cis = pooled_cis[:, : ckeys.shape[1]]  # entries past the last seen key are invisible to every row
     return kernels.stage1_block_scores_triton(
-        vectors, ckeys, positions, sparse, n_blocks, kind, lag, lse_keys, pooled_cis
+        vectors, ckeys, positions, sparse, n_blocks, score_kind(kind), lag, lse_keys, pooled_cis
     )
 
 
