@@ -18,7 +18,7 @@ from pathlib import Path
 
 from .context.cli import register_context_cache_command  # imports no torch
 from .errors import ForecastKVWarning, UserInputError  # imports no torch
-from .modes import FORECAST_MODES, MODES, SELECTING_MODES  # imports nothing
+from .modes import FORECAST_MODES, MODES, SELECTING_MODES, SELECTORS  # imports nothing
 
 USAGE_STATUS = 2
 
@@ -511,12 +511,89 @@ def _add_eval(commands) -> None:
     evaluate.set_defaults(run=eval_run)
 
 
+# `forecastkv study --small`: a few minutes on a CPU (one length, two budgets, one p, a short tail)
+STUDY_SMALL = {"lengths": [1024], "budgets": [8, 16], "top_p": [0.9], "tail_tokens": 8}
+
+
+def _study_spec(args):
+    """The StudySpec of `forecastkv study`'s options: each one given wins, else --small's, else the spec's default."""
+    from .eval.study import StudySpec
+
+    given = {
+        "lengths": args.lengths,
+        "budgets": args.budgets,
+        "top_p": args.top_p,
+        "tail_tokens": args.tail,
+        "selectors": args.selectors,
+        "heads_dir": args.heads,
+    }
+    small = STUDY_SMALL if args.small else {}
+    return StudySpec(**{**small, **{k: v for k, v in given.items() if v is not None}})
+
+
+def _study(args) -> int:
+    """Load the bundled model (with --heads' Forecast heads), measure every cell into --out/cells.json
+    (a rerun resumes), then write the report (report.md, plots, records.json) beside it."""
+    import time
+
+    from .eval.study import load_study_model, run_study
+    from .eval.study_report import write_study_report
+
+    spec = _study_spec(args)  # a bad value fails here, before the model loads
+    if args.heads is not None and not Path(args.heads).expanduser().is_dir():
+        raise UsageError(f"--heads {args.heads}: no such directory (a train-forecast output)")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    began = time.perf_counter()
+    model, tokenizer, spec = load_study_model(spec)
+    records = run_study(model, tokenizer, spec, out=out / "cells.json", progress=not args.no_progress)
+    paths = write_study_report(records, out, model="SmolLM2-135M (bundled)")
+    print(f"study: {len(records)} cells in {time.perf_counter() - began:.0f} s; wrote {', '.join(map(str, paths))}")
+    return 0
+
+
+def _add_study(commands) -> None:
+    study = commands.add_parser(
+        "study",
+        help="selectors x budgets x lengths on the bundled model: recall against oracle, perplexity, needles, "
+        "H2D bytes; writes a table and plots (see benchmarks/selector_study.py for the full run)",
+    )
+    # defaults None: an option left out takes --small's value, else the study's (forecastkv/eval/study.py)
+    study.add_argument("--lengths", type=positive_int, nargs="+", default=None, help="context lengths (2048 4096 8192)")
+    study.add_argument(
+        "--budgets",
+        type=positive_int,
+        nargs="+",
+        default=None,
+        help="fixed budgets in blocks of block_size tokens, init and local blocks included (8 16 32)",
+    )
+    study.add_argument(
+        "--top-p",
+        type=probability,
+        nargs="*",
+        default=None,
+        help="top-p masses in (0, 1], each capped at the largest budget (0.8 0.9 0.95; no value: no top-p cells)",
+    )
+    study.add_argument("--selectors", nargs="+", choices=SELECTORS, default=None, help="selectors to run (all six)")
+    study.add_argument("--tail", type=positive_int, default=None, help="decode steps scored at each length's end (32)")
+    study.add_argument(
+        "--heads", default=None, metavar="DIR", help="Forecast heads for `forecast` (default: runs/demo/heads if there)"
+    )
+    study.add_argument("--out", default="runs/study", metavar="DIR", help="where report.md, the plots and records go")
+    study.add_argument(
+        "--small", action="store_true", help="1024 tokens, budgets 8 16, p 0.9, tail 8 (the options given win)"
+    )
+    study.add_argument("--no-progress", action="store_true", help="no line per measured cell")
+    study.set_defaults(run=_study)
+
+
 # name -> the function that adds its sub-parser; a new sub-command is one function and one entry
 SUBCOMMANDS = {
     "demo": _add_demo,
     "generate": _add_generate,
     "convert": _add_convert,
     "eval": _add_eval,
+    "study": _add_study,
     "context-cache": register_context_cache_command,
 }
 

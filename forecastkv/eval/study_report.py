@@ -1,27 +1,12 @@
 """The selector study's report: a Markdown table, a Pareto plot per length, a recall plot, the records.
 
-`forecastkv.eval.study.run_study` returns one record (a dict) per cell of selectors x budgets x lengths:
-
-    length            context tokens
-    selector          "dense" (the baseline) or one of `forecastkv.modes.SELECTORS`
-    budget_kind       "blocks" (a fixed budget) or "top_p" (the smallest set holding p of the mass, capped)
-    budget_blocks     the budget (fixed) or the cap (top-p), in blocks of block_size tokens, init and local included
-    p                 the top-p mass (None for a fixed budget)
-    budget_tokens     budget_blocks x block_size
-    budget_share      budget_blocks over the context's blocks (0..1)
-    prefetch          whether the selector knows a layer's blocks a layer ahead (None for dense)
-    offload_mode      the offloaded runtime's mode that measured bytes and hits (None: resident only)
-    recall_mass       share of the oracle's attention mass the selected blocks hold
-    overlap           share of the oracle's blocks the selector also picked
-    ppl, ppl_ratio    held-out perplexity, and its ratio to dense's
-    needle_accuracy   share of needles retrieved (0..1)
-    h2d_bytes_per_step  bytes the offloaded runtime counted host->device per decode step, all layers
-    hit_rate          share of wanted blocks already in the device slots
-    selected_blocks   blocks attended per layer, head and step (mean; below the cap under top-p)
-    seconds           wall time of the cell
-    skipped           why the cell was not measured (None: measured)
-
-Any metric may be None (not measured: e.g. oracle has no bytes, the offloaded runtime refuses it).
+`forecastkv.eval.study.run_study` returns one record (a dict) per cell of selectors x budgets x lengths; its
+module docstring is the schema.  This report reads: length, selector ("dense" for the baseline), budget_kind
+("dense" | "blocks" | "top_p"), budget_blocks (the budget, or the top-p cap), p, budget_tokens, budget_share,
+context_blocks, prefetch, offload_mode, offload_note, recall_mass and overlap (rows where the budget is
+selective; recall_mass_all / overlap_all when there is none), ppl_ratio, needle_accuracy,
+h2d_bytes_per_step, hit_rate, selected_blocks, seconds, skipped, and for the header heads, tail_tokens and
+anchors_source.  Any metric may be None (not measured): it prints as `-`.
 
 Files `write_study_report` writes into its directory:
 
@@ -41,6 +26,7 @@ from ..modes import SELECTORS
 
 MIB = 2**20
 MISSING = "-"
+ALL_ROWS_MARK = "*"  # a recall over every row: the budget was never selective
 # table rows and plot curves in this order: the baseline, the bound, then the deployable selectors
 SELECTOR_ORDER = ("dense", "oracle", *(s for s in SELECTORS if s != "oracle"))
 FIXED_MARKER, TOP_P_MARKER = "o", "^"
@@ -69,7 +55,9 @@ COLUMN_NOTE = (
     "oracle's blocks also selected; ppl ratio: held-out perplexity over dense's; needle acc: share of needles "
     "retrieved; H2D MiB/step: bytes the offloaded runtime counted host→device per decode step, all layers; "
     "hit rate: share of wanted blocks already in the device slots; prefetch: whether the selector knows a "
-    "layer's blocks a layer ahead (which fixes its offload mode). `-`: not measured."
+    "layer's blocks a layer ahead (which fixes its offload mode). `-`: not measured. "
+    f"`{ALL_ROWS_MARK}`: the budget held every visible block at every step, so the recall is over every row "
+    "(elsewhere: over the rows where the budget had to choose)."
 )
 
 
@@ -82,10 +70,11 @@ def _length_label(n: int) -> str:
 
 
 def budget_label(record: dict) -> str:
-    """The budget as printed: "16 blocks = 1024 tokens = 12.5%", "p=0.9 (cap 32 blocks)", or "all blocks"."""
+    """The budget as printed: "16 blocks = 1024 tokens = 12.5%", "p=0.9 (cap 32 blocks)", or for dense
+    "all 128 blocks" ("all blocks" when the record does not count them)."""
     blocks = record.get("budget_blocks")
     if record["selector"] == "dense" or blocks is None:
-        return "all blocks"
+        return "all blocks" if blocks is None else f"all {blocks} blocks"
     if record.get("budget_kind") == "top_p":
         return f"p={record['p']:g} (cap {blocks} blocks)"
     parts = [f"{blocks} blocks"]
@@ -97,10 +86,24 @@ def budget_label(record: dict) -> str:
 
 
 def _prefetch_label(record: dict) -> str:
+    """ "yes (forecast-offload)", "no (sparse-offload)", "no (resident only)"; dense: its mode, or "-"."""
+    mode = record.get("offload_mode")
     if record.get("prefetch") is None:
-        return MISSING
-    ahead = "yes" if record["prefetch"] else "no"
-    return f"{ahead} ({record.get('offload_mode') or 'resident only'})"
+        return f"{MISSING} ({mode})" if mode else MISSING
+    return f"{'yes' if record['prefetch'] else 'no'} ({mode or 'resident only'})"
+
+
+def recall_of(record: dict, field: str = "recall_mass") -> tuple[float | None, bool]:
+    """(recall, over every row): `field` over the rows where the budget is selective, else (a budget
+    that covers every visible block at every row) `field`_all over every row."""
+    if record.get(field) is not None:
+        return record[field], False
+    return record.get(f"{field}_all"), record.get(f"{field}_all") is not None
+
+
+def _recall_cell(record: dict, field: str) -> str:
+    value, every_row = recall_of(record, field)
+    return _fmt(value) + (ALL_ROWS_MARK if every_row else "")
 
 
 def _selector_rank(selector: str) -> int:
@@ -125,20 +128,22 @@ def _row(record: dict) -> list[str]:
     if record.get("skipped"):
         return head + [MISSING] * (len(COLUMNS) - len(head) - 1) + [f"skipped: {record['skipped']}"]
     return head + [
-        _fmt(record.get("recall_mass")),
-        _fmt(record.get("overlap")),
+        _recall_cell(record, "recall_mass"),
+        _recall_cell(record, "overlap"),
         _fmt(record.get("ppl_ratio"), 4),
         _fmt(record.get("needle_accuracy"), 2),
         _fmt(record.get("h2d_bytes_per_step"), 3, MIB),
         _fmt(record.get("hit_rate")),
         _fmt(record.get("selected_blocks"), 1),
-        "",
+        record.get("offload_note") or "",
     ]
 
 
 def _context_blocks(records: list[dict]) -> int | None:
-    """The context's blocks at one length, from any record that has a budget and its share."""
+    """The context's blocks at one length: a record's count, else from a budget and its share."""
     for r in records:
+        if r.get("context_blocks"):
+            return r["context_blocks"]
         if r.get("budget_blocks") and r.get("budget_share"):
             return round(r["budget_blocks"] / r["budget_share"])
     return None
@@ -271,10 +276,11 @@ def _recall_points(rows: list[dict], kind: str) -> list[tuple[float, float]]:
     selected (its cap when that was not counted)."""
     points = []
     for r in rows:
-        if r.get("budget_kind") != kind or r.get("recall_mass") is None:
+        recall = recall_of(r)[0]
+        if r.get("budget_kind") != kind or recall is None:
             continue
         blocks = r["budget_blocks"] if kind == "blocks" else (r.get("selected_blocks") or r["budget_blocks"])
-        points.append((blocks, r["recall_mass"]))
+        points.append((blocks, recall))
     return sorted(points)
 
 
@@ -282,7 +288,7 @@ def recall_plot(records: list[dict], path: str | Path, model: str | None = None)
     """Recall (share of the oracle's attention mass) against the budget in blocks, one curve per selector
     and one panel per length.  Writes the PNG `path`."""
     plt = _pyplot()
-    rows = [r for r in _measured(records) if r["selector"] != "dense" and r.get("recall_mass") is not None]
+    rows = [r for r in _measured(records) if r["selector"] != "dense" and recall_of(r)[0] is not None]
     if not rows:
         raise ValueError("recall_plot: no measured record has recall_mass")
     lengths = sorted({r["length"] for r in rows})
@@ -319,15 +325,31 @@ def recall_plot(records: list[dict], path: str | Path, model: str | None = None)
     return path
 
 
-def _report_text(records: list[dict], model: str, pictures: list[Path]) -> str:
+def _distinct(records: list[dict], field: str) -> str:
+    values = list(dict.fromkeys(str(r[field]) for r in records if r.get(field) is not None))
+    return "; ".join(values) if values else "not recorded"
+
+
+def _setup_lines(records: list[dict], model: str) -> list[str]:
+    """What produced the table: model, heads, tail, reuse anchors, cells and the time they took."""
     measured = _measured(records)
-    seconds = sum(r.get("seconds") or 0.0 for r in records)
+    seconds = sum(r.get("seconds") or 0.0 for r in records) + sum(r.get("prefill_s") or 0.0 for r in records)
+    return [
+        f"- model: {model}",
+        f"- Forecast heads: {_distinct(records, 'heads')}",
+        f"- decode steps scored per length (tail): {_distinct(records, 'tail_tokens')}",
+        f"- reuse anchors: {_distinct(records, 'anchors')} ({_distinct(records, 'anchors_source')})",
+        f"- {len(records)} cells ({len(records) - len(measured)} skipped) at lengths "
+        f"{', '.join(str(n) for n in sorted({r['length'] for r in records}))}; "
+        f"{seconds:.0f} s of measurement (prefills and cells, as recorded)",
+    ]
+
+
+def _report_text(records: list[dict], model: str, pictures: list[Path]) -> str:
     lines = [
         "# Selector study",
         "",
-        f"Model: {model}. {len(records)} cells ({len(records) - len(measured)} skipped), "
-        f"lengths {', '.join(str(n) for n in sorted({r['length'] for r in records}))}; "
-        f"{seconds:.0f} s of measurement in all.",
+        *_setup_lines(records, model),
         "",
         BUDGET_NOTE,
         "",
@@ -352,7 +374,7 @@ def write_study_report(records: list[dict], out_dir: str | Path, model: str | No
         pareto_plot(records, out / f"pareto_{length}.png", length, name)
         for length in sorted({r["length"] for r in measured})
     ]
-    if any(r["selector"] != "dense" and r.get("recall_mass") is not None for r in measured):
+    if any(r["selector"] != "dense" and recall_of(r)[0] is not None for r in measured):
         pictures.append(recall_plot(records, out / "recall.png", name))
     report = out / "report.md"
     write_text_atomic(report, _report_text(records, name, pictures))

@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from forecastkv.eval.study import RECORD_FIELDS
 from forecastkv.eval.study_report import (
     COLUMNS,
     MIB,
@@ -19,29 +20,36 @@ BLOCK = 64
 
 
 def cell(length=2048, selector="query", kind="blocks", blocks=16, p=None, **metrics):
-    """One study record with every field; metrics default to plausible values, any can be overridden."""
+    """One study record with every field of the engine's schema (`study.RECORD_FIELDS`); metrics default
+    to plausible values, any can be overridden."""
     context_blocks = length // BLOCK
-    record = {
-        "length": length,
-        "selector": selector,
-        "budget_kind": kind,
-        "budget_blocks": blocks,
-        "p": p,
-        "budget_tokens": None if blocks is None else blocks * BLOCK,
-        "budget_share": None if blocks is None else blocks / context_blocks,
-        "prefetch": selector in ("forecast", "reuse", "speculate"),
-        "offload_mode": "forecast-offload" if selector in ("forecast", "reuse", "speculate") else "sparse-offload",
-        "recall_mass": 0.8,
-        "overlap": 0.7,
-        "ppl": 11.0,
-        "ppl_ratio": 1.1,
-        "needle_accuracy": 0.75,
-        "h2d_bytes_per_step": 3 * MIB,
-        "hit_rate": 0.85,
-        "selected_blocks": None if blocks is None else float(blocks),
-        "seconds": 2.0,
-        "skipped": None,
-    }
+    record = dict.fromkeys(RECORD_FIELDS)
+    record.update(
+        {
+            "length": length,
+            "context_blocks": context_blocks,
+            "selector": selector,
+            "budget_kind": kind,
+            "budget_blocks": blocks,
+            "p": p,
+            "budget_tokens": None if blocks is None else blocks * BLOCK,
+            "budget_share": None if blocks is None else blocks / context_blocks,
+            "prefetch": selector in ("forecast", "reuse", "speculate"),
+            "offload_mode": "forecast-offload" if selector in ("forecast", "reuse", "speculate") else "sparse-offload",
+            "recall_mass": 0.8,
+            "overlap": 0.7,
+            "ppl": 11.0,
+            "ppl_ratio": 1.1,
+            "needle_accuracy": 0.75,
+            "h2d_bytes_per_step": 3 * MIB,
+            "hit_rate": 0.85,
+            "selected_blocks": None if blocks is None else float(blocks),
+            "seconds": 2.0,
+            "skipped": None,
+        }
+    )
+    unknown = set(metrics) - set(RECORD_FIELDS)
+    assert not unknown, f"not in the engine's record schema: {unknown}"
     record.update(metrics)
     return record
 
@@ -50,14 +58,14 @@ def dense(length=2048):
     return cell(
         length,
         "dense",
-        kind=None,
-        blocks=None,
+        kind="dense",
+        blocks=length // BLOCK,
         prefetch=None,
-        offload_mode=None,
+        offload_mode="dense-offload",
         recall_mass=None,
         overlap=None,
         ppl_ratio=1.0,
-        h2d_bytes_per_step=None,
+        h2d_bytes_per_step=4 * MIB,
         hit_rate=None,
         selected_blocks=None,
     )
@@ -79,7 +87,8 @@ def test_budget_is_printed_as_blocks_tokens_and_share():
     assert budget_label(cell(2048, blocks=16)) == "16 blocks = 1024 tokens = 50.0%"
     assert budget_label(cell(8192, blocks=16)) == "16 blocks = 1024 tokens = 12.5%"
     assert budget_label(cell(kind="top_p", blocks=32, p=0.9)) == "p=0.9 (cap 32 blocks)"
-    assert budget_label(dense()) == "all blocks"
+    assert budget_label(dense()) == "all 32 blocks"
+    assert budget_label(dense() | {"budget_blocks": None}) == "all blocks"
     # a budget of every block, and a single-block context
     assert budget_label(cell(64, blocks=1)) == "1 blocks = 64 tokens = 100.0%"
 
@@ -88,8 +97,16 @@ def test_table_prints_every_kind_of_cell():
     records = [
         cell(blocks=8, h2d_bytes_per_step=1.5 * MIB),
         cell(kind="top_p", blocks=32, p=0.95, selected_blocks=19.25),
-        cell(selector="oracle", blocks=8, prefetch=False, offload_mode=None, h2d_bytes_per_step=None, hit_rate=None),
-        cell(selector="oracle", kind="top_p", blocks=32, p=0.8, skipped="the offloaded runtime refuses oracle"),
+        cell(
+            selector="oracle",
+            blocks=8,
+            prefetch=False,
+            offload_mode=None,
+            offload_note="oracle reads every key",
+            h2d_bytes_per_step=None,
+            hit_rate=None,
+        ),
+        cell(selector="oracle", kind="top_p", blocks=32, p=0.8, skipped="out of time"),
         cell(selector="forecast", blocks=16, needle_accuracy=None, ppl_ratio=1.02345),
         dense(),
     ]
@@ -97,7 +114,7 @@ def test_table_prints_every_kind_of_cell():
     assert all(len(r) == len(COLUMNS) for r in rows)
     # dense first, then oracle, then the deployable selectors in SELECTORS order; fixed budgets before top-p
     assert [r[:2] for r in rows] == [
-        ["dense", "all blocks"],
+        ["dense", "all 32 blocks"],
         ["oracle", "8 blocks = 512 tokens = 25.0%"],
         ["oracle", "p=0.8 (cap 32 blocks)"],
         ["query", "8 blocks = 512 tokens = 25.0%"],
@@ -105,9 +122,10 @@ def test_table_prints_every_kind_of_cell():
         ["forecast", "16 blocks = 1024 tokens = 50.0%"],
     ]
     dense_row, oracle_row, skipped_row, query_row, top_p_row, forecast_row = rows
-    assert dense_row[2:] == ["-", "-", "-", "1.0000", "0.75", "-", "-", "-", ""]
+    assert dense_row[2:] == ["- (dense-offload)", "-", "-", "1.0000", "0.75", "4.000", "-", "-", ""]
     assert oracle_row[2] == "no (resident only)" and oracle_row[7:9] == ["-", "-"]
-    assert skipped_row[3:10] == ["-"] * 7 and skipped_row[10] == "skipped: the offloaded runtime refuses oracle"
+    assert oracle_row[10] == "oracle reads every key"  # why there are no bytes
+    assert skipped_row[3:10] == ["-"] * 7 and skipped_row[10] == "skipped: out of time"
     assert query_row[2:] == ["no (sparse-offload)", "0.800", "0.700", "1.1000", "0.75", "1.500", "0.850", "8.0", ""]
     assert top_p_row[9] == "19.2"  # the blocks top-p used, below its cap
     assert forecast_row[2] == "yes (forecast-offload)"
@@ -115,12 +133,22 @@ def test_table_prints_every_kind_of_cell():
 
 
 def test_table_has_one_section_per_length_shortest_first():
-    text = study_table([cell(8192, blocks=32), cell(2048, blocks=8), dense(4096)])
+    uncounted = cell(1000, blocks=8) | {"context_blocks": None, "budget_share": None}
+    text = study_table([cell(8192, blocks=32), cell(2048, blocks=8), dense(4096), uncounted])
     assert list(table_rows(text)) == [
+        "1000 context: 1000 tokens",  # no record counts its blocks
         "2K context: 2048 tokens (32 blocks)",
-        "4K context: 4096 tokens",  # only dense there: no budget gives the block count
+        "4K context: 4096 tokens (64 blocks)",
         "8K context: 8192 tokens (128 blocks)",
     ]
+
+
+def test_a_budget_that_never_chooses_prints_its_recall_over_every_row():
+    """At a budget >= every block no row is selective: recall_mass is None, recall_mass_all is shown, marked."""
+    every = cell(blocks=32, recall_mass=None, overlap=None, recall_mass_all=1.0, overlap_all=1.0)
+    neither = cell(blocks=8, recall_mass=None, overlap=None)
+    rows = table_rows(study_table([every, neither]))["2K context: 2048 tokens (32 blocks)"]
+    assert [r[3:5] for r in rows] == [["-", "-"], ["1.000*", "1.000*"]]
 
 
 def synthetic_study(lengths=(2048, 8192)) -> list[dict]:
@@ -149,7 +177,7 @@ def test_report_writes_table_plots_and_records(tmp_path):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads((tmp_path / "study" / "records.json").read_text()) == records
     report = (tmp_path / "study" / "report.md").read_text()
-    assert "Model: tiny model" in report and "4 skipped" in report
+    assert "- model: tiny model" in report and "(4 skipped)" in report
     assert "![pareto_2048](pareto_2048.png)" in report and "![recall](recall.png)" in report
     assert "| forecast | p=0.9 (cap 32 blocks) | yes (forecast-offload) |" in report
 
@@ -173,3 +201,98 @@ def test_nothing_to_draw_is_a_clear_error(tmp_path):
         recall_plot([dense(), cell(skipped="out of time")], tmp_path / "r.png")
     with pytest.raises(ValueError, match="no records"):
         write_study_report([], tmp_path)
+
+
+# -- the console script's `study` front end (no model: the engine is replaced where a run would start) --
+
+
+def _one_line_error(argv, capsys) -> str:
+    """Run the console script; assert it ends as a user error in one stderr line; return that line."""
+    from forecastkv.cli import main
+
+    try:
+        status = main(argv)
+    except SystemExit as stop:  # argparse's own errors
+        status = stop.code
+    err = capsys.readouterr().err
+    assert status == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("forecastkv: error: ") and "Traceback" not in err, err
+    return lines[0]
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Any attempt to load the model fails the test: the errors below must come before it."""
+    from forecastkv.eval import study
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(study, "load_study_model", refuse)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--budgets", "0"], "--budgets: must be at least 1, got 0"),
+        (["--lengths", "2k"], "--lengths: expected a positive integer, got '2k'"),
+        (["--top-p", "1.5"], "--top-p: must lie in (0, 1], got 1.5"),
+        (["--top-p", "0"], "--top-p: must lie in (0, 1], got 0"),
+        (["--selectors", "random"], "--selectors: invalid choice: 'random'"),
+        (["--tail", "-1"], "--tail: must be at least 1, got -1"),
+        (["--budgets", "8", "8"], "study budgets must not repeat a value, got [8, 8]"),
+        (["--selectors", "quest", "quest"], "study selectors must be distinct names"),
+        (["--lengths", "64", "--tail", "64"], "study lengths [64] must exceed tail_tokens + 1 = 65"),
+        (["--top-p", "0.9", "--budgets"], "--budgets: expected at least one argument"),
+    ],
+)
+def test_study_bad_options_are_one_line_errors(argv, message, no_model, capsys):
+    assert message in _one_line_error(["study", *argv], capsys)
+
+
+def test_study_heads_must_be_a_directory(tmp_path, no_model, capsys):
+    line = _one_line_error(["study", "--heads", str(tmp_path / "missing"), "--out", str(tmp_path)], capsys)
+    assert line.endswith(f"--heads {tmp_path / 'missing'}: no such directory (a train-forecast output)")
+
+
+def test_study_options_make_the_spec():
+    from forecastkv.cli import STUDY_SMALL, _study_spec, build_parser
+    from forecastkv.eval.study import StudySpec
+
+    parse = build_parser().parse_args
+    assert _study_spec(parse(["study"])) == StudySpec()  # the full study by default
+    small = _study_spec(parse(["study", "--small"]))
+    assert (list(small.lengths), list(small.budgets), list(small.top_p)) == (
+        STUDY_SMALL["lengths"],
+        STUDY_SMALL["budgets"],
+        STUDY_SMALL["top_p"],
+    )
+    given = _study_spec(parse(["study", "--small", "--lengths", "512", "--top-p", "--selectors", "oracle", "quest"]))
+    assert given.lengths == (512,) and given.top_p == () and given.selectors == ("oracle", "quest")
+    assert given.budgets == tuple(STUDY_SMALL["budgets"]) and given.tail_tokens == STUDY_SMALL["tail_tokens"]
+
+
+def test_study_command_measures_then_writes_the_report(tmp_path, monkeypatch, capsys):
+    """`forecastkv study` hands its spec to run_study (cells.json in --out, to resume) and writes the report there."""
+    from forecastkv.cli import main
+    from forecastkv.eval import study
+
+    calls = {}
+
+    def fake_load(spec):
+        calls["loaded"] = spec
+        return "model", "tokenizer", spec
+
+    def fake_run(model, tokenizer, spec, out=None, progress=False):
+        calls["run"] = (model, tokenizer, spec, out)
+        return synthetic_study(lengths=spec.lengths)
+
+    monkeypatch.setattr(study, "load_study_model", fake_load)
+    monkeypatch.setattr(study, "run_study", fake_run)
+    out = tmp_path / "study"
+    assert main(["study", "--small", "--lengths", "2048", "--out", str(out), "--no-progress"]) == 0
+    model, tokenizer, spec, cells = calls["run"]
+    assert (model, tokenizer, spec.lengths, cells) == ("model", "tokenizer", (2048,), out / "cells.json")
+    assert sorted(p.name for p in out.iterdir()) == ["pareto_2048.png", "recall.png", "records.json", "report.md"]
+    assert "study: " in capsys.readouterr().out
