@@ -330,7 +330,7 @@ def _distinct(records: list[dict], field: str) -> str:
     return "; ".join(values) if values else "not recorded"
 
 
-def _setup_lines(records: list[dict], model: str) -> list[str]:
+def _setup_lines(records: list[dict], model: str, timing: str | None) -> list[str]:
     """What produced the table: model, heads, tail, reuse anchors, cells and the time they took."""
     measured = _measured(records)
     seconds = sum(r.get("seconds") or 0.0 for r in records) + sum(r.get("prefill_s") or 0.0 for r in records)
@@ -342,14 +342,15 @@ def _setup_lines(records: list[dict], model: str) -> list[str]:
         f"- {len(records)} cells ({len(records) - len(measured)} skipped) at lengths "
         f"{', '.join(str(n) for n in sorted({r['length'] for r in records}))}; "
         f"{seconds:.0f} s of measurement (prefills and cells, as recorded)",
+        *([f"- {timing}"] if timing else []),
     ]
 
 
-def _report_text(records: list[dict], model: str, pictures: list[Path]) -> str:
+def _report_text(records: list[dict], model: str, pictures: list[Path], timing: str | None) -> str:
     lines = [
         "# Selector study",
         "",
-        *_setup_lines(records, model),
+        *_setup_lines(records, model, timing),
         "",
         BUDGET_NOTE,
         "",
@@ -361,9 +362,13 @@ def _report_text(records: list[dict], model: str, pictures: list[Path]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_study_report(records: list[dict], out_dir: str | Path, model: str | None = None) -> list[Path]:
+def write_study_report(
+    records: list[dict], out_dir: str | Path, model: str | None = None, timing: str | None = None
+) -> list[Path]:
     """Write report.md, one pareto_<length>.png per length with a measured cell, recall.png (when some
-    cell measured recall) and records.json into `out_dir`; returns the paths written, report.md first."""
+    cell measured recall) and records.json into `out_dir`; returns the paths written, report.md first.
+    model: named in the report and the plots' titles (else the records' "model", else "not recorded");
+    timing: a line on the run's wall time and machine for the report's header."""
     if not records:
         raise ValueError("write_study_report: no records (the study measured no cell)")
     out = Path(out_dir)
@@ -377,7 +382,7 @@ def write_study_report(records: list[dict], out_dir: str | Path, model: str | No
     if any(r["selector"] != "dense" and recall_of(r)[0] is not None for r in measured):
         pictures.append(recall_plot(records, out / "recall.png", name))
     report = out / "report.md"
-    write_text_atomic(report, _report_text(records, name, pictures))
+    write_text_atomic(report, _report_text(records, name, pictures, timing))
     data = out / "records.json"
     write_text_atomic(data, json.dumps(records, indent=1) + "\n")
     return [report, *pictures, data]
