@@ -19,7 +19,6 @@ from pathlib import Path
 import torch
 
 COUNTS = (1, 2, 4, 6, 8)
-KNEE_SHARE = 0.9  # the recommended count: the fewest anchors that close this share of the gap to count = L
 
 
 def load_model(base: str):
@@ -33,60 +32,69 @@ def load_model(base: str):
     return model, AutoTokenizer.from_pretrained(path)
 
 
-def knee(means: dict[int, float], ceiling: float) -> int:
-    """The fewest anchors whose mean recall closes KNEE_SHARE of the gap from one anchor to every layer."""
-    floor = means[min(means)]
-    for count in sorted(means):
-        if means[count] - floor >= KNEE_SHARE * (ceiling - floor):
-            return count
-    return max(means)
+def knee(means: dict[int, float]) -> int:
+    """The knee of mean recall against the anchor count (Kneedle, Satopaa et al. 2011): both axes
+    scaled to [0, 1] over the sweep, the count farthest above the chord from the first to the last."""
+    counts = sorted(means)
+    (x0, x1), (y0, y1) = (counts[0], counts[-1]), (means[counts[0]], means[counts[-1]])
+    if x1 == x0 or y1 == y0:
+        return counts[0]
+    return max(counts, key=lambda c: (means[c] - y0) / (y1 - y0) - (c - x0) / (x1 - x0))
 
 
-def report(recall: torch.Tensor, counts, args, seconds: float, rows: int) -> str:
+def report(recall: torch.Tensor, overlap: torch.Tensor, counts, args, seconds: float, rows: int) -> str:
     from forecastkv.eval.reuse_anchors import anchors_score, pick_anchors
 
     layers = recall.shape[0]
-    ceiling = anchors_score(recall, list(range(layers))) / layers
+    every = list(range(layers))
+    ceiling, ceiling_overlap = anchors_score(recall, every) / layers, anchors_score(overlap, every) / layers
     chosen = {count: pick_anchors(recall, count) for count in counts}
     means = {count: anchors_score(recall, anchors) / layers for count, anchors in chosen.items()}
-    best = knee(means, ceiling)
+    overlaps = {count: anchors_score(overlap, anchors) / layers for count, anchors in chosen.items()}
+    best = knee(means)
+    tokens = args.budget * args.block_size
     lines = [
         "# Reuse anchors (Kascade) on SmolLM2-135M",
         "",
         f"Command: `python benchmarks/reuse_anchors.py {' '.join(sys.argv[1:])}`, {seconds:.0f} s on this CPU.",
         "",
-        f"Geometry: preset `{args.sparse_config}`, budget {args.budget} blocks of 64 tokens "
-        f"({args.budget * 64} tokens, {args.budget * 64 / args.length:.1%} of {args.length}; init and local included).",
+        f"Geometry: preset `{args.sparse_config}`, budget {args.budget} blocks of {args.block_size} tokens "
+        f"({tokens} tokens, {tokens / args.length:.1%} of {args.length}; init and local included).",
         f"Data: {rows} windows of {args.length} tokens from the bundled essays' `{args.split}` split, "
-        f"rows t >= {args.budget * 64}; dense backbone.",
+        f"rows t >= {tokens}; dense backbone.",
         "Mean recall: the share of each layer's oracle mass (its own top-budget blocks by true attention) that "
-        "the blocks of its anchor hold, averaged over the layers (layer 0 included), KV heads and rows.",
+        "the blocks of its anchor hold, averaged over the layers (layer 0 included), KV heads and rows; "
+        "overlap: the share of those oracle blocks the anchor's blocks include; missed mass: 1 - recall.  "
+        "Anchors are picked by mass recall (`pick_anchors`, exact).",
         "",
-        "| anchors | layers | mean recall | of the ceiling |",
-        "|---:|---|---:|---:|",
+        "| anchors | layers | mean recall | missed mass vs the query selector's | mean overlap |",
+        "|---:|---|---:|---:|---:|",
     ]
     for count in counts:
-        lines.append(f"| {count} | {chosen[count]} | {means[count]:.3f} | {means[count] / ceiling:.1%} |")
-    lines.append(f"| {layers} (query selector) | every layer | {ceiling:.3f} | 100.0% |")
+        missed = (1 - means[count]) / (1 - ceiling)
+        lines.append(f"| {count} | {chosen[count]} | {means[count]:.4f} | {missed:.2f}x | {overlaps[count]:.3f} |")
+    lines.append(f"| {layers} (query selector) | every layer | {ceiling:.4f} | 1.00x | {ceiling_overlap:.3f} |")
     lines += [
         "",
-        f"Recommended: **{best} anchors**, {chosen[best]} (the fewest that close {KNEE_SHARE:.0%} of the gap "
-        "from one anchor to every layer).",
+        f"Knee (Kneedle over counts {list(counts)}): **{best} anchors**, {chosen[best]}.",
         "",
-        "Per layer, R[l, l] (own query) and R[a(l), l] with the recommended anchors:",
+        "Per layer, own query R[l, l] and reused R[a(l), l] with the knee's anchors (mass recall, overlap):",
         "",
-        "| layer | own query | reused |",
-        "|---:|---:|---:|",
+        "| layer | own recall | reused recall | own overlap | reused overlap |",
+        "|---:|---:|---:|---:|---:|",
     ]
     served = 0
     for layer in range(layers):
         served = layer if layer in chosen[best] else served
-        lines.append(f"| {layer} | {recall[layer, layer]:.3f} | {recall[served, layer]:.3f} |")
+        lines.append(
+            f"| {layer} | {recall[layer, layer]:.3f} | {recall[served, layer]:.3f} "
+            f"| {overlap[layer, layer]:.3f} | {overlap[served, layer]:.3f} |"
+        )
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
-    from forecastkv.eval.reuse_anchors import anchor_recall_matrix, planning_sequences
+    from forecastkv.eval.reuse_anchors import anchor_recall_matrices, planning_geometry, planning_sequences
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="bundled:smollm2-135m")
@@ -98,13 +106,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--counts", type=int, nargs="+", default=list(COUNTS))
     parser.add_argument("--out", default=None, help="write the Markdown report here")
     args = parser.parse_args(argv)
+    args.block_size = planning_geometry(args.sparse_config, args.budget, args.length)["block_size"]
 
     torch.manual_seed(0)
     model, tokenizer = load_model(args.model)
     ids = planning_sequences(tokenizer, args.length, args.sequences, args.split)
     began = time.perf_counter()
-    recall = anchor_recall_matrix(model, ids, args.budget * 64, args.budget, sparse=args.sparse_config)
-    text = report(recall, args.counts, args, time.perf_counter() - began, ids.shape[0])
+    start = args.budget * args.block_size  # the first row whose visible blocks exceed the budget
+    recall, overlap = anchor_recall_matrices(model, ids, start, args.budget, sparse=args.sparse_config)
+    text = report(recall, overlap, args.counts, args, time.perf_counter() - began, ids.shape[0])
     print(text)
     if args.out:
         Path(args.out).write_text(text)

@@ -130,8 +130,8 @@ def _oracle_rows(q: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, s
 @torch.no_grad()
 def _sequence_recall_sums(inner, ids: torch.Tensor, start: int) -> tuple[torch.Tensor, int]:
     """One planning forward of ids [B, T] under the planning geometry already routed on `inner`:
-    (sums fp64 [L, L] of the mass recall of layer a's query selection against layer l's oracle,
-    over KV heads and rows t >= start, a <= l; the rows x heads counted)."""
+    (sums fp64 [2, L, L] of the mass recall and the block overlap of layer a's query selection
+    against layer l's oracle, over KV heads and rows t >= start, a <= l; the rows x heads counted)."""
     from forecastkv.modeling import selectors
 
     sparse = inner.config.sparse
@@ -146,13 +146,13 @@ def _sequence_recall_sums(inner, ids: torch.Tensor, start: int) -> tuple[torch.T
 
     _, _, selections = inner(ids, collect_selections=True, layer_callback=on_layer)
     layers = len(selections)
-    sums = torch.zeros(layers, layers, dtype=torch.float64)
+    sums = torch.zeros(2, layers, layers, dtype=torch.float64)
     for layer in range(layers):
         mass, oracle_ids = oracles.pop(layer)
         for anchor in range(layer + 1):
             chosen = selections[anchor]["query"][:, :, start:]
-            recall, _ = selectors.selection_recall(chosen.to(mass.device), mass, oracle_ids)
-            sums[anchor, layer] = recall.double().sum().item()
+            measures = selectors.selection_recall(chosen.to(mass.device), mass, oracle_ids)
+            sums[:, anchor, layer] = torch.stack([m.double().sum() for m in measures]).cpu()
     heads = selections[0]["query"].shape[1]
     return sums, ids.shape[0] * heads * (ids.shape[1] - start)
 
@@ -160,6 +160,16 @@ def _sequence_recall_sums(inner, ids: torch.Tensor, start: int) -> tuple[torch.T
 def anchor_recall_matrix(model, ids: torch.Tensor, start: int, budget_blocks: int, sparse=None) -> torch.Tensor:
     """R fp64 [L, L]: R[a, l] = the mean mass recall, over sequences, KV heads and rows t >= start,
     of layer a's query selection applied to layer l's oracle (a <= l; NaN below the diagonal).
+    Arguments and cost: `anchor_recall_matrices`, whose first matrix this is."""
+    return anchor_recall_matrices(model, ids, start, budget_blocks, sparse)[0]
+
+
+def anchor_recall_matrices(
+    model, ids: torch.Tensor, start: int, budget_blocks: int, sparse=None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mass recall, block overlap), each fp64 [L, L]: entry [a, l] is the mean over sequences, KV
+    heads and rows t >= start of layer a's query selection measured against layer l's oracle
+    (a <= l; NaN below the diagonal).  Overlap: the share of the oracle's blocks selected.
 
     model: a ForecastKVForCausalLM or ForecastKVModel; ids [N, T] int64 held-out token ids, run one
     sequence at a time; start: the first row counted (rows where the budget is selective:
@@ -182,14 +192,15 @@ def anchor_recall_matrix(model, ids: torch.Tensor, start: int, budget_blocks: in
         raise ValueError(f"start={start!r} must be an integer in [0, sequence length {length})")
     geometry = planning_geometry(sparse if sparse is not None else inner.config.sparse, budget_blocks, length)
     layers = inner.config.num_hidden_layers
-    sums, count = torch.zeros(layers, layers, dtype=torch.float64), 0
+    sums, count = torch.zeros(2, layers, layers, dtype=torch.float64), 0
     device = next(inner.parameters()).device
     with attending_with(inner, geometry):
         for row in range(ids.shape[0]):
             part, rows = _sequence_recall_sums(inner, ids[row : row + 1].to(device), start)
             sums, count = sums + part, count + rows
     below = torch.ones(layers, layers, dtype=torch.bool).tril(-1)
-    return (sums / count).masked_fill(below, float("nan"))
+    mass_recall, overlap = (sums / count).masked_fill(below, float("nan"))
+    return mass_recall, overlap
 
 
 # ----------------------------------------------------------------------------------------------

@@ -9,7 +9,13 @@ import pytest
 import torch
 
 from forecastkv.errors import ConfigError
-from forecastkv.eval.reuse_anchors import anchor_recall_matrix, anchors_score, choose_anchors, pick_anchors
+from forecastkv.eval.reuse_anchors import (
+    anchor_recall_matrices,
+    anchor_recall_matrix,
+    anchors_score,
+    choose_anchors,
+    pick_anchors,
+)
 from forecastkv.modeling import selection as sel
 from forecastkv.modeling.configuration import SparseConfig
 from forecastkv.modeling.routing import attending_with
@@ -117,12 +123,13 @@ def loop_block_mass(q: torch.Tensor, keys: torch.Tensor, t: int, head: int, bloc
     return blocks
 
 
-def loop_recall_matrix(model, ids: torch.Tensor, start: int, budget: int) -> torch.Tensor:
-    """R by plain loops: each layer's query selection (the deployed rule, `layer_selection`) against
-    every later layer's oracle (top-`budget` blocks by loop-computed mass, ties to the lower id)."""
+def loop_recall_matrices(model, ids: torch.Tensor, start: int, budget: int) -> torch.Tensor:
+    """(mass recall, overlap) [2, L, L] by plain loops: each layer's query selection (the deployed
+    rule, `layer_selection`) against every later layer's oracle (top-`budget` blocks by
+    loop-computed mass, ties to the lower id)."""
     sparse = SparseConfig.from_dict(tiny_sparse(topk=budget - 1))
     layers = model.config.num_hidden_layers
-    sums, count = torch.zeros(layers, layers, dtype=torch.float64), 0
+    sums, count = torch.zeros(2, layers, layers, dtype=torch.float64), 0
     for row in range(ids.shape[0]):
         captured = captured_layers(model, ids[row : row + 1])
         positions = torch.arange(LENGTH).view(1, -1)
@@ -138,7 +145,8 @@ def loop_recall_matrix(model, ids: torch.Tensor, start: int, budget: int) -> tor
                     best = sum(mass[j] for j in oracle)
                     for anchor in range(layer + 1):
                         picked = [j for j in chosen[anchor][0, head, t].tolist() if j >= 0]
-                        sums[anchor, layer] += sum(mass[j] for j in picked) / best
+                        sums[0, anchor, layer] += sum(mass[j] for j in picked) / best
+                        sums[1, anchor, layer] += len(set(picked) & set(oracle)) / len(oracle)
         count += keys.shape[2] * (LENGTH - start)
     return sums / count
 
@@ -147,11 +155,15 @@ def test_recall_matrix_matches_plain_loops():
     # a budget of 5 blocks: 3 forced (init, window, current) and 2 chosen by the query
     model, ids, budget = tiny_model(), tiny_ids(), 5
     start = budget * 8  # the first row that sees more blocks than the budget
-    recall = anchor_recall_matrix(model, ids, start, budget, sparse=tiny_sparse())
-    expected = loop_recall_matrix(model, ids, start, budget)
+    recall, overlap = anchor_recall_matrices(model, ids, start, budget, sparse=tiny_sparse())
+    expected = loop_recall_matrices(model, ids, start, budget)
     upper = torch.ones(3, 3, dtype=torch.bool).triu()
-    assert torch.allclose(recall[upper], expected[upper], atol=1e-5)
-    assert torch.isnan(recall[~upper]).all()  # no anchor after the layer it serves
+    assert torch.allclose(recall[upper], expected[0][upper], atol=1e-5)
+    assert torch.allclose(overlap[upper], expected[1][upper], atol=1e-6)
+    assert torch.isnan(recall[~upper]).all() and torch.isnan(overlap[~upper]).all()  # no anchor after its layer
+    assert torch.equal(
+        anchor_recall_matrix(model, ids, start, budget, sparse=tiny_sparse()).nan_to_num(), recall.nan_to_num()
+    )
     # not vacuous: the budget is selective, and an earlier layer's blocks serve a layer differently from its own
     assert (recall[upper] < 1).all()
     assert (recall[0, 1:] - recall.diagonal()[1:]).abs().min() > 1e-4
@@ -160,9 +172,9 @@ def test_recall_matrix_matches_plain_loops():
 def test_recall_matrix_is_one_when_the_budget_holds_every_block():
     """Every selection holds every visible block, so it holds all of the oracle's mass."""
     model, ids = tiny_model(), tiny_ids(1)
-    recall = anchor_recall_matrix(model, ids, 0, LENGTH // 8, sparse=tiny_sparse())
-    upper = torch.ones(3, 3, dtype=torch.bool).triu()
-    assert torch.allclose(recall[upper], torch.ones(6, dtype=torch.float64), atol=1e-6)
+    for measure in anchor_recall_matrices(model, ids, 0, LENGTH // 8, sparse=tiny_sparse()):
+        upper = torch.ones(3, 3, dtype=torch.bool).triu()
+        assert torch.allclose(measure[upper], torch.ones(6, dtype=torch.float64), atol=1e-6)
 
 
 def test_recall_matrix_leaves_the_model_config_alone():
