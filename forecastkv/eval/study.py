@@ -76,6 +76,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -389,7 +390,6 @@ class RecallMeter:
     def _add_rows(self, ids: torch.Tensor, mass: torch.Tensor, positions: torch.Tensor) -> None:
         from ..modeling.selectors import oracle_blocks, selection_recall
 
-        ids = ids[..., : mass.shape[-1]] if ids.shape[-1] > mass.shape[-1] else ids
         if self.top_p:  # equal sizes: per row the oracle's top k, k = the blocks that row selected
             sizes = (ids >= 0).sum(-1)
             recall, overlap = torch.ones_like(mass[..., 0]), torch.ones_like(mass[..., 0])
@@ -592,7 +592,7 @@ class StudyRun:
             write_records(self.out, self.done)
         if self.progress:
             what = record["skipped"] or f"ppl {record['ppl']:.3f}, recall {record['recall_mass']}"
-            print(f"study: {record['key']}: {what} ({record['seconds']:.1f} s)", flush=True)
+            print(f"study: {record['key']}: {what} ({record['seconds']:.1f} s)", file=sys.stderr, flush=True)
 
 
 def run_study(model, tokenizer, spec: StudySpec | dict, out=None, progress: bool = False) -> list[dict]:

@@ -91,16 +91,34 @@ def test_dense_is_the_reference(small_run):
             assert r["ppl_ratio"] == pytest.approx(r["ppl"] / dense["ppl"], rel=1e-12)
 
 
-def test_oracle_recall_is_one_at_every_fixed_budget(small_run):
+def test_oracle_recall_is_one_at_every_budget(small_run):
     records, _, _ = small_run
-    oracle = by(records, selector="oracle", budget_kind="blocks")
-    assert len(oracle) == 4
+    oracle = by(records, selector="oracle")
+    assert len(oracle) == 8  # 2 lengths x (2 fixed budgets + 2 top-p values)
     for r in oracle:
-        # 4 steps x 2 layers >= 1 x 2 KV heads, every row selective (20 or 32 blocks seen)
+        # 4 steps x 2 layers >= 1 x 2 KV heads, every row selective (20 or 32 blocks seen, cap 8)
         assert r["recall_rows"] == r["recall_rows_all"] == 16
         assert r["recall_mass"] == pytest.approx(1.0, abs=1e-5) and r["overlap"] == pytest.approx(1.0)
     query = by(records, selector="query", budget_kind="blocks", budget_blocks=4)
     assert any(r["recall_mass"] < 0.999 for r in query)  # a real selector misses some of the oracle's mass
+
+
+def test_top_p_rows_are_compared_with_the_oracle_of_their_own_size():
+    """RecallMeter's rule against a plain loop: a row that selected k blocks is scored against the
+    k blocks of most mass; only rows that see more blocks than the cap count as selective."""
+    meter = study.RecallMeter(small_model(), "query", budget=3, top_p=True)
+    torch.manual_seed(3)
+    mass = torch.rand(1, 2, 1, 6).softmax(-1)  # 2 KV heads, one row at position 80: blocks 0..5 visible
+    ids = torch.tensor([[[[0, 2, -1]], [[1, 3, 5]]]])  # head 0 took 2 blocks, head 1 took 3
+    meter._add_rows(ids, mass, torch.tensor([[80]]))
+    expected = []
+    for h in range(2):
+        chosen = [j for j in ids[0, h, 0].tolist() if j >= 0]
+        best = sorted(mass[0, h, 0].tolist(), reverse=True)[: len(chosen)]
+        expected.append(sum(mass[0, h, 0, j].item() for j in chosen) / sum(best))
+    result = meter.result()
+    assert result["recall_rows"] == 2
+    assert result["recall_mass"] == pytest.approx(sum(expected) / 2, rel=1e-6)
 
 
 def test_top_p_selects_fewer_blocks_than_its_cap_and_more_with_p(small_run):
@@ -216,3 +234,13 @@ def test_bad_spec_values_are_config_errors(change, message):
 def test_spec_checked_against_the_model(change, message):
     with pytest.raises(ConfigError, match=message):
         study.run_study(small_model(), ByteCodec(128), dict(SMALL, **change))
+
+
+def test_reuse_anchors_are_chosen_on_the_essays_when_the_spec_names_none():
+    spec = dict(SMALL, lengths=[320], selectors=["reuse"], budgets=[4], top_p=[], reuse_anchors=None, anchor_count=2)
+    dense, reuse = study.run_study(small_model(), ByteCodec(128), spec)
+    assert reuse["anchors"][0] == 0 and len(reuse["anchors"]) == 2 and reuse["anchors"] == sorted(reuse["anchors"])
+    assert reuse["anchors_source"] == (
+        "chosen by eval.reuse_anchors.choose_anchors: 2 anchors at length 320, budget 4 blocks"
+    )
+    assert dense["anchors"] is None
