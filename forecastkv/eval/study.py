@@ -361,8 +361,8 @@ class RecallMeter:
     `on_layer` is the forward's layer_callback: it keeps each layer's oracle mass [1, H, 1, NB] from
     its true queries and stored keys; `add_step` compares it with the layer's selected ids."""
 
-    def __init__(self, model, selector: str, budget: int, top_p: bool) -> None:
-        self.inner, self.selector, self.budget, self.top_p = model.model, selector, budget, top_p
+    def __init__(self, model, budget: int, top_p: bool) -> None:
+        self.inner, self.budget, self.top_p = model.model, budget, top_p
         self.block_size = model.config.sparse.block_size
         self.masses: dict = {}
         self.sums = {"mass": 0.0, "overlap": 0.0, "rows": 0, "mass_all": 0.0, "overlap_all": 0.0, "rows_all": 0}
@@ -488,7 +488,7 @@ def measure_cell(model, cell: Cell, inputs: dict, anchors: tuple, check_offload:
 
     base = model.config.sparse.to_dict()
     sparse = cell_sparse_config(base, cell, anchors)
-    meter = RecallMeter(model, cell.selector, cell.blocks, cell.p is not None)
+    meter = RecallMeter(model, cell.blocks, cell.p is not None)
     fields: dict = {}
     with attending_with(model, sparse):
         for name, meter_here in (("text", meter), ("needle", None)):

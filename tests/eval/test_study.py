@@ -106,7 +106,7 @@ def test_oracle_recall_is_one_at_every_budget(small_run):
 def test_top_p_rows_are_compared_with_the_oracle_of_their_own_size():
     """RecallMeter's rule against a plain loop: a row that selected k blocks is scored against the
     k blocks of most mass; only rows that see more blocks than the cap count as selective."""
-    meter = study.RecallMeter(small_model(), "query", budget=3, top_p=True)
+    meter = study.RecallMeter(small_model(), budget=3, top_p=True)
     torch.manual_seed(3)
     mass = torch.rand(1, 2, 1, 6).softmax(-1)  # 2 KV heads, one row at position 80: blocks 0..5 visible
     ids = torch.tensor([[[[0, 2, -1]], [[1, 3, 5]]]])  # head 0 took 2 blocks, head 1 took 3
