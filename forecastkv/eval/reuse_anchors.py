@@ -8,7 +8,10 @@ known a layer ahead.  Which layers to make anchors is chosen on data the evaluat
    selection holds (mean over rows where the budget is selective), for every a <= l;
 2. `pick_anchors`: the anchor set (layer 0 always in it) maximising the sum over layers of
    R[anchor serving l, l], exactly, by dynamic programming;
-3. `choose_anchors`: both, on bundled essays the study does not evaluate.
+3. `choose_anchors`: both, on bundled essays the study's perplexity does not read (the "train"
+   split; `choose_anchors` says why).
+
+`benchmarks/reuse_anchors.py` sweeps the anchor count on the bundled SmolLM2-135M.
 """
 
 from __future__ import annotations
@@ -239,7 +242,7 @@ def choose_anchors(
     default split is "train": the study evaluates perplexity on the "heldout" essays
     (`eval.tasks.heldout_stream`), so anchors picked there would be tuned on the evaluated text;
     the needle tasks build haystacks from shuffled "train" sentences, a far weaker overlap (the
-    anchors are 30 layer ids fitted to a [L, L] average).  The backbone was not trained on either.
+    anchors are a few layer ids fitted to an [L, L] average).  The backbone was trained on neither.
     Rows t >= budget_blocks * block_size are counted (where the budget leaves blocks out).
     sparse: the geometry (default: the model's sparse_config).  Returns ascending layer ids, 0 first.
     """
