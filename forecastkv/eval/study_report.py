@@ -26,7 +26,7 @@ from ..modes import SELECTORS
 
 MIB = 2**20
 MISSING = "-"
-ALL_ROWS_MARK = "*"  # a recall over every row: the budget was never selective
+ALL_ROWS_MARK = "*"  # a recall over every row: no row saw more blocks than the budget or cap
 # table rows and plot curves in this order: the baseline, the bound, then the deployable selectors
 SELECTOR_ORDER = ("dense", "oracle", *(s for s in SELECTORS if s != "oracle"))
 FIXED_MARKER, TOP_P_MARKER = "o", "^"
@@ -52,12 +52,13 @@ BUDGET_NOTE = (
 )
 COLUMN_NOTE = (
     "recall (mass): share of the oracle's attention mass the selected blocks hold; overlap: share of the "
-    "oracle's blocks also selected; ppl ratio: held-out perplexity over dense's; needle acc: share of needles "
-    "retrieved; H2D MiB/step: bytes the offloaded runtime counted host→device per decode step, all layers; "
-    "hit rate: share of wanted blocks already in the device slots; prefetch: whether the selector knows a "
+    "oracle's blocks also selected; ppl ratio: held-out perplexity over dense's; needle acc: share of the "
+    "needle's answer tokens predicted (teacher-forced argmax); H2D MiB/step: bytes the offloaded runtime "
+    "counted host→device per decode step after the first, all layers; hit rate: share of wanted blocks "
+    "already in the device slots; prefetch: whether the selector knows a "
     "layer's blocks a layer ahead (which fixes its offload mode). `-`: not measured. "
-    f"`{ALL_ROWS_MARK}`: the budget held every visible block at every step, so the recall is over every row "
-    "(elsewhere: over the rows where the budget had to choose)."
+    f"`{ALL_ROWS_MARK}`: no step saw more blocks than the budget (or top-p's cap), so the recall is over every "
+    "step (elsewhere: over the steps where the budget had to choose)."
 )
 
 
@@ -94,8 +95,8 @@ def _prefetch_label(record: dict) -> str:
 
 
 def recall_of(record: dict, field: str = "recall_mass") -> tuple[float | None, bool]:
-    """(recall, over every row): `field` over the rows where the budget is selective, else (a budget
-    that covers every visible block at every row) `field`_all over every row."""
+    """(recall, over every row): `field` over the rows where the budget is selective, else (no row saw
+    more blocks than the budget or top-p's cap) `field`_all over every row."""
     if record.get(field) is not None:
         return record[field], False
     return record.get(f"{field}_all"), record.get(f"{field}_all") is not None
@@ -196,23 +197,30 @@ def _pyplot():
 # (record field, axis label, short name for the legend)
 PARETO_PANELS = (
     ("ppl_ratio", "perplexity / dense (lower is better)", "ppl ratio"),
-    ("needle_accuracy", "needle accuracy (share retrieved)", "needle acc"),
+    ("needle_accuracy", "needle accuracy (share of answer tokens)", "needle acc"),
 )
 
 
 def _draw_curve(ax, rows: list[dict], field: str, color, label: str | None) -> None:
     """A selector's fixed budgets as a solid line of circles, its top-p cells as a dashed line of triangles,
-    both over H2D MiB per step (cells without bytes or without this metric are left out)."""
+    over H2D MiB per step, joined in budget order (bytes need not grow with the budget: a budget of every
+    block keeps the slots full) and each point labelled with its budget; cells without bytes or without
+    this metric are left out."""
     for kind, marker, style in (("blocks", FIXED_MARKER, "-"), ("top_p", TOP_P_MARKER, "--")):
-        points = sorted(
-            (r["h2d_bytes_per_step"] / MIB, r[field])
-            for r in rows
-            if r.get("budget_kind") == kind and r.get("h2d_bytes_per_step") is not None and r.get(field) is not None
+        cells = sorted(
+            (r for r in rows if r.get("budget_kind") == kind and r.get("h2d_bytes_per_step") is not None),
+            key=lambda r: (r.get("budget_blocks") or 0, r.get("p") or 0.0),
         )
-        if points:
-            xs, ys = zip(*points)
-            ax.plot(xs, ys, color=color, marker=marker, ls=style, ms=7, label=label if kind == "blocks" else None)
-            label = None if kind == "blocks" else label  # one legend entry per selector
+        cells = [r for r in cells if r.get(field) is not None]
+        if not cells:
+            continue
+        xs = [r["h2d_bytes_per_step"] / MIB for r in cells]
+        ys = [r[field] for r in cells]
+        ax.plot(xs, ys, color=color, marker=marker, ls=style, ms=7, label=label)
+        label = None  # one legend entry per selector
+        for x, y, r in zip(xs, ys, cells):
+            name = str(r["budget_blocks"]) if kind == "blocks" else f"p{r['p']:g}"
+            ax.annotate(name, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=6, color=color)
 
 
 def _no_bytes_note(label: str, rows: list[dict], field: str, short: str) -> str | None:
@@ -228,9 +236,12 @@ def _no_bytes_note(label: str, rows: list[dict], field: str, short: str) -> str 
 
 def _pareto_panel(ax, records: list[dict], panel: tuple[str, str, str], colors: dict) -> None:
     field, ylabel, short = panel
-    dense = [r[field] for r in records if r["selector"] == "dense" and r.get(field) is not None]
+    dense = [r for r in records if r["selector"] == "dense" and r.get(field) is not None]
     if dense:
-        ax.axhline(sum(dense) / len(dense), color="black", ls=":", lw=1.2, label="dense (reference)")
+        moved = [r["h2d_bytes_per_step"] for r in dense if r.get("h2d_bytes_per_step") is not None]
+        where = f"; {moved[0] / MIB:.1f} MiB/step in {dense[0]['offload_mode']}" if moved else ""
+        value = sum(r[field] for r in dense) / len(dense)
+        ax.axhline(value, color="black", ls=":", lw=1.2, label=f"dense (reference{where})")
     for label, rows in _curves([r for r in records if r["selector"] != "dense"]).items():
         note = _no_bytes_note(label, rows, field, short)
         if note:  # an invisible handle: the legend names the value the axes cannot place
@@ -241,6 +252,8 @@ def _pareto_panel(ax, records: list[dict], panel: tuple[str, str, str], colors: 
     ax.plot([], [], color="grey", marker=TOP_P_MARKER, ls="--", label="top-p budget (capped)")
     ax.set_xlabel("H2D per decode step (MiB, all layers)")
     ax.set_ylabel(ylabel)
+    if field == "needle_accuracy":
+        ax.set_ylim(-0.05, 1.05)  # the whole range of a share, so a flat line reads as what it is
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="best")
 
@@ -338,7 +351,11 @@ def _setup_lines(records: list[dict], model: str, timing: str | None) -> list[st
         f"- model: {model}",
         f"- Forecast heads: {_distinct(records, 'heads')}",
         f"- decode steps scored per length (tail): {_distinct(records, 'tail_tokens')}",
-        f"- reuse anchors: {_distinct(records, 'anchors')} ({_distinct(records, 'anchors_source')})",
+        *(
+            [f"- reuse anchors: {_distinct(records, 'anchors')} ({_distinct(records, 'anchors_source')})"]
+            if any(r.get("anchors") for r in records)
+            else []
+        ),
         f"- {len(records)} cells ({len(records) - len(measured)} skipped) at lengths "
         f"{', '.join(str(n) for n in sorted({r['length'] for r in records}))}; "
         f"{seconds:.0f} s of measurement (prefills and cells, as recorded)",

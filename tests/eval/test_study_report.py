@@ -182,6 +182,59 @@ def test_report_writes_table_plots_and_records(tmp_path):
     assert "| forecast | p=0.9 (cap 32 blocks) | yes (forecast-offload) |" in report
 
 
+@pytest.fixture
+def kept_figures(monkeypatch):
+    """The figures the plots draw, kept open (plt.close does nothing) to read their labels."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    return figures
+
+
+def test_pareto_plot_names_model_length_units_and_what_has_no_bytes(tmp_path, kept_figures):
+    pareto_plot(synthetic_study(), tmp_path / "p.png", 8192, model="tiny model")
+    (figure,) = kept_figures
+    assert figure._suptitle.get_text().startswith("tiny model, 8192-token context: quality against bytes moved")
+    assert "H2D = bytes the offloaded runtime copies host→device per decode step" in figure._suptitle.get_text()
+    ppl, needle = figure.axes
+    assert ppl.get_xlabel() == needle.get_xlabel() == "H2D per decode step (MiB, all layers)"
+    assert ppl.get_ylabel() == "perplexity / dense (lower is better)"
+    assert needle.get_ylim() == (-0.05, 1.05)
+    legend = [t.get_text() for t in ppl.get_legend().get_texts()]
+    assert legend == [
+        "dense (reference; 4.0 MiB/step in dense-offload)",
+        "oracle: resident only, no H2D bytes; ppl ratio 1.1",  # it has no bytes to be placed at
+        "query",
+        "forecast",
+        "fixed budget (8, 16, ... blocks)",
+        "top-p budget (capped)",
+    ]
+    # query's fixed budgets joined in budget order, at their bytes; its top-p cells on their own dashed line
+    query = next(line for line in ppl.get_lines() if line.get_label() == "query")
+    fixed, top_p = [line for line in ppl.get_lines() if line.get_color() == query.get_color() and len(line.get_xdata())]
+    assert (fixed.get_marker(), fixed.get_linestyle(), list(fixed.get_xdata())) == ("o", "-", [2.0, 4.0, 8.0])
+    assert (top_p.get_marker(), top_p.get_linestyle(), list(top_p.get_xdata())) == ("^", "--", [3.0, 3.0])
+
+
+def test_recall_plot_has_a_panel_per_length(tmp_path, kept_figures):
+    recall_plot(synthetic_study(lengths=(2048, 4096, 8192)), tmp_path / "r.png", model="tiny model")
+    (figure,) = kept_figures
+    assert [ax.get_title() for ax in figure.axes] == [
+        "2K context (2048 tokens)",
+        "4K context (4096 tokens)",
+        "8K context (8192 tokens)",
+    ]
+    for ax in figure.axes:
+        assert ax.get_xlabel() == "budget (blocks; top-p: blocks selected)"
+        assert ax.get_ylabel() == "recall of oracle's attention mass"
+        oracle = next(line for line in ax.get_lines() if line.get_label() == "oracle")
+        assert list(oracle.get_xdata()) == [8, 16, 32] and list(oracle.get_ydata()) == [1.0, 1.0, 1.0]
+
+
 def test_plots_with_a_single_cell_and_no_bytes(tmp_path):
     """One oracle cell (no bytes anywhere): the Pareto plot still draws (its value named in the legend)."""
     only = [cell(selector="oracle", blocks=1, h2d_bytes_per_step=None, recall_mass=1.0)]
