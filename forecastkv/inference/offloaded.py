@@ -212,7 +212,7 @@ class OffloadedSparseCache(SparseCache):
         config = model.config
         if mode is None:
             sparse = config.sparse
-            ahead = sparse is not None and SELECTOR_PREFETCH[options.get("selector") or sparse.selector]
+            ahead = sparse is not None and SELECTOR_PREFETCH.get(options.get("selector") or sparse.selector, False)
             mode = "forecast-offload" if ahead else "sparse-offload"
         return cls(config, mode=mode, max_length=max_length, **options)
 

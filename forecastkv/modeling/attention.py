@@ -316,14 +316,10 @@ class SparseAttention(nn.Module):
     ) -> torch.Tensor:
         """All rows of a multi-token call (and decode steps of a batch holding a dense sequence).
 
-        q [B, T, Hq, d] -> [B, T, Hq, d]; vectors: what selection starts from (`_scoring_vectors`:
-        [B, T, heads, d] vectors, or reuse's ids [B, H, T, K]); forecast_in: for the records.  Each
-        sequence is dense or sparse for the whole call (`prefill.dense_sequences`).  Sparse rows are
-        selected in query chunks and attend only their blocks (`prefill.chunked_sparse_attention`, or
-        FlexAttention on CUDA), so memory is O(chunk x selected keys); K/V are never repeated per
-        query head.  Every host-side number comes from `step` (one read of the positions per call,
-        none at a decode step), so on CUDA the chunk loop itself never waits for the device.
-        """
+        q [B, T, Hq, d] -> [B, T, Hq, d]; vectors: `_scoring_vectors` (reuse: ids [B, H, T, K]).  Each
+        sequence is dense or sparse for the whole call.  Sparse rows are selected in query chunks and
+        attend only their blocks (or FlexAttention on CUDA): memory O(chunk x selected keys).  Every
+        host-side number comes from `step`, so on CUDA the chunk loop never waits for the device."""
         keys, values, cis, count = cache_layer.full()
         dense = dense_sequences(positions, sparse)
         if cis is not None and sparse is not None and not sparse.dense_cis_bias:
@@ -352,10 +348,8 @@ class SparseAttention(nn.Module):
             pos = positions[:, rows]
             f_rows = None if forecast_in is None else forecast_in[:, rows]
             host = {"bounds": step.bounds(start, start + chunk), "key_count": count, "sparse": sparse}
-            if selector == "reuse":
-                ids = vectors[:, :, rows]
-            else:
-                ids = self.select(vectors[:, rows], pos, cache_layer, selector, **host)
+            reused = selector == "reuse"
+            ids = vectors[:, :, rows] if reused else self.select(vectors[:, rows], pos, cache_layer, selector, **host)
             if selections_out is not None:
                 chunk_records: dict = {}
                 self._record(chunk_records, q[:, rows], f_rows, pos, cache_layer, ids, selector, **host)

@@ -172,10 +172,10 @@ class DecoderLayer(nn.Module):
                 device = next_layer.input_layernorm.weight.device
                 next_handoff = next_layer.guess_queries(hidden.to(device), call if device == hidden.device else
                                                         call.to(device))
+            elif next_kind == "reuse":
+                next_handoff = handoff if kind == "reuse" else None  # the same anchor's (an anchor's: below)
             elif call.want_forecast:
                 next_handoff = attn.project_forecast(normed, call.cos, call.sin)
-            elif next_kind == "reuse" and kind == "reuse":
-                next_handoff = handoff  # the same anchor's blocks
         next_plan = self._plan_next(call, next_kind, next_handoff, next_cache_layer)
         anchor_of_next = next_cache_layer is not None and next_kind == "reuse" and kind != "reuse"
         record = {} if anchor_of_next and selections_out is None else selections_out
@@ -208,6 +208,8 @@ class DecoderLayer(nn.Module):
         plan ahead or there is nothing to plan from): its blocks scored by the forecast / guessed
         vectors, or the anchor's blocks reused."""
         if not call.plans_ahead or next_handoff is None or not next_cache_layer.is_initialized:
+            return None
+        if not SELECTOR_PREFETCH[next_kind]:  # it selects with its own queries (reuse's anchors): at its turn
             return None
         device = next_cache_layer.device
         if next_kind == "reuse":

@@ -64,18 +64,38 @@ def decode_steps(model, cache, ids, mask, steps: int):
     return recorded, states
 
 
-@pytest.mark.parametrize("policy", ["infllmv2", "nosa"])
-@pytest.mark.parametrize("mode", FIXED_MODES + ["resident"])
-def test_consecutive_decode_steps_run_identical_shapes(mode, policy):
-    model = tiny_model(
-        {"policy": policy, "selector": "forecast", "lse": "coarse" if policy == "infllmv2" else "exact"}, seed=4
-    )
+def assert_identical_steps(model, cache, label: str) -> None:
     ids, mask = left_padded([29, 23])  # 10 steps: windows (stride 2) every other step, blocks of 8 complete
-    cache = SparseCache(model.config) if mode == "resident" else OffloadedSparseCache.for_model(model, mode=mode)
     recorded, states = decode_steps(model, cache, ids, mask, steps=10)
     for step in range(1, len(recorded)):
-        assert recorded[step] == recorded[0], f"{mode}: decode step {step + 1} runs other ops or shapes than step 1"
-        assert states[step] == states[0], f"{mode}: a cache buffer changed shape or address at decode step {step + 1}"
+        assert recorded[step] == recorded[0], f"{label}: decode step {step + 1} runs other ops or shapes than step 1"
+        assert states[step] == states[0], f"{label}: a cache buffer changed shape or address at decode step {step + 1}"
+
+
+@pytest.mark.parametrize("top_p", [0.0, 0.7])
+@pytest.mark.parametrize("policy", ["infllmv2", "nosa"])
+@pytest.mark.parametrize("mode", FIXED_MODES + ["resident"])
+def test_consecutive_decode_steps_run_identical_shapes(mode, policy, top_p):
+    """Also with a top-p budget: the blocks per step vary, the shapes (the cap) do not."""
+    if top_p and policy == "nosa":
+        pytest.skip(
+            "top_p is an infllmv2 budget: a NOSA config with it is refused (tests/modeling/test_selector_rules.py)"
+        )
+    lse = "coarse" if policy == "infllmv2" else "exact"
+    model = tiny_model({"policy": policy, "selector": "forecast", "lse": lse, "top_p": top_p}, seed=4)
+    cache = SparseCache(model.config) if mode == "resident" else OffloadedSparseCache.for_model(model, mode=mode)
+    assert_identical_steps(model, cache, mode)
+
+
+@pytest.mark.parametrize(
+    ("selector", "mode"),
+    [("quest", "sparse-offload"), ("reuse", "forecast-offload"), ("speculate", "forecast-offload")],
+)
+def test_every_deployable_selector_runs_identical_shapes(selector, mode):
+    """Quest's block bounds, reuse's handed-over blocks and speculate's guessed queries keep the step fixed
+    (the oracle reads every stored key, so its step grows with the context: a measurement, not deployable)."""
+    model = tiny_model({"policy": "infllmv2", "selector": selector, "reuse_anchors": [0, 2]}, seed=4)
+    assert_identical_steps(model, OffloadedSparseCache.for_model(model, mode=mode), f"{selector} in {mode}")
 
 
 def test_the_check_sees_a_growing_buffer():
