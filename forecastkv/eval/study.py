@@ -130,7 +130,7 @@ class StudySpec:
     needle_task: str = "niah_single_essay"
     heads_dir: str | None = None
     reuse_anchors: tuple | None = None
-    anchor_count: int = 4
+    anchor_count: int = 2  # the knee of benchmarks/results/reuse_anchors.md (SmolLM2-135M, 2K, 16 blocks)
     offload: bool = True
     seed: int = 0
 
