@@ -15,6 +15,7 @@ from forecastkv.eval.study_report import (
     study_table,
     write_study_report,
 )
+from tests.test_cli import _user_error
 
 BLOCK = 64
 
@@ -260,18 +261,10 @@ def test_nothing_to_draw_is_a_clear_error(tmp_path):
 
 
 def _one_line_error(argv, capsys) -> str:
-    """Run the console script; assert it ends as a user error in one stderr line; return that line."""
-    from forecastkv.cli import main
-
-    try:
-        status = main(argv)
-    except SystemExit as stop:  # argparse's own errors
-        status = stop.code
-    err = capsys.readouterr().err
-    assert status == 2, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("forecastkv: error: ") and "Traceback" not in err, err
-    return lines[0]
+    """Run the console script; assert it ends as a user error in one stderr line, no traceback."""
+    line = _user_error(argv, capsys)
+    assert "Traceback" not in line
+    return line
 
 
 @pytest.fixture
