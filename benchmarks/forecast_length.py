@@ -196,16 +196,20 @@ def run(args) -> dict:
     sparse = models[0].model.config.sparse
     names = [label for label, _ in heads]
     results = {"heads": dict(heads), "sparse_config": sparse_dict, "start": args.start, "lengths": {}}
-    for length in args.lengths:
-        protocol = RecallProtocol(length=length, start=args.start, sequences=args.sequences)
+    counts = args.sequences or [None]
+    if len(counts) not in (1, len(args.lengths)):
+        raise ValueError(f"--sequences takes 1 count or one per length ({len(args.lengths)}), got {len(counts)}")
+    for length, count in zip(args.lengths, counts * len(args.lengths) if len(counts) == 1 else counts):
+        protocol = RecallProtocol(length=length, start=args.start, sequences=count)
         sequences = heldout_sequences(protocol, tokenizer)
         if args.check and length == args.lengths[0]:
             check_against_protocol(models, sequences[:1], args.start, sparse, args.chunk)
         started = time.time()
         edges = bucket_edges(args.start, length)
         tally = Tally.zeros(1 + len(models), models[0].config.num_hidden_layers, len(edges))
-        for row in sequences:
+        for number, row in enumerate(sequences, 1):
             tally.add(measure_sequence(models, row.view(1, -1), args.start, sparse, args.chunk))
+            print(f"T = {length}: sequence {number}/{len(sequences)}, {time.time() - started:.0f} s", file=sys.stderr)
         results["lengths"][length] = {
             "sequences": sequences.shape[0],
             "rows": sequences.shape[0] * (length - args.start),
@@ -264,7 +268,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--topk", type=int, default=12)
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192])
     parser.add_argument("--start", type=int, default=1024)
-    parser.add_argument("--sequences", type=int, default=None, help="per length (default: all held-out text)")
+    parser.add_argument(
+        "--sequences",
+        type=int,
+        nargs="+",
+        default=None,
+        help="one count for every length, or one per length (default: all)",
+    )
     parser.add_argument("--chunk", type=int, default=512, help="query rows per oracle softmax")
     parser.add_argument("--check", action="store_true", help="first check recall vs query against the protocol")
     parser.add_argument("--out", default=None, help="write the Markdown tables (and a .json beside them)")
