@@ -72,15 +72,14 @@ def assert_identical_steps(model, cache, label: str) -> None:
         assert states[step] == states[0], f"{label}: a cache buffer changed shape or address at decode step {step + 1}"
 
 
-@pytest.mark.parametrize("top_p", [0.0, 0.7])
-@pytest.mark.parametrize("policy", ["infllmv2", "nosa"])
+# (policy, top_p): a top-p budget is infllmv2's (a NOSA config with one is refused: test_selector_rules.py)
+BUDGETS = [("infllmv2", 0.0), ("nosa", 0.0), ("infllmv2", 0.7)]
+
+
+@pytest.mark.parametrize(("policy", "top_p"), BUDGETS)
 @pytest.mark.parametrize("mode", FIXED_MODES + ["resident"])
 def test_consecutive_decode_steps_run_identical_shapes(mode, policy, top_p):
     """Also with a top-p budget: the blocks per step vary, the shapes (the cap) do not."""
-    if top_p and policy == "nosa":
-        pytest.skip(
-            "top_p is an infllmv2 budget: a NOSA config with it is refused (tests/modeling/test_selector_rules.py)"
-        )
     lse = "coarse" if policy == "infllmv2" else "exact"
     model = tiny_model({"policy": policy, "selector": "forecast", "lse": lse, "top_p": top_p}, seed=4)
     cache = SparseCache(model.config) if mode == "resident" else OffloadedSparseCache.for_model(model, mode=mode)

@@ -330,6 +330,6 @@ def test_model_prefill_with_the_fused_stage1_kernel(policy, selector, monkeypatc
     assert len(launches) == 18
     assert rel(out["triton"].logits, out["reference"].logits) < 1e-5
     for fused, eager in zip(out["triton"].selections, out["reference"].selections):
-        assert fused.keys() == eager.keys() == {"query", "forecast"}
+        assert fused.keys() == eager.keys() == {"selected", "query", "forecast"}
         for key in fused:
             assert torch.equal(fused[key], eager[key])

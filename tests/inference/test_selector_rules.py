@@ -10,17 +10,24 @@ import math
 import pytest
 import torch
 
-from forecastkv import SparseCache
+from forecastkv import SparseCache, kernels
 from forecastkv.errors import ConfigError
 from forecastkv.inference import OffloadedSparseCache
 from forecastkv.modeling.configuration import SparseConfig
 from forecastkv.modeling.modeling import CACHE_KWARG
 from tests.helpers import left_padded, rel, tiny_model
+from tests.inference.conftest import RUNTIME_BACKENDS_SLOW_TRITON
 from tests.inference.test_offloaded import generate, replay_slot_cache
 
 # topk 4 + 1 local = 5 of the 9-10 blocks a 70-token prompt holds: every selector has a choice to make
 GEOMETRY = {"policy": "infllmv2", "topk": 4}
 NEW_SELECTORS = ("quest", "oracle", "reuse", "speculate")
+
+
+@pytest.fixture(autouse=True)
+def _tiny_models_on_one_thread(one_thread):
+    """Every test here runs tiny models: one intra-op thread (see tests/inference/conftest.py)."""
+    yield
 
 
 def model_with(selector: str, top_p: float = 0.0, policy: str = "infllmv2", seed: int = 8, **extra):
@@ -273,9 +280,23 @@ def test_speculate_scores_the_next_layers_keys_with_its_guessed_queries():
 # -- offloaded tokens equal resident tokens, for every selector -------------------------------------
 
 
-@pytest.mark.parametrize("top_p", [0.0, 0.8])
-@pytest.mark.parametrize("selector", NEW_SELECTORS)
-def test_offloaded_tokens_equal_resident_tokens(selector, top_p):
+# every selector in every backend; the Triton interpreter (seconds a token) with the top-p budget only
+PARITY_GRID = [
+    pytest.param(
+        selector,
+        top_p,
+        backend.values[0] if hasattr(backend, "values") else backend,
+        marks=getattr(backend, "marks", ()),
+    )
+    for selector in NEW_SELECTORS
+    for top_p in (0.0, 0.8)
+    for backend in RUNTIME_BACKENDS_SLOW_TRITON
+    if top_p or getattr(backend, "values", (backend,))[0] != "kernels-triton"
+]
+
+
+@pytest.mark.parametrize(("selector", "top_p", "runtime_backend"), PARITY_GRID, indirect=["runtime_backend"])
+def test_offloaded_tokens_equal_resident_tokens(selector, top_p, runtime_backend):
     model = model_with(selector, top_p, reuse_anchors=[0, 1] if selector == "reuse" else [0])
     ids, mask = left_padded([70, 52])
     ref = generate(model, ids, mask, SparseCache(model.config), 6)
@@ -345,3 +366,20 @@ def test_collecting_selections_changes_no_logit(selector):
             out = model(input_ids=token, attention_mask=step_mask, collect_selections=collect, **{CACHE_KWARG: cache})
         logits.append(out.logits)
     assert torch.equal(logits[0], logits[1])
+
+
+@pytest.mark.parametrize("selector", ["speculate", "quest", "reuse"])
+def test_prefill_with_the_fused_stage1_kernel_selects_as_the_reference(selector):
+    """A sparse prefill (every row selects) through the fused stage-1 kernel (speculate scores with the
+    query rule at the forecast's lag; the kernel is told both) and through the PyTorch path: the same
+    selections and logits.  The interpreter runs the kernel here, as CUDA would."""
+    model = model_with(selector, reuse_anchors=[0, 2])
+    ids, mask = left_padded([48, 40])
+    out = {}
+    with torch.no_grad():
+        for backend in ("triton", "reference"):
+            with kernels.use_backend(backend, prefill="chunked"):
+                out[backend] = model(ids, attention_mask=mask, collect_selections=True)
+    assert rel(out["triton"].logits, out["reference"].logits) < 1e-5
+    for fused, eager in zip(out["triton"].selections, out["reference"].selections):
+        assert torch.equal(fused["selected"], eager["selected"])
