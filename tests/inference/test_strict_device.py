@@ -308,6 +308,34 @@ def test_decode_step_has_no_host_reads(mode, monkeypatch):
     assert per_step == [0] * len(later), f"{mode}: host reads per decode step {per_step}\n{later[-1].report()}"
 
 
+@pytest.mark.parametrize(
+    ("selector", "mode", "top_p"),
+    [
+        ("quest", "sparse-offload", 0.0),
+        ("reuse", "forecast-offload", 0.0),
+        ("speculate", "forecast-offload", 0.0),
+        ("forecast", "forecast-offload", 0.8),
+        ("query", "sparse-offload", 0.8),
+    ],
+)
+def test_every_deployable_selector_decodes_with_no_host_read(selector, mode, top_p, monkeypatch):
+    """The same for Quest's bounds, reuse's handed-over blocks, speculate's guessed queries and top-p
+    budgets (their varying block counts stay on the device)."""
+    monkeypatch.setenv("FORECASTKV_BACKEND", "decode=kernels")
+    sparse = {"policy": "infllmv2", "selector": selector, "top_p": top_p, "reuse_anchors": [0, 2]}
+    model = tiny_model(sparse, seed=3)
+    ids, _ = left_padded([PROMPT])
+    reads = []
+    with count_host_reads(), torch.no_grad():
+        cache = OffloadedSparseCache.for_model(model, mode=mode)
+        current = model(input_ids=ids, **{CACHE_KWARG: cache}).logits[:, -1].argmax(-1, keepdim=True)
+        for _ in range(4):
+            with count_host_reads() as step:
+                current = model(input_ids=current, **{CACHE_KWARG: cache}).logits[:, -1].argmax(-1, keepdim=True)
+            reads.append(step)
+    assert [step.reads for step in reads[1:]] == [0, 0, 0], reads[-1].report()
+
+
 # -- the decode step at MiniCPM4.1's geometry: zero host reads, strict host store -----------------
 
 MINICPM_WIDTHS = dict(
