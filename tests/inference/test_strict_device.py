@@ -288,24 +288,27 @@ def test_generate_runs_under_strict_host(mode, policy):
 # -- host reads per decode step -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_decode_step_has_no_host_reads(mode, monkeypatch):
-    """DESIGN: "Zero host reads" in the decode step.  Counts every step after the first (the first
-    may size buffers); the failure message has the per-op and per-site breakdown."""
-    monkeypatch.setenv("FORECASTKV_BACKEND", "decode=kernels")
-    model = tiny_model({"policy": "infllmv2", "selector": "forecast"}, seed=3)
+def assert_no_host_reads_while_decoding(model, mode: str, steps: int = 5) -> None:
+    """Prefill, then `steps` decode steps in `mode`; every step after the first (which may size
+    buffers) reads nothing back.  The failure message has the per-op and per-site breakdown."""
     ids, _ = left_padded([PROMPT])
-    steps = []
+    counted = []
     with count_host_reads(), torch.no_grad():  # outer context: the cache's host tensors are known
         cache = OffloadedSparseCache.for_model(model, mode=mode)
         current = model(input_ids=ids, **{CACHE_KWARG: cache}).logits[:, -1].argmax(-1, keepdim=True)
-        for _ in range(5):
+        for _ in range(steps):
             with count_host_reads() as step:
                 current = model(input_ids=current, **{CACHE_KWARG: cache}).logits[:, -1].argmax(-1, keepdim=True)
-            steps.append(step)
-    later = steps[1:]
-    per_step = [step.reads for step in later]
-    assert per_step == [0] * len(later), f"{mode}: host reads per decode step {per_step}\n{later[-1].report()}"
+            counted.append(step)
+    per_step = [step.reads for step in counted[1:]]
+    assert per_step == [0] * len(per_step), f"{mode}: host reads per decode step {per_step}\n{counted[-1].report()}"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_decode_step_has_no_host_reads(mode, monkeypatch):
+    """DESIGN: "Zero host reads" in the decode step (the kernels' decode path, what CUDA runs)."""
+    monkeypatch.setenv("FORECASTKV_BACKEND", "decode=kernels")
+    assert_no_host_reads_while_decoding(tiny_model({"policy": "infllmv2", "selector": "forecast"}, seed=3), mode)
 
 
 @pytest.mark.parametrize(
@@ -323,17 +326,7 @@ def test_every_deployable_selector_decodes_with_no_host_read(selector, mode, top
     budgets (their varying block counts stay on the device)."""
     monkeypatch.setenv("FORECASTKV_BACKEND", "decode=kernels")
     sparse = {"policy": "infllmv2", "selector": selector, "top_p": top_p, "reuse_anchors": [0, 2]}
-    model = tiny_model(sparse, seed=3)
-    ids, _ = left_padded([PROMPT])
-    reads = []
-    with count_host_reads(), torch.no_grad():
-        cache = OffloadedSparseCache.for_model(model, mode=mode)
-        current = model(input_ids=ids, **{CACHE_KWARG: cache}).logits[:, -1].argmax(-1, keepdim=True)
-        for _ in range(4):
-            with count_host_reads() as step:
-                current = model(input_ids=current, **{CACHE_KWARG: cache}).logits[:, -1].argmax(-1, keepdim=True)
-            reads.append(step)
-    assert [step.reads for step in reads[1:]] == [0, 0, 0], reads[-1].report()
+    assert_no_host_reads_while_decoding(tiny_model(sparse, seed=3), mode, steps=4)
 
 
 # -- the decode step at MiniCPM4.1's geometry: zero host reads, strict host store -----------------
