@@ -1,0 +1,77 @@
+"""One serving-engine forward call of a forecastkv model over paged KV: flat tokens in, hidden states out.
+
+An engine (vLLM) batches requests as one flat run of tokens: request r owns tokens
+query_start[r] .. query_start[r+1] - 1, which continue its `seq_len - query_len` stored positions.
+`forward_paged` runs them through `ForecastKVModel.forward` with a `PagedSparseCache` per group:
+all one-token (decode) requests together, and each request with more tokens (a prefill chunk)
+on its own, so every sequence takes exactly the path it takes in `generate()`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .paged import LayerPages, PagedSparseCache
+
+
+@dataclass(frozen=True)
+class EngineBatch:
+    """The engine's description of one call (host ints): query_start [R + 1] token offsets,
+    seq_lens [R] stored positions per request after the call, table [R, nb] page ids."""
+
+    query_start: list[int]
+    seq_lens: list[int]
+    table: torch.Tensor
+
+    @property
+    def requests(self) -> int:
+        return len(self.seq_lens)
+
+    def query_len(self, r: int) -> int:
+        return self.query_start[r + 1] - self.query_start[r]
+
+    def stored_before(self, r: int) -> int:
+        return self.seq_lens[r] - self.query_len(r)
+
+    def groups(self) -> list[list[int]]:
+        """Request ids per model call: the decode requests together (one token on a stored
+        sequence), then each other request alone; requests with no token this call are skipped."""
+        decode = [r for r in range(self.requests) if self.query_len(r) == 1 and self.stored_before(r) > 0]
+        chunks = [[r] for r in range(self.requests) if self.query_len(r) > 0 and r not in decode]
+        return ([decode] if decode else []) + chunks
+
+
+def forward_paged(model, token_ids: torch.Tensor, batch: EngineBatch, pages: list[LayerPages],
+                  selector: str | None = None) -> torch.Tensor:
+    """Hidden states [N, hidden] (after the final norm) for the flat token_ids [N] of `batch`, whose
+    K/V (and window indexes) go to and come from `pages` (one `LayerPages` per layer).
+
+    model: a `ForecastKVModel` (the decoder stack).  Rows of token_ids past the batch's last request
+    (an engine's padding) come back as zeros."""
+    out = torch.zeros(token_ids.shape[0], model.config.hidden_size, dtype=model.norm.weight.dtype,
+                      device=token_ids.device)
+    for group in batch.groups():
+        width = max(batch.query_len(r) for r in group)
+        ids = torch.zeros(len(group), width, dtype=torch.long, device=token_ids.device)
+        mask = torch.zeros_like(ids)
+        for row, r in enumerate(group):
+            start, n = batch.query_start[r], batch.query_len(r)
+            ids[row, :n] = token_ids[start : start + n]
+            mask[row, :n] = 1
+        before = [batch.stored_before(r) for r in group]
+        cache = PagedSparseCache(model.config, pages, batch.table[group], before, selector=selector)
+        # positions: each row continues its stored length (right padding is marked in the mask)
+        hidden = model(ids, attention_mask=_full_mask(before, mask), cache=cache)[0]
+        for row, r in enumerate(group):
+            start, n = batch.query_start[r], batch.query_len(r)
+            out[start : start + n] = hidden[row, :n]
+    return out
+
+
+def _full_mask(before: list[int], new: torch.Tensor) -> torch.Tensor:
+    """The 2-D attention mask [B, past + T] `ForecastKVModel.positions_for` reads: its new columns
+    are `new` [B, T] (the stored part is not read)."""
+    past = max(before, default=0)
+    return torch.cat([torch.ones(new.shape[0], past, dtype=new.dtype, device=new.device), new], dim=1)

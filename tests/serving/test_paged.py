@@ -1,0 +1,151 @@
+"""The paged cache (what a serving engine stores) against the resident `SparseCache`.
+
+A toy engine hands out pages from a shuffled free list (so no sequence's pages are contiguous),
+prefills prompts in chunks that cut blocks and windows anywhere, then decodes all requests as one
+batch.  Every logit must equal a per-request run of the model on a `SparseCache`, in every mode,
+for prompts shorter than a window, a block and a page, and across page sizes that divide the
+selection block (and an error for those that do not).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from forecastkv.errors import ConfigError
+from forecastkv.modeling.cache import SparseCache
+from forecastkv.serving import EngineBatch, LayerPages, check_page_geometry, forward_paged
+from tests.helpers import tiny_model, tiny_sparse
+
+MODES = {
+    "dense": None,
+    "infllmv2-query": {"selector": "query"},
+    "infllmv2-forecast": {"selector": "forecast"},
+    "nosa": {"policy": "nosa", "selector": "query"},
+    "nosa-forecast": {"policy": "nosa", "selector": "forecast"},
+    "coarse-lse": {"selector": "query", "lse": "coarse"},
+}
+
+
+class ToyEngine:
+    """Pages of `page` tokens from a shuffled free list, a block table per request, chunked prefill."""
+
+    def __init__(self, model, page: int, pages: int = 64, seed: int = 0):
+        config = model.config
+        heads, dim = config.num_key_value_heads, config.head_dim
+        nosa = config.sparse is not None and config.sparse.policy == "nosa"
+        self.model, self.page = model, page
+        self.layers = [
+            LayerPages.around(
+                torch.full((pages, heads, page, dim), float("nan")),  # never-written rows are NaN: none may leak
+                torch.full((pages, heads, page, dim), float("nan")),
+                config.sparse,
+                nosa,
+            )
+            for _ in range(config.num_hidden_layers)
+        ]
+        gen = torch.Generator().manual_seed(seed)
+        self.free = torch.randperm(pages, generator=gen).tolist()
+        self.tables: dict[int, list[int]] = {}
+        self.stored: dict[int, int] = {}
+
+    def step(self, work: dict[int, list[int]]) -> dict[int, torch.Tensor]:
+        """work: request -> its new tokens this call.  Returns request -> logits [n, vocab]."""
+        order = list(work)
+        starts, seq_lens = [0], []
+        for r in order:
+            self.stored.setdefault(r, 0)
+            total = self.stored[r] + len(work[r])
+            table = self.tables.setdefault(r, [])
+            while len(table) * self.page < total:
+                table.append(self.free.pop())
+            starts.append(starts[-1] + len(work[r]))
+            seq_lens.append(total)
+        width = max(len(self.tables[r]) for r in order)
+        table = torch.tensor([self.tables[r] + [0] * (width - len(self.tables[r])) for r in order])
+        tokens = torch.tensor([t for r in order for t in work[r]])
+        hidden = forward_paged(self.model.model, tokens, EngineBatch(starts, seq_lens, table), self.layers)
+        logits = self.model.lm_head(hidden)
+        for r, n in zip(order, seq_lens):
+            self.stored[r] = n
+        return {r: logits[starts[i] : starts[i + 1]] for i, r in enumerate(order)}
+
+
+def reference_logits(model, prompt: list[int], continuation: list[int]) -> torch.Tensor:
+    """Logits [len(prompt) + len(continuation), vocab] of one request on a resident SparseCache: the
+    prompt in one call, then one call per continuation token (generate()'s calls)."""
+    cache = SparseCache(model.config)
+    rows = [model(torch.tensor([prompt]), cache=cache).logits[0]]
+    for token in continuation:
+        rows.append(model(torch.tensor([[token]]), cache=cache).logits[0])
+    return torch.cat(rows)
+
+
+def run_engine(model, prompts: list[list[int]], chunk: int, steps: int, page: int):
+    """Chunked prefill of every prompt (all requests in each call), then `steps` greedy decode calls
+    of the whole batch.  Returns (request -> logits of every row, request -> tokens generated)."""
+    engine = ToyEngine(model, page)
+    logits = {r: [] for r in range(len(prompts))}
+    done = {r: 0 for r in range(len(prompts))}
+    while any(done[r] < len(p) for r, p in enumerate(prompts)):
+        work = {r: p[done[r] : done[r] + chunk] for r, p in enumerate(prompts) if done[r] < len(p)}
+        for r, rows in engine.step(work).items():
+            logits[r].append(rows)
+            done[r] += len(work[r])
+    generated = {r: [int(logits[r][-1][-1].argmax())] for r in logits}
+    for _ in range(steps):
+        out = engine.step({r: [tokens[-1]] for r, tokens in generated.items()})
+        for r, rows in out.items():
+            logits[r].append(rows)
+            generated[r].append(int(rows[-1].argmax()))
+    return {r: torch.cat(parts) for r, parts in logits.items()}, generated
+
+
+def prompts_of(lengths, seed=3):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 128, (n,), generator=gen).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("page", [8, 4])
+def test_engine_logits_equal_resident_cache(mode, page):
+    """Prompts from 1 token (less than a window) to 5 blocks, prefilled in chunks of 5 tokens (cutting
+    pages, windows and blocks), then 6 decode steps in one batch: every logit equals the resident
+    cache's run of that request alone, and so does every greedy token."""
+    model = tiny_model(MODES[mode])
+    prompts = prompts_of([1, 3, 7, 8, 19, 41])
+    logits, generated = run_engine(model, prompts, chunk=5, steps=6, page=page)
+    for r, prompt in enumerate(prompts):
+        continuation = generated[r][:-1]
+        expected = reference_logits(model, prompt, continuation)
+        assert torch.isfinite(logits[r]).all(), f"request {r} (prompt of {len(prompt)}) has non-finite logits"
+        torch.testing.assert_close(logits[r], expected, rtol=1e-4, atol=1e-4, msg=f"{mode}, request {r}")
+        assert generated[r] == expected[len(prompt) - 1 :].argmax(-1).tolist()
+
+
+def test_a_decode_batch_reads_only_its_pages():
+    """The window slots of a freed page are overwritten before its next owner reads them: two
+    requests one after the other on the same pages give the second one's own logits."""
+    model = tiny_model({"selector": "query"})
+    engine = ToyEngine(model, page=8, pages=8)
+    first, second = prompts_of([40, 40], seed=5)
+    engine.step({0: first})
+    engine.free.extend(reversed(engine.tables.pop(0)))  # request 0 finishes: its pages go back
+    out = engine.step({1: second})[1]
+    torch.testing.assert_close(out, reference_logits(model, second, []), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "block,stride,page,ok",
+    [(8, 2, 8, True), (8, 2, 2, True), (8, 2, 1, True), (8, 2, 16, False), (8, 2, 3, False),
+     (12, 4, 12, True), (12, 4, 4, True), (12, 4, 6, False)],
+)
+def test_page_geometry(block, stride, page, ok):
+    """A page must divide the selection block and nest with the kernel stride (one divides the
+    other); both sides of each boundary."""
+    sparse = tiny_model(tiny_sparse(block_size=block, kernel_stride=stride, window_size=block)).config.sparse
+    if ok:
+        check_page_geometry(page, sparse)
+    else:
+        with pytest.raises(ConfigError, match=f"block_size={page}"):
+            check_page_geometry(page, sparse)
