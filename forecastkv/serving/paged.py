@@ -128,7 +128,16 @@ class PagedCacheLayer(SparseCacheLayer):
     call (host ints).  Selection, planning and the step logs are `SparseCacheLayer`'s; what is
     stored where is the pages'.  Only for this call: the engine owns the pages between calls."""
 
-    def __init__(self, pages: LayerPages, table: torch.Tensor, lengths: list[int], sparse, block_size: int | None):
+    def __init__(
+        self,
+        pages: LayerPages,
+        table: torch.Tensor,
+        lengths: list[int],
+        sparse,
+        block_size: int | None,
+        tier=None,
+        index: int = 0,
+    ):
         kernel = (sparse.kernel_size, sparse.kernel_stride) if sparse is not None else (None, None)
         coarse = tuple(sparse.coarse_kernel) if sparse is not None and sparse.lse == "coarse" else None
         super().__init__(*kernel, coarse=coarse, block_size=block_size)
@@ -136,9 +145,16 @@ class PagedCacheLayer(SparseCacheLayer):
         self.dtype, self.device = pages.keys.dtype, pages.keys.device
         self.kernels = kernels.kernel_set(self.device)
         self.lengths = torch.tensor(lengths, dtype=torch.long, device=self.device)
+        self.lengths_before = self.lengths  # what the call started from (the tier files slot maps by it)
         # nothing stored yet: the call is a prefill, as a fresh SparseCache's first call is
         self.host_lengths = list(lengths) if any(lengths) else None
         self.is_initialized = True
+        # forecast-offload: the host tier that loads this layer's planned blocks (`serving/lookahead.py`)
+        self.tier, self.index, self.decoding = tier, index, False
+
+    def prepare(self, step: CallInfo, columns: int) -> None:
+        super().prepare(step, columns)
+        self.decoding = step.decode and not step.any_dense
 
     def _make_room(self, step: CallInfo) -> None:
         """The engine allocated the pages before the call: nothing to grow."""
@@ -166,6 +182,8 @@ class PagedCacheLayer(SparseCacheLayer):
         self.pages.values[page_ids, heads, offsets] = values[b_idx, col].to(self.dtype)
         if cis is not None:
             self.pages.cis[page_ids, heads, offsets] = cis[b_idx, col].to(self.pages.cis.dtype)
+        if self.tier is not None:
+            self.tier.write_through(self.index, page_ids, heads, offsets)
         old = self.lengths
         self.lengths = torch.tensor(step.lengths_after, dtype=torch.long, device=self.device)
         self._file_windows(old)
@@ -225,9 +243,19 @@ class PagedCacheLayer(SparseCacheLayer):
     def key_bounds(self):
         raise ConfigError("the paged cache keeps no Quest block key bounds: serve with the query or forecast selector")
 
+    def plan(self, selection: torch.Tensor):
+        """`SparseCacheLayer.plan`; at a decode step with a host tier, the load of the blocks of
+        selection [B, H, K] it misses starts here (a layer ahead under the forecast selector)."""
+        plan = super().plan(selection)
+        if self.tier is not None and self.decoding:
+            self.tier.request(self.index, self.table, self.lengths_before, self.lengths, selection)
+        return plan
+
     def decode_attention(self, q: torch.Tensor, plan) -> torch.Tensor:
         """One token per sequence, q [B, 1, Hq, d], over the planned blocks read from their pages ->
         [B, 1, Hq, d] (`attend_gathered`, as the resident layer's CPU path)."""
+        if self.tier is not None:
+            self.tier.wait(self.index)
         pos, exists = block_rows(plan.selection, self.block_size, self.lengths)  # [B, H, K*bs]
         page_ids, offsets = page_slots(self.table, pos, self.pages.page)
         heads = torch.arange(pos.shape[1], device=pos.device).view(1, -1, 1)
@@ -255,12 +283,31 @@ class PagedSparseCache(SparseCache):
     """A `SparseCache` whose layers are `PagedCacheLayer`s: one engine call's view of the pages.
 
     config: the model's; pages: one `LayerPages` per layer; table [B, nb] page ids per sequence;
-    lengths: stored positions per sequence before the call (host ints)."""
+    lengths: stored positions per sequence before the call (host ints); tier: a
+    `serving/lookahead.py:LookaheadTier` (forecast-offload) or None."""
 
-    def __init__(self, config, pages: list[LayerPages], table: torch.Tensor, lengths: list[int], selector=None):
-        self._paged = (pages, table, list(lengths))
+    def __init__(self, config, pages: list[LayerPages], table: torch.Tensor, lengths: list[int], selector=None,
+                 tier=None):
+        self._paged = (pages, table, list(lengths), tier)
+        self.tier = tier
         super().__init__(config, selector=selector)
 
     def _make_layer(self, config, sparse, idx: int, max_length: int | None) -> PagedCacheLayer:
-        pages, table, lengths = self._paged
-        return PagedCacheLayer(pages[idx], table, lengths, sparse, sparse.block_size if sparse is not None else None)
+        pages, table, lengths, tier = self._paged
+        block = sparse.block_size if sparse is not None else None
+        return PagedCacheLayer(pages[idx], table, lengths, sparse, block, tier=tier, index=idx)
+
+    def begin_call(self, positions: torch.Tensor, sparse, input_ids: torch.Tensor | None = None) -> CallInfo:
+        step = super().begin_call(positions, sparse, input_ids)
+        self._tier_step = self.tier is not None and step.decode and not step.any_dense
+        if self._tier_step:
+            self.tier.begin_decode()
+        return step
+
+    def finish_call(self) -> None:
+        super().finish_call()
+        if getattr(self, "_tier_step", False):
+            pages, table, before, _ = self._paged
+            self.tier.end_decode(
+                self.layers[0].table, torch.tensor(before, device=table.device), self.layers[0].lengths
+            )

@@ -44,11 +44,12 @@ class EngineBatch:
 
 
 def forward_paged(model, token_ids: torch.Tensor, batch: EngineBatch, pages: list[LayerPages],
-                  selector: str | None = None) -> torch.Tensor:
+                  selector: str | None = None, tier=None) -> torch.Tensor:
     """Hidden states [N, hidden] (after the final norm) for the flat token_ids [N] of `batch`, whose
     K/V (and window indexes) go to and come from `pages` (one `LayerPages` per layer).
 
-    model: a `ForecastKVModel` (the decoder stack).  Rows of token_ids past the batch's last request
+    model: a `ForecastKVModel` (the decoder stack); tier: forecast-offload's host tier
+    (`serving/lookahead.py:LookaheadTier`) or None.  Rows of token_ids past the batch's last request
     (an engine's padding) come back as zeros."""
     out = torch.zeros(token_ids.shape[0], model.config.hidden_size, dtype=model.norm.weight.dtype,
                       device=token_ids.device)
@@ -61,7 +62,7 @@ def forward_paged(model, token_ids: torch.Tensor, batch: EngineBatch, pages: lis
             ids[row, :n] = token_ids[start : start + n]
             mask[row, :n] = 1
         before = [batch.stored_before(r) for r in group]
-        cache = PagedSparseCache(model.config, pages, batch.table[group], before, selector=selector)
+        cache = PagedSparseCache(model.config, pages, batch.table[group], before, selector=selector, tier=tier)
         # positions: each row continues its stored length (right padding is marked in the mask)
         hidden = model(ids, attention_mask=_full_mask(before, mask), cache=cache)[0]
         for row, r in enumerate(group):

@@ -7,8 +7,7 @@ vLLM's pages and forecastkv's window indexes beside them (`serving/paged.py`).
 
 One `vllm...attention.Attention` per layer is built only so that vLLM sizes, allocates and binds
 that layer's pages and builds the call's block tables; its own attention kernel never runs, so
-the page layout is ours: the CPU backend's [pages, KV heads, 2 * page, d] view split into keys and
-values (`kv_page_views`).
+the page layout is ours (`kv_page_views`).
 
 The attention mode comes from the checkpoint's `sparse_config`, or from vLLM's `hf_overrides`:
 {"forecastkv_mode": "dense" | "infllmv2-query" | "nosa" | "infllmv2-forecast" | "nosa-forecast"}.
@@ -56,10 +55,17 @@ def apply_mode(config) -> str:
 
 
 def kv_page_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """vLLM-CPU's page pool [P, H, page, 2 * d] -> (keys, values), each a [P, H, page, d] view."""
-    pages, heads, page, _ = kv_cache.shape
-    keys, values = kv_cache.view(pages, heads, 2 * page, -1).chunk(2, dim=2)
-    return keys, values
+    """A layer's page pool as (keys, values), each a [P, H, page, d] view.  vLLM-CPU's pool is
+    [P, H, page, 2 * d]; a CUDA backend's [2, P, page, H, d] (untested here: no GPU).  Only forecastkv
+    reads and writes the pool, so any view of it serves, as long as it is the same every call."""
+    if kv_cache.dim() == 4:
+        pages, heads, page, _ = kv_cache.shape
+        keys, values = kv_cache.view(pages, heads, 2 * page, -1).chunk(2, dim=2)
+        return keys, values
+    if kv_cache.dim() == 5 and kv_cache.shape[0] == 2:
+        return kv_cache[0].transpose(1, 2), kv_cache[1].transpose(1, 2)
+    raise ConfigError(f"unknown vLLM KV pool layout {tuple(kv_cache.shape)}: expected [P, H, page, 2d] or "
+                      "[2, P, page, H, d]")
 
 
 class ForecastKVForVLLM(nn.Module):
@@ -121,7 +127,8 @@ class ForecastKVForVLLM(nn.Module):
         if not torch.equal(positions[: meta.num_actual_tokens].cpu().long(), expected):
             raise ConfigError("vLLM passed positions that do not continue each request's stored tokens "
                               "(speculative decoding or M-RoPE is not supported by forecastkv's vLLM model)")
-        hidden = forward_paged(self.hf.model, tokens, batch, self._layer_pages())
+        pages = self._layer_pages()
+        hidden = forward_paged(self.hf.model, tokens, batch, pages, tier=self._tier(pages))
         out = torch.zeros(out_shape, dtype=hidden.dtype, device=hidden.device)
         out[: hidden.shape[0]] = hidden
         return out
@@ -156,6 +163,20 @@ class ForecastKVForVLLM(nn.Module):
         return {name for name, _ in self.named_parameters()}
 
     # -- the pages ------------------------------------------------------------------------------------
+    def _tier(self, pages: list[LayerPages]):
+        """Forecast-offload's host tier when vLLM runs `ForecastLookaheadConnector`, else None."""
+        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+        if not has_kv_transfer_group() or self.config.sparse is None:
+            return None
+        from .vllm_connector import ForecastLookaheadConnector
+
+        connector = get_kv_transfer_group()
+        if not isinstance(connector, ForecastLookaheadConnector):
+            return None
+        ring = max(size for size, _ in pages[0].strides.values())
+        return connector.attach(self.layer_names, pages, self.config.sparse, ring)
+
     def _layer_pages(self) -> list[LayerPages]:
         """Each layer's `LayerPages` over the KV pool vLLM bound to it (made again if vLLM rebinds)."""
         pools = [layer.kv_cache for layer in self.kv_layers]

@@ -15,8 +15,9 @@ MODEL_CLASS = "forecastkv.serving.vllm_model:ForecastKVForVLLM"
 
 def register() -> None:
     """Register forecastkv's config and model with vLLM (idempotent: vLLM calls it per process)."""
-    import forecastkv  # noqa: F401  (AutoConfig.register of model_type "forecastkv")
     from vllm import ModelRegistry
+
+    import forecastkv  # noqa: F401  (AutoConfig.register of model_type "forecastkv")
 
     if ARCHITECTURE not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(ARCHITECTURE, MODEL_CLASS)

@@ -48,6 +48,7 @@ class ToyEngine:
         self.free = torch.randperm(pages, generator=gen).tolist()
         self.tables: dict[int, list[int]] = {}
         self.stored: dict[int, int] = {}
+        self.tier = None  # forecast-offload's host tier (test_lookahead.py)
 
     def step(self, work: dict[int, list[int]]) -> dict[int, torch.Tensor]:
         """work: request -> its new tokens this call.  Returns request -> logits [n, vocab]."""
@@ -64,7 +65,7 @@ class ToyEngine:
         width = max(len(self.tables[r]) for r in order)
         table = torch.tensor([self.tables[r] + [0] * (width - len(self.tables[r])) for r in order])
         tokens = torch.tensor([t for r in order for t in work[r]])
-        hidden = forward_paged(self.model.model, tokens, EngineBatch(starts, seq_lens, table), self.layers)
+        hidden = forward_paged(self.model.model, tokens, EngineBatch(starts, seq_lens, table), self.layers, tier=self.tier)
         logits = self.model.lm_head(hidden)
         for r, n in zip(order, seq_lens):
             self.stored[r] = n

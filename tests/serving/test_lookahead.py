@@ -1,0 +1,88 @@
+"""Forecast-offload over pages (`serving/lookahead.py`): the toy engine of test_paged.py with a host
+tier that loads only each decode step's missed blocks, and poisons (NaN) the pool rows of every
+complete block a request's slot map does not hold.  Logits still equal the resident cache's (so
+attention read only blocks it loaded), H2D bytes per decode step equal the HF runtime's
+(`OffloadedSparseCache`, the same prompt), and under the Forecast selector every offloaded layer's
+blocks are requested before the layer before it attends."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from forecastkv.inference import OffloadedSparseCache
+from forecastkv.serving.lookahead import LookaheadTier
+from tests.helpers import tiny_model
+from tests.serving.test_paged import ToyEngine, prompts_of, reference_logits
+
+MODES = {
+    "infllmv2-forecast": ({"selector": "forecast"}, "forecast-offload"),
+    "infllmv2-query": ({"selector": "query"}, "sparse-offload"),
+    "nosa-forecast": ({"policy": "nosa", "selector": "forecast"}, "forecast-offload"),
+}
+
+
+def tiered_engine(model, evict: bool, page: int = 4) -> ToyEngine:
+    engine = ToyEngine(model, page, pages=96)
+    sparse = model.config.sparse
+    ring = max(size for size, _ in engine.layers[0].strides.values())
+    engine.tier = LookaheadTier(engine.layers, sparse.budget_blocks, sparse.block_size, ring, evict=evict)
+    return engine
+
+
+def decode_alone(engine, prompt: list[int], steps: int, chunk: int = 5):
+    """Prefill `prompt` in chunks, then `steps` greedy decode calls; logits of every row and the tokens."""
+    rows, done = [], 0
+    while done < len(prompt):
+        rows.append(engine.step({0: prompt[done : done + chunk]})[0])
+        done += chunk
+    tokens = [int(rows[-1][-1].argmax())]
+    for _ in range(steps):
+        rows.append(engine.step({0: [tokens[-1]]})[0])
+        tokens.append(int(rows[-1][-1].argmax()))
+    return torch.cat(rows), tokens
+
+
+def hf_runtime_bytes(model, mode: str, prompt: list[int], tokens: list[int]) -> list[int]:
+    """H2D bytes per decode step of the HF runtime for the same prompt and tokens (its generate() calls)."""
+    cache = OffloadedSparseCache.for_model(model, mode=mode)
+    model(torch.tensor([prompt]), cache=cache)
+    for token in tokens[:-1]:
+        model(torch.tensor([[token]]), cache=cache)
+    return cache.stats()["h2d_bytes_per_step"]
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_loaded_blocks_are_enough_and_bytes_match_the_hf_runtime(mode):
+    changes, runtime_mode = MODES[mode]
+    model = tiny_model(changes)
+    prompt = prompts_of([45])[0]
+    engine = tiered_engine(model, evict=True)
+    logits, tokens = decode_alone(engine, prompt, steps=8)
+    expected = reference_logits(model, prompt, tokens[:-1])
+    assert torch.isfinite(logits).all(), "attention read a pool row the tier did not load"
+    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+    got = engine.tier.stats.per_step
+    assert got == hf_runtime_bytes(model, runtime_mode, prompt, tokens), mode
+    assert sum(got) > 0
+
+
+def test_forecast_requests_each_layer_before_the_layer_before_it_attends():
+    model = tiny_model({"selector": "forecast"})
+    engine = tiered_engine(model, evict=False)
+    decode_alone(engine, prompts_of([30])[0], steps=4)
+    events = engine.tier.stats.events
+    layers = model.config.num_hidden_layers
+    for step in range(1, 5):
+        order = [(kind, layer) for s, kind, layer in events if s == step]
+        for layer in range(1, layers):
+            assert order.index(("request", layer)) < order.index(("wait", layer - 1)), (step, order)
+
+
+def test_the_query_selector_requests_at_the_layer_itself():
+    model = tiny_model({"selector": "query"})
+    engine = tiered_engine(model, evict=False)
+    decode_alone(engine, prompts_of([30])[0], steps=2)
+    order = [(kind, layer) for s, kind, layer in engine.tier.stats.events if s == 2]
+    for layer in range(1, model.config.num_hidden_layers):
+        assert order.index(("wait", layer - 1)) < order.index(("request", layer)) < order.index(("wait", layer))

@@ -1,0 +1,139 @@
+"""Bad input to the vLLM model gets one clear error naming the value: an unknown mode, a cache mode,
+heads of another geometry, a page size that does not divide the selection block, a mode the
+checkpoint cannot run, and tensor parallelism (which forecastkv's vLLM model refuses)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from types import SimpleNamespace
+
+import pytest
+
+from forecastkv.errors import ConfigError
+from tests.vllm.engines import engine
+
+
+def failure_text(error: BaseException) -> str:
+    """The error's message and those of its causes (vLLM may wrap the model's error)."""
+    parts = []
+    while error is not None:
+        parts.append(f"{type(error).__name__}: {error}")
+        error = error.__cause__ or error.__context__
+    return "\n".join(parts)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "mode,options,expected",
+    [
+        ("sparse-magic", {}, "forecastkv_mode='sparse-magic' is not a vLLM attention mode"),
+        ("infllmv2-forecast@forecast-offload", {}, "is not a vLLM attention mode"),
+        ("infllmv2-query", {"block_size": 128}, "block_size=128) must divide the selection block"),
+        ("nosa", {}, "the checkpoint has no model.layers.0.self_attn.A"),
+    ],
+)
+def test_engine_refuses_with_the_value(checkpoints, mode, options, expected):
+    with pytest.raises(Exception) as caught:
+        engine(checkpoints["demo"], mode, **options)
+    assert expected in failure_text(caught.value)
+
+
+@pytest.mark.slow
+def test_heads_of_another_geometry(checkpoints, tmp_path):
+    """A checkpoint whose config says two Forecast heads per group but whose tensors hold one."""
+    path = tmp_path / "two-heads"
+    shutil.copytree(checkpoints["demo"], path)
+    config = json.loads((path / "config.json").read_text())
+    config["forecast"]["heads_per_group"] = 2
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(Exception) as caught:
+        engine(str(path), "infllmv2-forecast")
+    text = failure_text(caught.value)
+    shapes = r"has shape \(192, 576\), the model needs \(384, 576\)"
+    assert re.search(r"self_attn\.(current|forecast)_proj\.weight " + shapes, text), text
+
+
+def fake_vllm_config(tp: int = 1, pp: int = 1, page: int = 64):
+    from forecastkv import ForecastKVConfig
+
+    return SimpleNamespace(
+        model_config=SimpleNamespace(hf_config=ForecastKVConfig(sparse_config="smollm2-135m")),
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp),
+        cache_config=SimpleNamespace(block_size=page),
+    )
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
+def test_parallelism_is_refused_by_name(tp, pp):
+    from forecastkv.serving.vllm_model import ForecastKVForVLLM
+
+    with pytest.raises(ConfigError, match=f"tensor_parallel_size={tp}, pipeline_parallel_size={pp}"):
+        ForecastKVForVLLM(vllm_config=fake_vllm_config(tp, pp))
+
+
+@pytest.mark.parametrize(
+    "override,expected",
+    [
+        ("nope", "forecastkv_mode='nope' is not a vLLM attention mode"),
+        (3, "forecastkv_mode=3 is not a vLLM attention mode"),
+        ("nosa@no-offload", "is not a vLLM attention mode"),
+        ("infllmv2-forecast", "needs Forecast heads, but the checkpoint has none"),
+    ],
+)
+def test_apply_mode_names_the_value(override, expected):
+    from forecastkv import ForecastKVConfig
+    from forecastkv.serving.vllm_model import apply_mode
+
+    config = ForecastKVConfig(sparse_config="smollm2-135m")
+    config.forecastkv_mode = override
+    with pytest.raises(ConfigError, match=expected.replace("(", r"\(").replace(")", r"\)")):
+        apply_mode(config)
+
+
+@pytest.mark.parametrize(
+    "override,policy,selector",
+    [
+        (None, "infllmv2", "query"),
+        ("dense", None, None),
+        ("nosa", "nosa", "query"),
+        ("infllmv2-query", "infllmv2", "query"),
+    ],
+)
+def test_apply_mode_sets_the_geometry(override, policy, selector):
+    from forecastkv import ForecastKVConfig
+    from forecastkv.serving.vllm_model import apply_mode
+
+    config = ForecastKVConfig(sparse_config="smollm2-135m")
+    if override is not None:
+        config.forecastkv_mode = override
+    apply_mode(config)
+    if policy is None:
+        assert config.sparse is None
+    else:
+        assert (config.sparse.policy, config.sparse.selector, config.sparse.block_size) == (policy, selector, 64)
+
+
+@pytest.mark.parametrize("shape", [(5, 3, 8, 32), (2, 5, 8, 3, 16)])
+def test_page_views_split_keys_from_values(shape):
+    """Both pool layouts give [P, H, page, d] views that write through to the pool, keys apart from values."""
+    import torch
+
+    from forecastkv.serving.vllm_model import kv_page_views
+
+    pool = torch.zeros(shape)
+    keys, values = kv_page_views(pool)
+    assert keys.shape == values.shape == (5, 3, 8, 16)
+    keys[1, 2, 3] = 1.0
+    values[1, 2, 3] = 2.0
+    assert pool.sum() == 16 * 3 and (pool == 1).sum() == 16 and (pool == 2).sum() == 16
+
+
+def test_an_unknown_pool_layout_is_named():
+    import torch
+
+    from forecastkv.serving.vllm_model import kv_page_views
+
+    with pytest.raises(ConfigError, match=r"unknown vLLM KV pool layout \(3, 5, 8, 3, 16\)"):
+        kv_page_views(torch.zeros(3, 5, 8, 3, 16))
