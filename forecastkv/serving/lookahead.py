@@ -16,7 +16,8 @@ overwritten with NaN after each call, so attention that read a block it did not 
 shared pages another request may still read whole).
 
 A request's slot maps are filed under the page holding its last stored token: the engine owns
-that page alone while the request decodes, so no request id has to cross from the scheduler.
+that page alone while the request decodes, so no request id has to cross from the scheduler; a
+prefill chunk drops whatever was filed under its pages (left by a request that freed them).
 """
 
 from __future__ import annotations
@@ -60,6 +61,14 @@ class LookaheadTier:
         """A decode call starts: a new step of the byte count."""
         self.stats.per_step.append(0)
         self._requested = set()
+
+    def forget(self, table: torch.Tensor, lengths: torch.Tensor) -> None:
+        """A multi-token call (a prefill chunk, or a preempted request's recompute) of rows table [B, nb]
+        up to lengths [B]: any slot maps filed under their pages belonged to a request that freed them."""
+        for row, length in enumerate(lengths.tolist()):
+            pages = table[row, : -(-int(length) // self.pools[0].page)].tolist()
+            for page in pages:
+                self.maps.pop(page, None)
 
     def write_through(self, layer: int, page_ids, heads, offsets) -> None:
         """The rows just stored at (page_ids [N, 1], heads [1, H], offsets [N, 1]) of `layer`, copied to the host."""

@@ -302,6 +302,8 @@ class PagedSparseCache(SparseCache):
         self._tier_step = self.tier is not None and step.decode and not step.any_dense
         if self._tier_step:
             self.tier.begin_decode()
+        elif self.tier is not None:
+            self.tier.forget(self._paged[1], torch.tensor(step.lengths_after))
         return step
 
     def finish_call(self) -> None:

@@ -86,3 +86,26 @@ def test_the_query_selector_requests_at_the_layer_itself():
     order = [(kind, layer) for s, kind, layer in engine.tier.stats.events if s == 2]
     for layer in range(1, model.config.num_hidden_layers):
         assert order.index(("wait", layer - 1)) < order.index(("request", layer)) < order.index(("wait", layer))
+
+
+def test_a_request_on_freed_pages_starts_with_empty_slot_maps():
+    """Request 0 decodes and finishes; request 1 gets its pages back: its bytes per step are those of a
+    fresh HF runtime run, not counted against request 0's slot maps (which a page reuse could pick up)."""
+    model = tiny_model({"selector": "forecast"})
+    engine = tiered_engine(model, evict=True, page=8)
+    engine.free = engine.free[:12]  # few pages: request 1 must reuse request 0's
+    first, second = prompts_of([40, 44], seed=8)  # both last tokens on the same page (index 5)
+    decode_alone(engine, first, steps=5)
+    engine.free.extend(reversed(engine.tables.pop(0)))
+    engine.stored.pop(0)
+    start = len(engine.tier.stats.per_step)
+    rows, done = [], 0
+    while done < len(second):
+        rows.append(engine.step({1: second[done : done + 5]})[1])
+        done += 5
+    tokens = [int(rows[-1][-1].argmax())]
+    for _ in range(5):
+        rows.append(engine.step({1: [tokens[-1]]})[1])
+        tokens.append(int(rows[-1][-1].argmax()))
+    torch.testing.assert_close(torch.cat(rows), reference_logits(model, second, tokens[:-1]), rtol=1e-4, atol=1e-4)
+    assert engine.tier.stats.per_step[start:] == hf_runtime_bytes(model, "forecast-offload", second, tokens)
