@@ -38,6 +38,16 @@ from __future__ import annotations
 
 SELECTORS = ("query", "forecast", "oracle", "quest", "reuse", "speculate")
 
+# attention mode -> (policy, selector), None = dense: what the eval suites (`eval/modes.py`) and vLLM's
+# `forecastkv_mode` (`serving/vllm_model.py`) name a model's way of attending by
+ATTENTION_MODES = {
+    "dense": None,
+    "infllmv2-query": ("infllmv2", "query"),
+    "infllmv2-forecast": ("infllmv2", "forecast"),
+    "nosa": ("nosa", "query"),
+    "nosa-forecast": ("nosa", "forecast"),
+}
+
 # selector -> whether it knows a layer's blocks before that layer runs (so `forecast-offload` can fetch them a
 # layer ahead); reuse does for every layer but its anchors
 SELECTOR_PREFETCH = {

@@ -18,16 +18,8 @@ from dataclasses import dataclass
 
 from ..errors import ConfigError
 from ..modeling import routing
-from ..modes import MODE_SELECTOR, MODES
+from ..modes import ATTENTION_MODES, MODE_SELECTOR, MODES
 
-ATTENTION_MODES = {
-    # name -> (policy, selector); None = dense
-    "dense": None,
-    "infllmv2-query": ("infllmv2", "query"),
-    "infllmv2-forecast": ("infllmv2", "forecast"),
-    "nosa": ("nosa", "query"),
-    "nosa-forecast": ("nosa", "forecast"),
-}
 RESIDENT = "resident"
 
 

@@ -24,8 +24,8 @@ from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.attention import Attention
 
 from ..errors import ConfigError
-from ..eval.modes import ATTENTION_MODES, mode_sparse_config, parse_mode
 from ..modeling.modeling import ForecastKVForCausalLM
+from ..modes import ATTENTION_MODES
 from .paged import LayerPages, check_page_geometry
 from .step import EngineBatch, forward_paged
 
@@ -44,13 +44,13 @@ def apply_mode(config) -> str:
         return next((n for n, spec in ATTENTION_MODES.items() if spec == (sparse.policy, sparse.selector)), "custom")
     if not isinstance(name, str) or "@" in name or name not in ATTENTION_MODES:
         raise ConfigError(f"{MODE_KEY}={name!r} is not a vLLM attention mode; known: {sorted(ATTENTION_MODES)}")
-    mode = parse_mode(name)
-    if mode.sparse and config.sparse is None:
+    spec = ATTENTION_MODES[name]
+    if spec is not None and config.sparse is None:
         raise ConfigError(f"{MODE_KEY}={name!r} needs a sparse geometry, but the checkpoint's sparse_config is null")
-    if mode.selector == "forecast" and not config.forecast_config.enabled:
+    if spec is not None and spec[1] == "forecast" and not config.forecast_config.enabled:
         raise ConfigError(f"{MODE_KEY}={name!r} needs Forecast heads, but the checkpoint has none "
                           "(convert it with --forecast-weights, or save a model that has them)")
-    config.sparse_config = mode_sparse_config(config.sparse_config, mode)
+    config.sparse_config = None if spec is None else {**config.sparse_config, "policy": spec[0], "selector": spec[1]}
     return name
 
 
