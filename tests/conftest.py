@@ -7,15 +7,29 @@ for _name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
     os.environ.setdefault(_name, "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# pytest-xdist: `make test` runs two workers on the two cores, one intra-op thread each (a second
+# OpenMP thread per worker would wait on the other worker's core); their subprocesses inherit it
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 import torch  # noqa: E402
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 
+# a test that takes one of these fixtures reads the bundled SmolLM2: it belongs to the bundled tier
+BUNDLED_FIXTURES = {"bundled_path", "bundled_cache"}
+
 
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if BUNDLED_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.bundled)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

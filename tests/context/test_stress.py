@@ -104,6 +104,7 @@ print(json.dumps(counts))
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # six processes on one store
 def test_three_savers_two_readers_and_rm_share_one_store(tmp_path):
     root, go = tmp_path / "store", tmp_path / "go"
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
@@ -176,6 +177,7 @@ def _nobody() -> int | None:
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # two processes racing on one namespace
 @pytest.mark.skipif(
     not hasattr(os, "fork") or not hasattr(os, "geteuid") or os.geteuid() != 0,
     reason="another user's swaps need root (to become uid nobody)",

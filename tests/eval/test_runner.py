@@ -117,6 +117,7 @@ def test_kill_and_restart_gives_the_same_jsonl(reference_run, tmp_path, monkeypa
 
 
 @pytest.mark.slow  # the eval CLI in two processes (torch.distributed.run)
+@pytest.mark.serial
 def test_two_processes_equal_one(reference_run, tmp_path):
     _, expected = reference_run
     suite = tmp_path / "suite.yaml"

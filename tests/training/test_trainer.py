@@ -209,6 +209,7 @@ def _logged(out: Path, key: str) -> list[float]:
     return [row[key] for row in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if key in row]
 
 
+@pytest.mark.serial  # two training processes (torch.distributed), one per core
 def test_two_processes_match_one(tmp_path):
     """Global batch 4: one process (4 micro-batches) vs two processes (2 each, gradients summed
     with gloo), both launched the same way (CLI, torch.distributed.run, one thread per process).
