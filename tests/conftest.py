@@ -19,6 +19,11 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    # Without CUDA the suite runs every kernel call on its PyTorch reference unless a test asks for
+    # Triton: the kernel tests call the Triton side directly, and the runtime grids' named
+    # interpreted cases force it (tests/inference/conftest.py).  Interpreting every block gather
+    # of every decode step in every test cost most of the suite's time and tested nothing new.
+    os.environ.setdefault("FORECASTKV_BACKEND", "kernels=reference")
 
 import pytest  # noqa: E402
 

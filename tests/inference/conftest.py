@@ -9,7 +9,9 @@
                        own switch, so no interpreter is involved even though the suite sets it)
     kernels-triton     decode=kernels with the Triton kernels (the interpreter without CUDA)
 
-Parametrize a test with `@pytest.mark.parametrize("runtime_backend", RUNTIME_BACKENDS, indirect=True)`;
+The suite's own default without CUDA is cpu-default ($FORECASTKV_BACKEND=kernels=reference, set in
+tests/conftest.py).  Parametrize a grid with `@pytest.mark.parametrize("runtime_backend",
+RUNTIME_BACKENDS, indirect=True)`, and add one or two named cases over INTERPRETED_BACKENDS;
 the fixture forces the choice for the test (the environment's $FORECASTKV_BACKEND included) and
 checks that the dispatch really takes it.
 """
@@ -31,13 +33,12 @@ _PARTS = {
 _TRITON_RUNS = triton_available() and (interpreting() or torch.cuda.is_available())
 
 _NEEDS_TRITON = pytest.mark.skipif(not _TRITON_RUNS, reason="needs triton (CUDA or TRITON_INTERPRET=1)")
-RUNTIME_BACKENDS = ["auto", "kernels-reference", pytest.param("kernels-triton", marks=_NEEDS_TRITON)]
-# the same, with Triton marked slow: decode kernels in the interpreter take seconds a token
-RUNTIME_BACKENDS_SLOW_TRITON = [
-    "auto",
-    "kernels-reference",
-    pytest.param("kernels-triton", marks=[_NEEDS_TRITON, pytest.mark.slow]),
-]
+# the grids: the two backends without the interpreter (its per-token cost buys nothing a kernel
+# test on tiny shapes does not check)
+RUNTIME_BACKENDS = ["cpu-default", "kernels-reference"]
+# the named cases that go through the interpreted kernels end to end: the block gather (auto) and
+# every decode kernel (kernels-triton, seconds a token in the interpreter: marked slow)
+INTERPRETED_BACKENDS = ["auto", pytest.param("kernels-triton", marks=[_NEEDS_TRITON, pytest.mark.slow])]
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ from forecastkv import SparseCache
 from forecastkv.inference import OffloadedSparseCache, diff_block_map
 from forecastkv.modeling.modeling import CACHE_KWARG
 from tests.helpers import left_padded, rel, tiny_model
-from tests.inference.conftest import RUNTIME_BACKENDS_SLOW_TRITON
+from tests.inference.conftest import INTERPRETED_BACKENDS, RUNTIME_BACKENDS
 
 POLICIES = ("infllmv2", "nosa")
 SELECTORS = ("query", "forecast")
@@ -55,20 +55,25 @@ def assert_parity(model, ids, mask, modes, new_tokens=10, reference_selector=Non
 # -- parity ---------------------------------------------------------------------------------------
 
 
-# The grid in the backends without the interpreter's per-token cost; with every decode kernel in
-# Triton (about a minute a case in the interpreter) the two cases that differ most: the query
-# selector alone, and NOSA's bias with the forecast selector over a left-padded batch.
+# The grid in the backends without the interpreter; through the interpreted kernels (the block
+# gather in auto, every decode kernel in kernels-triton: about a minute a case) the two cases that
+# differ most: the query selector alone, and NOSA's bias with the forecast selector over a
+# left-padded batch.
+INTERPRETED_CASES = (("infllmv2", "query", "single"), ("nosa", "forecast", "left-padded"))
 EVERY_MODE_GRID = [
-    pytest.param(policy, selector, batch, backend, marks=marks)
-    for policy, selector in itertools.product(POLICIES, SELECTORS)
-    for batch in ("single", "left-padded")
-    for backend, marks in (
-        ("auto", ()),
-        ("kernels-reference", ()),
-        ("kernels-triton", RUNTIME_BACKENDS_SLOW_TRITON[-1].marks),
-    )
-    if backend != "kernels-triton"
-    or (policy, selector, batch) in {("infllmv2", "query", "single"), ("nosa", "forecast", "left-padded")}
+    *(
+        (policy, selector, batch, backend)
+        for policy, selector in itertools.product(POLICIES, SELECTORS)
+        for batch in ("single", "left-padded")
+        for backend in RUNTIME_BACKENDS
+    ),
+    *(
+        pytest.param(*case, backend.values[0], marks=backend.marks)
+        if hasattr(backend, "values")
+        else (*case, backend)
+        for case in INTERPRETED_CASES
+        for backend in INTERPRETED_BACKENDS
+    ),
 ]
 
 
@@ -83,7 +88,7 @@ def test_every_mode_matches_sparse_cache_tiny(policy, selector, batch, runtime_b
     assert moved["decode_steps"] == 8 and moved["h2d_bytes_per_step_mean"] > 0  # blocks really moved
 
 
-@pytest.mark.parametrize("runtime_backend", RUNTIME_BACKENDS_SLOW_TRITON, indirect=True)
+@pytest.mark.parametrize("runtime_backend", RUNTIME_BACKENDS, indirect=True)
 def test_cache_selector_overrides_the_model_selector(runtime_backend, one_thread):
     """sparse-offload on a forecast model selects with queries: the tokens of SparseCache(selector='query')."""
     model = tiny_model({"policy": "infllmv2", "selector": "forecast"}, seed=4)
@@ -95,14 +100,15 @@ def test_cache_selector_overrides_the_model_selector(runtime_backend, one_thread
     assert not torch.equal(forecast_tokens, query_tokens)  # the override changes what is attended
 
 
-@pytest.mark.parametrize("runtime_backend", RUNTIME_BACKENDS_SLOW_TRITON, indirect=True)
+@pytest.mark.parametrize("runtime_backend", RUNTIME_BACKENDS, indirect=True)
 def test_first_layer_offloaded_too(runtime_backend, one_thread):
     model = tiny_model({"policy": "nosa", "selector": "forecast"}, seed=5)
     ids, mask = left_padded([40, 33])
     assert_parity(model, ids, mask, ["forecast-offload", "dense-offload"], first_layer_resident=False)
 
 
-@pytest.mark.parametrize("runtime_backend", RUNTIME_BACKENDS_SLOW_TRITON, indirect=True)
+# the coarse LSE also through the Triton decode kernels (slow in the interpreter)
+@pytest.mark.parametrize("runtime_backend", [*RUNTIME_BACKENDS, INTERPRETED_BACKENDS[-1]], indirect=True)
 def test_minicpm_format_coarse_lse_and_dense_len(tmp_path, runtime_backend, one_thread):
     """A tiny MiniCPM4.1-format checkpoint (muP, LongRoPE, coarse LSE), dense below dense_len."""
     from forecastkv import ForecastKVForCausalLM

@@ -16,7 +16,7 @@ from forecastkv.inference import OffloadedSparseCache
 from forecastkv.modeling.configuration import SparseConfig
 from forecastkv.modeling.modeling import CACHE_KWARG
 from tests.helpers import left_padded, rel, tiny_model
-from tests.inference.conftest import RUNTIME_BACKENDS_SLOW_TRITON
+from tests.inference.conftest import INTERPRETED_BACKENDS, RUNTIME_BACKENDS
 from tests.inference.test_offloaded import generate, replay_slot_cache
 
 # topk 4 + 1 local = 5 of the 9-10 blocks a 70-token prompt holds: every selector has a choice to make
@@ -280,18 +280,17 @@ def test_speculate_scores_the_next_layers_keys_with_its_guessed_queries():
 # -- offloaded tokens equal resident tokens, for every selector -------------------------------------
 
 
-# every selector in every backend; the Triton interpreter (seconds a token) with the top-p budget only
+# every selector in both backends without the interpreter; the block gather (auto) and every decode
+# kernel (kernels-triton, seconds a token in the interpreter) with the top-p budget only
 PARITY_GRID = [
-    pytest.param(
-        selector,
-        top_p,
-        backend.values[0] if hasattr(backend, "values") else backend,
-        marks=getattr(backend, "marks", ()),
-    )
-    for selector in NEW_SELECTORS
-    for top_p in (0.0, 0.8)
-    for backend in RUNTIME_BACKENDS_SLOW_TRITON
-    if top_p or getattr(backend, "values", (backend,))[0] != "kernels-triton"
+    *((selector, top_p, backend) for selector in NEW_SELECTORS for top_p in (0.0, 0.8) for backend in RUNTIME_BACKENDS),
+    *(
+        pytest.param(selector, 0.8, backend.values[0], marks=backend.marks)
+        if hasattr(backend, "values")
+        else (selector, 0.8, backend)
+        for selector in NEW_SELECTORS
+        for backend in INTERPRETED_BACKENDS
+    ),
 ]
 
 

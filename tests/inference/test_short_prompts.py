@@ -14,7 +14,7 @@ import torch
 from forecastkv import SparseCache
 from forecastkv.inference import OffloadedSparseCache
 from tests.helpers import left_padded, rel, tiny_model
-from tests.inference.conftest import RUNTIME_BACKENDS
+from tests.inference.conftest import INTERPRETED_BACKENDS, RUNTIME_BACKENDS
 from tests.inference.test_offloaded import generate, modes_for
 
 # block 64 (the presets' size) around 0, 1 and 2 blocks; block 16 at every length up to 17
@@ -83,7 +83,7 @@ def batch_1(block, policy):
 # kernels-triton: every decode kernel) a few seconds per generated token allow one batch each.
 
 
-@pytest.mark.parametrize("runtime_backend", ["cpu-default", "kernels-reference"], indirect=True)
+@pytest.mark.parametrize("runtime_backend", RUNTIME_BACKENDS, indirect=True)
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("block", sorted(GEOMETRIES))
 def test_short_prompts(block, policy, runtime_backend, one_thread):
@@ -91,7 +91,7 @@ def test_short_prompts(block, policy, runtime_backend, one_thread):
     batch_1(block, policy)
 
 
-@pytest.mark.parametrize("runtime_backend", [b for b in RUNTIME_BACKENDS if b != "kernels-reference"], indirect=True)
+@pytest.mark.parametrize("runtime_backend", INTERPRETED_BACKENDS, indirect=True)
 def test_short_prompts_interpreted_backends(runtime_backend, one_thread):
     """Block 16, NOSA (a CIS bias in every slot): auto: prompts of 1, 16 and 17 tokens (no, one
     whole and one partial block) in sparse-offload and forecast-offload; kernels-triton, the

@@ -31,6 +31,10 @@ from tests.strict_device import (
 )
 
 POLICIES = ("infllmv2", "nosa")
+# CUDA's decode path (the sparse_decode kernels) with every kernel call on its PyTorch reference;
+# the named `*_interpreted` cases run the same through the Triton kernels in the interpreter
+KERNEL_DECODE = "kernels=reference,decode=kernels"
+TRITON_DECODE = "kernels=auto,decode=kernels"
 
 
 def new_host(shape=(2, 6, 3), dtype=torch.float32) -> torch.Tensor:
@@ -247,15 +251,21 @@ def assert_windows_completed_while_decoding(model, cache, shortest_prompt: int) 
     )
 
 
-@pytest.mark.parametrize("policy", POLICIES)
-@pytest.mark.parametrize("mode", MODES)
-def test_decode_runs_under_strict_host(mode, policy, monkeypatch):
+@pytest.mark.parametrize(
+    ("mode", "policy", "backend"),
+    [
+        *((mode, policy, KERNEL_DECODE) for mode in MODES for policy in POLICIES),
+        ("forecast-offload", "nosa", TRITON_DECODE),
+    ],
+)
+def test_decode_runs_under_strict_host(mode, policy, backend, monkeypatch):
     """Item 1: a decode step must not touch the host store outside the transfer functions (on CUDA
     `append` pooled new compression windows from host rows, then indexed them with device indices,
     a crash each time a window completed).  The prefill runs inside `host_transfer()` so this test
     isolates the decode step (see the next test for the prefill); the decode attention runs through
-    the kernels (the backend's decode part "kernels"), the path CUDA takes."""
-    monkeypatch.setenv("FORECASTKV_BACKEND", "decode=kernels")
+    the kernels (the backend's decode part "kernels"), the path CUDA takes: on their references,
+    and in one named case in Triton (the interpreter)."""
+    monkeypatch.setenv("FORECASTKV_BACKEND", backend)
     model = strict_model(policy)
     ids, mask = left_padded([PROMPT])
     expected = reference_tokens(model, mode, ids, mask)[:, PROMPT:]
@@ -304,10 +314,13 @@ def assert_no_host_reads_while_decoding(model, mode: str, steps: int = 5) -> Non
     assert per_step == [0] * len(per_step), f"{mode}: host reads per decode step {per_step}\n{counted[-1].report()}"
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_decode_step_has_no_host_reads(mode, monkeypatch):
-    """DESIGN: "Zero host reads" in the decode step (the kernels' decode path, what CUDA runs)."""
-    monkeypatch.setenv("FORECASTKV_BACKEND", "decode=kernels")
+@pytest.mark.parametrize(
+    ("mode", "backend"), [*((mode, KERNEL_DECODE) for mode in MODES), ("forecast-offload", TRITON_DECODE)]
+)
+def test_decode_step_has_no_host_reads(mode, backend, monkeypatch):
+    """DESIGN: "Zero host reads" in the decode step (the kernels' decode path, what CUDA runs: on
+    the references, and once through the Triton kernels in the interpreter)."""
+    monkeypatch.setenv("FORECASTKV_BACKEND", backend)
     assert_no_host_reads_while_decoding(tiny_model({"policy": "infllmv2", "selector": "forecast"}, seed=3), mode)
 
 
@@ -324,7 +337,7 @@ def test_decode_step_has_no_host_reads(mode, monkeypatch):
 def test_every_deployable_selector_decodes_with_no_host_read(selector, mode, top_p, monkeypatch):
     """The same for Quest's bounds, reuse's handed-over blocks, speculate's guessed queries and top-p
     budgets (their varying block counts stay on the device)."""
-    monkeypatch.setenv("FORECASTKV_BACKEND", "decode=kernels")
+    monkeypatch.setenv("FORECASTKV_BACKEND", KERNEL_DECODE)
     sparse = {"policy": "infllmv2", "selector": selector, "top_p": top_p, "reuse_anchors": [0, 2]}
     assert_no_host_reads_while_decoding(tiny_model(sparse, seed=3), mode, steps=4)
 
