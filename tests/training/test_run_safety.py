@@ -24,23 +24,19 @@ from forecastkv.training.checkpointing import CheckpointCorrupt, list_checkpoint
 from forecastkv.training.trainer import RunExists, TrainingInterrupted, recall_change
 
 from .common import tiny_recipe
+from .conftest import Uninterrupted, head_tensors
 
 ROOT = Path(__file__).resolve().parents[2]
 HEAD = "model.layers.1.self_attn.forecast_proj.weight"
 
 
-def heads_of(result):
-    return {
-        k: v.detach().clone()
-        for k, v in result.model.state_dict().items()
-        if "forecast_proj" in k or "current_proj" in k
-    }
-
-
-def assert_same_heads(a, b):
-    ha, hb = heads_of(a), heads_of(b)
-    assert set(ha) == set(hb)
-    assert all(torch.equal(ha[k], hb[k]) for k in ha)
+def assert_same_heads(full, result):
+    """`result`'s heads equal those of the uninterrupted run `full` (the session's `Uninterrupted`,
+    or a TrainResult), bit for bit."""
+    expected = full.heads if isinstance(full, Uninterrupted) else head_tensors(full.model)
+    got = head_tensors(result.model)
+    assert set(got) == set(expected)
+    assert all(torch.equal(got[k], expected[k]) for k in got)
 
 
 def metric_steps(out: Path, key: str = "loss") -> list[int]:
@@ -82,11 +78,11 @@ def test_stale_temporaries_are_removed_at_start(tmp_path):
 # ----------------------------------------------------------------------------------------------
 
 
-def test_fresh_run_into_a_killed_runs_directory_resumes_without_duplicates(tmp_path, capsys):
+def test_fresh_run_into_a_killed_runs_directory_resumes_without_duplicates(tmp_path, capsys, uninterrupted):
     """Issue 26 item 12: the same command rerun into the directory of a killed run resumes from its
     newest checkpoint, metrics.jsonl truncated to that step: every step logged once, heads
     bit-identical to an uninterrupted run."""
-    full = train_forecast(tiny_recipe(tmp_path / "data", tmp_path / "full", steps=5, save_every=2))
+    full = uninterrupted(steps=5, save_every=2)
     out = tmp_path / "killed"
     train_forecast(tiny_recipe(tmp_path / "data", out, steps=5, save_every=2), max_steps=3)
     (out / "checkpoints" / "step-000003.safetensors").unlink()  # killed after logging step 3, before its checkpoint
@@ -172,11 +168,11 @@ def _tensor_offset(path: Path, name: str) -> int:
 
 
 @pytest.mark.parametrize("damage", ["flipped", "truncated"])
-def test_damaged_newest_checkpoint_falls_back(tmp_path, damage):
+def test_damaged_newest_checkpoint_falls_back(tmp_path, damage, uninterrupted):
     """Issue 26 item 13: a flipped byte in a trainable tensor (or a truncated file) of the newest
     checkpoint is caught by its checksum; resuming the directory warns and falls back to the
     previous checkpoint, and ends bit-identical to an uninterrupted run."""
-    full = train_forecast(tiny_recipe(tmp_path / "data", tmp_path / "full", steps=4, save_every=2))
+    full = uninterrupted(steps=4, save_every=2)
     out = tmp_path / "cut"
     train_forecast(tiny_recipe(tmp_path / "data", out, steps=4, save_every=2), max_steps=3)
     newest = out / "checkpoints" / "step-000003.safetensors"
@@ -294,10 +290,10 @@ def test_forecast_recall_bar_moves_per_layer(capsys):
     assert "recall (2 sequences x 3 layers)" in err and "6/6" in err
 
 
-def test_interrupt_in_process_writes_a_checkpoint(tmp_path, monkeypatch):
+def test_interrupt_in_process_writes_a_checkpoint(tmp_path, monkeypatch, uninterrupted):
     """Issue 25 item 11: a stop signal during a step saves a checkpoint at that step, raises
     TrainingInterrupted (exit status 130), and a resume ends bit-identical to an uninterrupted run."""
-    full = train_forecast(tiny_recipe(tmp_path / "data", tmp_path / "full", steps=5, save_every=10))
+    full = uninterrupted(steps=5, save_every=10)
     real = trainer_module.backward_step
 
     def interrupted(*args):

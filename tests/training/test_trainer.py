@@ -75,8 +75,8 @@ def test_only_forecast_heads_change(tmp_path):
         assert {name.split("/")[0] for name in f.keys()} == {"trainable", "optimizer", "rng"}
 
 
-def test_resume_matches_uninterrupted_run(tmp_path):
-    full = train_forecast(tiny_recipe(tmp_path / "data", tmp_path / "full", steps=5, save_every=2))
+def test_resume_matches_uninterrupted_run(tmp_path, uninterrupted):
+    full = uninterrupted(steps=5, save_every=2)
     stopped = train_forecast(tiny_recipe(tmp_path / "data", tmp_path / "cut", steps=5, save_every=2), max_steps=3)
     assert stopped.step == 3
     assert [p.name for p in list_checkpoints(tmp_path / "cut")] == [
@@ -87,7 +87,7 @@ def test_resume_matches_uninterrupted_run(tmp_path):
         tiny_recipe(tmp_path / "data", tmp_path / "other", steps=5, save_every=2), resume=str(tmp_path / "cut")
     )
     assert resumed.step == 5 and resumed.output_dir == tmp_path / "cut"
-    a, b = heads_of(full.model), heads_of(resumed.model)
+    a, b = full.heads, heads_of(resumed.model)
     assert all(torch.equal(a[k], b[k]) for k in HEADS)  # exact
     assert [loss for _, loss in full.losses] == [loss for _, loss in resumed.losses]
     steps = [json.loads(line)["step"] for line in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()]
