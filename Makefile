@@ -71,7 +71,7 @@ $(VLLM_INSTALLED): pyproject.toml Makefile | $(VLLM_PY)
 
 # the serving tests: vLLM engines in-process on the CPU (tests/vllm/conftest.py)
 test-vllm: install-vllm
-	$(OFFLINE) $(VLLM_PY) -m pytest -q -x --timeout=1800 -p no:cacheprovider tests/vllm; rc=$$?; \
+	$(OFFLINE) $(VLLM_PY) -m pytest -q -x --timeout=1800 --durations=30 -p no:cacheprovider tests/vllm; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no vLLM tests" >&2; exit 1; fi; exit $$rc
 
 # the README's eval example, its Python blocks and the demo at full size (about 35 min on 2 cores;

@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_tiny_sweep_writes_json_and_plot(tmp_path):
     out = tmp_path / "sweep.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("TRITON_INTERPRET", None)  # the CPU reference path is what the benchmark runs here
+    env.pop("TRITON_INTERPRET", None)
+    env.pop("FORECASTKV_BACKEND", None)  # the CPU reference path is what the benchmark runs here
     proc = subprocess.run(
         [
             sys.executable,

@@ -7,6 +7,7 @@ block, or a number that drifts from the demo's block, fails here."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -221,7 +222,7 @@ def _run_cli(argv: list[str], cwd: Path, timeout: int = 1500) -> subprocess.Comp
     command = [str(script), *argv[1:], *SMALL[name]]
     # as a user runs them: offline, and without the test suite's Triton interpreter (on a machine
     # without CUDA the kernels' PyTorch references run, as they would for the user)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FORECASTKV_BACKEND")}
     env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
     done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, (command, done.stderr[-3000:])
@@ -235,7 +236,14 @@ def trained(tmp_path_factory, bundled_path):
     work = _workdir(tmp_path_factory.mktemp("readme"))
     train = next(c for c in quickstart_commands() if c[1] == "train-forecast")
     _run_cli(train, work)
-    assert (work / "runs" / "smollm2-135m-forecast" / "forecast.safetensors").is_file()
+    run = work / "runs" / "smollm2-135m-forecast"
+    assert (run / "forecast.safetensors").is_file()
+    # the shipped recipe on the bundled SmolLM2 (what a training smoke test ran apart before):
+    # two steps and a held-out recall of all 30 layers
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    evals = [row["eval"] for row in rows if "eval" in row]
+    assert [row["step"] for row in rows if "loss" in row] == [1, 2], rows
+    assert evals and all(len(row["recall"]) == 30 for row in evals), evals
     return work
 
 
@@ -282,6 +290,7 @@ def test_readme_python_blocks_run(trained, monkeypatch):
     monkeypatch.chdir(trained)
     # as a user runs them (the CPU references, not the interpreter)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("FORECASTKV_BACKEND", raising=False)
     namespace: dict = {}
     for body, line in blocks:
         code = compile(_as_this_transformers(body), f"README.md:{line}", "exec")

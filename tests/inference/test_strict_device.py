@@ -361,11 +361,15 @@ DECODE_STEPS = 5
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "lengths, dense_len",
-    [([254], 0), ([254, 253, 252], 0), ([254, 253, 252], 256)],
-    ids=["batch1", "padded3", "padded3-dense-to-sparse"],
+    "policy, lengths, dense_len",
+    [
+        ("infllmv2", [254, 253, 252], 0),
+        ("nosa", [254, 253, 252], 0),
+        ("nosa", [254], 0),
+        ("infllmv2", [254, 253, 252], 256),
+    ],
+    ids=["infllmv2-padded3", "nosa-padded3", "nosa-batch1", "infllmv2-padded3-dense-to-sparse"],
 )
-@pytest.mark.parametrize("policy", POLICIES)
 def test_decode_steps_read_nothing_back_at_minicpm_geometry(policy, lengths, dense_len):
     """A 32-layer model with MiniCPM4.1's block geometry (NOSA-8B's for nosa; coarse LSE for
     infllmv2) and tiny widths, every offload mode: no decode step after the first reads anything

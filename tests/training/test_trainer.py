@@ -298,21 +298,6 @@ def test_recipe_errors(tmp_path):
         train_forecast(recipe)
 
 
-@pytest.mark.slow
-@pytest.mark.bundled
-def test_smollm2_smoke(tmp_path, bundled_path):
-    """One step on the bundled SmolLM2-135M with the shipped recipe (short sequences)."""
-    result = train_forecast(
-        ROOT / "configs" / "train" / "smollm2-135m.yaml",
-        output_dir=str(tmp_path / "run"),
-        steps=1,
-        data={"seq_len": 384, "row_start": 128, "eval_seq_len": 512, "eval_start": 256, "eval_sequences": 1},
-        train={"global_batch": 1, "progress": False},
-    )
-    assert result.step == 1 and len(result.history[-1]["recall"]) == 30
-    assert (tmp_path / "run" / "forecast.safetensors").is_file()
-
-
 def test_multi_vector_heads_train_and_save(tmp_path):
     """heads_per_group = G = 3: trained (the loss falls), saved with their vector count."""
     recipe = tiny_recipe(

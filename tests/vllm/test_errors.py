@@ -25,19 +25,13 @@ def failure_text(error: BaseException) -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "mode,options,expected",
-    [
-        ("sparse-magic", {}, "forecastkv_mode='sparse-magic' is not a vLLM attention mode"),
-        ("infllmv2-forecast@forecast-offload", {}, "is not a vLLM attention mode"),
-        ("infllmv2-query", {"block_size": 128}, "block_size=128) must divide the selection block"),
-        ("nosa", {}, "the checkpoint has no model.layers.0.self_attn.A"),
-    ],
-)
-def test_engine_refuses_with_the_value(checkpoints, mode, options, expected):
+def test_engine_refuses_with_the_value(checkpoints):
+    """One engine shows vLLM passes the model's error through by name (a mode the checkpoint cannot
+    run: NOSA without A); the model's other refusals are checked below on a vLLM config alone, where
+    they are raised before any engine exists (an unknown or cache mode, a page size)."""
     with pytest.raises(Exception) as caught:
-        engine(checkpoints["demo"], mode, **options)
-    assert expected in failure_text(caught.value)
+        engine(checkpoints["demo"], "nosa")
+    assert "the checkpoint has no model.layers.0.self_attn.A" in failure_text(caught.value)
 
 
 @pytest.mark.slow
@@ -73,12 +67,20 @@ def test_parallelism_is_refused_by_name(tp, pp):
         ForecastKVForVLLM(vllm_config=fake_vllm_config(tp, pp))
 
 
+def test_a_page_that_does_not_divide_the_block_is_refused_by_name():
+    from forecastkv.serving.vllm_model import ForecastKVForVLLM
+
+    with pytest.raises(ConfigError, match=r"block_size=128\) must divide the selection block"):
+        ForecastKVForVLLM(vllm_config=fake_vllm_config(page=128))
+
+
 @pytest.mark.parametrize(
     "override,expected",
     [
         ("nope", "forecastkv_mode='nope' is not a vLLM attention mode"),
         (3, "forecastkv_mode=3 is not a vLLM attention mode"),
         ("nosa@no-offload", "is not a vLLM attention mode"),
+        ("infllmv2-forecast@forecast-offload", "is not a vLLM attention mode"),
         ("infllmv2-forecast", "needs Forecast heads, but the checkpoint has none"),
     ],
 )
