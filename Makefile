@@ -27,9 +27,9 @@ $(INSTALLED): pyproject.toml Makefile | $(PY)
 demo: install
 	$(OFFLINE) $(VENV)/bin/forecastkv demo
 
-# The main suite in two passes (tests/README.md): the unit tier on two xdist workers (one torch
-# thread each), then the bundled-model, end-to-end and serial tests in one process, as they always
-# ran.  pytest exits 5 when it collected nothing: fail.
+# The main suite in three passes (tests/README.md): the unit tier, then the bundled-model and
+# end-to-end tests, both on two xdist workers (one torch thread each), then the serial tests (several
+# processes at once) alone in one process.  pytest exits 5 when it collected nothing: fail.
 PYTEST := $(OFFLINE) $(PY) -m pytest -q -x --timeout=900 --ignore=tests/vllm -p no:cacheprovider
 UNIT_TIER := not slow and not bundled and not serial and not readme_full
 define pytest_nonempty
@@ -40,7 +40,8 @@ test: install
 	@# the linter first (pyflakes + import order, configured in pyproject.toml)
 	$(VENV)/bin/ruff check .
 	$(call pytest_nonempty,$(PYTEST) -n 2 --durations=30 -m "$(UNIT_TIER)",unit tier)
-	$(call pytest_nonempty,$(PYTEST) --durations=30 -m "not ($(UNIT_TIER)) and not readme_full",bundled / end-to-end / serial)
+	$(call pytest_nonempty,$(PYTEST) -n 2 --durations=30 -m "not ($(UNIT_TIER)) and not serial and not readme_full",bundled / end to end)
+	$(call pytest_nonempty,$(PYTEST) --durations=10 -m "serial and not readme_full",serial)
 	@# then the serving tests in vLLM's own venv
 	$(MAKE) test-vllm
 

@@ -79,6 +79,7 @@ def test_section_not_started_unless_its_budget_fits():
     assert why("prefill", 15, 0, 420, {"kernel tests"}, True, True) == ("skipped", "not selected")
 
 
+@pytest.mark.slow  # one interpreter per benchmark script (--help)
 def test_every_section_script_accepts_its_arguments():
     gpu_check = load_gpu_check()
     helps = {}

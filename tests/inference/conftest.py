@@ -37,8 +37,10 @@ _NEEDS_TRITON = pytest.mark.skipif(not _TRITON_RUNS, reason="needs triton (CUDA 
 # test on tiny shapes does not check)
 RUNTIME_BACKENDS = ["cpu-default", "kernels-reference"]
 # the named cases that go through the interpreted kernels end to end: the block gather (auto) and
-# every decode kernel (kernels-triton, seconds a token in the interpreter: marked slow)
-INTERPRETED_BACKENDS = ["auto", pytest.param("kernels-triton", marks=[_NEEDS_TRITON, pytest.mark.slow])]
+# every decode kernel (kernels-triton).  Seconds a token in the interpreter: they are end-to-end
+# runs of the kernels, in the slow tier (the kernels' own tests on tiny shapes are unit tests).
+INTERPRETED = [_NEEDS_TRITON, pytest.mark.slow]
+INTERPRETED_BACKENDS = [pytest.param("auto", marks=INTERPRETED), pytest.param("kernels-triton", marks=INTERPRETED)]
 
 
 @pytest.fixture

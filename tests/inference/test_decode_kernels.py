@@ -22,6 +22,7 @@ needs_interpreter = pytest.mark.skipif(
 
 
 @needs_interpreter
+@pytest.mark.slow  # every decode kernel in Triton, end to end (the interpreter without CUDA)
 def test_kernel_decode_matches_gather_decode(monkeypatch):
     """NOSA (a CIS bias), forecast selector (prefetched slots), a left-padded batch."""
     model = tiny_model({"policy": "nosa", "selector": "forecast"}, seed=13)

@@ -72,10 +72,8 @@ EVERY_MODE_GRID = [
     ),
     *(
         pytest.param(*case, backend.values[0], marks=backend.marks)
-        if hasattr(backend, "values")
-        else (*case, backend)
         for backend in INTERPRETED_BACKENDS
-        for case in INTERPRETED_CASES[getattr(backend, "values", (backend,))[0]]
+        for case in INTERPRETED_CASES[backend.values[0]]
     ),
 ]
 

@@ -286,8 +286,6 @@ PARITY_GRID = [
     *((selector, top_p, backend) for selector in NEW_SELECTORS for top_p in (0.0, 0.8) for backend in RUNTIME_BACKENDS),
     *(
         pytest.param(selector, 0.8, backend.values[0], marks=backend.marks)
-        if hasattr(backend, "values")
-        else (selector, 0.8, backend)
         for selector in NEW_SELECTORS
         for backend in INTERPRETED_BACKENDS
     ),

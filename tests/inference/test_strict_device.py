@@ -21,6 +21,7 @@ from forecastkv.inference.offloaded import MODE_SELECTOR, MODES
 from forecastkv.modeling.modeling import CACHE_KWARG
 from forecastkv.modeling.selection import num_compressed
 from tests.helpers import left_padded, tiny_model
+from tests.inference.conftest import INTERPRETED
 from tests.strict_device import (
     HostTensorTouched,
     StrictHostTensor,
@@ -255,7 +256,7 @@ def assert_windows_completed_while_decoding(model, cache, shortest_prompt: int) 
     ("mode", "policy", "backend"),
     [
         *((mode, policy, KERNEL_DECODE) for mode in MODES for policy in POLICIES),
-        ("forecast-offload", "nosa", TRITON_DECODE),
+        pytest.param("forecast-offload", "nosa", TRITON_DECODE, marks=INTERPRETED),
     ],
 )
 def test_decode_runs_under_strict_host(mode, policy, backend, monkeypatch):
@@ -315,7 +316,8 @@ def assert_no_host_reads_while_decoding(model, mode: str, steps: int = 5) -> Non
 
 
 @pytest.mark.parametrize(
-    ("mode", "backend"), [*((mode, KERNEL_DECODE) for mode in MODES), ("forecast-offload", TRITON_DECODE)]
+    ("mode", "backend"),
+    [*((mode, KERNEL_DECODE) for mode in MODES), pytest.param("forecast-offload", TRITON_DECODE, marks=INTERPRETED)],
 )
 def test_decode_step_has_no_host_reads(mode, backend, monkeypatch):
     """DESIGN: "Zero host reads" in the decode step (the kernels' decode path, what CUDA runs: on
