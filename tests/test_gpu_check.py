@@ -140,6 +140,7 @@ def test_sections_past_the_deadline_are_recorded_not_started(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # the dry run starts three pytest processes at once, inside a 22 s section budget
 def test_dry_run_writes_each_section_as_it_goes_and_records_a_stop(tmp_path):
     """The first section's log, JSON and junit files and a valid summary exist once it ends, while
     the next one runs; SIGTERM then stops the check, which records that section "killed"."""

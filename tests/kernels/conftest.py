@@ -67,11 +67,17 @@ def _nvidia_backend() -> bool:
     return "nvidia" in backends
 
 
-aot_sm90 = pytest.mark.skipif(
+_AOT_SM90_RUNS = pytest.mark.skipif(
     CUDA or not triton_available() or not _nvidia_backend(),
     reason="ahead-of-time sm_90 compile: runs on CPU-only machines with triton's nvidia backend "
     "(CUDA runs compile for real)",
 )
+
+
+def aot_sm90(test):
+    """Mark a test that compiles its kernels for sm_90 in a fresh interpreter (`compile_sm90`):
+    ~10 s of compiler a test, so in the slow tier."""
+    return pytest.mark.slow(_AOT_SM90_RUNS(test))
 
 _POINTER = {
     torch.float32: "*fp32",

@@ -316,6 +316,7 @@ def test_interrupt_in_process_writes_a_checkpoint(tmp_path, monkeypatch, uninter
     )
 
 
+@pytest.mark.slow  # the console script in a subprocess, signalled mid-run
 @pytest.mark.parametrize("signum, status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_a_signal_at_a_random_step_leaves_a_checkpoint(tmp_path, signum, status):
     """Issue 25 item 11: `forecastkv train-forecast` gets SIGINT (or SIGTERM) at a random step after
