@@ -365,6 +365,7 @@ def test_collecting_selections_changes_no_logit(selector):
     assert torch.equal(logits[0], logits[1])
 
 
+@pytest.mark.slow  # the model's prefill through the fused stage-1 kernel, end to end in the interpreter
 @pytest.mark.parametrize("selector", ["speculate", "quest", "reuse"])
 def test_prefill_with_the_fused_stage1_kernel_selects_as_the_reference(selector):
     """A sparse prefill (every row selects) through the fused stage-1 kernel (speculate scores with the

@@ -132,6 +132,7 @@ print("ok", out.sequences[0, -8:].tolist())
 """
 
 
+@pytest.mark.slow  # a fresh interpreter without TRITON_INTERPRET
 def test_issue_case_kernel_references_without_interpreter():
     """The issue's case as a serving engine on a CPU runs it: a 3-layer Llama (hidden 96, 6 heads,
     2 KV heads), block 16, top-k 3, window 32, a 200-token prompt, sparse-offload, decode through

@@ -304,6 +304,7 @@ def test_select_with_host_bounds_equals_reading_them(policy):
         assert (read >= 0).any()
 
 
+@pytest.mark.slow  # the model's prefill through the fused stage-1 kernel, end to end in the interpreter
 @pytest.mark.parametrize("policy, selector", [("infllmv2", "query"), ("nosa", "forecast")])
 def test_model_prefill_with_the_fused_stage1_kernel(policy, selector, monkeypatch):
     """The kernels backend forced to triton runs prefill stage 1 through the fused kernel (the
