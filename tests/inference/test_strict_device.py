@@ -32,10 +32,6 @@ from tests.strict_device import (
 )
 
 POLICIES = ("infllmv2", "nosa")
-# CUDA's decode path (the sparse_decode kernels) with every kernel call on its PyTorch reference;
-# the named `*_interpreted` cases run the same through the Triton kernels in the interpreter
-KERNEL_DECODE = "kernels=reference,decode=kernels"
-TRITON_DECODE = "kernels=auto,decode=kernels"
 
 
 def new_host(shape=(2, 6, 3), dtype=torch.float32) -> torch.Tensor:
@@ -252,21 +248,23 @@ def assert_windows_completed_while_decoding(model, cache, shortest_prompt: int) 
     )
 
 
+# CUDA's decode path (the sparse_decode kernels): on their references (kernels-reference), and in
+# named cases through the Triton kernels in the interpreter (kernels-triton)
 @pytest.mark.parametrize(
-    ("mode", "policy", "backend"),
+    ("mode", "policy", "runtime_backend"),
     [
-        *((mode, policy, KERNEL_DECODE) for mode in MODES for policy in POLICIES),
-        pytest.param("forecast-offload", "nosa", TRITON_DECODE, marks=INTERPRETED),
+        *((mode, policy, "kernels-reference") for mode in MODES for policy in POLICIES),
+        pytest.param("forecast-offload", "nosa", "kernels-triton", marks=INTERPRETED),
     ],
+    indirect=["runtime_backend"],
 )
-def test_decode_runs_under_strict_host(mode, policy, backend, monkeypatch):
+def test_decode_runs_under_strict_host(mode, policy, runtime_backend):
     """Item 1: a decode step must not touch the host store outside the transfer functions (on CUDA
     `append` pooled new compression windows from host rows, then indexed them with device indices,
     a crash each time a window completed).  The prefill runs inside `host_transfer()` so this test
     isolates the decode step (see the next test for the prefill); the decode attention runs through
     the kernels (the backend's decode part "kernels"), the path CUDA takes: on their references,
     and in one named case in Triton (the interpreter)."""
-    monkeypatch.setenv("FORECASTKV_BACKEND", backend)
     model = strict_model(policy)
     ids, mask = left_padded([PROMPT])
     expected = reference_tokens(model, mode, ids, mask)[:, PROMPT:]
@@ -316,13 +314,16 @@ def assert_no_host_reads_while_decoding(model, mode: str, steps: int = 5) -> Non
 
 
 @pytest.mark.parametrize(
-    ("mode", "backend"),
-    [*((mode, KERNEL_DECODE) for mode in MODES), pytest.param("forecast-offload", TRITON_DECODE, marks=INTERPRETED)],
+    ("mode", "runtime_backend"),
+    [
+        *((mode, "kernels-reference") for mode in MODES),
+        pytest.param("forecast-offload", "kernels-triton", marks=INTERPRETED),
+    ],
+    indirect=["runtime_backend"],
 )
-def test_decode_step_has_no_host_reads(mode, backend, monkeypatch):
+def test_decode_step_has_no_host_reads(mode, runtime_backend):
     """DESIGN: "Zero host reads" in the decode step (the kernels' decode path, what CUDA runs: on
     the references, and once through the Triton kernels in the interpreter)."""
-    monkeypatch.setenv("FORECASTKV_BACKEND", backend)
     assert_no_host_reads_while_decoding(tiny_model({"policy": "infllmv2", "selector": "forecast"}, seed=3), mode)
 
 
@@ -336,10 +337,10 @@ def test_decode_step_has_no_host_reads(mode, backend, monkeypatch):
         ("query", "sparse-offload", 0.8),
     ],
 )
-def test_every_deployable_selector_decodes_with_no_host_read(selector, mode, top_p, monkeypatch):
+@pytest.mark.parametrize("runtime_backend", ["kernels-reference"], indirect=True)
+def test_every_deployable_selector_decodes_with_no_host_read(selector, mode, top_p, runtime_backend):
     """The same for Quest's bounds, reuse's handed-over blocks, speculate's guessed queries and top-p
     budgets (their varying block counts stay on the device)."""
-    monkeypatch.setenv("FORECASTKV_BACKEND", KERNEL_DECODE)
     sparse = {"policy": "infllmv2", "selector": selector, "top_p": top_p, "reuse_anchors": [0, 2]}
     assert_no_host_reads_while_decoding(tiny_model(sparse, seed=3), mode, steps=4)
 
