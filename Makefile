@@ -36,7 +36,9 @@ define pytest_nonempty
 $(1); rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests: $(2)" >&2; exit 1; fi; exit $$rc
 endef
 
-test: install
+# both venvs at once: pip is mostly download and unpacking, one core each (each log whole, in turn)
+test:
+	@$(MAKE) -j2 --output-sync=target --no-print-directory install install-vllm
 	@# the linter first (pyflakes + import order, configured in pyproject.toml)
 	$(VENV)/bin/ruff check .
 	$(call pytest_nonempty,$(PYTEST) -n 2 --durations=30 -m "$(UNIT_TIER)",unit tier)
