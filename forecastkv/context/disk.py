@@ -12,7 +12,7 @@ Layout under the store's root directory:
 
 Safety against other users (`Namespace`): the namespace is opened once per operation with
 O_NOFOLLOW | O_DIRECTORY, its owner and mode are checked on that descriptor (fstat), and every
-later access (index, lock, block files, temporary files, deletions) is relative to it (`dir_fd=`),
+later access (index, lock, block files, deletions) is relative to it (`dir_fd=`),
 so swapping the namespace for a symlink or another directory after the check reaches nothing.
 An index's `file` field must be exactly `blocks/<its hash>.safetensors`: anything else is a bad
 entry, never opened.
@@ -255,20 +255,15 @@ class Namespace:
         return info.st_size if stat.S_ISREG(info.st_mode) else None
 
     def write(self, relative: str, data: bytes) -> None:
-        """Replace `index.json` or a block file atomically (`write_atomic_at`)."""
+        """Replace `index.json` or a block file atomically (`write_atomic_at`).  A full disk is a
+        `DiskFullError` naming the file and its bytes; its temporary file is gone."""
+        from ..atomic import check_room, room_checked
+
         dir_fd, base = self._fd_for(relative)
-        write_atomic_at(dir_fd, base, data)
-
-    def temporary_file(self):
-        """An unnamed temporary file on the namespace's file system (for mapped pools), gone with
-        the process and never seen by a save."""
-        import tempfile
-
-        try:
-            fd = os.open(".", os.O_TMPFILE | os.O_RDWR | getattr(os, "O_CLOEXEC", 0), 0o600, dir_fd=self.fd)
-            return os.fdopen(fd, "w+b")
-        except (AttributeError, OSError):  # no O_TMPFILE here: the descriptor's own path
-            return tempfile.TemporaryFile(dir=f"/proc/self/fd/{self.fd}")
+        where = self.path / relative
+        check_room(where, len(data))
+        with room_checked(where, len(data)):
+            write_atomic_at(dir_fd, base, data)
 
     def block_names(self) -> list[str]:
         """Every name in blocks/ (block files and leftover temporary files)."""

@@ -9,7 +9,9 @@ or missing block is a miss for its chain (with a warning), never an error.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import os
 from pathlib import Path
 from typing import Callable
 
@@ -17,10 +19,7 @@ from . import disk
 from .blocks import BlockRows, identity_differences
 from .disk import ContextStoreError
 from .index import BlockIndex, Entry
-from .transfer import copy_in, write_mapped
-
-# free blocks per mapped pool (at least) for the caches' own rows: address space, not memory
-MAPPED_SPARE_BLOCKS = 16
+from .transfer import copy_in
 
 
 def _parents_first(records: list[dict]) -> list[dict]:
@@ -82,9 +81,11 @@ class DiskTier:
 
     # -- load -----------------------------------------------------------------------------------
     def load(self) -> None:
-        """Read the namespace's index under the shared lock and its blocks (each verified; on the
-        CPU mapped, on CUDA read when a lookup needs them).  Bad or missing blocks are misses for
-        their chains (with a warning), an unreadable index an empty store."""
+        """Read the namespace's index under the shared lock; its blocks stay in their own files
+        until a lookup needs them (`load_blocks`: read, verified, copied into the pools, which are
+        RAM).  Opening a store writes nothing and takes no disk: N processes that open it cost
+        its blocks once.  Bad or missing blocks are misses for their chains (with a warning), an
+        unreadable index an empty store."""
         try:
             space = disk.Namespace(self.root, self.namespace, create=False)
         except FileNotFoundError:
@@ -105,14 +106,12 @@ class DiskTier:
                 if record["parent"] is None or record["parent"] in self.index.entries:
                     self.index.add_record(record, used=float(record.get("used") or 0.0))
             self.index.order()
-            if self.index.entries and not self.index.pools[0].pin:
-                self.map_blocks(space, list(self.index.entries.values()))
             self._drop_missing(space)
         self.index.make_room(0)
 
     def _drop_missing(self, space: disk.Namespace) -> None:
-        """Drop the blocks left on disk (read lazily: pinned pools) whose file is missing or has
-        another size than the index records, with a warning: at least the sizes are checked now."""
+        """Drop the blocks whose file is missing or has another size than the index records, with
+        a warning (their checksums are checked when a lookup reads them)."""
         for entry in list(self.index.entries.values()):
             if not self.index.current(entry) or entry.blocks is not None:
                 continue
@@ -135,35 +134,6 @@ class DiskTier:
             )
             self.index.drop(entry, forget_on_disk=True)
             return None
-
-    def map_blocks(self, space: disk.Namespace, entries: list[Entry]) -> None:
-        """CPU: back each layer's pool by a file of the loaded blocks in pool order, mapped
-        copy-on-write (`HostBlockPool.map_file`), so a lookup and a decode make resident only the
-        pages they touch (the blocks a decode step selects, the cache's own blocks), not the host
-        tier.  The files are unnamed temporary files in the namespace directory (gone with the
-        process, never seen by `save`), written once from the block files, each verified as it
-        is read (a bad one is dropped with its chain); the pools keep `spare` free blocks for the
-        caches' own rows (past them a pool moves to anonymous memory)."""
-        pools = self.index.pools
-        capacity = len(entries) + max(MAPPED_SPARE_BLOCKS, len(entries) // 8)
-        files = [space.temporary_file() for _ in pools]
-        layouts = [pool.file_layout(capacity) for pool in pools]
-        mapped = []
-        for entry in entries:
-            if not self.index.current(entry):
-                continue  # dropped with a bad ancestor
-            block = self._read_block(space, entry)
-            if block is not None:
-                write_mapped(files, layouts, block, len(mapped), capacity)
-                mapped.append(entry)
-        for pool, file in zip(pools, files):
-            pool.map_file(file, len(mapped), capacity)
-        for position, entry in enumerate(mapped):
-            if self.index.current(entry):
-                entry.blocks = [position] * len(pools)
-            else:  # its parent turned out bad after it was read
-                for pool in pools:
-                    pool.release([position])
 
     def load_blocks(self, chain: list[Entry]) -> list[Entry]:
         """Read the blocks of `chain` (root first) that are on disk only into the pools, under the
@@ -203,7 +173,9 @@ class DiskTier:
         keep what other processes saved there (their blocks join the store, on disk only), drop
         what they removed, drop what the store evicted, evict under max_bytes, write the new
         blocks (`rows_of(name)`: their rows), replace the index atomically (next generation), then
-        delete the files it does not name.  Returns the namespace directory."""
+        delete the files it does not name.  Returns the namespace directory.  A save that fails
+        (a full disk: `DiskFullError`) leaves the previous index and its files as they were and
+        removes the block files it wrote; the store in memory keeps every block."""
         with disk.Namespace(self.root, self.namespace, create=True) as space, space.lock(exclusive=True):
             try:
                 index = disk.read_index(space)
@@ -211,10 +183,19 @@ class DiskTier:
                 disk.warn(f"{error}: this save rebuilds it from this store's blocks")
                 index = None
             self._merge(space, index)
-            records = [self._record(space, entry, rows_of) for entry in self.index.entries.values()]
-            generation = (index or {}).get("generation", 0) + 1
-            written = disk.new_index(self.namespace, self.identity, self.index.block_size, records, generation)
-            disk.write_index(space, written)
+            new = [entry for entry in self.index.entries.values() if entry.disk is None]
+            try:
+                records = [self._record(space, entry, rows_of) for entry in self.index.entries.values()]
+                generation = (index or {}).get("generation", 0) + 1
+                written = disk.new_index(self.namespace, self.identity, self.index.block_size, records, generation)
+                disk.write_index(space, written)
+            except BaseException:  # a full disk, say: the old index stands; the blocks this save wrote go
+                for entry in new:
+                    if entry.disk is not None:
+                        with contextlib.suppress(OSError):
+                            os.unlink(entry.disk["file"].partition("/")[2], dir_fd=space.blocks_fd)
+                        entry.disk = None
+                raise
             self.seen, self.index.forgotten = (generation, written["stamp"]), set()
             disk.remove_unlisted(space, {record["file"] for record in records})
             return space.path

@@ -7,8 +7,6 @@ the store's `HostBlockPool` per layer; rows are keys, values [n, H, d] and cis [
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from ..inference.host_store import HostBlockPool, host_transfer
@@ -86,15 +84,3 @@ def copy_out(pools: list[HostBlockPool], blocks: list[int], block_size: int) -> 
     with host_transfer():
         parts = [pool.read_rows([block], block_size) for pool, block in zip(pools, blocks)]
     return BlockRows(*(None if parts[0][i] is None else torch.stack([p[i] for p in parts]) for i in range(3)))
-
-
-def write_mapped(files: list, layouts: list, block, slot: int, capacity: int) -> None:
-    """Write `block`'s rows (a `disk.DiskBlock`) as block `slot` of each layer's pool file.
-
-    files: one open file per layer; layouts: each pool's `file_layout(capacity)`, (offset, bytes)
-    per tensor (keys, values, cis) for `capacity` blocks."""
-    for index, (file, layout) in enumerate(zip(files, layouts)):
-        for (offset, size), rows in zip(layout, block.layer(index)):
-            if rows is not None:
-                raw = rows.reshape(-1).view(torch.uint8).numpy()
-                os.pwrite(file.fileno(), raw, offset + slot * (size // capacity))

@@ -45,7 +45,6 @@ class BlockAllocator:
     def __init__(self) -> None:
         self.refs: list[int] = []  # holders per physical block (0 = free)
         self._free: list[int] = []  # a min-heap of the free block ids
-        self.on_file: list[bool] = []  # per block: its rows are a mapped file's, untouched (read them with pread)
 
     @property
     def capacity(self) -> int:
@@ -71,7 +70,6 @@ class BlockAllocator:
             return
         old, capacity = self.capacity, self.capacity + missing
         self._grow_buffers(capacity)
-        self.on_file = []  # the grown buffers are anonymous memory: no block is a file's any more
         self.refs.extend([0] * missing)
         for block in range(old, capacity):
             heapq.heappush(self._free, block)
@@ -80,21 +78,12 @@ class BlockAllocator:
         """Make the buffers hold `capacity` blocks, keeping the `self.capacity` stored ones."""
         raise NotImplementedError("the pool that owns the buffers grows them (host_store.HostBlockPool)")
 
-    def _hold_mapped(self, stored: int, capacity: int) -> None:
-        """After the buffers became a file's `capacity` blocks: blocks [0, stored) are the file's,
-        with one holder each (the caller's), the rest are free."""
-        self.refs = [1] * stored + [0] * (capacity - stored)
-        self.on_file = [True] * stored + [False] * (capacity - stored)
-        self._free = list(range(stored, capacity))
-
     def allocate(self, count: int) -> list[int]:
         """`count` free blocks (lowest ids first), each with one holder: the caller."""
         self.reserve(count)
         blocks = [heapq.heappop(self._free) for _ in range(count)]
         for block in blocks:
             self.refs[block] = 1
-            if self.on_file:
-                self.on_file[block] = False  # it will be written: no longer the file's rows
         return blocks
 
     def retain(self, blocks) -> None:

@@ -3,8 +3,9 @@ half of the split vLLM v1's kv_offload draws; `host_pool` is the manager half: w
 block, which block holds each position).
 
 * `HostBlockPool` (a `host_pool.BlockAllocator`, per layer) owns the buffers: keys, values
-  [P, block, H, d] and cis [P, block, H] in host memory, their growth, a file mapping of them
-  (CPU), and the block copies (copy on write, reads of stored blocks).
+  [P, block, H, d] and cis [P, block, H] in host memory (RAM, never a file on some disk: a
+  store's blocks are read into it when a lookup needs them), their growth, and the block copies
+  (copy on write, reads of stored blocks).
 * `HostKVStore` (a `host_pool.BlockTables`, per cache and layer) moves a batch's rows through its
   block tables: the D2H write-back (a decode step's rows, a prompt's span, scattered rows) and the
   H2D staging and block gather.
@@ -26,8 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import mmap
-import os
 import threading
 import weakref
 
@@ -133,8 +132,6 @@ class HostBlockPool(BlockAllocator):
         self.dtype, self.with_cis, self.cis_dtype, self.pin = dtype, with_cis, cis_dtype if with_cis else None, pin
         self.keys = self.values = self.cis = None
         self.written = None  # CUDA event after the last asynchronous write from the device
-        self.file = None  # a file the buffers map (`map_file`), else None (anonymous memory)
-        self._layout: list[tuple[int, int]] = []  # the file's (offset, bytes) per buffer (`file_layout`)
 
     # -- geometry -----------------------------------------------------------------------------
     def matches(
@@ -177,7 +174,6 @@ class HostBlockPool(BlockAllocator):
             self.wait_writes()
             self._copy_stored(keys, values, cis)
         self.keys, self.values, self.cis = keys, values, cis
-        self.file = None  # a mapped pool that outgrows its file moves to anonymous memory
 
     @transfer_function
     def _copy_stored(self, keys: torch.Tensor, values: torch.Tensor, cis: torch.Tensor | None) -> None:
@@ -220,98 +216,9 @@ class HostBlockPool(BlockAllocator):
         """Copies of the first `length` rows stored in `blocks` (in order): keys, values
         [length, H, d], cis [length, H] or None (fresh host tensors).  Touch inside `host_transfer()`."""
         self._check_ids(blocks)
-        if self.file is None:
-            picked = torch.tensor(blocks, dtype=torch.long)
-            return tuple(
-                None if t is None else t[picked].flatten(0, 1)[:length] for t in (self.keys, self.values, self.cis)
-            )
-        out = []
-        for tensor in (self.keys, self.values, self.cis):
-            if tensor is None:
-                out.append(None)
-                continue
-            target = torch.empty((len(blocks) * self.block_size, *tensor.shape[2:]), dtype=tensor.dtype)
-            for index, block in enumerate(blocks):
-                self.copy_rows(
-                    tensor,
-                    block * self.block_size,
-                    self.block_size,
-                    target[index * self.block_size : (index + 1) * self.block_size],
-                )
-            out.append(target[:length])
-        return tuple(out)
-
-    # -- a pool mapped from a file (CPU) --------------------------------------------------------
-    def file_layout(self, capacity: int) -> list[tuple[int, int]]:
-        """(offset, bytes) of keys, values (and cis) [capacity, block, ...] in a pool file: one
-        region each, page-aligned."""
-        page = mmap.PAGESIZE
-        sizes = [capacity * self.block_size * self.heads * self.dim * _dtype_bytes(self.dtype)] * 2
-        if self.with_cis:
-            sizes.append(capacity * self.block_size * self.heads * _dtype_bytes(self.cis_dtype))
-        layout, offset = [], 0
-        for size in sizes:
-            layout.append((offset, size))
-            offset += -(-size // page) * page
-        return layout
-
-    def map_file(self, file, stored: int, capacity: int) -> None:
-        """Back an empty pool by `file` (an open binary file laid out by `file_layout(capacity)`,
-        its first `stored` blocks written): the buffers become copy-on-write mappings of it
-        (MAP_PRIVATE: a write makes that page this process's own and never reaches the file), so
-        only pages a reader touches become resident.  Blocks [0, stored) get one holder each (the
-        caller's), the rest are free.  Reads of rows the file holds go through `copy_rows`
-        (pread into the caller's buffer: no page of the mapping is touched).  CPU only: a mapping
-        cannot be page-locked, so a pool that CUDA kernels read is never mapped."""
-        import numpy
-
-        if self.pin:
-            raise ValueError("a pinned pool (CUDA) cannot be backed by a file mapping; load the blocks into it instead")
-        if self.capacity:
-            raise ValueError(f"map_file() backs an empty pool; this one has {self.capacity} blocks")
-        if not 0 <= stored <= capacity:
-            raise ValueError(f"stored blocks ({stored}) must be within the capacity ({capacity})")
-        layout = self.file_layout(capacity)
-        end = layout[-1][0] + layout[-1][1]
-        if os.fstat(file.fileno()).st_size < end:
-            file.truncate(end)  # a sparse tail: free blocks cost no disk until written
-        shapes = [(capacity, self.block_size, self.heads, self.dim)] * 2 + [(capacity, self.block_size, self.heads)]
-        dtypes = [self.dtype, self.dtype, self.cis_dtype]
-        tensors = []
-        for (offset, size), shape, dtype in zip(layout, shapes, dtypes):
-            raw = (
-                numpy.memmap(file, dtype=numpy.uint8, mode="c", offset=offset, shape=(size,))
-                if size
-                else numpy.zeros(0, dtype=numpy.uint8)
-            )
-            tensors.append(torch.from_numpy(raw).view(dtype).view(shape))
-        self.keys, self.values = tensors[0], tensors[1]
-        self.cis = tensors[2] if self.with_cis else None
-        self.file, self._layout = file, layout
-        self._hold_mapped(stored, capacity)
-
-    def copy_rows(self, tensor: torch.Tensor, row: int, count: int, target: torch.Tensor) -> None:
-        """Flat rows [row, row + count) of `tensor` (one of the pool's) into `target` [count, ...]:
-        a slice copy, or, for rows of a mapped pool's file-held blocks, a pread into `target`
-        (a contiguous CPU tensor) that leaves the mapping untouched."""
-        source = self.flat(tensor)
-        if self.file is None or target.device.type != "cpu" or not target.is_contiguous():
-            target.copy_(source[row : row + count])
-            return
-        region = [t is tensor for t in self.tensors()].index(True)
-        offset = self._layout[region][0]
-        row_nbytes = source[0].numel() * source.element_size()
-        done = 0
-        while done < count:
-            block, within = divmod(row + done, self.block_size)
-            take = min(count - done, self.block_size - within)
-            if self.on_file[block]:
-                view = target[done : done + take].view(-1).view(torch.uint8).numpy()
-                if os.preadv(self.file.fileno(), [view], offset + (row + done) * row_nbytes) != take * row_nbytes:
-                    raise OSError(f"the pool file ended early at block {block}: it was truncated after it was mapped")
-            else:
-                target[done : done + take].copy_(source[row + done : row + done + take])
-            done += take
+        picked = torch.tensor(blocks, dtype=torch.long)
+        buffers = (self.keys, self.values, self.cis)
+        return tuple(None if t is None else t[picked].flatten(0, 1)[:length] for t in buffers)
 
     def flat(self, tensor: torch.Tensor) -> torch.Tensor:
         """`tensor` (one of the pool's) as [P * block_size, ...] rows (a view)."""
@@ -467,10 +374,7 @@ class HostKVStore(BlockTables):
             flat = self.pool.flat(host)
             for b, sequence_runs in enumerate(runs):
                 for first, end, row in sequence_runs:
-                    if self.pool.file is not None:  # a mapped pool (CPU): pread what the file holds
-                        self.pool.copy_rows(host, row, end - first, buffer[b, first:end])
-                    else:
-                        buffer[b, first:end].copy_(flat[row : row + end - first], non_blocking=pinned)
+                    buffer[b, first:end].copy_(flat[row : row + end - first], non_blocking=pinned)
             out.append(buffer.masked_fill_(~keep.view(*keep.shape, *([1] * (buffer.dim() - 2))), 0))
         return out[0], out[1], out[2]
 

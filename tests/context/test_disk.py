@@ -95,17 +95,26 @@ def test_tokens_after_save_and_load_in_a_new_process(tmp_path):
         assert [matched for matched, _ in got["answers"]] == [48, 40, 40, 40], key
 
 
+def _files_and_bytes(root) -> dict[str, int]:
+    """Every file under `root` (hidden ones included) and its size."""
+    return {str(path.relative_to(root)): path.stat().st_size for path in Path(root).rglob("*") if path.is_file()}
+
+
 def test_save_load_round_trip_reads_blocks_lazily(tmp_path):
     model, store = filled_store(tmp_path)
+    before = _files_and_bytes(tmp_path)
     loaded = ContextStore(model, tmp_path, namespace="alice", selector="query")
     assert loaded.stats()["blocks"] == store.stats()["blocks"] == 8 and loaded.nbytes == store.nbytes
-    assert all(
-        pool.file is not None for pool in loaded.pools
-    )  # on the CPU the pools map a file of the blocks: read when touched
+    # opening reads the index only: no block in the pools (RAM), nothing written on the store's disk
+    assert all(entry.blocks is None for entry in loaded.entries.values())
+    assert all(pool.capacity == 0 for pool in loaded.pools)
     doc, questions = document_and_questions()
     prompt = torch.cat([doc, questions[2]])
     cache, matched = loaded.lookup(prompt)
     assert matched == 40
+    read_in = [entry for entry in loaded.entries.values() if entry.blocks is not None]
+    assert len(read_in) == 5 and all(pool.capacity >= 5 for pool in loaded.pools)  # the matched chain only
+    assert _files_and_bytes(tmp_path) == before
     assert torch.equal(generate(model, prompt, cache), generate(model, prompt, fresh_cache(model, None, "query")))
     name, entry = next(iter(loaded.entries.items()))
     read, original = (
@@ -205,7 +214,7 @@ def test_bad_input_is_named_and_leaves_the_store_intact(tmp_path, case):
 
 # name -> (how one block is damaged, what the warning says): that block's chain is a miss, the rest loads
 DAMAGED = {
-    "truncated file": (_truncate, r"is truncated or extended: \d+ bytes, the index records \d+"),
+    "truncated file": (_truncate, r"is missing or has another size than its index records"),
     "flipped byte": (_flip, r"fails its checksum"),
     "token mismatch": (_retoken, r"token mismatch: block [0-9a-f]{16} lists tokens that do not hash to its name"),
     "missing file": (lambda root: _block_path(root).unlink(), r"No such file|missing"),
@@ -221,15 +230,17 @@ def test_a_bad_block_is_a_miss_for_its_chain(tmp_path, case):
     model, _ = filled_store(tmp_path)
     damage(tmp_path)
     before = snapshot(tmp_path)
+    doc, questions = document_and_questions()
+    prompts = [torch.cat([doc, question]) for question in questions]
+    # a wrong size or a bad entry is seen when the store opens, a bad checksum when a lookup reads
+    # the block (blocks stay in their files until then): either way, a warning and a miss
     with pytest.warns(UserWarning, match=message):  # a ContextStoreWarning
         store = ContextStore(model, tmp_path, namespace="alice", selector="query")
+        looked_up = [store.lookup(prompt) for prompt in prompts]
     assert snapshot(tmp_path) == before
     kept = store.stats()["blocks"]
     assert 0 <= kept < 8
-    doc, questions = document_and_questions()
-    for question in questions:
-        prompt = torch.cat([doc, question])
-        cache, matched = store.lookup(prompt)
+    for prompt, (cache, matched) in zip(prompts, looked_up):
         assert torch.equal(generate(model, prompt, cache), generate(model, prompt, fresh_cache(model, None, "query")))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", disk.ContextStoreWarning)  # the save sees the bad entry again, and drops it
@@ -300,46 +311,3 @@ def test_a_kill_at_any_point_of_a_save_leaves_a_loadable_store(tmp_path):
     store.save()  # a later save completes and clears what the kills left behind
     assert not list((tmp_path / "alice").rglob("*.tmp"))
     assert set(ContextStore(model, tmp_path, namespace="alice", selector="query").entries) == earlier | pending
-
-
-def test_a_mapped_pool_reads_the_file_and_never_writes_it(tmp_path):
-    """A pool backed by a file (what a loaded store uses on the CPU): reads of file-held blocks
-    (pread) and of the mapping agree; a write to a block is copy-on-write (the file keeps its
-    bytes); an allocated block is read from memory; outgrowing the file moves to anonymous memory."""
-    from forecastkv.inference.host_store import HostBlockPool, host_transfer
-
-    pool = HostBlockPool(4, 2, 3, torch.float32, True, torch.float16, pin=False)
-    gen = torch.Generator().manual_seed(0)
-    keys, values, cis = (
-        torch.randn(2, 4, 2, 3, generator=gen),
-        torch.randn(2, 4, 2, 3, generator=gen),
-        torch.randn(2, 4, 2, generator=gen).half(),
-    )
-    layout = pool.file_layout(3)
-    with open(tmp_path / "pool", "w+b") as file:
-        for (offset, _), tensor in zip(layout, (keys, values, cis)):
-            os.pwrite(file.fileno(), tensor.reshape(-1).view(torch.uint8).numpy(), offset)
-        pool.map_file(file, stored=2, capacity=3)
-        before = (tmp_path / "pool").read_bytes()
-        assert pool.refs == [1, 1, 0] and pool.free_blocks() == 1
-        with host_transfer():
-            read = pool.read_rows([1, 0], 7)
-            assert torch.equal(read[0], torch.cat([keys[1], keys[0]])[:7]) and torch.equal(
-                read[2], torch.cat([cis[1], cis[0]])[:7]
-            )
-            assert torch.equal(pool.keys[:2], keys) and torch.equal(
-                pool.values[:2], values
-            )  # the mapping holds the same rows
-            (fresh,) = pool.allocate(1)
-            pool.copy_block(0, fresh)
-            pool.keys[fresh, 0] = 7.0  # copy on write: this process's page, not the file's
-            assert pool.read_rows([fresh], 4)[0][0].eq(7.0).all() and torch.equal(
-                pool.read_rows([fresh], 4)[0][1:], keys[0, 1:]
-            )
-        assert (tmp_path / "pool").read_bytes() == before
-        pool.allocate(1)  # past the file: anonymous memory, rows kept
-        assert pool.file is None and pool.capacity == 4
-        with host_transfer():
-            assert torch.equal(pool.keys[:2], keys) and pool.keys[fresh, 0].eq(7.0).all()
-    with pytest.raises(ValueError, match="cannot be backed by a file mapping"):
-        HostBlockPool(4, 2, 3, torch.float32, False, None, pin=True).map_file(None, 0, 1)
