@@ -28,6 +28,30 @@ class MissingExtraError(UserInputError, ImportError):
     `pip install`).  Also an ImportError, so `except ImportError` callers keep working."""
 
 
+class DiskFullError(UserInputError, OSError):
+    """A write that found no room on its file system (ENOSPC, or EDQUOT: a quota), or a large
+    write refused before it began.  The message names the path, the bytes the write needed (when
+    known) and the bytes free; what was on disk before is intact and the write's temporary file
+    is gone (`forecastkv.atomic`).  An OSError too (errno ENOSPC or EDQUOT, filename the path), so
+    `except OSError` callers that treat a failed write as a miss keep doing so."""
+
+    def __init__(self, path, needed: int | None, free: int | None, quota: bool = False) -> None:
+        import errno
+        import os
+
+        self.path, self.needed, self.free = os.fspath(path), needed, free
+        need = "" if needed is None else f" (needs {needed:,} bytes"
+        have = "" if free is None else (f", {free:,} free)" if need else f" ({free:,} bytes free)")
+        why = "the disk quota is exceeded" if quota else "no space left on its file system"
+        self.message = f"cannot write {self.path}: {why}{need}{have}; nothing already on disk was changed"
+        super().__init__(self.message)
+        self.errno = errno.EDQUOT if quota else errno.ENOSPC
+        self.filename = self.path
+
+    def __str__(self) -> str:
+        return self.message
+
+
 class ForecastKVWarning(UserWarning):
     """A warning about a user's choice that forecastkv accepts (e.g. heads used under another
     selection budget); the console script prints it as one `forecastkv: warning:` line."""

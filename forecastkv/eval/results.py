@@ -14,10 +14,9 @@ re-evaluates exactly the unfinished records and never repeats a finished one.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
-from ..atomic import write_text_atomic
+from ..atomic import append_line, write_text_atomic
 
 MERGED = "results.jsonl"
 
@@ -74,11 +73,7 @@ class ShardWriter:
                 f.truncate(good)
 
     def append(self, record: dict) -> None:
-        line = json.dumps(record, ensure_ascii=False, sort_keys=True) + "\n"
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(line)
-            f.flush()
-            os.fsync(f.fileno())
+        append_line(self.path, json.dumps(record, ensure_ascii=False, sort_keys=True) + "\n")
 
 
 def merge(directory: str | Path, order: dict[tuple, int]) -> Path:

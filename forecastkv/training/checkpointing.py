@@ -14,9 +14,10 @@ and raw tensor bytes only; a pickled file (older `.pt` checkpoints, or anything 
 
 Integrity: the metadata also holds a sha256 (`CHECKSUM_KEY`) of the JSON state and of every
 tensor's name, dtype, shape and bytes; `load_checkpoint` recomputes it and refuses a file whose
-bytes changed (`CheckpointCorrupt`).  `load_intact` resumes from the newest checkpoint that loads
-and verifies, warning about each newer one it skips (a truncated or bit-flipped newest checkpoint
-falls back to the previous one).  `remove_stale_temporaries` deletes what a kill inside an atomic
+bytes changed (`CheckpointCorrupt`), and one without a checksum unless asked
+(`CheckpointUnchecked`).  `load_intact` resumes from the newest checkpoint that loads and
+verifies, warning about each newer one it skips (a truncated, bit-flipped or unchecked newest
+checkpoint falls back to the previous one).  `remove_stale_temporaries` deletes what a kill inside an atomic
 write left behind (`.step-*.safetensors.*.tmp`, ...).
 """
 
@@ -41,7 +42,7 @@ NAME = re.compile(r"^step-(\d+)\.safetensors$")
 STATE_KEY = "forecastkv.checkpoint"  # the metadata entry holding the JSON state
 CHECKSUM_KEY = "forecastkv.sha256"  # the metadata entry holding `state_checksum`
 FORMAT = 2  # bumped when the layout changes (2: checksummed)
-READABLE = (1, 2)  # format 1 (no checksum) still loads, unverified
+READABLE = (1, 2)  # format 1 (no checksum) loads only when asked: `allow_unchecked`
 # the files a run directory holds, which `write_atomic` writes through `.<name>.<random>.tmp`
 RUN_FILES = ("forecast.safetensors", "forecast_config.json", "metrics.jsonl", "recall.md", "recipe.json")
 
@@ -52,6 +53,11 @@ class CheckpointUnusable(UserInputError):
 
 class CheckpointCorrupt(CheckpointUnusable):
     """A checkpoint whose bytes do not match its checksum, or that cannot be read at all."""
+
+
+class CheckpointUnchecked(CheckpointUnusable):
+    """A checkpoint without a checksum (format 1, or one whose checksum was removed): refused
+    unless the caller allows unchecked checkpoints."""
 
 
 class CheckpointMissing(UserInputError, FileNotFoundError):
@@ -223,7 +229,8 @@ def save_checkpoint(output_dir: str | os.PathLike, step: int, state: dict, keep_
     meta = json.dumps({"format": FORMAT, "state": _encode(state, "", tensors)})
     metadata = {STATE_KEY: meta, CHECKSUM_KEY: state_checksum(meta, tensors)}
     target = Path(output_dir) / CHECKPOINT_DIR / f"step-{step:06d}{SUFFIX}"
-    write_atomic(target, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values()) + len(meta)  # refused early without room
+    write_atomic(target, lambda tmp: save_file(tensors, str(tmp), metadata=metadata), nbytes)
     if keep_last > 0:
         for old in list_checkpoints(output_dir)[:-keep_last]:
             old.unlink(missing_ok=True)
@@ -255,9 +262,14 @@ def find_checkpoint(resume: str | os.PathLike) -> Path:
     return found[-1]
 
 
-def load_checkpoint(path: str | os.PathLike) -> dict:
+def load_checkpoint(path: str | os.PathLike, allow_unchecked: bool = False) -> dict:
     """The state `save_checkpoint` wrote (tensors on the CPU).  Reads JSON and tensor bytes only:
-    a file that is not such a checkpoint (a pickle, say) is refused with a ValueError."""
+    a file that is not such a checkpoint (a pickle, say) is refused with a ValueError.
+
+    The checksum covers the whole JSON state (its `format` field included) and every tensor, and
+    is checked whenever the file carries one, whatever its format says: editing the format
+    cannot switch it off.  A file without a checksum is refused (`CheckpointUnchecked`) unless
+    `allow_unchecked` (the CLI's `--allow-unchecked`): older format-1 checkpoints load only so."""
     from safetensors import SafetensorError, safe_open
 
     path = Path(path)
@@ -282,25 +294,31 @@ def load_checkpoint(path: str | os.PathLike) -> dict:
         raise CheckpointUnusable(
             f"{path} has checkpoint format {payload.get('format')!r}; this version reads formats {READABLE}"
         )
-    if payload["format"] >= 2:
-        expected = meta.get(CHECKSUM_KEY)
-        if expected is None or state_checksum(meta[STATE_KEY], tensors) != expected:
+    expected = meta.get(CHECKSUM_KEY)
+    if expected is not None:
+        if state_checksum(meta[STATE_KEY], tensors) != expected:
             raise CheckpointCorrupt(f"{path} is corrupt: its bytes do not match the checksum written with it")
+    elif payload["format"] >= 2 or not allow_unchecked:
+        raise CheckpointUnchecked(
+            f"{path} carries no checksum (format {payload['format']}): its bytes cannot be verified, so it is "
+            "refused; a format-1 checkpoint of an older version loads with --allow-unchecked "
+            "(train_forecast(..., allow_unchecked=True))"
+        )
     return _decode(payload["state"], tensors)
 
 
-def load_intact(resume: str | os.PathLike) -> tuple[Path, dict]:
+def load_intact(resume: str | os.PathLike, allow_unchecked: bool = False) -> tuple[Path, dict]:
     """(path, state) of the checkpoint `resume` names: that file, or in a run directory the newest
-    checkpoint that loads and matches its checksum.  Each newer one skipped (truncated, bit-flipped)
-    gets a warning; none intact is a ValueError naming why each failed."""
+    checkpoint that loads and matches its checksum.  Each newer one skipped (truncated, bit-flipped,
+    without a checksum) gets a warning; none intact is a ValueError naming why each failed."""
     path = Path(resume)
     newest = find_checkpoint(path)
     if path.is_file():
-        return newest, load_checkpoint(newest)
+        return newest, load_checkpoint(newest, allow_unchecked)
     failures = []
     for candidate in reversed(list_checkpoints(_run_dir(path))):
         try:
-            state = load_checkpoint(candidate)
+            state = load_checkpoint(candidate, allow_unchecked)
         except ValueError as error:
             failures.append(str(error))
             continue

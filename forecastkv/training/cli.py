@@ -64,6 +64,11 @@ def build_parser(prog: str = "forecastkv train-forecast") -> argparse.ArgumentPa
         "--seq-len", type=_positive, metavar="T", help="override data.seq_len (tokens per training sequence)"
     )
     parser.add_argument("--overwrite", action="store_true", help="start again in a directory that holds a previous run")
+    parser.add_argument(
+        "--allow-unchecked",
+        action="store_true",
+        help="resume from a checkpoint without a checksum (format 1, written by an older version); refused otherwise",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no tqdm bar")
     return parser
 
@@ -90,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.resume:
         from .checkpointing import load_intact
 
-        stored = load_intact(args.resume)[1]["recipe"]
+        stored = load_intact(args.resume, args.allow_unchecked)[1]["recipe"]
         _check_resume_overrides(args, stored)
         if config is None:  # resume with the recipe stored in the checkpoint
             config = {k: v for k, v in stored.items() if k != "resume"}
@@ -102,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.no_progress:
         overrides["train"] = {"progress": False}
     try:
-        result = train_forecast(config, overwrite=args.overwrite, **overrides)
+        result = train_forecast(config, overwrite=args.overwrite, allow_unchecked=args.allow_unchecked, **overrides)
     except TrainingInterrupted as stop:
         print(f"forecastkv train-forecast: {stop.message()}", file=sys.stderr)
         return stop.exit_status

@@ -253,7 +253,8 @@ def save_part(path: Path, part: Features, key: str, build_seconds: float) -> Pat
     tensors = {name: t.detach().cpu().contiguous() for name, t in part.to_tensors().items()}
     meta = json.dumps({"key": key, "build_s": build_seconds})
     metadata = {CACHE_KEY: meta, CHECKSUM_KEY: state_checksum(meta, tensors)}
-    return write_atomic(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())  # refused early without room
+    return write_atomic(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata), nbytes)
 
 
 def load_part(path: Path, key: str, device=None) -> tuple[Features, float, float] | None:

@@ -41,9 +41,9 @@ from pathlib import Path
 
 import torch
 
-from forecastkv.atomic import write_text_atomic
+from forecastkv.atomic import append_line, write_text_atomic
 from forecastkv.bundled import resolve_model_path
-from forecastkv.errors import ConfigError, UserInputError
+from forecastkv.errors import ConfigError, DiskFullError, UserInputError
 from forecastkv.modeling import selection as sel
 from forecastkv.modeling.forecast_init import apply_forecast_init, calibrate_forecast_scale
 from forecastkv.modeling.heads import scoring_head_name, trainable_head_names
@@ -544,12 +544,14 @@ def _optimizer(params: list, train: dict):
     return optimizer, scheduler
 
 
-def _resume(resume, model, optimizer, scheduler, data, fingerprint: str, base: str) -> Progress:
+def _resume(
+    resume, model, optimizer, scheduler, data, fingerprint: str, base: str, allow_unchecked: bool = False
+) -> Progress:
     """Load the checkpoint `resume` names (a file, or a run directory's newest intact one:
     `checkpointing.load_intact`) into the heads, optimizer, scheduler, data stream and RNGs;
     returns the run's progress at its step.  A checkpoint of another base model, or of other
     heads, is refused."""
-    path, state = ckpt.load_intact(resume)
+    path, state = ckpt.load_intact(resume, allow_unchecked)
     if state["fingerprint"] != fingerprint:
         raise UserInputError(
             f"resume checkpoint {path} was written for base model {state['base_model']!r} "
@@ -572,8 +574,7 @@ def _resume(resume, model, optimizer, scheduler, data, fingerprint: str, base: s
 
 
 def _append_metrics(path: Path, row: dict) -> None:
-    with open(path, "a") as f:
-        f.write(json.dumps(row) + "\n")
+    append_line(path, json.dumps(row) + "\n")  # a full disk cuts the row off whole
 
 
 def _truncate_metrics(path: Path, step: int) -> None:
@@ -708,7 +709,7 @@ def _finished(state: dict) -> bool:
     return state["step"] >= state["recipe"]["train"]["steps"]
 
 
-def prepare_run_dir(out_dir: Path, overwrite: bool, main: bool) -> str | None:
+def prepare_run_dir(out_dir: Path, overwrite: bool, main: bool, allow_unchecked: bool = False) -> str | None:
     """Decide what a run without `resume` does with `out_dir`; returns the directory to resume
     from, or None for a fresh start.
 
@@ -731,7 +732,7 @@ def prepare_run_dir(out_dir: Path, overwrite: bool, main: bool) -> str | None:
             _say(main, f"--overwrite: deleted the previous run's checkpoints and outputs in {out_dir}; starting again")
         return None
     if found:
-        path, state = ckpt.load_intact(out_dir)
+        path, state = ckpt.load_intact(out_dir, allow_unchecked)
         steps = state["recipe"]["train"]["steps"]
         if _finished(state) and (out_dir / "forecast.safetensors").is_file():
             raise RunExists(
@@ -757,24 +758,30 @@ def prepare_run_dir(out_dir: Path, overwrite: bool, main: bool) -> str | None:
 # ----------------------------------------------------------------------------------------------
 
 
-def train_forecast(config_path_or_dict, overwrite: bool = False, **overrides) -> TrainResult:
+def train_forecast(
+    config_path_or_dict, overwrite: bool = False, allow_unchecked: bool = False, **overrides
+) -> TrainResult:
     """Train the Forecast heads with the recipe `config_path_or_dict` (a YAML path or a dict).
 
     overrides: `output_dir=`, `resume=` (a run directory or checkpoint file), `max_steps=`,
     `steps=`, or whole sections (`train={...}`, `data={...}`, ...).  Without `resume`, a directory
     holding an interrupted run resumes it, one holding a finished run is refused (`RunExists`),
     unless overwrite (`prepare_run_dir`).  SIGINT / SIGTERM (from the start of the call) save a
-    checkpoint at the next safe point and raise `TrainingInterrupted`.  Returns a `TrainResult`.
+    checkpoint at the next safe point and raise `TrainingInterrupted`.  allow_unchecked: resume
+    from a checkpoint without a checksum (an older format 1; refused otherwise).  Returns a
+    `TrainResult`.
     """
     with _Signals() as signals:
-        return _train(config_path_or_dict, overwrite, overrides, signals)
+        return _train(config_path_or_dict, overwrite, overrides, signals, allow_unchecked)
 
 
-def _train(config_path_or_dict, overwrite: bool, overrides: dict, signals: "_Signals") -> TrainResult:
+def _train(
+    config_path_or_dict, overwrite: bool, overrides: dict, signals: "_Signals", allow_unchecked: bool = False
+) -> TrainResult:
     """`train_forecast`'s body, under its signal handlers: set up, the loop, the guard, the outputs."""
     recipe = resolve_recipe(config_path_or_dict, **overrides)
     ckpt.check_storable(recipe, "recipe")  # fail now, not at the first checkpoint
-    session = _Session(recipe, overwrite, signals)
+    session = _Session(recipe, overwrite, signals, allow_unchecked)
     try:
         session.loop()
         session.guard_and_last_eval()
@@ -788,8 +795,8 @@ class _Session:
     progress) and its parts as methods, in the order they run: `loop`, `guard_and_last_eval`,
     `finish` (or `interrupted` after a stop signal)."""
 
-    def __init__(self, recipe: dict, overwrite: bool, signals: "_Signals") -> None:
-        self.recipe, self.signals = recipe, signals
+    def __init__(self, recipe: dict, overwrite: bool, signals: "_Signals", allow_unchecked: bool = False) -> None:
+        self.recipe, self.signals, self.allow_unchecked = recipe, signals, allow_unchecked
         self.train, self.data_cfg = recipe["train"], recipe["data"]
         self.objective = ObjectiveConfig.from_dict(recipe["objective"])
         self._start_processes()
@@ -818,7 +825,7 @@ class _Session:
             for stale in ckpt.remove_stale_temporaries(self.out_dir):
                 _say(self.main, f"removed {stale}, left by a write a kill interrupted")
         if not self.recipe["resume"]:
-            self.recipe["resume"] = prepare_run_dir(self.out_dir, overwrite, self.main)
+            self.recipe["resume"] = prepare_run_dir(self.out_dir, overwrite, self.main, self.allow_unchecked)
         torch.manual_seed(self.train["seed"])
         random.seed(self.train["seed"])
         if self.train["threads"] is not None:
@@ -844,7 +851,14 @@ class _Session:
         self.metrics_path = self.out_dir / "metrics.jsonl"
         if recipe["resume"]:
             self.run = _resume(
-                recipe["resume"], self.model, self.optimizer, self.scheduler, self.data, self.fingerprint, self.base
+                recipe["resume"],
+                self.model,
+                self.optimizer,
+                self.scheduler,
+                self.data,
+                self.fingerprint,
+                self.base,
+                self.allow_unchecked,
             )
         else:
             self.run = Progress()
@@ -1046,7 +1060,15 @@ class _Session:
                 "start_heads": run.start_heads,
                 "guard": run.guard,
             }
-            self.saved_path = ckpt.save_checkpoint(self.out_dir, step, state, self.train["keep_last"])
+            try:
+                self.saved_path = ckpt.save_checkpoint(self.out_dir, step, state, self.train["keep_last"])
+            except DiskFullError as full:  # still one line: where the run resumes from
+                last = f"step {self.saved_step}'s" if self.saved_step else "none yet"
+                full.message += (
+                    f"; training stopped at step {step}, its last intact checkpoint: {last} "
+                    f"(--resume {self.out_dir} continues once there is room)"
+                )
+                raise
         self.saved_step = step
         self.accelerator.wait_for_everyone()
 

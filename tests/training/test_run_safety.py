@@ -20,7 +20,14 @@ from safetensors import safe_open
 from forecastkv.cli import main as forecastkv_main
 from forecastkv.training import train_forecast
 from forecastkv.training import trainer as trainer_module
-from forecastkv.training.checkpointing import CheckpointCorrupt, list_checkpoints, load_checkpoint, load_intact
+from forecastkv.training.checkpointing import (
+    CHECKSUM_KEY,
+    CheckpointCorrupt,
+    CheckpointUnchecked,
+    list_checkpoints,
+    load_checkpoint,
+    load_intact,
+)
 from forecastkv.training.trainer import RunExists, TrainingInterrupted, recall_change
 
 from .common import tiny_recipe
@@ -167,22 +174,33 @@ def _tensor_offset(path: Path, name: str) -> int:
     return 8 + header_len + header[name]["data_offsets"][0]
 
 
-@pytest.mark.parametrize("damage", ["flipped", "truncated"])
+@pytest.mark.parametrize("damage", ["flipped", "truncated", "flipped, format edited to 1", "checksum removed"])
 def test_damaged_newest_checkpoint_falls_back(tmp_path, damage, uninterrupted):
     """Issue 26 item 13: a flipped byte in a trainable tensor (or a truncated file) of the newest
     checkpoint is caught by its checksum; resuming the directory warns and falls back to the
-    previous checkpoint, and ends bit-identical to an uninterrupted run."""
+    previous checkpoint, and ends bit-identical to an uninterrupted run.  Issue 39: editing the
+    header's format to 1 does not switch the checksum off, and a checkpoint whose checksum was
+    removed is refused (not loaded unverified)."""
     full = uninterrupted(steps=4, save_every=2)
     out = tmp_path / "cut"
     train_forecast(tiny_recipe(tmp_path / "data", out, steps=4, save_every=2), max_steps=3)
     newest = out / "checkpoints" / "step-000003.safetensors"
     raw = bytearray(newest.read_bytes())
-    if damage == "flipped":
+    if damage.startswith("flipped"):
         raw[_tensor_offset(newest, f"trainable/{HEAD}") + 5] ^= 0x10
-    else:
+    if damage == "truncated":
         raw = raw[: len(raw) // 2]
+    edits = {  # same-length edits of the header: the state's format, the checksum's metadata key
+        "flipped, format edited to 1": (b'\\"format\\": 2', b'\\"format\\": 1'),
+        "checksum removed": (CHECKSUM_KEY.encode(), CHECKSUM_KEY[:-1].encode() + b"X"),
+    }
+    if damage in edits:
+        before, after = edits[damage]
+        assert raw.count(before) == 1, damage
+        raw = raw.replace(before, after)
     newest.write_bytes(bytes(raw))
-    with pytest.raises(CheckpointCorrupt, match=r"step-000003.safetensors"):
+    refusal = CheckpointUnchecked if damage == "checksum removed" else CheckpointCorrupt
+    with pytest.raises(refusal, match=r"step-000003.safetensors"):
         load_checkpoint(newest)
     with pytest.warns(UserWarning, match=r"skipping a damaged checkpoint, resuming from step-000002.safetensors"):
         path, state = load_intact(out)

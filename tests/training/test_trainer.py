@@ -178,6 +178,24 @@ def test_checkpoint_state_round_trips(tmp_path):
 # ----------------------------------------------------------------------------------------------
 
 
+
+def test_a_checkpoint_without_a_checksum_loads_only_when_allowed(tmp_path):
+    """Issue 39: an older format-1 checkpoint (no checksum) is refused by default, naming the way
+    out (--allow-unchecked), and loads with allow_unchecked=True."""
+    from safetensors.torch import save_file
+
+    from forecastkv.training.checkpointing import STATE_KEY, CheckpointUnchecked
+
+    path = tmp_path / "step-000001.safetensors"
+    state = json.dumps({"format": 1, "state": {"step": 1, "w": {"__tensor__": "w"}}})
+    save_file({"w": torch.ones(2)}, str(path), metadata={STATE_KEY: state})
+    with pytest.raises(CheckpointUnchecked, match=r"step-000001.safetensors carries no checksum .*--allow-unchecked"):
+        load_checkpoint(path)
+    with pytest.raises(CheckpointUnchecked):
+        load_checkpoint(path, allow_unchecked=False)
+    loaded = load_checkpoint(path, allow_unchecked=True)
+    assert loaded["step"] == 1
+
 def _cli_run(tmp_path: Path, processes: int) -> Path:
     """Train the 3-step tiny recipe through the CLI under torch.distributed.run with `processes`
     CPU processes, one thread each whatever the caller's OMP_NUM_THREADS; returns the run directory."""
