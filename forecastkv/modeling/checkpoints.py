@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from ..atomic import write_atomic, write_text_atomic
-from ..errors import ForecastKVWarning, UserInputError
+from ..errors import ConfigError, ForecastKVWarning, UserInputError
 from .configuration import ForecastConfig, ForecastKVConfig, resolve_sparse_config
 from .lazy_weights import (
     SAFETENSORS_DTYPES,
@@ -140,6 +140,10 @@ def config_from_raw(raw: dict, fmt: str) -> dict:
             kwargs["sparse_config"] = {"lse": "coarse", **{k: v for k, v in given.items() if k in _SPARSE_KEYS}}
     if fmt == "nosa":
         kwargs["sparse_config"] = resolve_sparse_config("nosa-8b")
+    if fmt == "llama" and raw.get("sparse_config") is not None:
+        # a Llama-family config.json given a sparse_config by hand: forecastkv's keys and rules
+        # (validated like every other source, never dropped for a dense run)
+        kwargs["sparse_config"] = raw["sparse_config"]
     return kwargs
 
 
@@ -189,7 +193,14 @@ def load_model(
     _require_forecast_heads(settings, directory)
     for key in ("architectures", "model_type", "transformers_version", "auto_map", "torch_dtype", "dtype"):
         settings.pop(key, None)
-    model_config = ForecastKVConfig(**settings)
+    try:
+        model_config = ForecastKVConfig(**settings)
+    except ConfigError as error:  # name the source: the caller's arguments or the folder's config.json
+        given = sparse_config is not None or forecast is not None or config is not None
+        source = directory / "config.json"
+        if given:
+            source = "the sparse_config / forecast / config given to from_pretrained"
+        raise ConfigError(f"{source}: {error}") from None
     dtype = resolve_dtype(dtype, raw, directory)
     device = torch.device("cpu" if device is None else device)
     with torch.device("meta"):

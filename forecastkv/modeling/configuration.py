@@ -351,6 +351,14 @@ class ForecastKVConfig(PreTrainedConfig):
         if per_group > group:
             raise ConfigError(f"forecast.heads_per_group={per_group} exceeds the GQA group size {group}")
         sparse = self.sparse
+        positions = getattr(self, "max_position_embeddings", None)
+        for name in ("kernel_size", "block_size"):
+            value = None if sparse is None else getattr(sparse, name)
+            if value is not None and isinstance(positions, int) and value > positions:
+                raise ConfigError(
+                    f"sparse_config.{name}={value} exceeds max_position_embeddings={positions}: "
+                    "no sequence of this model fills one"
+                )
         if sparse is not None and sparse.selector == "forecast" and not self.forecast_config.enabled:
             raise ConfigError(
                 "sparse_config.selector='forecast' needs forecast heads: pass forecast={'enabled': True, ...}"

@@ -485,3 +485,51 @@ def test_heads_must_fit_the_base_and_its_block_geometry(tmp_path):
     (tmp_path / "cut" / "forecast.safetensors").write_bytes(data[:100])
     with pytest.raises(CheckpointError, match=f"corrupt checkpoint file {tmp_path / 'cut' / 'forecast.safetensors'}"):
         load("cut")
+
+
+# issue 39 item 4: one rule for every source of a sparse_config; value -> the message it gets
+BAD_SPARSE = {
+    "block_size 0": ({"block_size": 0}, r"sparse_config\.block_size must be a positive integer, got 0"),
+    "window -64": ({"window_size": -64}, r"sparse_config\.window_size must be a non-negative integer, got -64"),
+    "kernel_size 1e9": ({"kernel_size": 10**9}, r"sparse_config\.kernel_size=1000000000 exceeds max_position_emb"),
+}
+CONFIG_SOURCES = ("forecastkv config.json", "llama config.json", "minicpm config.json", "from_pretrained", "preset")
+
+
+@pytest.mark.parametrize("source", CONFIG_SOURCES)
+@pytest.mark.parametrize("bad", list(BAD_SPARSE))
+def test_a_bad_sparse_config_is_refused_from_every_source(tmp_path, source, bad):
+    """The same ConfigError text whichever source holds the value; a config.json names its file.
+    None loads (a bad value once ran dense without a word)."""
+    from forecastkv.errors import ConfigError
+    from forecastkv.modeling.configuration import resolve_sparse_config
+
+    change, message = BAD_SPARSE[bad]
+    sparse = {**resolve_sparse_config(TINY_SPARSE), **change}
+    folder = tmp_path / "model"
+    if source == "forecastkv config.json":
+        ForecastKVForCausalLM.from_pretrained(_llama_dir(tmp_path), sparse_config=TINY_SPARSE).save_pretrained(folder)
+        raw = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**raw, "sparse_config": sparse}))
+    elif source == "llama config.json":
+        folder = _llama_dir(tmp_path)
+        raw = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**raw, "sparse_config": sparse}))
+    elif source == "minicpm config.json":
+        folder = minicpm_dir(tmp_path, sparse)[0]
+    with pytest.raises(ConfigError, match=message) as raised:
+        if source == "from_pretrained":
+            ForecastKVForCausalLM.from_pretrained(_llama_dir(tmp_path), sparse_config=sparse)
+        elif source == "preset":  # what a YAML recipe and --sparse-config resolve through
+            tiny_config(sparse_config=resolve_sparse_config(sparse))
+        else:
+            ForecastKVForCausalLM.from_pretrained(folder)
+    if source.endswith("config.json"):
+        assert str(raised.value).startswith(f"{folder / 'config.json'}: "), str(raised.value)
+
+
+def _llama_dir(tmp_path):
+    directory = tmp_path / "llama"
+    if not directory.exists():
+        random_llama().save_pretrained(directory)
+    return directory
