@@ -351,3 +351,24 @@ def test_sampling_chat_stream_and_prompt_file(files, tmp_path, capsys):
     (tmp_path / "prompt.txt").write_text("abc")
     assert main(base + ["--prompt-file", str(tmp_path / "prompt.txt"), "--chat", "--stats"]) == 0
     assert "[20 prompt tokens," in capsys.readouterr().err  # "<user>abc<assistant>"
+
+
+def test_a_prompt_file_too_long_for_the_positions_is_refused_before_tokenizing(files, tmp_path, capsys, monkeypatch):
+    """Issue 39: a prompt file that is surely longer than max_position_embeddings is refused from
+    its size alone (the tokenizer never runs on it), naming the bytes, the bound and the limit."""
+    from transformers import PreTrainedTokenizerBase
+
+    big = tmp_path / "big.txt"
+    big.write_text("a" * (MAX_POSITIONS * 64))  # far beyond the positions, whatever the tokenizer
+    calls = []
+    original = PreTrainedTokenizerBase.__call__
+
+    def counted(self, *args, **kwargs):
+        calls.append(1)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(PreTrainedTokenizerBase, "__call__", counted)
+    assert main(["generate", "--model", files["model"], "--prompt-file", str(big)]) == 2
+    err = capsys.readouterr().err
+    assert f"--prompt-file {big} is {MAX_POSITIONS * 64:,} bytes: at least" in err, err
+    assert f"more than the model's max_position_embeddings={MAX_POSITIONS}" in err and not calls
