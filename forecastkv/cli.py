@@ -218,9 +218,10 @@ def _cap_new_tokens(requested: int, prompt_tokens: int, max_positions: int) -> i
     return requested
 
 
-def _generation_streamer(tokenizer, stream: bool):
+def _generation_streamer(tokenizer, stream: bool, progress_total: int | None = None):
     """A transformers streamer that keeps the new token ids as they come (so an interrupted run
-    still prints them) and, with --stream, prints the text as it comes (TextStreamer)."""
+    still prints them) and, with --stream, prints the text as it comes (TextStreamer).
+    progress_total: the new tokens asked for, shown as a bar on stderr (tokens/s, ETA); None: no bar."""
     from transformers import TextStreamer
     from transformers.generation.streamers import BaseStreamer
 
@@ -230,6 +231,11 @@ def _generation_streamer(tokenizer, stream: bool):
             self.ids: list[int] = []
             self.prompt_seen = False
             self.printer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if stream else None
+            self.bar = None
+            if progress_total is not None:
+                from tqdm.auto import tqdm
+
+                self.bar = tqdm(total=progress_total, desc="generate", unit="tok", file=sys.stderr, mininterval=1.0)
 
         def put(self, value) -> None:
             if self.printer is not None:
@@ -237,11 +243,16 @@ def _generation_streamer(tokenizer, stream: bool):
             if not self.prompt_seen:  # generate() hands over the prompt first
                 self.prompt_seen = True
                 return
-            self.ids.extend(int(token) for token in value.reshape(-1).tolist())
+            new = [int(token) for token in value.reshape(-1).tolist()]
+            self.ids.extend(new)
+            if self.bar is not None:
+                self.bar.update(len(new))
 
         def end(self) -> None:
             if self.printer is not None:
                 self.printer.end()
+            if self.bar is not None:
+                self.bar.close()
 
     return Collect()
 
@@ -286,7 +297,10 @@ def _generate(args) -> int:
     cache = _new_cache(model, args.offload)
     if args.seed is not None:
         torch.manual_seed(args.seed)
-    streamer = _generation_streamer(tokenizer, args.stream)
+    # a bar for long runs where someone watches (a terminal) or asked for numbers (--stats); not
+    # beside --stream, whose text is the progress
+    watched = (sys.stderr.isatty() or args.stats) and not args.stream
+    streamer = _generation_streamer(tokenizer, args.stream, args.max_new_tokens if watched else None)
     start = time.perf_counter()
     _run_generation(model, ids, cache, streamer, args, sampling)
     seconds = time.perf_counter() - start

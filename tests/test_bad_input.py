@@ -318,6 +318,8 @@ def test_max_new_tokens_is_capped_by_the_positions_left(files, capsys):
     assert note in err
     # no EOS in this vocabulary's random model: it runs to the last position
     assert f"[4 prompt tokens, {left} new," in err
+    # --stats shows a progress bar (issue 39): tokens done of those asked, with a rate
+    assert "generate: 100%" in err and f"{left}/{left}" in err and "tok/s" in err, err[-500:]
     assert len(out.strip()) > 0
 
 
