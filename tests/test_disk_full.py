@@ -20,14 +20,9 @@ import torch
 
 from forecastkv import atomic
 from forecastkv.errors import DiskFullError
-from tests.context.common import document_and_questions, fresh_cache, generate, model_for
+from tests.context.common import document_and_questions, fresh_cache, generate, model_for, snapshot
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def files_under(root: Path) -> dict[str, bytes]:
-    """Every file under `root` (hidden temporaries included) and its bytes."""
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 @pytest.fixture
@@ -134,12 +129,12 @@ WRITERS = {
 def test_a_full_disk_is_a_typed_error_and_loses_nothing(tmp_path, full_disk, writer):
     steps = WRITERS[writer](tmp_path, full_disk)
     named, write = next(steps)
-    before = files_under(tmp_path)
+    before = snapshot(tmp_path)
     with pytest.raises(DiskFullError, match=r"no space left") as raised:
         write()
     assert named in raised.value.filename and raised.value.errno == errno.ENOSPC
     assert str(raised.value).startswith(f"cannot write {raised.value.filename}")
-    assert files_under(tmp_path) == before, "the failed write changed what was on disk (or left a temporary)"
+    assert snapshot(tmp_path) == before, "the failed write changed what was on disk (or left a temporary)"
     full_disk(None)
     next(steps, None)  # what was on disk before still loads (and answers the same)
 
@@ -217,11 +212,11 @@ def test_a_store_on_a_full_tmpfs_is_refused_cleanly(small_tmpfs):
     DiskFullError, never SIGBUS; the store saved before still loads whole, no temporary is left."""
     first = _fill(small_tmpfs / "store", 1)
     assert first.returncode == 0 and first.stdout.startswith("saved"), first.stderr[-2000:]
-    before = files_under(small_tmpfs)
+    before = snapshot(small_tmpfs)
     index = json.loads((small_tmpfs / "store" / "alice" / "index.json").read_text())
     big = _fill(small_tmpfs / "store", 12)  # ~12x the first: more than the 1 MiB
     assert big.returncode == 0, (big.returncode, big.stderr[-2000:])  # no signal, no traceback
     assert big.stdout.startswith("refused cannot write") and "no space left" in big.stdout, big.stdout
-    assert files_under(small_tmpfs) == before
+    assert snapshot(small_tmpfs) == before
     again = json.loads((small_tmpfs / "store" / "alice" / "index.json").read_text())
     assert again["entries"] == index["entries"]

@@ -3,6 +3,8 @@ greedy generation through a given cache."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from forecastkv import SparseCache
@@ -48,3 +50,8 @@ def generate(model, ids: torch.Tensor, cache, new_tokens: int = NEW_TOKENS) -> t
             ids[None], max_new_tokens=new_tokens, do_sample=False, pad_token_id=0, **{CACHE_KWARG: cache}
         )
     return out[0, ids.shape[0] :]
+
+
+def snapshot(root: Path) -> dict[str, bytes]:
+    """Every file under `root` (hidden temporaries included) and its bytes."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(Path(root).rglob("*")) if p.is_file()}

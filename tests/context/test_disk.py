@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from forecastkv.context import ContextStore, ContextStoreError, disk
-from tests.context.common import MODES, POLICIES, document_and_questions, fresh_cache, generate, model_for
+from tests.context.common import MODES, POLICIES, document_and_questions, fresh_cache, generate, model_for, snapshot
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -95,14 +95,9 @@ def test_tokens_after_save_and_load_in_a_new_process(tmp_path):
         assert [matched for matched, _ in got["answers"]] == [48, 40, 40, 40], key
 
 
-def _files_and_bytes(root) -> dict[str, int]:
-    """Every file under `root` (hidden ones included) and its size."""
-    return {str(path.relative_to(root)): path.stat().st_size for path in Path(root).rglob("*") if path.is_file()}
-
-
 def test_save_load_round_trip_reads_blocks_lazily(tmp_path):
     model, store = filled_store(tmp_path)
-    before = _files_and_bytes(tmp_path)
+    before = snapshot(tmp_path)
     loaded = ContextStore(model, tmp_path, namespace="alice", selector="query")
     assert loaded.stats()["blocks"] == store.stats()["blocks"] == 8 and loaded.nbytes == store.nbytes
     # opening reads the index only: no block in the pools (RAM), nothing written on the store's disk
@@ -114,7 +109,7 @@ def test_save_load_round_trip_reads_blocks_lazily(tmp_path):
     assert matched == 40
     read_in = [entry for entry in loaded.entries.values() if entry.blocks is not None]
     assert len(read_in) == 5 and all(pool.capacity >= 5 for pool in loaded.pools)  # the matched chain only
-    assert _files_and_bytes(tmp_path) == before
+    assert snapshot(tmp_path) == before
     assert torch.equal(generate(model, prompt, cache), generate(model, prompt, fresh_cache(model, None, "query")))
     name, entry = next(iter(loaded.entries.items()))
     read, original = (
@@ -135,10 +130,6 @@ def test_namespaces_are_private_and_isolated(tmp_path):
     assert os.stat(tmp_path / "bob").st_mode & 0o777 == 0o700
     with pytest.raises(ContextStoreError, match="not a valid name"):
         ContextStore(model, tmp_path, namespace="../alice")
-
-
-def snapshot(root: Path) -> dict:
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 def _block_path(root: Path) -> Path:
