@@ -70,6 +70,20 @@ def room_checked(path: str | os.PathLike, needed: int | None = None):
         raise DiskFullError(path, needed, free_bytes(path), quota=quota) from error
 
 
+def file_mode() -> int:
+    """The mode `open()` gives a new file under this process's umask (0644 under the usual 022):
+    what written files get, as `mkstemp` makes its temporary files 0600."""
+    try:  # Linux reports the umask without changing it (os.umask would, for every thread)
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return 0o666 & ~int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 def write_atomic(path: str | os.PathLike, write: Callable[[Path], None], nbytes: int | None = None) -> Path:
     """Call `write(tmp)` to fill a temporary file beside `path`, then move it over `path`.
 
@@ -88,7 +102,7 @@ def write_atomic(path: str | os.PathLike, write: Callable[[Path], None], nbytes:
             write(tmp)
             with open(tmp, "rb") as f:
                 os.fsync(f.fileno())
-            os.chmod(tmp, 0o644)  # mkstemp makes it 0600
+            os.chmod(tmp, file_mode())  # mkstemp makes it 0600
             os.replace(tmp, path)
         except BaseException:
             tmp.unlink(missing_ok=True)

@@ -369,22 +369,27 @@ def _print_stats(cache, offload: str | None, prompt_tokens: int, new_tokens: int
 def _convert(args) -> int:
     source = _model_path("source", args.source)
     _check_preset("--sparse-config", args.sparse_config)
+    if args.forecast_init and args.forecast_weights:
+        raise UsageError("--forecast-init makes new heads and --forecast-weights loads trained ones: give one")
 
     from . import ForecastKVForCausalLM
-    from .modeling.checkpoints import copy_tokenizer_files
+    from .modeling.checkpoints import copy_tokenizer_files, has_forecast_heads
 
     model = ForecastKVForCausalLM.from_pretrained(
         source,
         sparse_config=args.sparse_config,
         forecast_weights=args.forecast_weights,
+        forecast={"init": args.forecast_init} if args.forecast_init else None,
+        dtype=args.dtype,
         allow_geometry_mismatch=args.allow_geometry_mismatch,
     )
     model.save_pretrained(args.output)
-    copied = copy_tokenizer_files(source, args.output)
+    tokenizer = copy_tokenizer_files(source, args.output)  # replacing any an earlier run left in OUTPUT
+    heads = "yes" if has_forecast_heads(args.output) else "none (the forecast modes need --forecast-init or --forecast-weights)"
     print(
-        f"wrote {args.output} (model_type forecastkv; loads with "
-        "AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True); "
-        f"tokenizer files: {', '.join(copied) if copied else 'none in the source'})"
+        f"wrote {args.output} (model_type forecastkv, {str(model.dtype).removeprefix('torch.')}; "
+        f"Forecast heads: {heads}; tokenizer files: {', '.join(tokenizer) if tokenizer else 'none in the source'}); "
+        "it loads with AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True) and serves with vLLM"
     )
     return 0
 
@@ -514,11 +519,36 @@ def _add_convert(commands) -> None:
     convert = commands.add_parser(
         "convert",
         help="convert a MiniCPM / NOSA / Llama / SparDA checkpoint to our format (weights, tokenizer, auto_map)",
+        description="Write SOURCE as a forecastkv checkpoint in OUTPUT: weights, tokenizer files, config.json "
+        "with auto_map (plain transformers loads it with trust_remote_code=True) and, with --forecast-init or "
+        "--forecast-weights, Forecast heads, so every mode (the forecast ones included) and vLLM serve it.",
     )
-    convert.add_argument("source")
-    convert.add_argument("output")
-    convert.add_argument("--sparse-config", default=None)
-    convert.add_argument("--forecast-weights", default=None)
+    convert.add_argument("source", metavar="SOURCE", help="a checkpoint directory, hub id, bundled:NAME or smollm2-135m")
+    convert.add_argument("output", metavar="OUTPUT", help="the directory to write (created; files in it are replaced)")
+    convert.add_argument(
+        "--sparse-config",
+        default=None,
+        metavar="PRESET",
+        help="a preset from forecastkv/presets for the block selection (default: the source's own; a dense "
+        "Llama stays dense)",
+    )
+    heads = convert.add_mutually_exclusive_group()
+    heads.add_argument(
+        "--forecast-init",
+        default=None,
+        choices=("next_query", "kaiming"),
+        help="write new Forecast heads: next_query copies each next layer's query projection (selects like "
+        "the query selector before any training), kaiming is random",
+    )
+    heads.add_argument(
+        "--forecast-weights", default=None, metavar="DIR", help="write the trained heads of a train-forecast output"
+    )
+    convert.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        help="the weights' dtype (default auto: the source's)",
+    )
     _add_geometry_option(convert)
     convert.set_defaults(run=_convert)
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ..atomic import write_atomic, write_text_atomic
+from ..atomic import file_mode, write_atomic, write_text_atomic
 from ..errors import ConfigError, ForecastKVWarning, UserInputError
 from .configuration import ForecastConfig, ForecastKVConfig, resolve_sparse_config
 from .lazy_weights import (
@@ -226,7 +226,8 @@ def load_model(
 
     # the checkpoint's generation defaults, its offload mode (`forecastkv_cache`) included
     model.generation_config = load_generation_config(directory) or model.generation_config
-    return model.eval()  # tensors sit on their device_map devices; the decoder loop moves activations
+    # tensors sit on their device_map devices; the decoder loop moves activations
+    return record_source(model.eval(), directory)
 
 
 def read_config_json(directory: Path) -> dict:
@@ -705,18 +706,31 @@ def save_with_remote_code(model, save, directory, *args, **kwargs):
     raw = json.loads(config_file.read_text())
     raw["auto_map"] = auto_map()
     write_text_atomic(config_file, json.dumps(raw, indent=2, sort_keys=True) + "\n")
+    mode = file_mode()
+    for weights in directory.glob("*.safetensors"):  # safetensors writes them 0600, the other files get the umask's
+        weights.chmod(mode)
+    source = getattr(model, "source_directory", None)
+    if source is not None and Path(source).resolve() != directory.resolve():
+        copy_tokenizer_files(source, directory, replace=False)  # a served directory needs its tokenizer
     return result
 
 
-def copy_tokenizer_files(source: str | os.PathLike, target: str | os.PathLike) -> list[str]:
+def record_source(model, directory: Path):
+    """Remember the directory `model` was loaded from: `save_pretrained` copies its tokenizer files."""
+    model.source_directory = directory
+    return model
+
+
+def copy_tokenizer_files(source: str | os.PathLike, target: str | os.PathLike, replace: bool = True) -> list[str]:
     """Copy the tokenizer files of checkpoint `source` (a directory or hub id) into `target`,
-    atomically, byte for byte.  Returns the names copied (empty: the source has no tokenizer)."""
+    atomically, byte for byte (replace=False: keep those `target` has, e.g. from a
+    `tokenizer.save_pretrained`).  Returns the names copied (empty: the source has no tokenizer)."""
     import shutil
 
     directory = resolve_directory(source)
     copied = []
     for name in TOKENIZER_FILES:
-        if (directory / name).is_file():
+        if (directory / name).is_file() and (replace or not (Path(target) / name).exists()):
             write_atomic(Path(target) / name, lambda tmp, src=directory / name: shutil.copyfile(src, tmp))
             copied.append(name)
     return copied
