@@ -17,7 +17,7 @@ def register() -> None:
     """Register forecastkv's config and model with vLLM (idempotent: vLLM calls it per process)."""
     from vllm import ModelRegistry
 
-    import forecastkv  # noqa: F401  (AutoConfig.register of model_type "forecastkv")
+    import forecastkv.modeling  # noqa: F401  (AutoConfig.register of model_type "forecastkv")
 
     if ARCHITECTURE not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(ARCHITECTURE, MODEL_CLASS)
