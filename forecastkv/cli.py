@@ -385,7 +385,9 @@ def _convert(args) -> int:
     )
     model.save_pretrained(args.output)
     tokenizer = copy_tokenizer_files(source, args.output)  # replacing any an earlier run left in OUTPUT
-    heads = "yes" if has_forecast_heads(args.output) else "none (the forecast modes need --forecast-init or --forecast-weights)"
+    heads = (
+        "yes" if has_forecast_heads(args.output) else "none (forecast modes need --forecast-init/--forecast-weights)"
+    )
     print(
         f"wrote {args.output} (model_type forecastkv, {str(model.dtype).removeprefix('torch.')}; "
         f"Forecast heads: {heads}; tokenizer files: {', '.join(tokenizer) if tokenizer else 'none in the source'}); "
@@ -401,7 +403,7 @@ def _train_forecast(argv: list[str]) -> int:
 
 
 def _forecast_recall(argv: list[str]) -> int:
-    from .training.recall import main as recall_main
+    from .training.recall_cli import main as recall_main
 
     return recall_main(argv) or 0
 
@@ -418,12 +420,9 @@ def _lm_eval(argv: list[str]) -> int:
 
 # commands whose arguments another parser owns (argparse would eat their --help)
 PASSTHROUGH = {
-    "train-forecast": (_train_forecast, "fit the Forecast heads on a frozen base (see --help)"),
-    "forecast-recall": (_forecast_recall, "held-out forecast recall of saved heads (see --help)"),
-    "lm-eval": (
-        _lm_eval,
-        "lm-evaluation-harness with `--model forecastkv` registered (lm_eval's own arguments; see --help)",
-    ),
+    "train-forecast": (_train_forecast, "fit the Forecast heads on a frozen base model"),
+    "forecast-recall": (_forecast_recall, "held-out recall of saved Forecast heads against the oracle's blocks"),
+    "lm-eval": (_lm_eval, "lm-evaluation-harness with `--model forecastkv` (lm_eval's own arguments)"),
 }
 
 
@@ -523,7 +522,9 @@ def _add_convert(commands) -> None:
         "with auto_map (plain transformers loads it with trust_remote_code=True) and, with --forecast-init or "
         "--forecast-weights, Forecast heads, so every mode (the forecast ones included) and vLLM serve it.",
     )
-    convert.add_argument("source", metavar="SOURCE", help="a checkpoint directory, hub id, bundled:NAME or smollm2-135m")
+    convert.add_argument(
+        "source", metavar="SOURCE", help="a checkpoint directory, hub id, bundled:NAME or smollm2-135m"
+    )
     convert.add_argument("output", metavar="OUTPUT", help="the directory to write (created; files in it are replaced)")
     convert.add_argument(
         "--sparse-config",
@@ -658,14 +659,32 @@ SUBCOMMANDS = {
 }
 
 
+DESCRIPTION = "Trainable block-sparse attention with KV-cache offloading, for Hugging Face and vLLM models."
+EPILOG = (
+    "`forecastkv COMMAND --help` describes a command's options. "
+    "Start with `forecastkv demo` (the main job on the bundled SmolLM2-135M); see README.md."
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(prog="forecastkv", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    """The console script's parser: one sub-parser per command, each described by its help line."""
+    from . import __version__
+
+    parser = Parser(prog="forecastkv", description=DESCRIPTION, epilog=EPILOG)
+    parser.add_argument("--version", action="version", version=f"forecastkv {__version__}")
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
-    commands = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+    commands = parser.add_subparsers(
+        dest="command", required=True, parser_class=Parser, title="commands", metavar="COMMAND"
+    )
     for add in SUBCOMMANDS.values():
         add(commands)
     for name, (run, help_text) in PASSTHROUGH.items():
         commands.add_parser(name, help=help_text, add_help=False)
+    for command in commands.choices.values():  # each command's --help opens with its help line
+        if command.description is None:
+            command.description = next(
+                (action.help for action in commands._choices_actions if action.dest == command.prog.split()[-1]), None
+            )
     return parser
 
 

@@ -214,3 +214,32 @@ def test_converted_bundled_model_loads_with_plain_transformers(bundled_path, tmp
     with torch.no_grad():
         expected = model.generate(torch.tensor([fresh["prompt"]]), max_new_tokens=8, do_sample=False)[0].tolist()
     assert fresh["tokens"] == expected
+
+
+def test_convert_writes_heads_dtype_and_modes_a_server_needs(tmp_path):
+    """One `convert` line makes a checkpoint every mode serves: Forecast heads (--forecast-init),
+    the asked dtype, the tokenizer, and the weights under the same file mode as the other files."""
+    from forecastkv.modeling.checkpoints import has_forecast_heads
+
+    tiny_llama_dir(tmp_path / "llama")
+    (tmp_path / "llama" / "tokenizer_config.json").write_text('{"tokenizer_class": "X"}\n')
+    out = tmp_path / "ours"
+    argv = ["convert", str(tmp_path / "llama"), str(out), "--sparse-config", "smollm2-135m"]
+    assert main([*argv, "--forecast-init", "next_query", "--dtype", "bfloat16"]) == 0
+    assert has_forecast_heads(out)
+    model = ForecastKVForCausalLM.from_pretrained(out, dtype="auto")
+    assert model.dtype == torch.bfloat16
+    direct = ForecastKVForCausalLM.from_pretrained(
+        tmp_path / "llama", sparse_config="smollm2-135m", forecast={"init": "next_query"}, dtype=torch.bfloat16
+    )
+    for ours, made in zip(model.model.layers, direct.model.layers):  # the heads written are the init's
+        assert torch.equal(ours.self_attn.forecast_proj.weight, made.self_attn.forecast_proj.weight)
+    modes = {path.name: path.stat().st_mode & 0o777 for path in out.iterdir()}
+    assert modes["model.safetensors"] == modes["config.json"] == modes["tokenizer_config.json"], modes
+
+
+def test_convert_refuses_two_sources_of_heads(tmp_path, capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["convert", "a", "b", "--forecast-init", "next_query", "--forecast-weights", "w"])
+    assert stop.value.code == 2
+    assert "not allowed with argument" in capsys.readouterr().err

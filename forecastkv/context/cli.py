@@ -279,14 +279,16 @@ def register_context_cache_command(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "context-cache", help="list, size or remove stored prompt prefixes (generate --context-cache DIR)"
     )
-    actions = parser.add_subparsers(dest="context_action", required=True)
+    actions = parser.add_subparsers(
+        dest="context_action", required=True, metavar="ACTION", help="what to do with the store in DIR"
+    )
     for name, action, text in (
         ("ls", _ls, "namespaces and their chains of blocks"),
         ("du", _du, "bytes per namespace"),
         ("rm", _rm, "remove blocks with their descendants, or a whole namespace"),
         ("repair", _repair, "keep the good blocks of a damaged store, drop the rest"),
     ):
-        sub = actions.add_parser(name, help=text)
+        sub = actions.add_parser(name, help=text, description=text)
         sub.add_argument("dir", help="the directory given to generate --context-cache")
         sub.add_argument("--namespace", default=None, help="one namespace (default: every one in DIR; rm needs it)")
         if name == "rm":

@@ -1,24 +1,23 @@
 """The evaluation harness: offline long-context tasks, LongBench v1, metrics, the mode-by-mode
-runner (streamed, resumable, sharded) and its report.  `forecastkv eval --config <suite>.yaml`."""
+runner (streamed, resumable, sharded) and its report.  `forecastkv eval --config <suite>.yaml`.
 
-from .codec import ByteCodec, TextCodec, as_codec
-from .metrics import score_prediction
-from .modes import ATTENTION_MODES, Mode, parse_mode
-from .report import write_report
-from .runner import run_eval
-from .tasks import TASKS, Example, generate_example
+The names below import on first use, so the `eval` command's parser imports no torch."""
 
-__all__ = [
-    "ATTENTION_MODES",
-    "ByteCodec",
-    "Example",
-    "Mode",
-    "TASKS",
-    "TextCodec",
-    "as_codec",
-    "generate_example",
-    "parse_mode",
-    "run_eval",
-    "score_prediction",
-    "write_report",
-]
+from ..lazy import lazy_attributes
+
+_PUBLIC = {
+    "ATTENTION_MODES": ".modes",
+    "ByteCodec": ".codec",
+    "Example": ".tasks",
+    "Mode": ".modes",
+    "TASKS": ".tasks",
+    "TextCodec": ".codec",
+    "as_codec": ".codec",
+    "generate_example": ".tasks",
+    "parse_mode": ".modes",
+    "run_eval": ".runner",
+    "score_prediction": ".metrics",
+    "write_report": ".report",
+}
+__all__ = sorted(_PUBLIC)
+__getattr__, __dir__ = lazy_attributes(__name__, _PUBLIC)

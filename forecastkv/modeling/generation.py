@@ -85,7 +85,7 @@ def prepare_generation_config(model, parent, generation_config=None, *args, **kw
 
 
 # the cache class of the offload modes: the runtime registers `OffloadedSparseCache` when it is
-# imported (`import forecastkv` does), so this module never imports the runtime
+# imported (the first use of a public name of `forecastkv` does), so this module never imports the runtime
 _OFFLOADED_CACHE: list = []
 
 

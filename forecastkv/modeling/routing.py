@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 from contextlib import contextmanager
 
-BACKBONES = ("dense", "query", "forecast")
+from ..modes import BACKBONES  # re-exported: the trainer and recall import it from here
 
 
 @contextmanager

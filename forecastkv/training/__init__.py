@@ -3,13 +3,11 @@
     from forecastkv.training import train_forecast
     result = train_forecast("configs/train/smollm2-135m.yaml", max_steps=10)
 
-`main(argv)` is the `forecastkv train-forecast` command (see `cli.py`).
+`main(argv)` is the `forecastkv train-forecast` command (see `cli.py`).  The names below import
+on first use, so the command's parser imports no torch.
 """
 
-from .data import PackedSequences, build_sequences, load_documents
-from .objective import ObjectiveConfig, layer_loss
-from .recipe import load_recipe
-from .trainer import TrainResult, evaluate, train_forecast
+from ..lazy import lazy_attributes
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -19,15 +17,16 @@ def main(argv: list[str] | None = None) -> int:
     return cli_main(argv)
 
 
-__all__ = [
-    "ObjectiveConfig",
-    "PackedSequences",
-    "TrainResult",
-    "build_sequences",
-    "evaluate",
-    "layer_loss",
-    "load_documents",
-    "load_recipe",
-    "main",
-    "train_forecast",
-]
+_PUBLIC = {
+    "ObjectiveConfig": ".objective",
+    "PackedSequences": ".data",
+    "TrainResult": ".trainer",
+    "build_sequences": ".data",
+    "evaluate": ".trainer",
+    "layer_loss": ".objective",
+    "load_documents": ".data",
+    "load_recipe": ".recipe",
+    "train_forecast": ".trainer",
+}
+__all__ = sorted([*_PUBLIC, "main"])
+__getattr__, __dir__ = lazy_attributes(__name__, _PUBLIC)

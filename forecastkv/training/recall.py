@@ -10,7 +10,6 @@ per layer and as the mean over layers >= 1, chance alongside.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from dataclasses import dataclass
@@ -23,9 +22,7 @@ from forecastkv.errors import ConfigError
 from forecastkv.modeling import selection as sel
 from forecastkv.modeling.heads import scoring_vectors
 from forecastkv.modeling.routing import BACKBONES, attending_with, backbone_sparse_config
-
-DEFAULT_START = 1024
-
+from forecastkv.training.recall_cli import DEFAULT_START
 
 # ----------------------------------------------------------------------------------------------
 # the runner: both selectors at every layer of a frozen forward
@@ -212,64 +209,3 @@ def resolve_geometry(sparse_config=None, forecast_weights=None, topk: int | None
     if topk is not None:
         geometry["topk"] = topk
     return resolve_sparse_config(geometry)
-
-
-def build_parser(prog: str = "forecastkv forecast-recall") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog=prog, description="Held-out forecast recall of saved (or freshly initialised) heads."
-    )
-    parser.add_argument(
-        "--model", default="bundled:smollm2-135m", help="base checkpoint directory / hub id / bundled:<name>"
-    )
-    parser.add_argument(
-        "--forecast-weights", default=None, help="a directory with forecast.safetensors (train-forecast output)"
-    )
-    parser.add_argument(
-        "--init",
-        default="next_query",
-        choices=("next_query", "kaiming"),
-        help="without --forecast-weights: heads to create",
-    )
-    parser.add_argument("--heads-per-group", type=int, default=1)
-    parser.add_argument(
-        "--sparse-config",
-        default=None,
-        help="geometry both selectors use: a preset name or JSON (default: the saved heads', else smollm2-135m)",
-    )
-    parser.add_argument(
-        "--topk", type=int, default=None, help="override the geometry's topk (the issue's SmolLM2 protocol: 12)"
-    )
-    parser.add_argument("--source", default="bundled")
-    parser.add_argument("--split", default="heldout")
-    parser.add_argument("--length", type=int, default=2048, help="T: tokens per held-out sequence")
-    parser.add_argument("--start", type=int, default=DEFAULT_START, help="count query rows t >= start only")
-    parser.add_argument("--sequences", type=int, default=None, help="at most this many sequences (default: all)")
-    parser.add_argument("--backbone", default="dense", choices=BACKBONES)
-    parser.add_argument("--json", default=None, help="also write the report as JSON here")
-    parser.add_argument(
-        "--no-progress", action="store_true", help="no progress bar (one is drawn on stderr, layer by layer)"
-    )
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    protocol = RecallProtocol(args.source, args.split, args.length, args.start, args.sequences, args.backbone)
-    sparse = resolve_geometry(args.sparse_config, args.forecast_weights, args.topk)
-    model, tokenizer, _ = load_for_recall(args.model, args.forecast_weights, sparse, args.init, args.heads_per_group)
-    report = evaluate_recall(model, tokenizer, protocol, progress=not args.no_progress)
-    what = args.forecast_weights or f"init {args.init}, {args.heads_per_group} vector(s) per group"
-    print(
-        f"forecast recall of {what}: T={args.length}, rows t >= {args.start}, {report.rows} rows, "
-        f"backbone {args.backbone}"
-    )
-    print(report.table())
-    if args.json:
-        Path(args.json).write_text(
-            json.dumps({"protocol": protocol.__dict__, "heads": what, **report.to_dict()}, indent=2)
-        )
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

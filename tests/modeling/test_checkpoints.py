@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-import forecastkv  # noqa: F401  (registers the Auto classes)
+import forecastkv.modeling  # noqa: F401  (registers the Auto classes)
 from forecastkv import ForecastKVForCausalLM
 from forecastkv.modeling.checkpoints import CheckpointError
 from forecastkv.modeling.modeling import RotaryEmbedding
@@ -533,3 +533,27 @@ def _llama_dir(tmp_path):
     if not directory.exists():
         random_llama().save_pretrained(directory)
     return directory
+
+
+def test_save_pretrained_writes_the_source_tokenizer_and_umask_modes(tmp_path):
+    """A `save_pretrained` directory serves as it is: the tokenizer files of the directory the model
+    was loaded from come along (a tokenizer saved there first is kept), and the weights get the
+    umask's mode like every other file (safetensors alone writes them 0600)."""
+    import os
+
+    random_llama().save_pretrained(tmp_path / "llama")
+    (tmp_path / "llama" / "tokenizer.json").write_text('{"version": "1.0"}\n')
+    (tmp_path / "llama" / "tokenizer_config.json").write_text('{"tokenizer_class": "X"}\n')
+    model = ForecastKVForCausalLM.from_pretrained(tmp_path / "llama")
+    out = tmp_path / "saved"
+    out.mkdir()
+    (out / "tokenizer_config.json").write_text('{"tokenizer_class": "Mine"}\n')  # the caller's own
+    mask = os.umask(0o027)
+    try:
+        model.save_pretrained(out)
+    finally:
+        os.umask(mask)
+    assert (out / "tokenizer.json").read_text() == '{"version": "1.0"}\n'
+    assert (out / "tokenizer_config.json").read_text() == '{"tokenizer_class": "Mine"}\n'
+    assert (out / "model.safetensors").stat().st_mode & 0o777 == 0o640
+    assert (out / "config.json").stat().st_mode & 0o777 == 0o640

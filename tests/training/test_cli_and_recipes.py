@@ -85,7 +85,8 @@ def test_cli_stop_and_resume(tmp_path):
 
 
 def test_recall_protocol_and_geometry(tmp_path):
-    from forecastkv.training.recall import RecallProtocol, build_parser, resolve_geometry
+    from forecastkv.training.recall import RecallProtocol, resolve_geometry
+    from forecastkv.training.recall_cli import build_parser
 
     assert resolve_geometry(None, None, 12)["topk"] == 12  # smollm2-135m preset, topk overridden
     side = tmp_path / "heads"
