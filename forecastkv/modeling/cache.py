@@ -342,7 +342,11 @@ class SparseCacheLayer(CacheLayerMixin):
     def reset(self) -> None:
         reserved = self.reserved
         self.__init__(
-            *(self.kernel or (None, None)), coarse=self.coarse, max_length=self.max_length, block_size=self.block_size
+            *(self.kernel or (None, None)),
+            coarse=self.coarse,
+            max_length=self.max_length,
+            block_size=self.block_size,
+            key_bounds=self.bounds_kernel is not None,  # Quest's bounds survive a reset
         )
         self.reserved = reserved
 

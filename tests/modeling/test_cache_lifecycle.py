@@ -1,0 +1,78 @@
+"""reset, crop and fork keep every selector's window indexes (Quest's block bounds, the compressed
+and coarse keys, NOSA's pooled CIS): after each, a cache decodes exactly as a fresh one fed the same
+tokens.  (`SparseCacheLayer.reset` once rebuilt itself without the bounds, so a resident Quest cache
+failed its first step after a reset.)"""
+
+import pytest
+import torch
+
+from forecastkv.modeling.cache import SparseCache
+from forecastkv.modeling.modeling import CACHE_KWARG
+from forecastkv.modes import SELECTORS
+from tests.helpers import tiny_model
+
+PROMPT, STEPS = 44, 3  # five blocks of 8 and a partial one: every selector has a choice
+
+
+def model_for(selector: str, policy: str = "infllmv2"):
+    return tiny_model({"selector": selector, "policy": policy})
+
+
+def tokens(seed: int, n: int) -> torch.Tensor:
+    return torch.randint(0, 128, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def decode_logits(model, cache, prompt: torch.Tensor, steps: torch.Tensor) -> list[torch.Tensor]:
+    """Prefill `prompt` [1, T] into `cache`, then feed `steps` [1, S] one token at a time: the logits of each call."""
+    with torch.no_grad():
+        out = [model(prompt, **{CACHE_KWARG: cache}).logits[:, -1]]
+        for i in range(steps.shape[1]):
+            out.append(model(steps[:, i : i + 1], **{CACHE_KWARG: cache}).logits[:, -1])
+    return out
+
+
+def fresh(model, prompt, steps):
+    return decode_logits(model, SparseCache(model.config), prompt, steps)
+
+
+CASES = [(selector, "infllmv2") for selector in SELECTORS] + [("query", "nosa"), ("quest", "nosa")]
+
+
+@pytest.mark.parametrize(("selector", "policy"), CASES)
+def test_reset_then_reuse_equals_a_fresh_cache(selector, policy):
+    model = model_for(selector, policy)
+    cache = SparseCache(model.config)
+    decode_logits(model, cache, tokens(1, PROMPT + 8), tokens(2, STEPS))  # another text first
+    cache.reset()
+    again = decode_logits(model, cache, tokens(3, PROMPT), tokens(4, STEPS))
+    for got, want in zip(again, fresh(model, tokens(3, PROMPT), tokens(4, STEPS))):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(("selector", "policy"), CASES)
+def test_crop_then_decode_equals_the_shorter_run(selector, policy):
+    model = model_for(selector, policy)
+    cache = SparseCache(model.config)
+    prompt, extra, steps = tokens(5, PROMPT), tokens(6, 6), tokens(7, STEPS)
+    decode_logits(model, cache, torch.cat([prompt, extra], dim=1), steps[:, :0])
+    cache.crop(PROMPT)  # keep the prompt's columns, drop the 6 guessed ones
+    with torch.no_grad():
+        after = [model(steps[:, i : i + 1], **{CACHE_KWARG: cache}).logits[:, -1] for i in range(STEPS)]
+    for got, want in zip(after, fresh(model, prompt, steps)[1:]):
+        # the prompt was prefilled in another chunking (50 columns, not 44): float rounding differs
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(("selector", "policy"), CASES)
+def test_a_fork_decodes_as_the_original_and_leaves_it_alone(selector, policy):
+    model = model_for(selector, policy)
+    cache = SparseCache(model.config)
+    prompt, steps, other = tokens(8, PROMPT), tokens(9, STEPS), tokens(10, STEPS)
+    decode_logits(model, cache, prompt, steps[:, :0])
+    forked = cache.fork()
+    with torch.no_grad():
+        for i in range(STEPS):  # the fork reads other tokens: the original must not see them
+            model(other[:, i : i + 1], **{CACHE_KWARG: forked})
+        on_original = [model(steps[:, i : i + 1], **{CACHE_KWARG: cache}).logits[:, -1] for i in range(STEPS)]
+    for got, want in zip(on_original, fresh(model, prompt, steps)[1:]):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
