@@ -147,31 +147,13 @@ def _decode_counters(model, cache, first: torch.Tensor, marks: list[int]) -> tup
     return tokens[: done + 1], snapshots, seconds / max(done, 1)
 
 
-def _span(before: dict, after: dict, offloaded: list[bool]) -> dict:
-    """H2D bytes per step and block hit rate over the steps between two `stats()` snapshots
-    (other H2D booked meanwhile counted in, as the eval does)."""
-    steps = after["h2d_bytes_per_step"][len(before["h2d_bytes_per_step"]) :]
-    other = after["h2d_other_bytes"] - before["h2d_other_bytes"]
-    wanted = sum(
-        a - b
-        for a, b, off in zip(after["blocks_wanted_per_layer"], before["blocks_wanted_per_layer"], offloaded)
-        if off
-    )
-    hits = sum(a - b for a, b, off in zip(after["hits_per_layer"], before["hits_per_layer"], offloaded) if off)
-    dense = after["mode"] == "dense-offload"
-    return {
-        "steps": len(steps),
-        "h2d_bytes_per_step": (sum(steps) + other) / len(steps) if steps else None,
-        "hit_rate": None if dense or not wanted else hits / wanted,
-    }
-
-
 def _measure_mode(model, name: str, prefilled, first: torch.Tensor, length: int, steps: int, total: int) -> dict:
     """One mode at one length: its cache filled from `prefilled`, `total` greedy steps (the curve
     reads the first `steps`).  Returns the byte counts, the H2D and hit rate of the cold first step
     and of the steady steps after it, the decoded ids and the mode's full final stats."""
     from .eval.modes import attending_with, make_cache, parse_mode
     from .inference.fill import copy_into
+    from .inference.report import stats_between
 
     mode = parse_mode(name)
     with attending_with(model, mode), torch.no_grad():
@@ -189,10 +171,10 @@ def _measure_mode(model, name: str, prefilled, first: torch.Tensor, length: int,
         "device_nbytes": curve["device_nbytes"],
         "index_nbytes": curve["index_nbytes"],
         "host_nbytes": curve["host_nbytes"],
-        "cold": _span(start, cold, offloaded),
-        "steady": _span(cold, curve, offloaded),
+        "cold": stats_between(start, cold, offloaded),
+        "steady": stats_between(cold, curve, offloaded),
         "all_steps": {
-            **_span(cold, end, offloaded),
+            **stats_between(cold, end, offloaded),
             "device_nbytes": end["device_nbytes"],
             "host_nbytes": end["host_nbytes"],
         },

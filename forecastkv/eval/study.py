@@ -31,7 +31,8 @@ Protocol per length L (the same for every cell of that length):
   "forecast-offload" for a selector that knows its blocks a layer ahead (`modes.SELECTOR_PREFETCH`),
   else "sparse-offload"; the dense record in "dense-offload"; oracle cannot run offloaded), filled from
   the same dense prefill.  The first step fills empty slots (`h2d_cold_bytes`); `h2d_bytes_per_step`
-  and `hit_rate` are over the steps after it, as the demo's curves count them (`demo._span`).  For the
+  and `hit_rate` are over the steps after it, as the demo's curves count them
+  (`inference/report.py:stats_between`).  For the
   first cell of each selector the offloaded logits are checked against the resident run's.
 
 Record schema (every key is present; a metric not measured is None):
@@ -440,9 +441,9 @@ def offload_mode(selector: str) -> str | None:
 def offloaded_run(model, prefilled, seq: ScoredSequence, mode: str, selector: str | None) -> tuple[torch.Tensor, dict]:
     """Decode seq's tail in the offloaded runtime (the model already attends with the cell's
     config), its cache filled from `prefilled`.  Returns (logits [tail, vocab], bytes and hit rate)."""
-    from ..demo import _span
     from ..inference import OffloadedSparseCache
     from ..inference.fill import copy_into
+    from ..inference.report import stats_between
 
     options = {} if selector is None else {"selector": selector}
     cache = OffloadedSparseCache.for_model(model, mode=mode, **options)
@@ -453,11 +454,11 @@ def offloaded_run(model, prefilled, seq: ScoredSequence, mode: str, selector: st
     first = teacher_forced(model, cache, seq.ids, seq.steps[:1])
     cold = cache.stats()
     rest = teacher_forced(model, cache, seq.ids, seq.steps[1:]) if seq.tail > 1 else first[:0]
-    steady = _span(cold, cache.stats(), offloaded)
+    steady = stats_between(cold, cache.stats(), offloaded)
     return torch.cat([first, rest]), {
         "h2d_bytes_per_step": steady["h2d_bytes_per_step"],
         "hit_rate": steady["hit_rate"],
-        "h2d_cold_bytes": _span(before, cold, offloaded)["h2d_bytes_per_step"],
+        "h2d_cold_bytes": stats_between(before, cold, offloaded)["h2d_bytes_per_step"],
     }
 
 

@@ -48,3 +48,24 @@ def format_stats(stats: dict) -> str:
             f"host tier {_mib(stats['host_nbytes'])}",
         ]
     )
+
+
+def stats_between(before: dict, after: dict, offloaded: list[bool]) -> dict:
+    """H2D bytes per step and block hit rate over the decode steps between two
+    `OffloadedSparseCache.stats()` snapshots (other H2D booked meanwhile counted in, as the eval
+    does); `offloaded[i]`: layer i is offloaded (only those count toward the hit rate).  The demo's
+    curves and the selector study both count with it."""
+    steps = after["h2d_bytes_per_step"][len(before["h2d_bytes_per_step"]) :]
+    other = after["h2d_other_bytes"] - before["h2d_other_bytes"]
+    wanted = sum(
+        a - b
+        for a, b, off in zip(after["blocks_wanted_per_layer"], before["blocks_wanted_per_layer"], offloaded)
+        if off
+    )
+    hits = sum(a - b for a, b, off in zip(after["hits_per_layer"], before["hits_per_layer"], offloaded) if off)
+    dense = after["mode"] == "dense-offload"
+    return {
+        "steps": len(steps),
+        "h2d_bytes_per_step": (sum(steps) + other) / len(steps) if steps else None,
+        "hit_rate": None if dense or not wanted else hits / wanted,
+    }
