@@ -403,9 +403,12 @@ def _train_forecast(argv: list[str]) -> int:
 
 
 def _forecast_recall(argv: list[str]) -> int:
-    from .training.recall_cli import main as recall_main
+    from .training.recall_cli import build_parser as recall_parser
 
-    return recall_main(argv) or 0
+    args = recall_parser().parse_args(argv)  # --help and bad options answer before torch is imported
+    from .training.recall import run
+
+    return run(args) or 0
 
 
 def _lm_eval(argv: list[str]) -> int:

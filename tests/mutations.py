@@ -70,7 +70,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "top-p-no-budget-cap",
-        "forecastkv/modeling/selectors.py",
+        "forecastkv/modeling/selection.py",
         "take = min(cap, n_blocks)",
         "take = n_blocks",
         ("tests/modeling/test_selectors.py",),

@@ -521,15 +521,6 @@ class DiskBlock:
         """Layer `index`'s rows: keys, values [bs, H, d], cis [bs, H] or None (fresh host tensors)."""
         return tuple(self._read(name, index) if name in self.tensors else None for name in ("keys", "values", "cis"))
 
-    def rows(self):
-        """Every layer's rows (a `BlockRows`)."""
-        import torch
-
-        from .blocks import BlockRows
-
-        parts = [self.layer(index) for index in range(self.tensors["keys"][1][0])]
-        return BlockRows(*(None if parts[0][i] is None else torch.stack([p[i] for p in parts]) for i in range(3)))
-
 
 # -- repair ---------------------------------------------------------------------------------------
 def repair(root: str | os.PathLike, namespace: str) -> tuple[int, int, list[str]]:

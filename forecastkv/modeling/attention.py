@@ -82,7 +82,7 @@ def key_selection(
         return selectors.oracle_blocks(mass, positions, sparse.budget_blocks, sparse.block_size)
     blocks = torch.arange(n_blocks, device=mass.device).view(1, 1, -1)
     future = (blocks > torch.div(positions, sparse.block_size, rounding_mode="floor").unsqueeze(-1))[:, None]
-    return selectors.top_p_blocks(
+    return sel.top_p_blocks(
         mass.masked_fill(future, sel.NEG_INF), positions, sparse.top_p, sparse.budget_blocks, sparse.block_size,
         logits=False,
     )

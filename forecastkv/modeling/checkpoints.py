@@ -365,7 +365,7 @@ def materialize_rest(model, dtype, device, device_map) -> None:
     """After loading: forecast heads the checkpoint lacked get storage (their init runs next),
     rotary tables are recomputed on their device (they are not stored), tied weights are tied."""
     from .lazy_weights import device_for
-    from .modeling import RotaryEmbedding
+    from .rotary import RotaryEmbedding
 
     for name, param in list(model.named_parameters()):
         if param.is_meta and FORECAST_KEY.search(name):

@@ -23,6 +23,7 @@ from ..modes import SELECTOR_PREFETCH
 from .attention import SparseAttention, layer_selector, plan_decode
 from .cache import CallInfo, SparseCache
 from .configuration import ForecastKVConfig
+from .rotary import RotaryEmbedding
 
 # The cache keyword of this transformers version's generate loop: "cache" (5.24) or "past_key_values" (5.17).
 CACHE_KWARG = (
@@ -36,67 +37,6 @@ CACHE_KWARG = (
 # Rotary position embeddings: default, the static HF variants, and MiniCPM's LongRoPE
 # (`attention.apply_rope` rotates the queries, keys and forecast vectors with these tables)
 # ----------------------------------------------------------------------------------------------
-
-STATIC_HF_TYPES = ("linear", "llama3", "yarn")
-
-
-def default_inv_freq(theta: float, dim: int) -> torch.Tensor:
-    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)).float()
-
-
-class RotaryEmbedding(nn.Module):
-    """cos/sin tables for positions.  Supports rope_type default, linear, llama3, yarn and longrope.
-
-    LongRoPE (MiniCPM / Phi-3): inverse frequencies are divided by `short_factor`, or by
-    `long_factor` when the call's length max(position)+1 exceeds `original_max_position_embeddings`;
-    cos and sin are multiplied by sqrt(1 + ln(max_pos / original_max) / ln(original_max)).
-    """
-
-    def __init__(self, config) -> None:
-        super().__init__()
-        params = dict(config.rope_parameters or {})
-        self.rope_type = params.get("rope_type", params.get("type", "default"))
-        dim = config.head_dim
-        theta = float(params.get("rope_theta", 10000.0))
-        self.original_max = None
-        self.attention_scaling = 1.0
-        if self.rope_type == "default":
-            inv_freq = default_inv_freq(theta, dim)
-        elif self.rope_type == "longrope":
-            base = default_inv_freq(theta, dim)
-            short = torch.tensor(params["short_factor"], dtype=torch.float32)
-            long = torch.tensor(params["long_factor"], dtype=torch.float32)
-            if short.numel() != dim // 2 or long.numel() != dim // 2:
-                raise ValueError(
-                    f"longrope factors need head_dim/2 = {dim // 2} entries, got "
-                    f"{short.numel()} (short) and {long.numel()} (long)"
-                )
-            self.original_max = int(params.get("original_max_position_embeddings", config.max_position_embeddings))
-            inv_freq = base / short
-            self.register_buffer("long_inv_freq", base / long, persistent=False)
-            ratio = config.max_position_embeddings / self.original_max
-            default_factor = 1.0 if ratio <= 1.0 else math.sqrt(1 + math.log(ratio) / math.log(self.original_max))
-            self.attention_scaling = float(params.get("attention_factor") or default_factor)
-        elif self.rope_type in STATIC_HF_TYPES:
-            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-            inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[self.rope_type](config, None)
-        else:
-            raise ValueError(
-                f"rope_type {self.rope_type!r} is not supported; use one of default, longrope, {STATIC_HF_TYPES}"
-            )
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-
-    @torch.no_grad()
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [B, T] (int; -1 padding is clamped to 0) -> cos, sin [B, T, head_dim] in `dtype`."""
-        inv_freq = self.inv_freq
-        if self.original_max is not None and int(positions.max()) + 1 > self.original_max:
-            inv_freq = self.long_inv_freq
-        freqs = positions.clamp(min=0).float().unsqueeze(-1) * inv_freq.to(positions.device)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
-
 
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float = 1e-6) -> None:

@@ -91,7 +91,7 @@ def score_kind(kind: str) -> str:
 
 def scores_are_logits(kind: str, vectors: torch.Tensor, ckeys: torch.Tensor) -> bool:
     """Whether `kind`'s block scores are raw logits (forecast with one vector per KV head: a dot product)
-    rather than probability-like (summed softmax); what a top-p budget turns into mass (`selectors.block_mass`)."""
+    rather than probability-like (summed softmax); what a top-p budget turns into mass (`block_mass`)."""
     return kind == "forecast" and vectors.shape[2] == ckeys.shape[2]
 
 
@@ -411,15 +411,13 @@ def select_blocks(
     """The final selection [B, H, Tq, budget_blocks] for `sparse.policy` from forced block scores.
 
     infllmv2: top-(topk + local_blocks), or with `sparse.top_p` the top-p budget capped at that
-    (`selectors.top_p_blocks`; logits: the scores are raw dot products, made mass by a softmax).
+    (`top_p_blocks`; logits: the scores are raw dot products, made mass by a softmax).
     nosa: a shortlist of init + local + query_blocks from the block scores, filled to the budget from
     `agnostic_scores` (see `agnostic_block_scores`).
     """
     budget = sparse.budget_blocks
     if sparse.policy == "infllmv2":
         if sparse.top_p:
-            from .selectors import top_p_blocks  # selectors builds on this module
-
             return top_p_blocks(block_scores, positions, sparse.top_p, budget, sparse.block_size, logits)
         return topk_blocks(block_scores, positions, budget, sparse.block_size)
     if agnostic_scores is None:
@@ -622,3 +620,67 @@ def summarise_recall(counts: torch.Tensor, start: int, length: int, rows: int, b
     tail = slice(RECALL_FIRST_LAYER, None) if len(recall) > RECALL_FIRST_LAYER else slice(None)
     mean = lambda values: sum(values[tail]) / len(values[tail])  # noqa: E731
     return RecallReport(start, length, rows, backbone, recall, chance, mean(recall), mean(chance))
+
+
+# ----------------------------------------------------------------------------------------------
+# top-p budgets (Twilight): the mass a block holds, and the blocks that reach p
+# ----------------------------------------------------------------------------------------------
+
+
+def row_blocks(positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """positions [B, Tq] -> [B, 1, Tq, 1], the block of each row (-1 for padding rows)."""
+    return torch.div(positions, block_size, rounding_mode="floor")[:, None, :, None]
+
+
+def block_mass(block_scores: torch.Tensor, logits: bool) -> torch.Tensor:
+    """The normalised score mass of the non-forced finite blocks, fp32 [B, H, Tq, NB] (0 elsewhere).
+
+    block_scores [B, H, Tq, NB] as `score_blocks` gives them (forced +inf, invisible -inf).
+    logits True: a softmax over the finite entries (raw dot-product scores); False: score / sum of
+    scores over them, negatives clamped to 0 (probability-like scores).  Each row sums to 1, or to 0
+    when it has no finite entry or (logits False) no positive one.
+    """
+    scores = block_scores.float()
+    finite = torch.isfinite(scores)
+    if logits:
+        peak = scores.masked_fill(~finite, NEG_INF).amax(dim=-1, keepdim=True)
+        peak = peak.masked_fill(peak == NEG_INF, 0.0)  # a row with no finite entry: weights are 0 anyway
+        weights = torch.exp(scores.masked_fill(~finite, NEG_INF) - peak)
+    else:
+        weights = scores.clamp(min=0).masked_fill(~finite, 0.0)
+    total = weights.sum(dim=-1, keepdim=True)
+    return torch.where(total > 0, weights / total.clamp(min=torch.finfo(torch.float32).tiny), 0.0)
+
+
+def top_p_blocks(
+    block_scores: torch.Tensor, positions: torch.Tensor, p: float, cap: int, block_size: int, logits: bool
+) -> torch.Tensor:
+    """Twilight-style top-p budget: int64 [B, H, Tq, cap], canonical (ids ascending, -1 padding).
+
+    block_scores [B, H, Tq, NB] (`score_blocks`: forced +inf, invisible -inf), positions
+    [B, Tq].  Blocks in the row's future (j > t // bs) never count, forced or not.  The forced blocks
+    are always taken (the lower ids when more than cap).  The others, in descending score order (ties:
+    the lower id), are taken while the `block_mass` taken before them is below p, so the crossing block
+    is the last; only blocks of positive mass count, and at most cap blocks are taken in all.  A row
+    with no non-forced mass takes the forced blocks only; p = 1 takes every positive-mass block up to
+    the cap.  Vectorised and without host reads (fixed shapes whatever p: a decode step).
+    """
+    if not 0 < p <= 1:
+        raise ValueError(f"top-p needs 0 < p <= 1, got p = {p}")
+    if cap < 1:
+        raise ValueError(f"top-p needs a cap of at least 1 block, got cap = {cap}")
+    n_blocks = block_scores.shape[-1]
+    blocks = torch.arange(n_blocks, device=block_scores.device).view(1, 1, 1, -1)
+    scores = block_scores.float().masked_fill(blocks > row_blocks(positions, block_size), NEG_INF)
+    take = min(cap, n_blocks)
+    order = descending_order(scores, take)  # forced (+inf) first by id, then the rest by score
+    forced = torch.gather(scores, -1, order) == POS_INF
+    mass = torch.gather(block_mass(scores, logits), -1, order)
+    before = torch.cumsum(mass, dim=-1) - mass  # mass taken before each candidate
+    wanted = mass > 0
+    if p < 1:  # p = 1: every positive-mass block (a rounded cumulative sum may reach 1 early)
+        wanted = wanted & (before < p)
+    keep = forced | wanted
+    ids = order.masked_fill(~keep, n_blocks).sort(dim=-1).values  # dropped ids sort last
+    ids = ids.masked_fill(ids == n_blocks, -1)
+    return F.pad(ids, (0, cap - take), value=-1) if take < cap else ids

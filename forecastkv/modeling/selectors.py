@@ -20,7 +20,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .selection import NEG_INF, POS_INF, descending_order, selection_mask, topk_blocks
+from .selection import NEG_INF, row_blocks, selection_mask, topk_blocks
 
 
 def _check_heads(q: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, keys_name: str) -> int:
@@ -52,11 +52,6 @@ def _fit_blocks(scores: torch.Tensor, n_blocks: int, fill: float) -> torch.Tenso
     if width >= n_blocks:
         return scores[..., :n_blocks]
     return F.pad(scores, (0, n_blocks - width), value=fill)
-
-
-def _current_block(positions: torch.Tensor, block_size: int) -> torch.Tensor:
-    """positions [B, Tq] -> [B, 1, Tq, 1], the block of each row (-1 for padding rows)."""
-    return torch.div(positions, block_size, rounding_mode="floor")[:, None, :, None]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -96,7 +91,7 @@ def oracle_blocks(mass: torch.Tensor, positions: torch.Tensor, k: int, block_siz
     (j <= t // bs) compete, nothing is forced, ties go to the lower id (`selection.topk_blocks`).
     """
     blocks = torch.arange(mass.shape[-1], device=mass.device).view(1, 1, 1, -1)
-    scores = mass.float().masked_fill(blocks > _current_block(positions, block_size), NEG_INF)
+    scores = mass.float().masked_fill(blocks > row_blocks(positions, block_size), NEG_INF)
     return topk_blocks(scores, positions, k, block_size)
 
 
@@ -148,60 +143,6 @@ def quest_block_scores(
 # ----------------------------------------------------------------------------------------------
 # top-p budgets
 # ----------------------------------------------------------------------------------------------
-
-
-def block_mass(block_scores: torch.Tensor, logits: bool) -> torch.Tensor:
-    """The normalised score mass of the non-forced finite blocks, fp32 [B, H, Tq, NB] (0 elsewhere).
-
-    block_scores [B, H, Tq, NB] as `selection.score_blocks` gives them (forced +inf, invisible -inf).
-    logits True: a softmax over the finite entries (raw dot-product scores); False: score / sum of
-    scores over them, negatives clamped to 0 (probability-like scores).  Each row sums to 1, or to 0
-    when it has no finite entry or (logits False) no positive one.
-    """
-    scores = block_scores.float()
-    finite = torch.isfinite(scores)
-    if logits:
-        peak = scores.masked_fill(~finite, NEG_INF).amax(dim=-1, keepdim=True)
-        peak = peak.masked_fill(peak == NEG_INF, 0.0)  # a row with no finite entry: weights are 0 anyway
-        weights = torch.exp(scores.masked_fill(~finite, NEG_INF) - peak)
-    else:
-        weights = scores.clamp(min=0).masked_fill(~finite, 0.0)
-    total = weights.sum(dim=-1, keepdim=True)
-    return torch.where(total > 0, weights / total.clamp(min=torch.finfo(torch.float32).tiny), 0.0)
-
-
-def top_p_blocks(
-    block_scores: torch.Tensor, positions: torch.Tensor, p: float, cap: int, block_size: int, logits: bool
-) -> torch.Tensor:
-    """Twilight-style top-p budget: int64 [B, H, Tq, cap], canonical (ids ascending, -1 padding).
-
-    block_scores [B, H, Tq, NB] (`selection.score_blocks`: forced +inf, invisible -inf), positions
-    [B, Tq].  Blocks in the row's future (j > t // bs) never count, forced or not.  The forced blocks
-    are always taken (the lower ids when more than cap).  The others, in descending score order (ties:
-    the lower id), are taken while the `block_mass` taken before them is below p, so the crossing block
-    is the last; only blocks of positive mass count, and at most cap blocks are taken in all.  A row
-    with no non-forced mass takes the forced blocks only; p = 1 takes every positive-mass block up to
-    the cap.  Vectorised and without host reads (fixed shapes whatever p: a decode step).
-    """
-    if not 0 < p <= 1:
-        raise ValueError(f"top-p needs 0 < p <= 1, got p = {p}")
-    if cap < 1:
-        raise ValueError(f"top-p needs a cap of at least 1 block, got cap = {cap}")
-    n_blocks = block_scores.shape[-1]
-    blocks = torch.arange(n_blocks, device=block_scores.device).view(1, 1, 1, -1)
-    scores = block_scores.float().masked_fill(blocks > _current_block(positions, block_size), NEG_INF)
-    take = min(cap, n_blocks)
-    order = descending_order(scores, take)  # forced (+inf) first by id, then the rest by score
-    forced = torch.gather(scores, -1, order) == POS_INF
-    mass = torch.gather(block_mass(scores, logits), -1, order)
-    before = torch.cumsum(mass, dim=-1) - mass  # mass taken before each candidate
-    wanted = mass > 0
-    if p < 1:  # p = 1: every positive-mass block (a rounded cumulative sum may reach 1 early)
-        wanted = wanted & (before < p)
-    keep = forced | wanted
-    ids = order.masked_fill(~keep, n_blocks).sort(dim=-1).values  # dropped ids sort last
-    ids = ids.masked_fill(ids == n_blocks, -1)
-    return F.pad(ids, (0, cap - take), value=-1) if take < cap else ids
 
 
 # ----------------------------------------------------------------------------------------------

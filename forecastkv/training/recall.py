@@ -22,7 +22,7 @@ from forecastkv.errors import ConfigError
 from forecastkv.modeling import selection as sel
 from forecastkv.modeling.heads import scoring_vectors
 from forecastkv.modeling.routing import BACKBONES, attending_with, backbone_sparse_config
-from forecastkv.training.recall_cli import DEFAULT_START
+from forecastkv.training.recall_cli import DEFAULT_START, build_parser
 
 # ----------------------------------------------------------------------------------------------
 # the runner: both selectors at every layer of a frozen forward
@@ -209,3 +209,31 @@ def resolve_geometry(sparse_config=None, forecast_weights=None, topk: int | None
     if topk is not None:
         geometry["topk"] = topk
     return resolve_sparse_config(geometry)
+
+
+def run(args) -> int:
+    """`forecastkv forecast-recall` with its parsed arguments (`recall_cli.build_parser`)."""
+    protocol = RecallProtocol(args.source, args.split, args.length, args.start, args.sequences, args.backbone)
+    sparse = resolve_geometry(args.sparse_config, args.forecast_weights, args.topk)
+    model, tokenizer, _ = load_for_recall(args.model, args.forecast_weights, sparse, args.init, args.heads_per_group)
+    report = evaluate_recall(model, tokenizer, protocol, progress=not args.no_progress)
+    what = args.forecast_weights or f"init {args.init}, {args.heads_per_group} vector(s) per group"
+    print(
+        f"forecast recall of {what}: T={args.length}, rows t >= {args.start}, {report.rows} rows, "
+        f"backbone {args.backbone}"
+    )
+    print(report.table())
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps({"protocol": protocol.__dict__, "heads": what, **report.to_dict()}, indent=2)
+        )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m forecastkv.training.recall ...`, the same as `forecastkv forecast-recall ...`."""
+    return run(build_parser().parse_args(sys.argv[1:] if argv is None else argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,5 +1,5 @@
-"""`forecastkv forecast-recall`: its parser (which imports no torch, so `--help` answers at once)
-and its run (`recall.py`'s protocol).
+"""`forecastkv forecast-recall`'s parser, which imports no torch, so `--help` answers at once; the
+run is `recall.py:run`.
 
     forecastkv forecast-recall --forecast-weights runs/smollm2-135m-forecast --length 2048 --start 1024
     forecastkv forecast-recall --init next_query --heads-per-group 1      # an untrained init
@@ -8,9 +8,6 @@ and its run (`recall.py`'s protocol).
 from __future__ import annotations
 
 import argparse
-import json
-import sys
-from pathlib import Path
 
 from ..modes import BACKBONES
 
@@ -66,28 +63,3 @@ def build_parser(prog: str = "forecastkv forecast-recall") -> argparse.ArgumentP
         "--no-progress", action="store_true", help="no progress bar (one is drawn on stderr, layer by layer)"
     )
     return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    from .recall import RecallProtocol, evaluate_recall, load_for_recall, resolve_geometry
-
-    protocol = RecallProtocol(args.source, args.split, args.length, args.start, args.sequences, args.backbone)
-    sparse = resolve_geometry(args.sparse_config, args.forecast_weights, args.topk)
-    model, tokenizer, _ = load_for_recall(args.model, args.forecast_weights, sparse, args.init, args.heads_per_group)
-    report = evaluate_recall(model, tokenizer, protocol, progress=not args.no_progress)
-    what = args.forecast_weights or f"init {args.init}, {args.heads_per_group} vector(s) per group"
-    print(
-        f"forecast recall of {what}: T={args.length}, rows t >= {args.start}, {report.rows} rows, "
-        f"backbone {args.backbone}"
-    )
-    print(report.table())
-    if args.json:
-        Path(args.json).write_text(
-            json.dumps({"protocol": protocol.__dict__, "heads": what, **report.to_dict()}, indent=2)
-        )
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -112,11 +112,10 @@ def test_save_load_round_trip_reads_blocks_lazily(tmp_path):
     assert snapshot(tmp_path) == before
     assert torch.equal(generate(model, prompt, cache), generate(model, prompt, fresh_cache(model, None, "query")))
     name, entry = next(iter(loaded.entries.items()))
-    read, original = (
-        disk.DiskBlock((tmp_path / "alice" / entry.disk["file"]).read_bytes()).rows(),
-        store.block_rows(name),
-    )
-    assert torch.equal(read.keys, original.keys) and torch.equal(read.values, original.values) and read.cis is None
+    read, original = disk.DiskBlock((tmp_path / "alice" / entry.disk["file"]).read_bytes()), store.block_rows(name)
+    for index in range(original.keys.shape[0]):  # each layer as the file holds it
+        keys, values, cis = read.layer(index)
+        assert torch.equal(keys, original.keys[index]) and torch.equal(values, original.values[index]) and cis is None
 
 
 def test_namespaces_are_private_and_isolated(tmp_path):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from forecastkv.modeling import selectors
-from forecastkv.modeling.selection import force_blocks, topk_blocks
+from forecastkv.modeling.selection import block_mass, force_blocks, top_p_blocks, topk_blocks
 from tests.strict_device import count_host_reads
 
 INF = math.inf
@@ -339,7 +339,7 @@ def test_quest_rejects_mismatched_heads():
 @pytest.mark.parametrize("logits", [True, False])
 def test_block_mass_equals_the_loop(logits):
     scores = block_scores(heads=2, seed=5, signed=logits)
-    mass = selectors.block_mass(scores, logits)
+    mass = block_mass(scores, logits)
     for b, h, r in each_row(mass):
         ref = ref_row_mass([float(x) for x in scores[b, h, r]], logits)
         for j in range(N_BLOCKS):
@@ -348,9 +348,9 @@ def test_block_mass_equals_the_loop(logits):
 
 def test_block_mass_clamps_negatives_and_leaves_empty_rows_at_zero():
     scores = torch.tensor([[INF, -1.0, 3.0, 1.0, -INF], [INF, -2.0, -1.0, -INF, INF], [-INF] * 5]).view(1, 1, 3, 5)
-    mass = selectors.block_mass(scores, logits=False)
+    mass = block_mass(scores, logits=False)
     torch.testing.assert_close(mass[0, 0], torch.tensor([[0, 0, 0.75, 0.25, 0], [0.0] * 5, [0.0] * 5]))
-    soft = selectors.block_mass(scores, logits=True)
+    soft = block_mass(scores, logits=True)
     assert not soft.isnan().any() and (soft[0, 0, 2] == 0).all()
     torch.testing.assert_close(soft[0, 0, 1, 1:3], torch.tensor([-2.0, -1.0]).softmax(-1))
 
@@ -361,7 +361,7 @@ def test_block_mass_clamps_negatives_and_leaves_empty_rows_at_zero():
 @pytest.mark.parametrize("ties", [False, True])
 def test_top_p_equals_the_loop(logits, p, cap, ties):
     scores = block_scores(heads=2, seed=6, ties=ties, signed=True)  # negatives: clamped when not logits
-    ids = selectors.top_p_blocks(scores, POSITIONS, p, cap, BLOCK, logits)
+    ids = top_p_blocks(scores, POSITIONS, p, cap, BLOCK, logits)
     assert ids.dtype == torch.int64 and ids.shape == (2, 2, 4, cap)
     for b, h, r in each_row(ids):
         expected = ref_top_p([float(x) for x in scores[b, h, r]], int(POSITIONS[b, r]), p, cap, BLOCK, logits)
@@ -373,8 +373,8 @@ def test_top_p_equals_the_loop(logits, p, cap, ties):
 @pytest.mark.parametrize("cap", [2, 4, 8])
 def test_top_p_reaches_p_with_the_fewest_blocks(logits, p, cap):
     scores = block_scores(heads=3, seed=7, init=2, local=0, signed=logits, hidden_share=0.1)
-    ids = selectors.top_p_blocks(scores, POSITIONS, p, cap, BLOCK, logits)
-    mass = selectors.block_mass(scores.masked_fill(future_blocks(), -INF), logits)  # init blocks may lie ahead
+    ids = top_p_blocks(scores, POSITIONS, p, cap, BLOCK, logits)
+    mass = block_mass(scores.masked_fill(future_blocks(), -INF), logits)  # init blocks may lie ahead
     for b, h, r in each_row(ids):
         t = int(POSITIONS[b, r])
         picked = [j for j in row_list(ids[b, h, r]) if j >= 0]
@@ -395,55 +395,55 @@ def test_top_p_reaches_p_with_the_fewest_blocks(logits, p, cap):
 
 def test_top_p_keeps_the_lower_forced_ids_when_they_exceed_the_cap():
     scores = torch.tensor([INF, 0.9, INF, INF, 0.5, INF]).view(1, 1, 1, -1)
-    ids = selectors.top_p_blocks(scores, torch.tensor([[23]]), 0.9, 2, BLOCK, logits=False)
+    ids = top_p_blocks(scores, torch.tensor([[23]]), 0.9, 2, BLOCK, logits=False)
     assert row_list(ids[0, 0, 0]) == [0, 2]
-    ids = selectors.top_p_blocks(scores, torch.tensor([[23]]), 0.5, 6, BLOCK, logits=False)
+    ids = top_p_blocks(scores, torch.tensor([[23]]), 0.5, 6, BLOCK, logits=False)
     assert row_list(ids[0, 0, 0]) == [0, 1, 2, 3, 5, -1]  # 0.9 / 1.4 >= 0.5: block 1 crosses alone
 
 
 def test_top_p_stops_once_the_mass_equals_p():
     scores = torch.tensor([0.25, 0.5, 0.25]).view(1, 1, 1, -1)  # masses exact in binary
     for p, expected in ((0.5, [1, -1, -1]), (0.75, [0, 1, -1]), (0.7, [0, 1, -1]), (1.0, [0, 1, 2])):
-        ids = selectors.top_p_blocks(scores, torch.tensor([[11]]), p, 3, BLOCK, logits=False)
+        ids = top_p_blocks(scores, torch.tensor([[11]]), p, 3, BLOCK, logits=False)
         assert row_list(ids[0, 0, 0]) == expected, p
     # p = 1 takes a positive mass too small to move the fp32 cumulative sum off 1
-    tiny = selectors.top_p_blocks(
+    tiny = top_p_blocks(
         torch.tensor([1.0, 1e-9]).view(1, 1, 1, -1), torch.tensor([[7]]), 1.0, 2, BLOCK, False
     )
     assert row_list(tiny[0, 0, 0]) == [0, 1]
 
 
 def test_top_p_edges_single_block_padding_and_no_mass():
-    one = selectors.top_p_blocks(torch.tensor([0.4]).view(1, 1, 1, 1), torch.tensor([[2]]), 1.0, 3, BLOCK, logits=False)
+    one = top_p_blocks(torch.tensor([0.4]).view(1, 1, 1, 1), torch.tensor([[2]]), 1.0, 3, BLOCK, logits=False)
     assert row_list(one[0, 0, 0]) == [0, -1, -1]
     # a padding row, a row with only forced blocks, and one whose non-forced scores are all <= 0
     scores = torch.tensor([[INF, 0.7, 0.3], [INF, -INF, INF], [INF, -0.5, 0.0]]).view(1, 1, 3, 3)
-    ids = selectors.top_p_blocks(scores, torch.tensor([[-1, 11, 11]]), 0.9, 3, BLOCK, logits=False)
+    ids = top_p_blocks(scores, torch.tensor([[-1, 11, 11]]), 0.9, 3, BLOCK, logits=False)
     assert [row_list(row) for row in ids[0, 0]] == [[-1, -1, -1], [0, 2, -1], [0, -1, -1]]
 
 
 def test_top_p_ignores_forced_and_scored_blocks_in_the_future():
     scores = torch.tensor([INF, INF, 0.6, 0.9]).view(1, 1, 1, -1)  # the row is in block 0
-    ids = selectors.top_p_blocks(scores, torch.tensor([[2]]), 1.0, 4, BLOCK, logits=True)
+    ids = top_p_blocks(scores, torch.tensor([[2]]), 1.0, 4, BLOCK, logits=True)
     assert row_list(ids[0, 0, 0]) == [0, -1, -1, -1]
 
 
 @pytest.mark.parametrize("p", [0.0, -0.1, 1.01, math.nan])
 def test_top_p_rejects_p_outside_zero_one(p):
     with pytest.raises(ValueError, match=f"p = {p}"):
-        selectors.top_p_blocks(block_scores(1, seed=0), POSITIONS, p, 4, BLOCK, logits=False)
+        top_p_blocks(block_scores(1, seed=0), POSITIONS, p, 4, BLOCK, logits=False)
 
 
 def test_top_p_rejects_a_cap_below_one():
     with pytest.raises(ValueError, match="cap = 0"):
-        selectors.top_p_blocks(block_scores(1, seed=0), POSITIONS, 0.9, 0, BLOCK, logits=False)
+        top_p_blocks(block_scores(1, seed=0), POSITIONS, 0.9, 0, BLOCK, logits=False)
 
 
 def test_top_p_is_fixed_shape_and_reads_nothing_back():
     scores = block_scores(heads=2, seed=8)
     with count_host_reads() as counter:
         shapes = {
-            selectors.top_p_blocks(scores, POSITIONS, p, 5, BLOCK, logits).shape
+            top_p_blocks(scores, POSITIONS, p, 5, BLOCK, logits).shape
             for p in (0.1, 0.9, 1.0)
             for logits in (True, False)
         }
@@ -490,8 +490,8 @@ def test_every_selection_recalls_everything_at_a_budget_of_all_blocks(group):
     selections = {
         "oracle": oracle,
         "quest": topk_blocks(quest, POSITIONS, N_BLOCKS, BLOCK),
-        "quest top-p": selectors.top_p_blocks(quest, POSITIONS, 1.0, N_BLOCKS, BLOCK, logits=False),
-        "logit top-p": selectors.top_p_blocks(
+        "quest top-p": top_p_blocks(quest, POSITIONS, 1.0, N_BLOCKS, BLOCK, logits=False),
+        "logit top-p": top_p_blocks(
             block_scores(2, seed=12, signed=True, hidden_share=0.0), POSITIONS, 1.0, N_BLOCKS + 2, BLOCK, logits=True
         ),
         "wide top-k": topk_blocks(block_scores(2, seed=13, hidden_share=0.0), POSITIONS, N_BLOCKS + 1, BLOCK),
