@@ -32,11 +32,20 @@ from .paged import LayerPages, page_slots
 
 @dataclass
 class StepBytes:
-    """H2D bytes of each decode call (all layers and requests summed), and the order of requests
-    and waits: (step, "request" | "wait", layer)."""
+    """Per decode call (all layers and requests summed): H2D bytes, and the blocks the offloaded
+    layers' plans wanted and found already in their slot maps ((request, KV head, block) triples of
+    complete blocks, as the HF runtime's `stats()` counts them); and the order of requests and
+    waits: (step, "request" | "wait", layer)."""
 
     per_step: list[int] = field(default_factory=list)
+    wanted: list[int] = field(default_factory=list)
+    hits: list[int] = field(default_factory=list)
     events: list[tuple[int, str, int]] = field(default_factory=list)
+
+    def clear(self) -> None:
+        """Forget every call counted so far (a reader that has taken them: a server's counts stay bounded)."""
+        for records in (self.per_step, self.wanted, self.hits, self.events):
+            records.clear()
 
 
 class LookaheadTier:
@@ -45,8 +54,15 @@ class LookaheadTier:
     budget: slots per (request, layer, KV head), the HF runtime's `budget_blocks`; block_size: the
     selection block; ring: rows kept resident behind the newest token (the widest window index)."""
 
-    def __init__(self, pools: list[LayerPages], budget: int, block_size: int, ring: int,
-                 resident: tuple[int, ...] = (0,), evict: bool = False) -> None:
+    def __init__(
+        self,
+        pools: list[LayerPages],
+        budget: int,
+        block_size: int,
+        ring: int,
+        resident: tuple[int, ...] = (0,),
+        evict: bool = False,
+    ) -> None:
         self.pools, self.budget, self.block_size, self.ring = pools, budget, block_size, ring
         self.resident, self.evict = set(resident), evict
         pin = pools[0].keys.device.type == "cuda"
@@ -59,7 +75,8 @@ class LookaheadTier:
     # -- what one call does -----------------------------------------------------------------------
     def begin_decode(self) -> None:
         """A decode call starts: a new step of the byte count."""
-        self.stats.per_step.append(0)
+        for records in (self.stats.per_step, self.stats.wanted, self.stats.hits):
+            records.append(0)
         self._requested = set()
 
     def forget(self, table: torch.Tensor, lengths: torch.Tensor) -> None:
@@ -72,13 +89,15 @@ class LookaheadTier:
 
     def write_through(self, layer: int, page_ids, heads, offsets) -> None:
         """The rows just stored at (page_ids [N, 1], heads [1, H], offsets [N, 1]) of `layer`, copied to the host."""
-        for pool, host in zip((self.pools[layer].keys, self.pools[layer].values, self.pools[layer].cis),
-                              self.host[layer]):
+        for pool, host in zip(
+            (self.pools[layer].keys, self.pools[layer].values, self.pools[layer].cis), self.host[layer]
+        ):
             if pool is not None:
                 host[page_ids, heads, offsets] = pool[page_ids, heads, offsets].to("cpu")
 
-    def request(self, layer: int, table: torch.Tensor, before: torch.Tensor, lengths: torch.Tensor,
-                selection: torch.Tensor) -> None:
+    def request(
+        self, layer: int, table: torch.Tensor, before: torch.Tensor, lengths: torch.Tensor, selection: torch.Tensor
+    ) -> None:
         """Load layer `layer`'s misses for selection [B, H, K] (block ids, -1 none) of the decode rows
         whose block tables are table [B, nb], stored lengths before [B] at the call's start and
         lengths [B] now (the same when planned a layer ahead, one more at the layer itself): complete
@@ -91,11 +110,13 @@ class LookaheadTier:
         wanted = selection.masked_fill((selection < 0) | (selection >= complete.view(-1, 1, 1)), -1)
         keys = self._keys(table, before)
         maps = torch.stack([self.maps.setdefault(key, {}).get(layer, self._empty(selection)) for key in keys])
-        new_map, load_ids, _, _, misses = diff_block_map(maps, wanted)
+        new_map, load_ids, _, hits, misses = diff_block_map(maps, wanted)
         for row, key in enumerate(keys):
             self.maps[key][layer] = new_map[row]
         self._load(layer, table, load_ids)
         self.stats.per_step[-1] += int(misses.sum()) * self.block_bytes(layer)
+        self.stats.wanted[-1] += int((wanted >= 0).sum())
+        self.stats.hits[-1] += int(hits.sum())
 
     def wait(self, layer: int) -> bool:
         """Where `layer`'s decode attention starts (vLLM's `wait_for_layer_load`): on the CPU every

@@ -286,8 +286,9 @@ class PagedSparseCache(SparseCache):
     lengths: stored positions per sequence before the call (host ints); tier: a
     `serving/lookahead.py:LookaheadTier` (forecast-offload) or None."""
 
-    def __init__(self, config, pages: list[LayerPages], table: torch.Tensor, lengths: list[int], selector=None,
-                 tier=None):
+    def __init__(
+        self, config, pages: list[LayerPages], table: torch.Tensor, lengths: list[int], selector=None, tier=None
+    ):
         self._paged = (pages, table, list(lengths), tier)
         self.tier = tier
         super().__init__(config, selector=selector)

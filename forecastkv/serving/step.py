@@ -43,16 +43,18 @@ class EngineBatch:
         return ([decode] if decode else []) + chunks
 
 
-def forward_paged(model, token_ids: torch.Tensor, batch: EngineBatch, pages: list[LayerPages],
-                  selector: str | None = None, tier=None) -> torch.Tensor:
+def forward_paged(
+    model, token_ids: torch.Tensor, batch: EngineBatch, pages: list[LayerPages], selector: str | None = None, tier=None
+) -> torch.Tensor:
     """Hidden states [N, hidden] (after the final norm) for the flat token_ids [N] of `batch`, whose
     K/V (and window indexes) go to and come from `pages` (one `LayerPages` per layer).
 
     model: a `ForecastKVModel` (the decoder stack); tier: forecast-offload's host tier
     (`serving/lookahead.py:LookaheadTier`) or None.  Rows of token_ids past the batch's last request
     (an engine's padding) come back as zeros."""
-    out = torch.zeros(token_ids.shape[0], model.config.hidden_size, dtype=model.norm.weight.dtype,
-                      device=token_ids.device)
+    out = torch.zeros(
+        token_ids.shape[0], model.config.hidden_size, dtype=model.norm.weight.dtype, device=token_ids.device
+    )
     for group in batch.groups():
         width = max(batch.query_len(r) for r in group)
         ids = torch.zeros(len(group), width, dtype=torch.long, device=token_ids.device)

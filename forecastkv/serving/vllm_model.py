@@ -12,10 +12,16 @@ the page layout is ours (`kv_page_views`).
 The attention mode comes from the checkpoint's `sparse_config`, or from vLLM's `hf_overrides`:
 {"forecastkv_mode": "dense" | "infllmv2-query" | "nosa" | "infllmv2-forecast" | "nosa-forecast"}.
 Imports vLLM: load it through the plugin (`serving/vllm_plugin.py`), not from forecastkv's core.
+
+A refused configuration (a `UserInputError`) is printed as one line, `forecastkv: error: ...`, on
+stderr as the model is built, before vLLM logs its traceback (about 200 lines, the message deep
+inside): `one_line_errors`.
 """
 
 from __future__ import annotations
 
+import functools
+import sys
 from collections.abc import Iterable
 
 import torch
@@ -23,19 +29,45 @@ from torch import nn
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.attention import Attention
 
-from ..errors import ConfigError
+from ..errors import ConfigError, UserInputError
 from ..modeling.modeling import ForecastKVForCausalLM
 from ..modes import ATTENTION_MODES
 from .paged import LayerPages, check_page_geometry
 from .step import EngineBatch, forward_paged
 
 MODE_KEY = "forecastkv_mode"  # the hf_overrides key that picks the attention mode
+_PRINTED: set[str] = set()  # the errors this process has already printed as one line
 
 
-def apply_mode(config) -> str:
+def print_error_once(error: UserInputError) -> None:
+    """`forecastkv: error: <message>` on stderr, once per process and message (vLLM may build the
+    model again in the same process; its workers each print their own)."""
+    line = f"forecastkv: error: {error}"
+    if line not in _PRINTED:
+        _PRINTED.add(line)
+        print(line, file=sys.stderr, flush=True)
+
+
+def one_line_errors(method):
+    """Print a `UserInputError` raised by `method` as one line first, then let vLLM report it as it
+    does (its traceback follows the line)."""
+
+    @functools.wraps(method)
+    def wrapper(*args, **kwargs):
+        try:
+            return method(*args, **kwargs)
+        except UserInputError as error:
+            print_error_once(error)
+            raise
+
+    return wrapper
+
+
+def apply_mode(config, source: str = "SRC") -> str:
     """Set `config.sparse_config` for the mode named by `config.forecastkv_mode` (absent: the
     checkpoint's own); returns the mode's name.  A ConfigError names an unknown mode, a cache mode
-    (vLLM's KV connector decides where KV lives) and a mode the checkpoint cannot run."""
+    (vLLM's KV connector decides where KV lives) and a mode the checkpoint cannot run, with the
+    `forecastkv convert` line that makes checkpoint `source` able to."""
     name = getattr(config, MODE_KEY, None)
     if name is None:
         sparse = config.sparse
@@ -45,11 +77,17 @@ def apply_mode(config) -> str:
     if not isinstance(name, str) or "@" in name or name not in ATTENTION_MODES:
         raise ConfigError(f"{MODE_KEY}={name!r} is not a vLLM attention mode; known: {sorted(ATTENTION_MODES)}")
     spec = ATTENTION_MODES[name]
+    convert = f"forecastkv convert {source} DIR"
     if spec is not None and config.sparse is None:
-        raise ConfigError(f"{MODE_KEY}={name!r} needs a sparse geometry, but the checkpoint's sparse_config is null")
+        raise ConfigError(
+            f"{MODE_KEY}={name!r} needs a sparse geometry, but the checkpoint's sparse_config is null; "
+            f"fix: {convert} --sparse-config PRESET" + (" --forecast-init next_query" if spec[1] == "forecast" else "")
+        )
     if spec is not None and spec[1] == "forecast" and not config.forecast_config.enabled:
-        raise ConfigError(f"{MODE_KEY}={name!r} needs Forecast heads, but the checkpoint has none "
-                          "(convert it with --forecast-weights, or save a model that has them)")
+        raise ConfigError(
+            f"{MODE_KEY}={name!r} needs Forecast heads, but the checkpoint has none; "
+            f"fix: {convert} --forecast-init next_query (or --forecast-weights with heads from train-forecast)"
+        )
     config.sparse_config = None if spec is None else {**config.sparse_config, "policy": spec[0], "selector": spec[1]}
     return name
 
@@ -64,13 +102,15 @@ def kv_page_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return keys, values
     if kv_cache.dim() == 5 and kv_cache.shape[0] == 2:
         return kv_cache[0].transpose(1, 2), kv_cache[1].transpose(1, 2)
-    raise ConfigError(f"unknown vLLM KV pool layout {tuple(kv_cache.shape)}: expected [P, H, page, 2d] or "
-                      "[2, P, page, H, d]")
+    raise ConfigError(
+        f"unknown vLLM KV pool layout {tuple(kv_cache.shape)}: expected [P, H, page, 2d] or [2, P, page, H, d]"
+    )
 
 
 class ForecastKVForVLLM(nn.Module):
     """vLLM's model interface (`forward`, `compute_logits`, `load_weights`) over `ForecastKVForCausalLM`."""
 
+    @one_line_errors
     def __init__(self, *, vllm_config, prefix: str = "") -> None:
         super().__init__()
         config = vllm_config.model_config.hf_config
@@ -81,7 +121,7 @@ class ForecastKVForVLLM(nn.Module):
                 f"{parallel.tensor_parallel_size}, pipeline_parallel_size={parallel.pipeline_parallel_size} "
                 "(both must be 1); use data parallelism (several engines) to scale out"
             )
-        self.mode = apply_mode(config)
+        self.mode = apply_mode(config, getattr(vllm_config.model_config, "model", None) or "SRC")
         page = vllm_config.cache_config.block_size
         check_page_geometry(page, config.sparse)
         self.config = config
@@ -106,6 +146,7 @@ class ForecastKVForVLLM(nn.Module):
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.hf.model.embed_tokens(input_ids)
 
+    @one_line_errors
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None) -> torch.Tensor:
         """input_ids [N] (the call's tokens, engine padding last), positions [N] -> hidden [N, hidden]."""
         if inputs_embeds is not None or input_ids is None:
@@ -121,12 +162,16 @@ class ForecastKVForVLLM(nn.Module):
         starts = meta.query_start_loc[: requests + 1].tolist()
         batch = EngineBatch(starts, meta.seq_lens.tolist(), meta.block_table[:requests])
         tokens = input_ids[: meta.num_actual_tokens]
-        expected = torch.cat([
-            torch.arange(batch.stored_before(r), batch.seq_lens[r]) for r in range(requests)
-        ]) if requests else torch.zeros(0, dtype=torch.long)
+        expected = (
+            torch.cat([torch.arange(batch.stored_before(r), batch.seq_lens[r]) for r in range(requests)])
+            if requests
+            else torch.zeros(0, dtype=torch.long)
+        )
         if not torch.equal(positions[: meta.num_actual_tokens].cpu().long(), expected):
-            raise ConfigError("vLLM passed positions that do not continue each request's stored tokens "
-                              "(speculative decoding or M-RoPE is not supported by forecastkv's vLLM model)")
+            raise ConfigError(
+                "vLLM passed positions that do not continue each request's stored tokens "
+                "(speculative decoding or M-RoPE is not supported by forecastkv's vLLM model)"
+            )
         pages = self._layer_pages()
         hidden = forward_paged(self.hf.model, tokens, batch, pages, tier=self._tier(pages))
         out = torch.zeros(out_shape, dtype=hidden.dtype, device=hidden.device)
@@ -140,6 +185,7 @@ class ForecastKVForVLLM(nn.Module):
             hidden_states = hidden_states / (self.config.hidden_size / mup.dim_model_base)
         return self.hf.lm_head(hidden_states)
 
+    @one_line_errors
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy the checkpoint's tensors into the model; a ConfigError names a tensor of another
         shape (heads from another geometry) and every parameter the checkpoint lacks."""
@@ -158,8 +204,10 @@ class ForecastKVForVLLM(nn.Module):
             loaded.add(name)
         missing = sorted(set(params) - loaded)
         if missing:
-            raise ConfigError(f"mode {self.mode!r}: the checkpoint has no {', '.join(missing[:6])}"
-                              + (f" (and {len(missing) - 6} more)" if len(missing) > 6 else ""))
+            raise ConfigError(
+                f"mode {self.mode!r}: the checkpoint has no {', '.join(missing[:6])}"
+                + (f" (and {len(missing) - 6} more)" if len(missing) > 6 else "")
+            )
         return {name for name, _ in self.named_parameters()}
 
     # -- the pages ------------------------------------------------------------------------------------

@@ -64,8 +64,7 @@ def engine(path: str, mode: str | None, **options):
     pages of PAGE tokens."""
     from vllm import LLM
 
-    settings = dict(dtype="float32", block_size=PAGE, enforce_eager=True, max_model_len=8192, max_num_seqs=8,
-                    seed=0)
+    settings = dict(dtype="float32", block_size=PAGE, enforce_eager=True, max_model_len=8192, max_num_seqs=8, seed=0)
     if mode is not None:
         settings["hf_overrides"] = {"forecastkv_mode": mode}
     return LLM(model=path, **{**settings, **options})
@@ -101,12 +100,31 @@ def hf_greedy(model, mode: str, prompt: list[int], new_tokens: int) -> tuple[lis
     model.generation_config.eos_token_id = None  # vLLM runs with ignore_eos: neither stops early
     with attending_with(model, parse_mode(mode)):
         out = model.generate(
-            torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False, output_logits=True,
-            return_dict_in_generate=True, pad_token_id=0,
+            torch.tensor([prompt]),
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
         )
     tokens = out.sequences[0, len(prompt) :].tolist()
     logprobs = [float(torch.log_softmax(step[0].float(), -1)[t]) for step, t in zip(out.logits, tokens)]
     return tokens, logprobs
+
+
+@torch.no_grad()
+def hf_runtime_stats(model, mode: str, prompt: list[int], tokens: list[int]) -> tuple[dict, object]:
+    """The HF runtime's forecast-offload for `prompt` then `tokens` (each fed back, as generate() does):
+    (`OffloadedSparseCache.stats()`, the cache), an independent count of what the connector moves."""
+    from forecastkv.eval.modes import attending_with, parse_mode
+    from forecastkv.inference import OffloadedSparseCache
+
+    with attending_with(model, parse_mode(mode)):
+        cache = OffloadedSparseCache.for_model(model, mode="forecast-offload")
+        model(torch.tensor([prompt]), cache=cache)
+        for token in tokens[:-1]:
+            model(torch.tensor([[token]]), cache=cache)
+    return cache.stats(), cache
 
 
 def record(name: str, payload: dict) -> None:

@@ -149,3 +149,24 @@ def test_vllm_refuses_two_tensor_parallel_ranks_for_nine_heads(checkpoints):
     assert "Total number of attention heads (9) must be divisible by tensor parallel size (2)" in failure_text(
         caught.value
     )
+
+
+def test_a_refusal_is_printed_as_one_line_once_per_process(capsys):
+    """The model constructor prints `forecastkv: error: <message>` on stderr before raising, and a second
+    construction in the same process raises again without printing it twice."""
+    from forecastkv.serving import vllm_model
+    from forecastkv.serving.vllm_model import ForecastKVForVLLM
+
+    vllm_model._PRINTED.clear()
+    config = fake_vllm_config()
+    config.model_config.hf_config.forecastkv_mode = "infllmv2-forecast"
+    config.model_config.model = "/ckpt/no-heads"
+    for _ in range(2):
+        with pytest.raises(ConfigError, match="needs Forecast heads"):
+            ForecastKVForVLLM(vllm_config=config)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [
+        "forecastkv: error: forecastkv_mode='infllmv2-forecast' needs Forecast heads, but the checkpoint has none; "
+        "fix: forecastkv convert /ckpt/no-heads DIR --forecast-init next_query (or --forecast-weights with heads "
+        "from train-forecast)"
+    ]

