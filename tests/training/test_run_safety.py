@@ -313,6 +313,9 @@ def test_interrupt_in_process_writes_a_checkpoint(tmp_path, monkeypatch, uninter
     TrainingInterrupted (exit status 130), and a resume ends bit-identical to an uninterrupted run."""
     full = uninterrupted(steps=5, save_every=10)
     real = trainer_module.backward_step
+    # what the run must restore: Python's default, or SIG_IGN where a shell started pytest in the
+    # background without job control
+    before = signal.getsignal(signal.SIGINT)
 
     def interrupted(*args):
         loss = real(*args)
@@ -327,7 +330,7 @@ def test_interrupt_in_process_writes_a_checkpoint(tmp_path, monkeypatch, uninter
     assert stop.value.exit_status == 130 and stop.value.step == 3
     assert [p.name for p in list_checkpoints(out)] == ["step-000003.safetensors"]
     assert f"resume with: forecastkv train-forecast --resume {out}" in stop.value.message()
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
+    assert signal.getsignal(signal.SIGINT) is before  # handlers restored
     monkeypatch.setattr(trainer_module, "backward_step", real)
     assert_same_heads(
         full, train_forecast(tiny_recipe(tmp_path / "data", out, steps=5, save_every=10), resume=str(out))
