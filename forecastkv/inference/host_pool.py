@@ -26,14 +26,11 @@ from __future__ import annotations
 import collections
 import heapq
 import weakref
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from ..modeling.cache import capacity_for
-
-if TYPE_CHECKING:
-    from .host_store import HostBlockPool
 
 
 class BlockAllocator:
@@ -126,6 +123,23 @@ class BlockAllocator:
                 raise ValueError(f"block id {block} is outside the pool's {self.capacity} blocks")
 
 
+class BlockPool(Protocol):
+    """What `BlockTables` asks of its pool: a `BlockAllocator`'s counts, and a copy of a block's
+    first rows into another (copy on write; the pool that owns the buffers does it)."""
+
+    refs: list[int]
+
+    def allocate(self, count: int) -> list[int]: ...
+
+    def retain(self, blocks) -> None: ...
+
+    def release(self, blocks) -> None: ...
+
+    def release_tables(self, tables: list[list[int]]) -> None: ...
+
+    def copy_block(self, source: int, target: int, rows: int | None = None) -> None: ...
+
+
 class BlockTables:
     """Where a batch's positions live in a pool: sequence b's position t is row t % block of physical
     block tables[b][t // block] (-1: none yet).
@@ -139,7 +153,7 @@ class BlockTables:
     def __init__(
         self,
         batch: int,
-        pool: HostBlockPool,
+        pool: BlockPool,
         block_size: int,
         max_length: int | None,
         reserved: int | None,
