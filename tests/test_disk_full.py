@@ -3,8 +3,8 @@ disk before intact (and, for the context store, loading and answering with the s
 temporary file left, no signal.
 
 The unit cases inject ENOSPC at the write's fsync (every writer fsyncs before it renames or
-returns), so they run anywhere; `test_a_store_on_a_full_tmpfs_*` fills a real tmpfs (root only,
-skipped cleanly otherwise)."""
+returns: the `full_disk` fixture of tests/conftest.py), so they run anywhere;
+`test_a_store_on_a_full_tmpfs_*` fills a real tmpfs (root only, skipped cleanly otherwise)."""
 
 from __future__ import annotations
 
@@ -23,23 +23,6 @@ from forecastkv.errors import DiskFullError
 from tests.context.common import document_and_questions, fresh_cache, generate, model_for, snapshot
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture
-def full_disk(monkeypatch):
-    """`full_disk(part)`: from then on every fsync of a file whose path holds `part` fails as a full
-    file system does (`full_disk(None)`: room again)."""
-    failing = {"part": None}
-    real = os.fsync
-
-    def fsync(fd):
-        part = failing["part"]
-        if part is not None and part in os.readlink(f"/proc/self/fd/{fd}"):
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return real(fd)
-
-    monkeypatch.setattr(os, "fsync", fsync)
-    return lambda part="": failing.update(part=part)
 
 
 def _checkpoint(root: Path, fill):

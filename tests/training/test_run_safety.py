@@ -432,3 +432,23 @@ def test_data_seq_len_and_steps_overrides(tmp_path, capsys):
         assert says in err and "Traceback" not in err
     assert forecastkv_main(["train-forecast", "--resume", str(out), "--seq-len", "48"]) == 2
     assert "--seq-len 48 differs from the resumed run's data.seq_len=32" in capsys.readouterr().err
+
+
+def test_a_full_disk_at_a_checkpoint_names_where_the_run_resumes(tmp_path, full_disk, uninterrupted):
+    """Issue 39: the second checkpoint's write hits a full disk (ENOSPC at its fsync).  The run stops
+    with one DiskFullError line that names the step it reached, its last intact checkpoint and the
+    --resume command; nothing else is left; with room again the resume ends bit-identical."""
+    from forecastkv.errors import DiskFullError
+
+    full = uninterrupted(steps=4, save_every=2)
+    out = tmp_path / "run"
+    full_disk("step-000004")  # the second checkpoint and its temporary
+    with pytest.raises(DiskFullError) as stop:
+        train_forecast(tiny_recipe(tmp_path / "data", out, steps=4, save_every=2))
+    assert (
+        f"training stopped at step 4, its last intact checkpoint: step 2's (--resume {out} continues once "
+        "there is room)" in str(stop.value)
+    )
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-000002.safetensors"]  # no temporary
+    full_disk(None)
+    assert_same_heads(full, train_forecast(tiny_recipe(tmp_path / "data", out, steps=4, save_every=2), resume=str(out)))
