@@ -1,9 +1,10 @@
 """Forecast-offload over pages (`serving/lookahead.py`): the toy engine of test_paged.py with a host
 tier that loads only each decode step's missed blocks, and poisons (NaN) the pool rows of every
 complete block a request's slot map does not hold.  Logits still equal the resident cache's (so
-attention read only blocks it loaded), H2D bytes per decode step equal the HF runtime's
-(`OffloadedSparseCache`, the same prompt), and under the Forecast selector every offloaded layer's
-blocks are requested before the layer before it attends."""
+attention read only blocks it loaded), H2D bytes per decode step and the blocks wanted and hit equal
+the HF runtime's (`OffloadedSparseCache`, the same prompt: what the connector reports to vLLM), and
+under the Forecast selector every offloaded layer's blocks are requested before the layer before it
+attends."""
 
 from __future__ import annotations
 
@@ -43,13 +44,24 @@ def decode_alone(engine, prompt: list[int], steps: int, chunk: int = 5):
     return torch.cat(rows), tokens
 
 
-def hf_runtime_bytes(model, mode: str, prompt: list[int], tokens: list[int]) -> list[int]:
-    """H2D bytes per decode step of the HF runtime for the same prompt and tokens (its generate() calls)."""
+def hf_runtime_counts(model, mode: str, prompt: list[int], tokens: list[int]) -> dict:
+    """The HF runtime's counts for the same prompt and tokens (its generate() calls): H2D bytes per
+    decode step, and the blocks its offloaded layers wanted and found held (summed over layers)."""
     cache = OffloadedSparseCache.for_model(model, mode=mode)
     model(torch.tensor([prompt]), cache=cache)
     for token in tokens[:-1]:
         model(torch.tensor([[token]]), cache=cache)
-    return cache.stats()["h2d_bytes_per_step"]
+    stats, offloaded = cache.stats(), [layer.offloaded for layer in cache.layers]
+    return {
+        "per_step": stats["h2d_bytes_per_step"],
+        "wanted": sum(w for w, o in zip(stats["blocks_wanted_per_layer"], offloaded) if o),
+        "hits": sum(h for h, o in zip(stats["hits_per_layer"], offloaded) if o),
+    }
+
+
+def hf_runtime_bytes(model, mode: str, prompt: list[int], tokens: list[int]) -> list[int]:
+    """H2D bytes per decode step of the HF runtime for the same prompt and tokens."""
+    return hf_runtime_counts(model, mode, prompt, tokens)["per_step"]
 
 
 @pytest.mark.parametrize("mode", list(MODES))
@@ -62,9 +74,13 @@ def test_loaded_blocks_are_enough_and_bytes_match_the_hf_runtime(mode):
     expected = reference_logits(model, prompt, tokens[:-1])
     assert torch.isfinite(logits).all(), "attention read a pool row the tier did not load"
     torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
-    got = engine.tier.stats.per_step
-    assert got == hf_runtime_bytes(model, runtime_mode, prompt, tokens), mode
-    assert sum(got) > 0
+    stats = engine.tier.stats
+    counts = {"per_step": stats.per_step, "wanted": sum(stats.wanted), "hits": sum(stats.hits)}
+    assert counts == hf_runtime_counts(model, runtime_mode, prompt, tokens), mode
+    assert sum(stats.per_step) > 0 and 0 < counts["hits"] < counts["wanted"]
+    assert len(stats.wanted) == len(stats.hits) == len(stats.per_step)  # one record per decode call
+    stats.clear()  # what the vLLM connector does once it has handed the counts over
+    assert stats.per_step == stats.wanted == stats.hits == stats.events == []
 
 
 def test_forecast_requests_each_layer_before_the_layer_before_it_attends():
