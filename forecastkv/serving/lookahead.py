@@ -114,9 +114,10 @@ class LookaheadTier:
         for row, key in enumerate(keys):
             self.maps[key][layer] = new_map[row]
         self._load(layer, table, load_ids)
-        self.stats.per_step[-1] += int(misses.sum()) * self.block_bytes(layer)
-        self.stats.wanted[-1] += int((wanted >= 0).sum())
-        self.stats.hits[-1] += int(hits.sum())
+        missed, asked, held = torch.stack([misses.sum(), (wanted >= 0).sum(), hits.sum()]).tolist()  # one read
+        self.stats.per_step[-1] += missed * self.block_bytes(layer)
+        self.stats.wanted[-1] += asked
+        self.stats.hits[-1] += held
 
     def wait(self, layer: int) -> bool:
         """Where `layer`'s decode attention starts (vLLM's `wait_for_layer_load`): on the CPU every

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from forecastkv.atomic import write_text_atomic
 from forecastkv.bundled import resolve_model_path
 from forecastkv.errors import ConfigError
 from forecastkv.modeling import selection as sel
@@ -224,9 +225,8 @@ def run(args) -> int:
     )
     print(report.table())
     if args.json:
-        Path(args.json).write_text(
-            json.dumps({"protocol": protocol.__dict__, "heads": what, **report.to_dict()}, indent=2)
-        )
+        record = {"protocol": protocol.__dict__, "heads": what, **report.to_dict()}
+        write_text_atomic(args.json, json.dumps(record, indent=2))
     return 0
 
 
