@@ -98,3 +98,24 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@torch.no_grad()
+def offloaded_counts(model, mode: str, prompt: list[int], tokens: list[int]) -> tuple[dict, object]:
+    """The HF runtime (`OffloadedSparseCache`, offload `mode`) over `prompt`, then `tokens` fed back
+    one at a time as generate() does: ({"per_step": H2D bytes of each decode step, "wanted": complete
+    blocks the offloaded layers' plans wanted, "hits": of those, the ones already held}, the cache).
+    What the vLLM connector must count too."""
+    from forecastkv.inference import OffloadedSparseCache
+
+    cache = OffloadedSparseCache.for_model(model, mode=mode)
+    model(torch.tensor([prompt]), cache=cache)
+    for token in tokens[:-1]:
+        model(torch.tensor([[token]]), cache=cache)
+    stats, offloaded = cache.stats(), [layer.offloaded for layer in cache.layers]
+    counts = {
+        "per_step": stats["h2d_bytes_per_step"],
+        "wanted": sum(w for w, o in zip(stats["blocks_wanted_per_layer"], offloaded) if o),
+        "hits": sum(h for h, o in zip(stats["hits_per_layer"], offloaded) if o),
+    }
+    return counts, cache

@@ -11,9 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from forecastkv.inference import OffloadedSparseCache
 from forecastkv.serving.lookahead import LookaheadTier
-from tests.helpers import tiny_model
+from tests.helpers import offloaded_counts, tiny_model
 from tests.serving.test_paged import ToyEngine, prompts_of, reference_logits
 
 MODES = {
@@ -44,24 +43,9 @@ def decode_alone(engine, prompt: list[int], steps: int, chunk: int = 5):
     return torch.cat(rows), tokens
 
 
-def hf_runtime_counts(model, mode: str, prompt: list[int], tokens: list[int]) -> dict:
-    """The HF runtime's counts for the same prompt and tokens (its generate() calls): H2D bytes per
-    decode step, and the blocks its offloaded layers wanted and found held (summed over layers)."""
-    cache = OffloadedSparseCache.for_model(model, mode=mode)
-    model(torch.tensor([prompt]), cache=cache)
-    for token in tokens[:-1]:
-        model(torch.tensor([[token]]), cache=cache)
-    stats, offloaded = cache.stats(), [layer.offloaded for layer in cache.layers]
-    return {
-        "per_step": stats["h2d_bytes_per_step"],
-        "wanted": sum(w for w, o in zip(stats["blocks_wanted_per_layer"], offloaded) if o),
-        "hits": sum(h for h, o in zip(stats["hits_per_layer"], offloaded) if o),
-    }
-
-
 def hf_runtime_bytes(model, mode: str, prompt: list[int], tokens: list[int]) -> list[int]:
     """H2D bytes per decode step of the HF runtime for the same prompt and tokens."""
-    return hf_runtime_counts(model, mode, prompt, tokens)["per_step"]
+    return offloaded_counts(model, mode, prompt, tokens)[0]["per_step"]
 
 
 @pytest.mark.parametrize("mode", list(MODES))
@@ -76,7 +60,7 @@ def test_loaded_blocks_are_enough_and_bytes_match_the_hf_runtime(mode):
     torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
     stats = engine.tier.stats
     counts = {"per_step": stats.per_step, "wanted": sum(stats.wanted), "hits": sum(stats.hits)}
-    assert counts == hf_runtime_counts(model, runtime_mode, prompt, tokens), mode
+    assert counts == offloaded_counts(model, runtime_mode, prompt, tokens)[0], mode
     assert sum(stats.per_step) > 0 and 0 < counts["hits"] < counts["wanted"]
     assert len(stats.wanted) == len(stats.hits) == len(stats.per_step)  # one record per decode call
     stats.clear()  # what the vLLM connector does once it has handed the counts over

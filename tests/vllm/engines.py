@@ -112,19 +112,14 @@ def hf_greedy(model, mode: str, prompt: list[int], new_tokens: int) -> tuple[lis
     return tokens, logprobs
 
 
-@torch.no_grad()
-def hf_runtime_stats(model, mode: str, prompt: list[int], tokens: list[int]) -> tuple[dict, object]:
-    """The HF runtime's forecast-offload for `prompt` then `tokens` (each fed back, as generate() does):
-    (`OffloadedSparseCache.stats()`, the cache), an independent count of what the connector moves."""
+def hf_runtime_counts(model, mode: str, prompt: list[int], tokens: list[int]) -> tuple[dict, object]:
+    """`tests/helpers.py:offloaded_counts` of forecast-offload with `model` attending in vLLM's `mode`:
+    an independent count of what the connector moves."""
     from forecastkv.eval.modes import attending_with, parse_mode
-    from forecastkv.inference import OffloadedSparseCache
+    from tests.helpers import offloaded_counts
 
     with attending_with(model, parse_mode(mode)):
-        cache = OffloadedSparseCache.for_model(model, mode="forecast-offload")
-        model(torch.tensor([prompt]), cache=cache)
-        for token in tokens[:-1]:
-            model(torch.tensor([[token]]), cache=cache)
-    return cache.stats(), cache
+        return offloaded_counts(model, "forecast-offload", prompt, tokens)
 
 
 def record(name: str, payload: dict) -> None:

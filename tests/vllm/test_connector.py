@@ -10,7 +10,7 @@ import gc
 
 import pytest
 
-from tests.vllm.engines import engine, essay_prompts, hf_greedy, hf_model, hf_runtime_stats, record
+from tests.vllm.engines import engine, essay_prompts, hf_greedy, hf_model, hf_runtime_counts, record
 
 MODE = "infllmv2-forecast"
 NEW_TOKENS = 16
@@ -28,8 +28,8 @@ def test_connector_loads_what_the_forecast_plans(checkpoints):
     (prompt,) = essay_prompts([2000])
     model = hf_model(path)
     expected, _ = hf_greedy(model, MODE, prompt, NEW_TOKENS)
-    stats, cache = hf_runtime_stats(model, MODE, prompt, expected)
-    hf_bytes, block = stats["h2d_bytes_per_step"], cache.layers[1].block_bytes()
+    counts, cache = hf_runtime_counts(model, MODE, prompt, expected)
+    hf_bytes, block = counts["per_step"], cache.layers[1].block_bytes()
     layers = model.config.num_hidden_layers
     del model
 

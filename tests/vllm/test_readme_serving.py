@@ -33,7 +33,7 @@ from urllib.parse import urlsplit, urlunsplit
 import pytest
 
 from tests.helpers import free_port
-from tests.vllm.engines import essay_prompts, hf_greedy, hf_model, hf_runtime_stats, record
+from tests.vllm.engines import essay_prompts, hf_greedy, hf_model, hf_runtime_counts, record
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 SECTION = ("### Serving with vLLM", "## Several processes and GPUs")
@@ -249,13 +249,12 @@ def test_readme_connector_server_and_its_metrics(readme, tmp_path):
     mode = server_mode(readme["commands"]["servers"][1])
     model = readme["model"]
     tokens, _ = hf_greedy(model, mode, prompt, METRICS_NEW)
-    stats, cache = hf_runtime_stats(model, mode, prompt, tokens)
-    offloaded = [layer.offloaded for layer in cache.layers]
+    counts, _ = hf_runtime_counts(model, mode, prompt, tokens)
     want = {
-        "vllm:forecastkv_h2d_bytes_per_step_sum": sum(stats["h2d_bytes_per_step"]),
-        "vllm:forecastkv_h2d_bytes_per_step_count": len(stats["h2d_bytes_per_step"]),
-        "vllm:forecastkv_blocks_wanted_total": sum(w for w, o in zip(stats["blocks_wanted_per_layer"], offloaded) if o),
-        "vllm:forecastkv_block_hits_total": sum(h for h, o in zip(stats["hits_per_layer"], offloaded) if o),
+        "vllm:forecastkv_h2d_bytes_per_step_sum": sum(counts["per_step"]),
+        "vllm:forecastkv_h2d_bytes_per_step_count": len(counts["per_step"]),
+        "vllm:forecastkv_blocks_wanted_total": counts["wanted"],
+        "vllm:forecastkv_block_hits_total": counts["hits"],
     }
     assert want["vllm:forecastkv_h2d_bytes_per_step_sum"] > 0
     assert 0 < want["vllm:forecastkv_block_hits_total"] < want["vllm:forecastkv_blocks_wanted_total"]
