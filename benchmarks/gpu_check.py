@@ -15,7 +15,7 @@ Sections, in this order (`SECTIONS`: name, budget seconds on the GPU, budget wit
    with mode="reduce-overhead" (a replayed CUDA graph per step) against eager, at 32K batch 4,
    no-offload and forecast-offload, on 8 MiniCPM4.1-8B-shaped layers: tokens/s both ways, the
    compile time, the logit difference, and inductor's counters (cudagraph skips);
-5. kernel bench: benchmarks/kernels.py (block gather vs a pinned copy of the same bytes, sparse
+5. kernel bench: benchmarks/kernel_timing.py (block gather vs a pinned copy of the same bytes, sparse
    decode, block scores), short;
 6. prefill: benchmarks/prefill.py --gpu-check: sparse vs dense prefill at 128K, then 32K, on
    MiniCPM4.1-8B-shaped random weights (4 layers, bf16): the speedup, the selection share of
@@ -269,7 +269,7 @@ def section_commands(name: str, out_dir: str, index: int, dry_run: bool) -> list
         ]
     if name == "kernel bench":
         size = ["--device", "cpu", "--batches", "1", "--reps", "2"] if dry_run else ["--reps", "10"]
-        return [Command("kernels", [py, script("kernels.py"), *size, "--json", child], child_json=child)]
+        return [Command("kernels", [py, script("kernel_timing.py"), *size, "--json", child], child_json=child)]
     if name == "prefill":
         inner = budget - (PREFILL_RESERVE_DRY_S if dry_run else PREFILL_RESERVE_S)
         size = ["--tiny"] if dry_run else ["--gpu-check"]

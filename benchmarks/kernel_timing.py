@@ -1,8 +1,8 @@
 """Kernel benchmark: each Triton kernel against its reference, and the UVA gather against the
 copy-engine path and a plain pinned host->device copy of the same bytes.
 
-    PYTHONPATH=. python benchmarks/kernels.py                # CUDA if present, else CPU references
-    PYTHONPATH=. python benchmarks/kernels.py --json out.json
+    PYTHONPATH=. python benchmarks/kernel_timing.py                # CUDA if present, else CPU references
+    PYTHONPATH=. python benchmarks/kernel_timing.py --json out.json
 
 On CPU only the references (and the copy-engine path) are timed, at small sizes (< 1 min); the
 Triton interpreter is never timed.  On CUDA: the gather for 16/32/64 programs and a few batch sizes
