@@ -5,14 +5,14 @@ backbone); at every layer and for the query rows t >= start, in chunks of rows:
 
 * the query selector's blocks (the layer's own queries, `selection.layer_selection` kind "query");
 * each head set's forecast blocks (kind "forecast", the head that scores the layer: `heads.scoring_vectors`);
-* the oracle: the true attention mass per block (`selectors.oracle_block_mass`) and its top `budget_blocks`
-  (`selectors.oracle_blocks`).
+* the oracle: the true attention mass per block (`forecastkv/selectors/oracle.py:oracle_block_mass`) and its
+  top `budget_blocks` (`oracle_blocks`).
 
 Reported, as the mean over layers >= 1 of each layer's value (the recall protocol's convention):
 
 * recall vs query: the share of the query selector's non-forced blocks the forecast selection holds
   (`selection.forecast_recall_counts`; the `forecastkv forecast-recall` number), chance beside;
-* mass recall vs oracle: the selection's true attention mass / the oracle's (`selectors.selection_recall`),
+* mass recall vs oracle: the selection's true attention mass / the oracle's (`modeling/selection.py:selection_recall`),
   and the block overlap with the oracle; for the query selector too.
 
 Every number also per position bucket of the rows ([start, 2048), [2048, 4096), [4096, 8192)): a budget of 16
@@ -84,17 +84,17 @@ def _score_chunk(layer, x, cos, sin, pos, keys, ckeys, cis, vectors, sparse, tal
     x [B, Tq, hidden] post-norm input, cos / sin [B, Tq, d], pos [B, Tq]; keys [B, S, H, d] and ckeys
     [B, C, H, d] of the layer; vectors: per head set the forecast vectors [B, Tq, H*n, d] scoring it."""
     from forecastkv.modeling import selection as sel
-    from forecastkv.modeling import selectors
+    from forecastkv.selectors import oracle
 
     queries = layer.self_attn.queries(x, cos, sin)
     lse_keys = sel.compress_keys(keys, *sparse.coarse_kernel) if sparse.lse == "coarse" else None
     query_ids = sel.layer_selection(queries, ckeys, pos, sparse, "query", lse_keys, cis)
     n_blocks = sel.num_blocks(int(pos.max()) + 1, sparse.block_size)
-    mass = selectors.oracle_block_mass(queries, keys, pos, sparse.block_size, n_blocks)
-    oracle_ids = selectors.oracle_blocks(mass, pos, sparse.budget_blocks, sparse.block_size)
+    mass = oracle.oracle_block_mass(queries, keys, pos, sparse.block_size, n_blocks)
+    oracle_ids = oracle.oracle_blocks(mass, pos, sparse.budget_blocks, sparse.block_size)
     chosen = [query_ids] + [sel.layer_selection(v, ckeys, pos, sparse, "forecast", cis=cis) for v in vectors]
     for s, ids in enumerate(chosen):
-        recall, overlap = selectors.selection_recall(ids, mass, oracle_ids)
+        recall, overlap = sel.selection_recall(ids, mass, oracle_ids)
         tally.mass[s, idx] += _bucket_sum(recall, bucket, buckets)
         tally.overlap[s, idx] += _bucket_sum(overlap, bucket, buckets)
         tally.rows[s, idx] += _bucket_sum(torch.ones_like(recall), bucket, buckets)

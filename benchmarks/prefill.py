@@ -232,11 +232,12 @@ def minicpm_shaped_model(sparse: bool, num_layers: int, device, dtype, query_chu
     return model.to(dtype).eval()
 
 
-PHASES = {  # what `phase_times` attributes a call's time to: (owner in modeling.attention, name)
-    "select": ("SparseAttention", "select"),
-    "sparse_attention": (None, "chunked_sparse_attention"),
-    "flex_attention": (None, "flex_sparse_attention"),
-    "dense_attention": (None, "dense_attention"),
+PHASES = {  # what `phase_times` attributes a call's time to: (module, owner in it or None, name)
+    # the compressed-index selectors' prefill selection (query, forecast, speculate: what is timed here)
+    "select": ("forecastkv.selectors.base", "Selector", "select"),
+    "sparse_attention": ("forecastkv.modeling.attention", None, "chunked_sparse_attention"),
+    "flex_attention": ("forecastkv.modeling.attention", None, "flex_sparse_attention"),
+    "dense_attention": ("forecastkv.modeling.attention", None, "dense_attention"),
 }
 
 
@@ -245,9 +246,9 @@ def phase_times(device):
     """Seconds spent in block selection and in each attention back end while the block runs,
     {phase: seconds}.  Each timed call synchronises CUDA before and after it, so use it on an extra,
     untimed run: the breakdown, not the total, is what it is for."""
-    import torch
+    import importlib
 
-    from forecastkv.modeling import attention
+    import torch
 
     totals = dict.fromkeys(PHASES, 0.0)
     originals = []
@@ -256,8 +257,9 @@ def phase_times(device):
         if device.type == "cuda":
             torch.cuda.synchronize()
 
-    for phase, (owner, name) in PHASES.items():
-        target = getattr(attention, owner) if owner else attention
+    for phase, (module, owner, name) in PHASES.items():
+        target = importlib.import_module(module)
+        target = getattr(target, owner) if owner else target
         original = getattr(target, name)
 
         def timed(*args, _original=original, _phase=phase, **kwargs):

@@ -166,6 +166,7 @@ class ForecastKVLM(HFLM):
     ) -> None:
         from .inference import MODES
         from .inference.offloaded import MODE_SELECTOR
+        from .selectors import get_selector
 
         if offload is not None and offload not in MODES:
             raise ConfigError(
@@ -180,11 +181,12 @@ class ForecastKVLM(HFLM):
             )
         self.offload = offload
         self.selector = MODE_SELECTOR.get(offload)
+        self.needs_heads = self.selector is not None and get_selector(self.selector).needs_forecast_heads
         self.forecast_note = None
         forecast = forecast_request(forecast, forecast_init)
         if isinstance(pretrained, str):
             pretrained = resolve_model_path(pretrained)
-            if self.selector == "forecast" and forecast is None and forecast_weights is None:
+            if self.needs_heads and forecast is None and forecast_weights is None:
                 from .modeling.checkpoints import has_forecast_heads
 
                 if not has_forecast_heads(pretrained):
@@ -228,7 +230,7 @@ class ForecastKVLM(HFLM):
                 f"offload={self.offload!r} needs a sparse model, and this one is dense: "
                 "pass sparse_config=<preset> (e.g. smollm2-135m)"
             )
-        if self.selector == "forecast" and not config.forecast_config.enabled:
+        if self.needs_heads and not config.forecast_config.enabled:
             raise ConfigError(
                 f"offload={self.offload!r} selects blocks with Forecast heads and the model has none: "
                 "pass forecast_init=next_query or forecast_weights=<dir>"

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from ..modeling import selection as sel
 from ..modeling.modeling import CACHE_KWARG
+from ..selectors import get_selector
 from . import longbench
 from .metrics import score_prediction
 from .modes import Mode, make_cache
@@ -94,7 +95,8 @@ def evaluate_example(
     """
     device = next(model.parameters()).device
     ids = torch.tensor([example.input_ids], dtype=torch.long, device=device)
-    wanted = recall == "all" or (recall == "forecast" and mode.selector == "forecast")
+    forecast_mode = mode.sparse and get_selector(mode.selector).needs_forecast_heads
+    wanted = recall == "all" or (recall == "forecast" and forecast_mode)
     collect = mode.sparse and model.config.forecast_config.enabled and wanted
     start_row = (
         (default_recall_start(model.config.sparse) if recall_start is None else recall_start) if collect else None

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from ..errors import ConfigError
 from ..modeling import routing
 from ..modes import ATTENTION_MODES, MODE_SELECTOR, MODES
+from ..selectors import get_selector
 
 RESIDENT = "resident"
 
@@ -89,7 +90,7 @@ def check_model_supports(model, mode: Mode) -> None:
         raise ConfigError(
             f"mode {mode.name!r} needs a sparse geometry: set model.sparse_config (a preset name or dict)"
         )
-    if mode.selector == "forecast" and not model.config.forecast_config.enabled:
+    if get_selector(mode.selector).needs_forecast_heads and not model.config.forecast_config.enabled:
         raise ConfigError(
             f"mode {mode.name!r} needs forecast heads, but the model has none: give model.forecast_weights "
             "(a train-forecast output) or model.forecast (e.g. {init: next_query}) to create them"

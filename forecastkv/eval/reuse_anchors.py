@@ -118,15 +118,15 @@ def _oracle_rows(q: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, s
     """Layer-wise oracle of rows q [B, R, Hq, d] over keys [B, S, H, d]: (mass fp32 [B, H, R, NB],
     oracle ids int64 [B, H, R, budget_blocks]), NB = the blocks of S keys; PLANNING_ROWS rows at a time."""
     from forecastkv.modeling import selection as sel
-    from forecastkv.modeling import selectors
+    from forecastkv.selectors import oracle
 
     n_blocks = sel.num_blocks(keys.shape[1], sparse.block_size)
     masses, oracles = [], []
     for first in range(0, q.shape[1], PLANNING_ROWS):
         rows = slice(first, first + PLANNING_ROWS)
-        mass = selectors.oracle_block_mass(q[:, rows], keys, positions[:, rows], sparse.block_size, n_blocks)
+        mass = oracle.oracle_block_mass(q[:, rows], keys, positions[:, rows], sparse.block_size, n_blocks)
         masses.append(mass)
-        oracles.append(selectors.oracle_blocks(mass, positions[:, rows], sparse.budget_blocks, sparse.block_size))
+        oracles.append(oracle.oracle_blocks(mass, positions[:, rows], sparse.budget_blocks, sparse.block_size))
     return torch.cat(masses, dim=2), torch.cat(oracles, dim=2)
 
 
@@ -135,7 +135,7 @@ def _sequence_recall_sums(inner, ids: torch.Tensor, start: int) -> tuple[torch.T
     """One planning forward of ids [B, T] under the planning geometry already routed on `inner`:
     (sums fp64 [2, L, L] of the mass recall and the block overlap of layer a's query selection
     against layer l's oracle, over KV heads and rows t >= start, a <= l; the rows x heads counted)."""
-    from forecastkv.modeling import selectors
+    from forecastkv.modeling import selection
 
     sparse = inner.config.sparse
     oracles: dict[int, tuple] = {}
@@ -154,7 +154,7 @@ def _sequence_recall_sums(inner, ids: torch.Tensor, start: int) -> tuple[torch.T
         mass, oracle_ids = oracles.pop(layer)
         for anchor in range(layer + 1):
             chosen = selections[anchor]["query"][:, :, start:]
-            measures = selectors.selection_recall(chosen.to(mass.device), mass, oracle_ids)
+            measures = selection.selection_recall(chosen.to(mass.device), mass, oracle_ids)
             sums[:, anchor, layer] = torch.stack([m.double().sum() for m in measures]).cpu()
     heads = selections[0]["query"].shape[1]
     return sums, ids.shape[0] * heads * (ids.shape[1] - start)
@@ -179,8 +179,8 @@ def anchor_recall_matrices(
     budget_blocks * block_size and later); sparse: the block geometry (preset name, dict or
     SparseConfig; default the model's sparse_config), its budget set to `budget_blocks`
     (`planning_geometry`).  Layer l's oracle is the mass of its true queries over its keys per block
-    (`selectors.oracle_block_mass`) and the recall is that mass held by the selection over the mass
-    of layer l's own top-budget blocks (`selectors.selection_recall`).  The backbone attends densely,
+    (`selectors/oracle.py:oracle_block_mass`) and the recall is that mass held by the selection over the mass
+    of layer l's own top-budget blocks (`selection.selection_recall`).  The backbone attends densely,
     so every layer sees the model's true hidden states.  Memory: one layer's K/V, the [L, KV heads,
     T - start, NB] oracle masses of one sequence, and PLANNING_ROWS rows of attention at a time.
     """

@@ -18,9 +18,9 @@ Protocol per length L (the same for every cell of that length):
 * The tail is teacher-forced one token per forward call: real decode steps on the sparse decode path,
   with the cell's sparse_config (`dense_len` 0, every row sparse).  The last step sees L keys.
 * Recall against the oracle: at every step and layer >= 1, the layer's true queries (from its
-  post-norm input, through a `layer_callback`) over its stored keys give `selectors.oracle_block_mass`;
+  post-norm input, through a `layer_callback`) over its stored keys give `selectors/oracle.py:oracle_block_mass`;
   the blocks the layer attended with (`collect_selections`' "selected") are compared with
-  `selectors.oracle_blocks` of the same size by `selectors.selection_recall`.  Size rule: a fixed
+  `oracle_blocks` of the same size by `selection.selection_recall`.  Size rule: a fixed
   budget compares with the oracle's top `budget_blocks`; a top-p row compares with the oracle's top
   k, k = the blocks that row actually selected (equal sizes, so recall 1 means "the best k blocks").
   `recall_mass` / `overlap` average the rows where the budget is selective (the row sees more blocks
@@ -28,7 +28,7 @@ Protocol per length L (the same for every cell of that length):
 * Perplexity of the N tail tokens and its ratio to the dense record's; needle accuracy: the share of
   answer tokens the argmax predicts under teacher forcing.
 * Bytes and hits: the same tail decoded in the offloaded runtime (`OffloadedSparseCache`, mode
-  "forecast-offload" for a selector that knows its blocks a layer ahead (`modes.SELECTOR_PREFETCH`),
+  "forecast-offload" for a selector that knows its blocks a layer ahead (`Selector.plans_ahead`),
   else "sparse-offload"; the dense record in "dense-offload"; oracle cannot run offloaded), filled from
   the same dense prefill.  The first step fills empty slots (`h2d_cold_bytes`); `h2d_bytes_per_step`
   and `hit_rate` are over the steps after it, as the demo's curves count them
@@ -87,7 +87,8 @@ import torch.nn.functional as F
 
 from ..atomic import write_text_atomic
 from ..errors import ConfigError
-from ..modes import SELECTOR_PREFETCH, SELECTORS
+from ..modes import SELECTORS
+from ..selectors import get_selector
 
 DENSE = "dense"
 # tasks whose example has one reference, the answer the sequence ends with
@@ -370,7 +371,7 @@ class RecallMeter:
         self.selected, self.selected_rows = 0.0, 0
 
     def on_layer(self, idx, normed, positions, cos, sin, cache_layer) -> None:
-        from ..modeling.selectors import oracle_block_mass
+        from ..selectors.oracle import oracle_block_mass
 
         if idx == 0:
             return
@@ -389,7 +390,8 @@ class RecallMeter:
                 self._add_rows(ids, mass, positions)
 
     def _add_rows(self, ids: torch.Tensor, mass: torch.Tensor, positions: torch.Tensor) -> None:
-        from ..modeling.selectors import oracle_blocks, selection_recall
+        from ..modeling.selection import selection_recall
+        from ..selectors.oracle import oracle_blocks
 
         if self.top_p:  # equal sizes: per row the oracle's top k, k = the blocks that row selected
             sizes = (ids >= 0).sum(-1)
@@ -429,12 +431,14 @@ class RecallMeter:
 
 def offload_mode(selector: str) -> str | None:
     """The offloaded runtime's mode for `selector`: a layer ahead when it can, else at the consuming
-    layer; "dense-offload" for dense; None for oracle (it reads every key: the runtime refuses it)."""
+    layer; "dense-offload" for dense; None for a selector that is not deployable (the oracle reads every
+    key: the runtime refuses it)."""
     if selector == DENSE:
         return "dense-offload"
-    if selector == "oracle":
+    rule = get_selector(selector)
+    if not rule.deployable:
         return None
-    return "forecast-offload" if SELECTOR_PREFETCH[selector] else "sparse-offload"
+    return "forecast-offload" if rule.plans_ahead else "sparse-offload"
 
 
 @torch.no_grad()
@@ -466,7 +470,8 @@ def _measure_offload(model, prefilled, text: ScoredSequence, cell: Cell, residen
     """The offloaded run's fields; `resident` (the resident logits) is compared when given."""
     mode = offload_mode(cell.selector)
     if mode is None:
-        return {"offload_mode": None, "offload_note": "oracle reads every key: the offloaded runtime refuses it"}
+        note = f"{cell.selector} reads every key: the offloaded runtime refuses it"
+        return {"offload_mode": None, "offload_note": note}
     logits, counts = offloaded_run(model, prefilled, text, mode, None if cell.selector == DENSE else cell.selector)
     fields = {"offload_mode": mode, "offload_note": None, **counts}
     if resident is not None:
@@ -647,7 +652,7 @@ def _run_length(run: StudyRun, codec, length: int) -> list[dict]:
 
 def _measure(run: StudyRun, cell: Cell, inputs: dict) -> dict:
     """measure_cell with the cell's anchors, comparing offloaded and resident logits once per selector."""
-    anchors = _anchors(run) if cell.selector == "reuse" else (0,)
+    anchors = _anchors(run) if _anchored(cell) else (0,)
     check = cell.selector not in run.checked
     fields = measure_cell(run.model, cell, inputs, anchors, check, run.spec.offload)
     if check and fields.get("offload_mode") is not None:
@@ -656,12 +661,18 @@ def _measure(run: StudyRun, cell: Cell, inputs: dict) -> dict:
 
 
 def _skip_reason(model, cell: Cell) -> str | None:
-    if cell.selector == "forecast" and not model.config.forecast_config.enabled:
+    heads = cell.selector != DENSE and get_selector(cell.selector).needs_forecast_heads
+    if heads and not model.config.forecast_config.enabled:
         return (
             f"the model has no Forecast heads: give the study a heads_dir (a train-forecast output, e.g. "
             f"{DEFAULT_HEADS}, which `forecastkv demo` writes)"
         )
     return None
+
+
+def _anchored(cell: Cell) -> bool:
+    """Whether the cell's selector takes its blocks from anchor layers (reuse)."""
+    return cell.selector != DENSE and get_selector(cell.selector).anchored
 
 
 def _anchors(run: StudyRun) -> tuple:
@@ -688,7 +699,7 @@ def _record(run: StudyRun, length: int, cell: Cell, fields: dict, seconds: float
     sparse = run.model.config.sparse
     context_blocks = -(-length // sparse.block_size)
     blocks = context_blocks if cell.selector == DENSE else cell.blocks
-    reuse = cell.selector == "reuse" and not fields.get("skipped")
+    reuse = _anchored(cell) and not fields.get("skipped")
     heads = run.spec.heads_dir or ("the model's own" if run.model.config.forecast_config.enabled else None)
     record = dict.fromkeys(RECORD_FIELDS)
     record.update(
@@ -704,7 +715,7 @@ def _record(run: StudyRun, length: int, cell: Cell, fields: dict, seconds: float
         p=cell.p,
         budget_tokens=blocks * sparse.block_size,
         budget_share=blocks / context_blocks,
-        prefetch=None if cell.selector == DENSE else SELECTOR_PREFETCH[cell.selector],
+        prefetch=None if cell.selector == DENSE else get_selector(cell.selector).plans_ahead,
         ppl_ratio=1.0 if cell.selector == DENSE else None,
         needle_tokens=None,
         tail_tokens=run.spec.tail_tokens,

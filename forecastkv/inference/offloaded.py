@@ -31,7 +31,8 @@ import torch
 
 from ..modeling.cache import SparseCache
 from ..modeling.generation import register_offloaded_cache
-from ..modes import MODE_FETCH, MODE_SELECTOR, MODES, SELECTOR_PREFETCH, SELECTORS
+from ..modes import MODE_FETCH, MODE_SELECTOR, MODES, SELECTORS
+from ..selectors import get_selector
 from .host_store import HostBlockPool
 from .layers import OffloadedLayer, ResidentLayer, gather_programs_for
 from .staging import Staging
@@ -43,23 +44,24 @@ def _nbytes(tensors: dict) -> int:
 
 def resolve_selector(mode: str, selector: str | None, sparse) -> str | None:
     """The selector a cache of `mode` runs: `selector` when given; else the model's own when it is one of
-    the selectors beyond query and forecast (quest, reuse, speculate); else the mode's (`MODE_SELECTOR`:
+    the selectors beyond the modes' own two (query and forecast); else the mode's (`MODE_SELECTOR`:
     sparse-offload compares the query selector with the forecast modes on one model).  A ValueError when
-    the mode cannot run it: the oracle reads every key, so only `no-offload` keeps what it needs, and a
-    mode that fetches a layer ahead needs a selector that knows the blocks a layer ahead
-    (`SELECTOR_PREFETCH`)."""
+    the mode cannot run it: a selector that is not deployable (the oracle reads every key) runs only in
+    `no-offload`, and a mode that fetches a layer ahead needs a selector that plans ahead
+    (`Selector.plans_ahead`)."""
     if selector is not None and selector not in SELECTORS:
         raise ValueError(f"selector={selector!r} is not None or one of {SELECTORS}")
     own = sparse.selector if sparse is not None else None
     if selector is None:
-        selector = own if own not in (None, "query", "forecast") else MODE_SELECTOR.get(mode)
-    if selector == "oracle" and mode != "no-offload":
+        selector = own if own is not None and own not in MODE_SELECTOR.values() else MODE_SELECTOR.get(mode)
+    rule = get_selector(selector)
+    if rule is not None and not rule.deployable and mode != "no-offload":
         raise ValueError(
-            f"the oracle selector reads every key of every layer, so the offloaded runtime cannot run it in mode "
+            f"the {selector} selector reads every key of every layer, so the offloaded runtime cannot run it in mode "
             f"{mode!r}: it is a measurement (use SparseCache or mode 'no-offload')"
         )
-    if selector is not None and MODE_FETCH.get(mode) == "prefetch" and not SELECTOR_PREFETCH[selector]:
-        ahead = sorted(name for name, yes in SELECTOR_PREFETCH.items() if yes)
+    if rule is not None and MODE_FETCH.get(mode) == "prefetch" and not rule.plans_ahead:
+        ahead = sorted(name for name in SELECTORS if get_selector(name).plans_ahead)
         raise ValueError(
             f"mode {mode!r} fetches blocks a layer ahead, but the {selector!r} selector only knows them at the "
             f"consuming layer; use 'sparse-offload', or a selector that plans ahead: {ahead}"
@@ -99,7 +101,8 @@ class OffloadedSparseCache(SparseCache):
             raise ValueError(f"max_length must be a positive integer or None, got {max_length!r}")
         sparse = config.sparse
         selector = resolve_selector(mode, selector, sparse)
-        if selector == "forecast" and not config.forecast_config.enabled:
+        rule = get_selector(selector)
+        if rule is not None and rule.needs_forecast_heads and not config.forecast_config.enabled:
             raise ValueError(
                 f"mode {mode!r} selects with Forecast heads, but this model has none; "
                 "load it with forecast={...} or use 'sparse-offload'"
@@ -212,7 +215,7 @@ class OffloadedSparseCache(SparseCache):
         config = model.config
         if mode is None:
             sparse = config.sparse
-            ahead = sparse is not None and SELECTOR_PREFETCH.get(options.get("selector") or sparse.selector, False)
+            ahead = sparse is not None and get_selector(options.get("selector") or sparse.selector).plans_ahead
             mode = "forecast-offload" if ahead else "sparse-offload"
         return cls(config, mode=mode, max_length=max_length, **options)
 

@@ -1,5 +1,5 @@
-"""`SparseAttention`: dense, InfLLM-v2 and NOSA attention with query or forecast selectors,
-`plan_decode`, which selects a layer's blocks for a decode step, and `apply_rope`.
+"""`SparseAttention`: dense, InfLLM-v2 and NOSA attention with any registered selector
+(`forecastkv/selectors`: the selector scores and plans, attention attends), and `apply_rope`.
 
 Prefill (and any multi-token call) runs in query chunks against the layer's stored keys with a
 [chunk, S] key mask built from each row's block selection, so memory is O(chunk x S).  A one-token
@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..selectors import get_selector
 from . import selection as sel
-from . import selectors
 from .cache import CallInfo, Plan
 from .heads import scoring_head
 from .prefill import (
@@ -42,82 +42,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # rows per stage-1 selection call where the fused kernel runs (CUDA): 1-2K-row tiles, not 256
 STAGE1_QUERY_ROWS = 2048
 FROM_CONFIG = object()  # `sparse=` not given: the module's config's
-
-
-# the selectors that score with the layer's own queries, not vectors handed over by the layer before
-OWN_QUERY_KINDS = ("query", "quest", "oracle")
-
-
-def layer_selector(selector: str | None, layer_idx: int, sparse) -> str | None:
-    """The rule layer `layer_idx` selects by under the call's `selector`: reuse's anchors and
-    speculate's layer 0 (which has no layer before it to guess its queries) select with their own
-    queries ("query"); reuse's other layers take the last anchor's blocks ("reuse"); every other
-    selector is the same on every layer (forecast's layer 0 scores itself with current_proj)."""
-    if selector == "reuse":
-        return "query" if layer_idx in sparse.reuse_anchors else "reuse"
-    if selector == "speculate" and layer_idx == 0:
-        return "query"
-    return selector
-
-
-def key_selection(
-    kind: str, q: torch.Tensor, positions: torch.Tensor, cache_layer, sparse, n_blocks: int
-) -> torch.Tensor:
-    """The selection int64 [B, H, Tq, budget] of the selectors that score keys themselves, not the
-    compressed index: "quest" (the cache's block key bounds, `selectors.quest_block_scores`, init and
-    local blocks forced) and "oracle" (the exact attention mass over every stored key,
-    `selectors.oracle_block_mass`; no forced blocks: it is the upper bound).  q [B, Tq, Hq, d]."""
-    if kind == "quest":
-        low, high = cache_layer.key_bounds()
-        scores = selectors.quest_block_scores(q, low, high, positions, sparse.block_size, n_blocks)
-        scores = sel.force_blocks(scores, positions, sparse.block_size, sparse.init_blocks, sparse.local_blocks)
-        agnostic = None
-        if sparse.policy == "nosa":
-            pooled = cache_layer.decode_index()[2]
-            agnostic = sel.pooled_agnostic_scores(pooled, positions, sparse, n_blocks)
-        return sel.select_blocks(scores, positions, sparse, agnostic)
-    keys = cache_layer.full()[0]
-    mass = selectors.oracle_block_mass(q, keys, positions, sparse.block_size, n_blocks)
-    if not sparse.top_p:
-        return selectors.oracle_blocks(mass, positions, sparse.budget_blocks, sparse.block_size)
-    blocks = torch.arange(n_blocks, device=mass.device).view(1, 1, -1)
-    future = (blocks > torch.div(positions, sparse.block_size, rounding_mode="floor").unsqueeze(-1))[:, None]
-    return sel.top_p_blocks(
-        mass.masked_fill(future, sel.NEG_INF), positions, sparse.top_p, sparse.budget_blocks, sparse.block_size,
-        logits=False,
-    )
-
-
-def plan_decode(vectors: torch.Tensor, positions: torch.Tensor, cache_layer, sparse, kind: str) -> Plan:
-    """Select `cache_layer`'s blocks for a decode step and plan their fetch: the one place both
-    selectors make a `Plan` (the decoder layer before calls it for the next layer with the
-    forecast selector, the attention itself with the query selector).
-
-    vectors [B, 1, H*n, d] (queries or forecast vectors), positions [B, 1].  Scores every key and
-    block the buffers hold, masked by visibility: the same selection as the current length's, at
-    shapes that stay fixed from step to step.  The cache layer's kernel choices decide between the
-    decode-time scoring kernels and `selection.score_blocks` (what `layer_selection` runs)."""
-    ckeys, coarse, pooled, rows = cache_layer.decode_index()
-    n_blocks = sel.num_blocks(rows, sparse.block_size)
-    if kind in ("quest", "oracle"):
-        return cache_layer.plan(key_selection(kind, vectors, positions, cache_layer, sparse, n_blocks)[:, :, 0])
-    coarse = coarse if kind == "query" else None
-    pooled = pooled if sparse.policy == "nosa" else None
-    ops, lag = cache_layer.kernels, sel.visibility_lag(kind)
-    if ops.decode_kernels:  # the decode-time scoring kernels (Triton on CUDA), equal at one row
-        pos = positions[:, 0]
-        # the cache's own buffers, in range by construction: no Python-level checks per step
-        scores = ops.block_scores(vectors[:, 0], ckeys, pos, sparse, n_blocks, sel.score_kind(kind), lag,
-                                  lse_keys=coarse, check_ids=False)
-        agnostic = None
-        if pooled is not None:
-            agnostic = ops.agnostic_scores(pooled, pos, sparse, n_blocks, lag, check_ids=False).unsqueeze(2)
-        scores = scores.unsqueeze(2)
-    else:
-        scores = sel.score_blocks(vectors, ckeys, positions, sparse, n_blocks, kind, lag, lse_keys=coarse)
-        agnostic = None if pooled is None else sel.pooled_agnostic_scores(pooled, positions, sparse, n_blocks, lag)
-    selection = sel.select_blocks(scores, positions, sparse, agnostic, sel.scores_are_logits(kind, vectors, ckeys))
-    return cache_layer.plan(selection[:, :, 0])
 
 
 class SparseAttention(nn.Module):
@@ -179,39 +103,16 @@ class SparseAttention(nn.Module):
         vectors: torch.Tensor,
         positions: torch.Tensor,
         cache_layer,
-        kind: str,
+        kind,
         bounds: tuple[int, int] | None = None,
         key_count: int | None = None,
         sparse=FROM_CONFIG,
     ) -> torch.Tensor:
-        """This layer's selection [B, H, R, budget] from `vectors` against `cache_layer`'s keys.
-
-        kind "query": real queries, fresh keys (lag 0).  kind "forecast": forecast vectors scored as
-        the prefetching runtime does, before this layer appended the row's own token (lag 1); kind
-        "speculate" the same with guessed queries.  "quest" and "oracle": real queries, scored by
-        `key_selection`.
-        bounds (lowest, highest entry of positions) and key_count (the longest stored sequence):
-        host ints the caller already holds; a prefill passes them so that its query chunks read
-        nothing back from the device (else each is read here, one CUDA sync each).
-        """
+        """This layer's selection [B, H, R, budget] from `vectors` against `cache_layer`'s keys by the
+        selector `kind` (a registered name or a `Selector`): `Selector.select`, where bounds and
+        key_count are the host ints a prefill already holds."""
         sparse = self.sparse if sparse is FROM_CONFIG else sparse
-        if kind in ("quest", "oracle"):
-            bounds = sel.position_range(positions) if bounds is None else bounds
-            return key_selection(kind, vectors, positions, cache_layer, sparse, sel.num_blocks(bounds[1] + 1,
-                                                                                              sparse.block_size))
-        # the incrementally pooled CIS: a decode step never re-pools every token, and an
-        # offloaded cache keeps the raw CIS on the host
-        ckeys, coarse, pooled = cache_layer.compressed(key_count)
-        return sel.layer_selection(
-            vectors,
-            ckeys,
-            positions,
-            sparse,
-            kind,
-            lse_keys=coarse if kind == "query" else None,
-            pooled_cis=pooled if sparse.policy == "nosa" else None,
-            bounds=bounds,
-        )
+        return get_selector(kind).select(vectors, positions, cache_layer, sparse, bounds, key_count)
 
     # ------------------------------------------------------------------------------------------
     def forward(
@@ -236,8 +137,9 @@ class SparseAttention(nn.Module):
         plan: this layer's decode `Plan`, made one layer ahead.  reused: the selection [B, H, T, K]
         this layer reuses (reuse selector, from its anchor).  selections_out: if a dict, receives
         {"selected": the ids attended with, "query": ids, "forecast": ids} for recall measurements.
-        selector: overrides `sparse_config.selector` (training routes the frozen backbone with
-        "query"); this layer's rule is `layer_selector` of it.  step: the call's `CallInfo` (the
+        selector: a registered name overriding `sparse_config.selector` (training routes the frozen
+        backbone with "query"), this layer's rule its `at_layer`; or this layer's `Selector` as the
+        decoder resolved it.  step: the call's `CallInfo` (the
         model passes it; a direct call without it reads the positions once).  sparse: the call's
         SparseConfig (the model reads it once per call); by default the config's.  Returns
         [B, T, hidden].
@@ -253,20 +155,20 @@ class SparseAttention(nn.Module):
         cis = self.compute_cis(v) if self.nosa_bias else None
         cache_layer.append(k, v, cis, positions, step)
 
-        selector = layer_selector(selector or (sparse.selector if sparse is not None else None), self.layer_idx, sparse)
-        if selector == "forecast" and forecast_in is None and plan is None:
+        if selector is not None and not isinstance(selector, str):  # the decoder's, already this layer's rule
+            rule = selector
+        else:
+            rule = get_selector(selector or (sparse.selector if sparse is not None else None))
+            rule = None if rule is None else rule.at_layer(self.layer_idx, sparse)
+        if rule is not None and rule.scores_with == "forecast" and forecast_in is None and plan is None:
             if not self.scores_itself:
                 raise ValueError(f"layer {self.layer_idx} got no forecast vectors from layer {self.layer_idx - 1}")
             forecast_in = self.project_forecast(hidden, cos, sin, "current_proj")  # layer 0 scores itself
-        vectors = self._scoring_vectors(selector, q, forecast_in, reused, plan, step, sparse)
+        vectors = self._scoring_vectors(rule, q, forecast_in, reused, plan, step, sparse)
 
         if step.decode and sparse is not None and not step.any_dense:
             if plan is None:
-                plan = (
-                    cache_layer.plan(reused[:, :, 0])
-                    if selector == "reuse"
-                    else plan_decode(vectors, positions, cache_layer, sparse, selector)
-                )
+                plan = rule.plan(vectors, positions, cache_layer, sparse)
             if selections_out is not None:
                 self._record(
                     selections_out,
@@ -275,30 +177,31 @@ class SparseAttention(nn.Module):
                     positions,
                     cache_layer,
                     plan.selection.unsqueeze(2),
-                    selector,
+                    rule,
                     sparse,
                     bounds=step.bounds(),
                 )
             out = cache_layer.decode_attention(q, plan)
         else:
-            out = self._attend_chunks(q, vectors, forecast_in, positions, cache_layer, selections_out, selector, step,
+            out = self._attend_chunks(q, vectors, forecast_in, positions, cache_layer, selections_out, rule, step,
                                       sparse)
         return self.o_proj(out.reshape(batch, length, self.num_heads * d))
 
-    def _scoring_vectors(self, selector, q, forecast_in, reused, plan, step: CallInfo, sparse):
-        """What this layer's selection starts from: its queries (query, quest, oracle), the vectors
-        handed over (forecast, speculate), or the reused selection (reuse).  A ValueError when the
+    def _scoring_vectors(self, rule, q, forecast_in, reused, plan, step: CallInfo, sparse):
+        """What this layer's selection starts from (`Selector.scores_with`): its queries, the vectors
+        handed over (Forecast vectors, guessed queries), or the reused selection.  A ValueError when the
         layer before handed over nothing where the call needs it (a sparse call without a plan)."""
-        if selector in OWN_QUERY_KINDS or sparse is None:
+        if sparse is None or rule.scores_with == "queries":
             return q
-        given = reused if selector == "reuse" else forecast_in
+        blocks = rule.scores_with == "blocks"
+        given = reused if blocks else forecast_in
         if given is None and plan is None and not step.all_dense:
-            what = "blocks to reuse" if selector == "reuse" else f"{selector} vectors"
+            what = "blocks to reuse" if blocks else f"{rule.name} vectors"
             raise ValueError(f"layer {self.layer_idx} got no {what} from layer {self.layer_idx - 1}")
         return given
 
     def _record(
-        self, out: dict | None, q, forecast_in, positions, cache_layer, selection, selector, sparse, **host
+        self, out: dict | None, q, forecast_in, positions, cache_layer, selection, rule, sparse, **host
     ) -> None:
         """Store the selection in use ("selected") and the query and forecast selectors' choices for
         recall measurements (forecast: when the layer before handed Forecast vectors over); `host`:
@@ -307,12 +210,13 @@ class SparseAttention(nn.Module):
             return
         select = lambda vectors, kind: self.select(vectors, positions, cache_layer, kind, sparse=sparse, **host)  # noqa: E731
         out["selected"] = selection
-        out["query"] = selection if selector == "query" else select(q, "query")
-        if forecast_in is not None and selector != "speculate":  # speculate hands over guessed queries
-            out["forecast"] = selection if selector == "forecast" else select(forecast_in, "forecast")
+        query, forecast = get_selector("query"), get_selector("forecast")
+        out["query"] = selection if rule is query else select(q, query)
+        if forecast_in is not None and rule.scores_with != "guessed-queries":  # guesses are not Forecast vectors
+            out["forecast"] = selection if rule is forecast else select(forecast_in, forecast)
 
     def _attend_chunks(
-        self, q, vectors, forecast_in, positions, cache_layer, selections_out, selector, step: CallInfo, sparse
+        self, q, vectors, forecast_in, positions, cache_layer, selections_out, rule, step: CallInfo, sparse
     ) -> torch.Tensor:
         """All rows of a multi-token call (and decode steps of a batch holding a dense sequence).
 
@@ -330,8 +234,8 @@ class SparseAttention(nn.Module):
         n_blocks = sel.num_blocks(count, sparse.block_size)
         if step.decode:  # a decode step of a batch holding a dense sequence
             host = {"bounds": step.bounds(), "key_count": count, "sparse": sparse}
-            ids = vectors if selector == "reuse" else self.select(vectors, positions, cache_layer, selector, **host)
-            self._record(selections_out, q, forecast_in, positions, cache_layer, ids, selector, **host)
+            ids = rule.select(vectors, positions, cache_layer, sparse, host["bounds"], count)
+            self._record(selections_out, q, forecast_in, positions, cache_layer, ids, rule, **host)
             masks = row_block_masks(ids, positions, n_blocks, sparse.block_size, dense if any_dense else None)
             return masked_decode_attention(q, keys, values, cis, positions, masks, sparse.block_size)
         flex = not all_dense and not any_dense and use_flex(q) and step.contiguous()
@@ -348,11 +252,10 @@ class SparseAttention(nn.Module):
             pos = positions[:, rows]
             f_rows = None if forecast_in is None else forecast_in[:, rows]
             host = {"bounds": step.bounds(start, start + chunk), "key_count": count, "sparse": sparse}
-            reused = selector == "reuse"
-            ids = vectors[:, :, rows] if reused else self.select(vectors[:, rows], pos, cache_layer, selector, **host)
+            ids = rule.select(rule.rows(vectors, rows), pos, cache_layer, sparse, host["bounds"], count)
             if selections_out is not None:
                 chunk_records: dict = {}
-                self._record(chunk_records, q[:, rows], f_rows, pos, cache_layer, ids, selector, **host)
+                self._record(chunk_records, q[:, rows], f_rows, pos, cache_layer, ids, rule, **host)
                 for key, value in chunk_records.items():
                     records.setdefault(key, []).append(value)
             if all_dense:

@@ -40,6 +40,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .. import kernels
 from ..modes import SELECTORS
+from ..selectors import get_selector
 from . import selection as sel
 from .prefill import masked_attention
 from .selection import num_compressed
@@ -767,8 +768,8 @@ class SparseCache(Cache):
         super().__init__(layers=[self._make_layer(config, sparse, idx, max_length) for idx in range(num_layers)])
 
     def keeps_key_bounds(self, sparse) -> bool:
-        """Whether the layers keep Quest's block key bounds: the cache's selector (or the model's) is quest."""
-        return sparse is not None and (self.selector or sparse.selector) == "quest"
+        """Whether the layers keep Quest's block key bounds: the cache's selector (or the model's) scores them."""
+        return sparse is not None and get_selector(self.selector or sparse.selector).key_bounds
 
     def _make_layer(self, config, sparse, idx: int, max_length: int | None) -> SparseCacheLayer:
         kernel = (sparse.kernel_size, sparse.kernel_stride) if sparse is not None else (None, None)

@@ -20,6 +20,7 @@ from transformers import PreTrainedConfig
 
 from ..errors import ConfigError
 from ..modes import SELECTORS
+from ..selectors import get_selector
 
 # Presets are package data (forecastkv/presets/*.json), so any install -- wheel, sdist or editable --
 # finds them; `configs/` at the repository root holds only run recipes.
@@ -359,9 +360,11 @@ class ForecastKVConfig(PreTrainedConfig):
                     f"sparse_config.{name}={value} exceeds max_position_embeddings={positions}: "
                     "no sequence of this model fills one"
                 )
-        if sparse is not None and sparse.selector == "forecast" and not self.forecast_config.enabled:
+        heads = sparse is not None and get_selector(sparse.selector).needs_forecast_heads
+        if heads and not self.forecast_config.enabled:
             raise ConfigError(
-                "sparse_config.selector='forecast' needs forecast heads: pass forecast={'enabled': True, ...}"
+                f"sparse_config.selector={sparse.selector!r} needs forecast heads: "
+                "pass forecast={'enabled': True, ...}"
             )
 
     # What `from_pretrained(..., sparse_config=, forecast=, forecast_weights=)` asks of the loader

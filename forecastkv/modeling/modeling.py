@@ -18,9 +18,8 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.activations import ACT2FN
 from transformers.utils import ModelOutput
 
-from ..errors import ConfigError
-from ..modes import SELECTOR_PREFETCH
-from .attention import SparseAttention, layer_selector, plan_decode
+from ..selectors import get_selector
+from .attention import SparseAttention
 from .cache import CallInfo, SparseCache
 from .configuration import ForecastKVConfig
 from .rotary import RotaryEmbedding
@@ -103,21 +102,17 @@ class DecoderLayer(nn.Module):
         layer's blocks are planned here, so a runtime can fetch them while this layer runs."""
         attn = self.self_attn
         normed = self.input_layernorm(hidden)
-        kind, next_kind = call.kind_of(self.layer_idx), call.kind_of(self.layer_idx + 1)
+        kind, next_kind = call.rules[self.layer_idx], call.rules[self.layer_idx + 1]
         if call.want_forecast and handoff is None and attn.scores_itself:
             handoff = attn.project_forecast(normed, call.cos, call.sin, "current_proj")
         next_handoff = None
-        if next_cache_layer is not None:
-            if next_kind == "speculate":
-                device = next_layer.input_layernorm.weight.device
-                next_handoff = next_layer.guess_queries(hidden.to(device), call if device == hidden.device else
-                                                        call.to(device))
-            elif next_kind == "reuse":
-                next_handoff = handoff if kind == "reuse" else None  # the same anchor's (an anchor's: below)
-            elif call.want_forecast:
-                next_handoff = attn.project_forecast(normed, call.cos, call.sin)
+        if next_cache_layer is not None:  # what the next layer's rule takes from this one (an anchor's: below)
+            # a dense call hands over what the query selector's layer gets: Forecast vectors when made
+            rule = next_kind if next_kind is not None else get_selector("query")
+            next_handoff = rule.handoff(attn, next_layer, hidden, normed, call, handoff, kind)
         next_plan = self._plan_next(call, next_kind, next_handoff, next_cache_layer)
-        anchor_of_next = next_cache_layer is not None and next_kind == "reuse" and kind != "reuse"
+        takes_blocks = lambda rule: rule is not None and rule.scores_with == "blocks"  # noqa: E731
+        anchor_of_next = next_cache_layer is not None and takes_blocks(next_kind) and not takes_blocks(kind)
         record = {} if anchor_of_next and selections_out is None else selections_out
         out = attn(
             normed,
@@ -125,13 +120,13 @@ class DecoderLayer(nn.Module):
             call.cos,
             call.sin,
             cache_layer,
-            forecast_in=None if kind == "reuse" else handoff,
+            forecast_in=None if takes_blocks(kind) else handoff,
             plan=plan,
             selections_out=record,
             selector=kind,
             step=call.step,
             sparse=call.sparse,
-            reused=handoff if kind == "reuse" else None,
+            reused=handoff if takes_blocks(kind) else None,
         )
         if anchor_of_next:  # an anchor hands its own blocks to the layers after it
             next_handoff = record.get("selected")
@@ -149,20 +144,18 @@ class DecoderLayer(nn.Module):
         vectors, or the anchor's blocks reused."""
         if not call.plans_ahead or next_handoff is None or not next_cache_layer.is_initialized:
             return None
-        if not SELECTOR_PREFETCH[next_kind]:  # it selects with its own queries (reuse's anchors): at its turn
+        if not next_kind.plans_ahead:  # it selects with its own queries (reuse's anchors): at its turn
             return None
         device = next_cache_layer.device
-        if next_kind == "reuse":
-            return next_cache_layer.plan(next_handoff[:, :, 0].to(device))
-        vectors, positions = next_handoff.to(device), call.positions.to(device)
-        return plan_decode(vectors, positions, next_cache_layer, call.sparse, next_kind)
+        return next_kind.plan(next_handoff.to(device), call.positions.to(device), next_cache_layer, call.sparse)
 
 
 @dataclass
 class LayerCall:
     """What every decoder layer of one forward call shares: positions [B, T], RoPE cos/sin [B, T, d]
     (moved to each layer's device under a device_map), the call's `CallInfo` and SparseConfig,
-    the selector in use, muP's residual scale, whether forecast vectors are made (`want_forecast`)
+    each layer's selection rule (`rules[l]`: the call's selector's `at_layer(l)`, None when dense;
+    one more None past the last layer), muP's residual scale, whether forecast vectors are made (`want_forecast`)
     and whether layers plan the next layer's decode blocks (`plans_ahead`), and the training /
     recall `layer_callback`."""
 
@@ -171,15 +164,11 @@ class LayerCall:
     sin: torch.Tensor
     step: CallInfo
     sparse: object
-    selector: str | None
+    rules: tuple
     residual_scale: float
     want_forecast: bool
     plans_ahead: bool
     layer_callback: object = None
-
-    def kind_of(self, layer_idx: int) -> str | None:
-        """The selection rule of layer `layer_idx` in this call (`attention.layer_selector`)."""
-        return layer_selector(self.selector, layer_idx, self.sparse)
 
     def to(self, device) -> "LayerCall":
         """This call with its tensors on `device` (layers spread over devices by a device_map)."""
@@ -342,16 +331,16 @@ class ForecastKVModel(ForecastKVPreTrainedModel):
             hidden = hidden * mup.scale_emb
             residual_scale = mup.scale_depth / math.sqrt(config.num_hidden_layers)
         # a cache may carry a selector of its own (the runtime's modes compare selectors on one model)
-        selector = (cache.selector or sparse.selector) if sparse is not None else None
-        want_forecast = config.forecast_config.enabled and (selector == "forecast" or collect_selections)
-        plans_ahead = selector is not None and SELECTOR_PREFETCH[selector] and step.decode and not step.any_dense
-        if selector == "reuse" and max(sparse.reuse_anchors) >= len(self.layers):
-            raise ConfigError(
-                f"sparse_config.reuse_anchors={list(sparse.reuse_anchors)} names a layer past the model's "
-                f"{len(self.layers)} layers"
-            )
+        selector = get_selector(cache.selector or sparse.selector) if sparse is not None else None
+        forecast = selector is not None and selector.needs_forecast_heads
+        want_forecast = config.forecast_config.enabled and (forecast or collect_selections)
+        plans_ahead = selector is not None and selector.plans_ahead and step.decode and not step.any_dense
+        rules = (None,) * (len(self.layers) + 1)
+        if selector is not None:
+            selector.check(sparse, len(self.layers))
+            rules = (*[selector.at_layer(idx, sparse) for idx in range(len(self.layers))], None)
         call = LayerCall(
-            positions, cos, sin, step, sparse, selector, residual_scale, want_forecast, plans_ahead, layer_callback
+            positions, cos, sin, step, sparse, rules, residual_scale, want_forecast, plans_ahead, layer_callback
         )
         hidden, selections = self.decode_layers(hidden, call, cache, collect_selections)
         cache.finish_call()

@@ -684,3 +684,69 @@ def top_p_blocks(
     ids = order.masked_fill(~keep, n_blocks).sort(dim=-1).values  # dropped ids sort last
     ids = ids.masked_fill(ids == n_blocks, -1)
     return F.pad(ids, (0, cap - take), value=-1) if take < cap else ids
+
+
+# ----------------------------------------------------------------------------------------------
+# what the selectors that score keys themselves share (`forecastkv/selectors/quest.py`, `oracle.py`)
+# ----------------------------------------------------------------------------------------------
+
+
+def check_group_heads(q: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, keys_name: str) -> int:
+    """The group size G = Hq // H of q [B, Tq, Hq, d] against keys [B, *, H, d] and positions
+    [B, Tq]; a ValueError naming the shapes when they do not fit."""
+    if q.dim() != 4 or keys.dim() != 4:
+        raise ValueError(f"q {tuple(q.shape)} and {keys_name} {tuple(keys.shape)} must both be 4-d [B, *, heads, d]")
+    if q.shape[0] != keys.shape[0] or q.shape[-1] != keys.shape[-1]:
+        raise ValueError(
+            f"q {tuple(q.shape)} and {keys_name} {tuple(keys.shape)} differ in batch or head dim (dims 0 and 3)"
+        )
+    heads_q, heads = q.shape[2], keys.shape[2]
+    if heads == 0 or heads_q % heads != 0:
+        raise ValueError(f"q has {heads_q} heads, not a multiple of the {heads} KV heads of {keys_name}")
+    if tuple(positions.shape) != tuple(q.shape[:2]):
+        raise ValueError(f"positions {tuple(positions.shape)} must be [B, Tq] = {tuple(q.shape[:2])}")
+    return heads_q // heads
+
+
+def grouped_heads(q: torch.Tensor, heads: int) -> torch.Tensor:
+    """q [B, Tq, H*G, d] -> fp32 [B, H, G, Tq, d] (query head h*G + i is group h, member i)."""
+    batch, rows, heads_q, dim = q.shape
+    return q.float().view(batch, rows, heads, heads_q // heads, dim).permute(0, 2, 3, 1, 4)
+
+
+def fit_blocks(scores: torch.Tensor, n_blocks: int, fill: float) -> torch.Tensor:
+    """[..., N] -> [..., n_blocks]: truncated, or padded with `fill`."""
+    width = scores.shape[-1]
+    if width >= n_blocks:
+        return scores[..., :n_blocks]
+    return F.pad(scores, (0, n_blocks - width), value=fill)
+
+
+# ----------------------------------------------------------------------------------------------
+# recall against the oracle
+# ----------------------------------------------------------------------------------------------
+
+
+def selection_recall(
+    ids: torch.Tensor, mass: torch.Tensor, oracle_ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """How much of the oracle a selection holds: (mass_recall, overlap), each fp32 [B, H, Tq].
+
+    ids [B, H, Tq, K] and oracle_ids [B, H, Tq, K2] (-1 = none), mass [B, H, Tq, NB]
+    (`oracle_block_mass`).  mass_recall = the mass of ids' blocks / the mass of oracle_ids' blocks
+    (1 where the oracle holds none; above 1 when ids hold more blocks than the oracle's k);
+    overlap = |ids ∩ oracle_ids| / |valid oracle_ids| (1 where the oracle has none).
+    """
+    if ids.shape[:-1] != mass.shape[:-1] or oracle_ids.shape[:-1] != mass.shape[:-1]:
+        raise ValueError(
+            f"ids {tuple(ids.shape)}, oracle_ids {tuple(oracle_ids.shape)} and mass {tuple(mass.shape)} "
+            "must share their leading [B, H, Tq] dims"
+        )
+    n_blocks = mass.shape[-1]
+    chosen, best = selection_mask(ids, n_blocks), selection_mask(oracle_ids, n_blocks)
+    mass = mass.float()
+    held, best_held = (mass * chosen).sum(-1), (mass * best).sum(-1)
+    mass_recall = torch.where(best_held > 0, held / best_held.clamp(min=torch.finfo(torch.float32).tiny), 1.0)
+    wanted = best.sum(-1).float()
+    overlap = torch.where(wanted > 0, (chosen & best).sum(-1).float() / wanted.clamp(min=1), 1.0)
+    return mass_recall, overlap

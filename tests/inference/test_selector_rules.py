@@ -194,7 +194,7 @@ def test_quest_selects_the_blocks_of_the_largest_key_upper_bounds(cache_kind):
 
 
 def test_quest_bounds_kept_incrementally_equal_the_bounds_of_the_stored_keys():
-    from forecastkv.modeling.selectors import block_key_bounds
+    from forecastkv.selectors.quest import block_key_bounds
 
     model = model_with("quest")
     ids, mask = left_padded([70, 55])

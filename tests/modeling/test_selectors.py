@@ -1,4 +1,5 @@
-"""selectors.py (oracle, Quest, top-p budgets, recall) against plain-loop references of each rule.
+"""The oracle and Quest ops (`forecastkv/selectors/oracle.py`, `quest.py`), top-p budgets and recall
+against plain-loop references of each rule.
 
 Every reference below loops over batch, KV head, query row and block with Python floats (or fp64
 scalars), with no vectorised shortcut, so it states the rule the way its paper does.
@@ -10,8 +11,9 @@ import math
 import pytest
 import torch
 
-from forecastkv.modeling import selectors
-from forecastkv.modeling.selection import block_mass, force_blocks, top_p_blocks, topk_blocks
+from forecastkv.modeling.selection import block_mass, force_blocks, selection_recall, top_p_blocks, topk_blocks
+from forecastkv.selectors.oracle import oracle_block_mass, oracle_blocks
+from forecastkv.selectors.quest import block_key_bounds, quest_block_scores
 from tests.strict_device import count_host_reads
 
 INF = math.inf
@@ -186,7 +188,7 @@ def each_row(tensor):
 @pytest.mark.parametrize("key_dtype", [torch.float32, torch.bfloat16])
 def test_oracle_mass_equals_the_loop(group, key_dtype):
     q, keys = make_qk(heads=2, group=group, key_dtype=key_dtype)
-    mass = selectors.oracle_block_mass(q, keys, POSITIONS, BLOCK, N_BLOCKS)
+    mass = oracle_block_mass(q, keys, POSITIONS, BLOCK, N_BLOCKS)
     assert mass.dtype == torch.float32 and mass.shape == (2, 2, 4, N_BLOCKS)
     torch.testing.assert_close(
         mass.double(), ref_oracle_mass(q, keys, POSITIONS, BLOCK, N_BLOCKS), atol=1e-6, rtol=1e-5
@@ -202,9 +204,9 @@ def test_oracle_mass_equals_the_loop(group, key_dtype):
 
 def test_oracle_mass_with_fewer_blocks_drops_the_rest():
     q, keys = make_qk(heads=1, group=2)
-    full = selectors.oracle_block_mass(q, keys, POSITIONS, BLOCK, N_BLOCKS)
-    torch.testing.assert_close(selectors.oracle_block_mass(q, keys, POSITIONS, BLOCK, 3), full[..., :3])
-    wide = selectors.oracle_block_mass(q, keys, POSITIONS, BLOCK, N_BLOCKS + 2)
+    full = oracle_block_mass(q, keys, POSITIONS, BLOCK, N_BLOCKS)
+    torch.testing.assert_close(oracle_block_mass(q, keys, POSITIONS, BLOCK, 3), full[..., :3])
+    wide = oracle_block_mass(q, keys, POSITIONS, BLOCK, N_BLOCKS + 2)
     torch.testing.assert_close(wide[..., :N_BLOCKS], full)
     assert (wide[..., N_BLOCKS:] == 0).all()
 
@@ -212,8 +214,8 @@ def test_oracle_mass_with_fewer_blocks_drops_the_rest():
 @pytest.mark.parametrize("k", [1, 2, 3, 6, 8])
 def test_oracle_blocks_hold_the_most_mass_of_any_k_subset(k):
     q, keys = make_qk(heads=2, group=3, seed=1)
-    mass = selectors.oracle_block_mass(q, keys, POSITIONS, BLOCK, N_BLOCKS)
-    ids = selectors.oracle_blocks(mass, POSITIONS, k, BLOCK)
+    mass = oracle_block_mass(q, keys, POSITIONS, BLOCK, N_BLOCKS)
+    ids = oracle_blocks(mass, POSITIONS, k, BLOCK)
     assert ids.dtype == torch.int64 and ids.shape == (2, 2, 4, k)
     for b, h, r in each_row(ids):
         visible = row_blocks(int(POSITIONS[b, r]))
@@ -229,25 +231,25 @@ def test_oracle_blocks_hold_the_most_mass_of_any_k_subset(k):
 
 def test_oracle_blocks_break_ties_to_the_lower_id():
     mass = torch.tensor([0.25, 0.25, 0.1, 0.25, 0.15]).view(1, 1, 1, -1)
-    ids = selectors.oracle_blocks(mass, torch.tensor([[19]]), 2, BLOCK)
+    ids = oracle_blocks(mass, torch.tensor([[19]]), 2, BLOCK)
     assert row_list(ids[0, 0, 0]) == [0, 1]
     # a block past the row's own block never competes, whatever its mass
-    ids = selectors.oracle_blocks(torch.tensor([0.1, 0.2, 0.9]).view(1, 1, 1, -1), torch.tensor([[5]]), 2, BLOCK)
+    ids = oracle_blocks(torch.tensor([0.1, 0.2, 0.9]).view(1, 1, 1, -1), torch.tensor([[5]]), 2, BLOCK)
     assert row_list(ids[0, 0, 0]) == [0, 1]
 
 
 @pytest.mark.parametrize("k", [1, 2, 4, 6])
 def test_oracle_recall_is_one_and_no_other_k_subset_beats_it(k):
     q, keys = make_qk(heads=2, group=1, seed=2)
-    mass = selectors.oracle_block_mass(q, keys, POSITIONS, BLOCK, N_BLOCKS)
-    oracle = selectors.oracle_blocks(mass, POSITIONS, k, BLOCK)
-    mass_recall, overlap = selectors.selection_recall(oracle, mass, oracle)
+    mass = oracle_block_mass(q, keys, POSITIONS, BLOCK, N_BLOCKS)
+    oracle = oracle_blocks(mass, POSITIONS, k, BLOCK)
+    mass_recall, overlap = selection_recall(oracle, mass, oracle)
     assert (mass_recall == 1).all() and (overlap == 1).all()
     for b, h, r in each_row(oracle):  # brute force: every other k-subset's recall is at most 1
         visible = row_blocks(int(POSITIONS[b, r]))
         for subset in itertools.combinations(visible, min(k, len(visible))):
             other = torch.tensor(list(subset) + [-1] * (k - len(subset))).view(1, 1, 1, -1)
-            held, _ = selectors.selection_recall(
+            held, _ = selection_recall(
                 other, mass[b : b + 1, h : h + 1, r : r + 1], oracle[b : b + 1, h : h + 1, r : r + 1]
             )
             assert float(held) <= 1 + 1e-6
@@ -263,7 +265,7 @@ def test_oracle_recall_is_one_and_no_other_k_subset_beats_it(k):
 def test_block_key_bounds_equal_the_loop(dtype, length):
     _, keys = make_qk(heads=2, group=1, key_dtype=dtype)
     keys = keys[:, :length]
-    lo, hi = selectors.block_key_bounds(keys, BLOCK)
+    lo, hi = block_key_bounds(keys, BLOCK)
     assert lo.dtype == dtype and lo.shape == (2, length // BLOCK, 2, 8)
     ref_lo, ref_hi = ref_bounds(keys, BLOCK)
     assert torch.equal(lo, ref_lo) and torch.equal(hi, ref_hi)
@@ -273,8 +275,8 @@ def test_block_key_bounds_equal_the_loop(dtype, length):
 @pytest.mark.parametrize("key_dtype", [torch.float32, torch.bfloat16])
 def test_quest_scores_equal_the_loop(group, key_dtype):
     q, keys = make_qk(heads=2, group=group, key_dtype=key_dtype, seed=3)
-    lo, hi = selectors.block_key_bounds(keys, BLOCK)
-    scores = selectors.quest_block_scores(q, lo, hi, POSITIONS, BLOCK, N_BLOCKS)
+    lo, hi = block_key_bounds(keys, BLOCK)
+    scores = quest_block_scores(q, lo, hi, POSITIONS, BLOCK, N_BLOCKS)
     assert scores.dtype == torch.float32 and scores.shape == (2, 2, 4, N_BLOCKS)
     assert not scores.isnan().any()
     ref = ref_quest(q, lo, hi, POSITIONS, BLOCK, N_BLOCKS)
@@ -290,7 +292,7 @@ def test_quest_scores_equal_the_loop(group, key_dtype):
 def test_quest_upper_bound_is_at_least_every_key_in_the_block():
     """Quest's premise, on the bounds: sum_c max(q_c lo_c, q_c hi_c) is never below q.k of a key in the block."""
     q, keys = make_qk(heads=1, group=1, seed=4)
-    lo, hi = selectors.block_key_bounds(keys, BLOCK)
+    lo, hi = block_key_bounds(keys, BLOCK)
     for b in range(2):
         for j in range(lo.shape[1]):
             bound = sum(
@@ -302,33 +304,33 @@ def test_quest_upper_bound_is_at_least_every_key_in_the_block():
 
 def test_quest_scores_pad_or_cut_to_n_blocks():
     q, keys = make_qk(heads=2, group=2)
-    lo, hi = selectors.block_key_bounds(keys, BLOCK)
-    full = selectors.quest_block_scores(q, lo, hi, POSITIONS, BLOCK, N_BLOCKS)
-    assert torch.equal(selectors.quest_block_scores(q, lo, hi, POSITIONS, BLOCK, 2), full[..., :2])
+    lo, hi = block_key_bounds(keys, BLOCK)
+    full = quest_block_scores(q, lo, hi, POSITIONS, BLOCK, N_BLOCKS)
+    assert torch.equal(quest_block_scores(q, lo, hi, POSITIONS, BLOCK, 2), full[..., :2])
     torch.testing.assert_close(
-        selectors.quest_block_scores(q, lo, hi, POSITIONS, BLOCK, 2).double(), ref_quest(q, lo, hi, POSITIONS, BLOCK, 2)
+        quest_block_scores(q, lo, hi, POSITIONS, BLOCK, 2).double(), ref_quest(q, lo, hi, POSITIONS, BLOCK, 2)
     )
-    wide = selectors.quest_block_scores(q, lo, hi, POSITIONS, BLOCK, N_BLOCKS + 3)
+    wide = quest_block_scores(q, lo, hi, POSITIONS, BLOCK, N_BLOCKS + 3)
     assert torch.equal(wide[..., :N_BLOCKS], full) and (wide[..., N_BLOCKS:] == -INF).all()
 
 
 def test_oracle_rejects_mismatched_shapes():
     q, keys = make_qk(heads=2, group=2)
     with pytest.raises(ValueError, match="batch or head dim"):
-        selectors.oracle_block_mass(q[..., :4], keys, POSITIONS, BLOCK, N_BLOCKS)
+        oracle_block_mass(q[..., :4], keys, POSITIONS, BLOCK, N_BLOCKS)
     with pytest.raises(ValueError, match="4-d"):
-        selectors.oracle_block_mass(q[0], keys, POSITIONS, BLOCK, N_BLOCKS)
+        oracle_block_mass(q[0], keys, POSITIONS, BLOCK, N_BLOCKS)
 
 
 def test_quest_rejects_mismatched_heads():
     q, keys = make_qk(heads=2, group=2)
-    lo, hi = selectors.block_key_bounds(keys, BLOCK)
+    lo, hi = block_key_bounds(keys, BLOCK)
     with pytest.raises(ValueError, match="not a multiple of the 2 KV heads"):
-        selectors.quest_block_scores(q[:, :, :3], lo, hi, POSITIONS, BLOCK, N_BLOCKS)
+        quest_block_scores(q[:, :, :3], lo, hi, POSITIONS, BLOCK, N_BLOCKS)
     with pytest.raises(ValueError, match="positions"):
-        selectors.quest_block_scores(q, lo, hi, POSITIONS[:, :2], BLOCK, N_BLOCKS)
+        quest_block_scores(q, lo, hi, POSITIONS[:, :2], BLOCK, N_BLOCKS)
     with pytest.raises(ValueError, match="same shape"):
-        selectors.quest_block_scores(q, lo, hi[:, :2], POSITIONS, BLOCK, N_BLOCKS)
+        quest_block_scores(q, lo, hi[:, :2], POSITIONS, BLOCK, N_BLOCKS)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -458,10 +460,10 @@ def test_top_p_is_fixed_shape_and_reads_nothing_back():
 
 def test_selection_recall_equals_the_loop():
     q, keys = make_qk(heads=2, group=3, seed=9)
-    mass = selectors.oracle_block_mass(q, keys, POSITIONS, BLOCK, N_BLOCKS)
-    oracle = selectors.oracle_blocks(mass, POSITIONS, 3, BLOCK)
+    mass = oracle_block_mass(q, keys, POSITIONS, BLOCK, N_BLOCKS)
+    oracle = oracle_blocks(mass, POSITIONS, 3, BLOCK)
     ids = topk_blocks(block_scores(heads=2, seed=10), POSITIONS, 4, BLOCK)
-    mass_recall, overlap = selectors.selection_recall(ids, mass, oracle)
+    mass_recall, overlap = selection_recall(ids, mass, oracle)
     assert mass_recall.dtype == overlap.dtype == torch.float32 and mass_recall.shape == (2, 2, 4)
     for b, h, r in each_row(ids):
         ref_mass, ref_overlap = ref_recall(
@@ -475,7 +477,7 @@ def test_selection_recall_equals_the_loop():
 
 def test_selection_recall_rejects_mismatched_rows():
     with pytest.raises(ValueError, match="leading"):
-        selectors.selection_recall(
+        selection_recall(
             torch.zeros(1, 1, 2, 3, dtype=torch.long), torch.ones(1, 1, 3, 4), torch.zeros(1, 1, 3, 2, dtype=torch.long)
         )
 
@@ -483,10 +485,10 @@ def test_selection_recall_rejects_mismatched_rows():
 @pytest.mark.parametrize("group", [1, 3])
 def test_every_selection_recalls_everything_at_a_budget_of_all_blocks(group):
     q, keys = make_qk(heads=2, group=group, seed=11)
-    mass = selectors.oracle_block_mass(q, keys, POSITIONS, BLOCK, N_BLOCKS)
-    oracle = selectors.oracle_blocks(mass, POSITIONS, N_BLOCKS, BLOCK)
-    lo, hi = selectors.block_key_bounds(keys, BLOCK)
-    quest = force_blocks(selectors.quest_block_scores(q, lo, hi, POSITIONS, BLOCK, N_BLOCKS), POSITIONS, BLOCK, 1, 0)
+    mass = oracle_block_mass(q, keys, POSITIONS, BLOCK, N_BLOCKS)
+    oracle = oracle_blocks(mass, POSITIONS, N_BLOCKS, BLOCK)
+    lo, hi = block_key_bounds(keys, BLOCK)
+    quest = force_blocks(quest_block_scores(q, lo, hi, POSITIONS, BLOCK, N_BLOCKS), POSITIONS, BLOCK, 1, 0)
     selections = {
         "oracle": oracle,
         "quest": topk_blocks(quest, POSITIONS, N_BLOCKS, BLOCK),
@@ -497,6 +499,6 @@ def test_every_selection_recalls_everything_at_a_budget_of_all_blocks(group):
         "wide top-k": topk_blocks(block_scores(2, seed=13, hidden_share=0.0), POSITIONS, N_BLOCKS + 1, BLOCK),
     }
     for name, ids in selections.items():
-        mass_recall, overlap = selectors.selection_recall(ids, mass, oracle)
+        mass_recall, overlap = selection_recall(ids, mass, oracle)
         torch.testing.assert_close(mass_recall, torch.ones_like(mass_recall), msg=name)
         assert (overlap == 1).all(), name
