@@ -638,7 +638,7 @@ def _add_study(commands) -> None:
         default=None,
         help="top-p masses in (0, 1], each capped at the largest budget (0.8 0.9 0.95; no value: no top-p cells)",
     )
-    study.add_argument("--selectors", nargs="+", choices=SELECTORS, default=None, help="selectors to run (all six)")
+    study.add_argument("--selectors", nargs="+", choices=SELECTORS, default=None, help="selectors to run (all)")
     study.add_argument("--tail", type=positive_int, default=None, help="decode steps scored at each length's end (32)")
     study.add_argument(
         "--heads", default=None, metavar="DIR", help="Forecast heads for `forecast` (default: runs/demo/heads if there)"
