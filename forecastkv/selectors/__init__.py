@@ -21,6 +21,8 @@ loop, the caches and the runtime ask it; none of them names a selector.
                         with their queries; each later layer reuses the last anchor's blocks (`reuse.py`).
   * ``speculate``       InfiniGen-style (Lee et al., OSDI 2024): layer l+1's input norm and query projection
                         applied to the residual entering layer l guess layer l+1's queries (`speculate.py`).
+  * ``quest-forecast``  Quest's block bounds scored with the Forecast vectors of the layer before, so it
+                        plans a layer ahead (`quest_forecast.py`).
 
 A new selector is one module here plus its line in `REGISTERED`.  This module imports nothing, so the
 console script can offer the names without importing torch.
@@ -36,6 +38,7 @@ REGISTERED = {
     "quest": "quest",
     "reuse": "reuse",
     "speculate": "speculate",
+    "quest-forecast": "quest_forecast",
 }
 
 

@@ -18,6 +18,7 @@ from forecastkv.eval.study_report import (
 from tests.test_cli import _user_error
 
 BLOCK = 64
+AHEAD = ("forecast", "reuse", "speculate", "quest-forecast")  # the selectors that plan a layer ahead
 
 
 def cell(length=2048, selector="query", kind="blocks", blocks=16, p=None, **metrics):
@@ -35,8 +36,8 @@ def cell(length=2048, selector="query", kind="blocks", blocks=16, p=None, **metr
             "p": p,
             "budget_tokens": None if blocks is None else blocks * BLOCK,
             "budget_share": None if blocks is None else blocks / context_blocks,
-            "prefetch": selector in ("forecast", "reuse", "speculate"),
-            "offload_mode": "forecast-offload" if selector in ("forecast", "reuse", "speculate") else "sparse-offload",
+            "prefetch": selector in AHEAD,
+            "offload_mode": "forecast-offload" if selector in AHEAD else "sparse-offload",
             "recall_mass": 0.8,
             "overlap": 0.7,
             "ppl": 11.0,

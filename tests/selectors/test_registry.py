@@ -45,7 +45,7 @@ def test_every_registered_name_resolves_to_its_selector(name):
 
 def test_the_names_are_the_registry_and_none_passes_through():
     assert SELECTORS == tuple(REGISTERED) and get_selector(None) is None
-    assert set(SELECTORS) >= {"query", "forecast", "oracle", "quest", "reuse", "speculate"}
+    assert set(SELECTORS) >= {"query", "forecast", "oracle", "quest", "reuse", "speculate", "quest-forecast"}
 
 
 @pytest.mark.parametrize("bad", ["Query", "quest_forecast", "", "dense"])
