@@ -108,10 +108,6 @@ class ResidentLayer(SparseCacheLayer):
         names = ("keys", "values", "cis")
         return {name: getattr(self, name) for name in names if getattr(self, name, None) is not None}
 
-    def index_tensors(self) -> dict:
-        names = ("ckeys", "coarse_keys", "pooled_cis", "block_lo", "block_hi", "lengths")
-        return {name: getattr(self, name) for name in names if getattr(self, name, None) is not None}
-
     def host_nbytes(self) -> int:
         return 0
 
@@ -177,16 +173,8 @@ class OffloadedLayer(OffloadedStaging, SparseCacheLayer):
         self.step_h2d = 0  # this decode step's whole-layer copies (a dense row), booked by `record_plan`
 
     def reset(self) -> None:
-        recording, reserved = self.log.selections is not None, self.reserved
-        SparseCacheLayer.__init__(
-            self,
-            *(self.kernel or (None, None)),
-            coarse=self.coarse,
-            max_length=self.max_length,
-            block_size=self.block_size,
-            key_bounds=self.bounds_kernel is not None,
-        )
-        self.reserved = reserved
+        recording = self.log.selections is not None
+        super().reset()
         self._fresh()
         self.log.selections = [] if recording else None
 
@@ -197,10 +185,7 @@ class OffloadedLayer(OffloadedStaging, SparseCacheLayer):
     @property
     def ring_rows(self) -> int:
         """R: rows of the widest window an index pools (kernel, MiniCPM4.1's coarse one, Quest's block)."""
-        if self.kernel is None:
-            return 1
-        windows = [size for _, (size, _) in filter(lambda pair: pair[1], self._window_buffers())]
-        return max(windows)
+        return max([window.size for window in self.windows], default=1)
 
     def _allocate(self, keys: torch.Tensor, cis: torch.Tensor | None) -> None:
         batch, _, heads, dim = keys.shape
@@ -441,10 +426,6 @@ class OffloadedLayer(OffloadedStaging, SparseCacheLayer):
         if self.staged is not None:
             tensors.update(staged_keys=self.staged[0], staged_values=self.staged[1], staged_cis=self.staged[2])
         return {name: t for name, t in tensors.items() if t is not None}
-
-    def index_tensors(self) -> dict:
-        names = ("ckeys", "coarse_keys", "pooled_cis", "block_lo", "block_hi", "lengths")
-        return {name: getattr(self, name) for name in names if getattr(self, name, None) is not None}
 
     def host_nbytes(self) -> int:
         return 0 if self.host is None else self.host.nbytes()

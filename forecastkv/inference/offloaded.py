@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from ..modeling.cache import SparseCache
+from ..modeling.cache import SparseCache, window_geometry
 from ..modeling.generation import register_offloaded_cache
 from ..modes import MODE_FETCH, MODE_SELECTOR, MODES, SELECTORS
 from ..selectors import get_selector
@@ -177,8 +177,8 @@ class OffloadedSparseCache(SparseCache):
         return other
 
     def _make_layer(self, config, sparse, idx: int, max_length: int | None):
-        kernel = (sparse.kernel_size, sparse.kernel_stride) if sparse is not None else (None, None)
-        coarse = sparse.coarse_kernel if sparse is not None and sparse.lse == "coarse" else None
+        kernel, coarse = window_geometry(sparse)
+        kernel = kernel or (None, None)
         mode, _, first_resident = self._build
         if mode == "no-offload" or (idx == 0 and first_resident):
             return ResidentLayer(

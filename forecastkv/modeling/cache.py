@@ -125,6 +125,121 @@ def write_windows(target: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, 
     target[batch_idx, ids[batch_idx, w_idx]] = windows[batch_idx, w_idx].to(target.device, target.dtype)
 
 
+@dataclass
+class WindowIndex:
+    """One index a cache layer keeps by windows of its stored rows: the compressed keys, NOSA's pooled
+    CIS, MiniCPM4.1's coarse keys, or one side of Quest's block bounds.  buffer [B, C, H, ...]: window c
+    pools rows [c*stride, c*stride + size) of `source` ("keys" [B, S, H, d] or "cis" [B, S, H]) by
+    `reduce` ("mean" in fp32, or the exact per-channel "amin" / "amax"), stored in `dtype` (None: the
+    source's).  Only complete windows are written; the rest of the buffer is whatever it held (the
+    selection's visibility masks it), so `crop` needs nothing here: windows past the new lengths are
+    rewritten when they complete again.  One copy of append (`extend`, `extend_one`), grow (`grow_for`),
+    fork (`forked`) and reorder (`reordered`) for every index of every tier."""
+
+    name: str
+    size: int
+    stride: int
+    source: str = "keys"
+    reduce: str = "mean"
+    dtype: torch.dtype | None = None
+    buffer: torch.Tensor | None = None
+
+    def windows(self, rows: int) -> int:
+        """Buffer rows for the windows of `rows` positions (at least one, so an empty layer has a shape)."""
+        return max(num_compressed(rows, self.size, self.stride), 1)
+
+    def capacity(self, max_length: int | None, reserved: int | None) -> tuple[int | None, int | None]:
+        """(max_length, reserved) counted in windows."""
+        return (None if max_length is None else self.windows(max_length),
+                None if reserved is None else self.windows(reserved))
+
+    def fits(self, rows: int) -> bool:
+        """Whether the buffer holds the windows of `rows` positions (an index not yet made: nothing to grow)."""
+        return self.buffer is None or self.buffer.shape[1] >= self.windows(rows)
+
+    def grow_for(self, rows: int, max_length: int | None, reserved: int | None) -> None:
+        """Room for the windows of `rows` positions, in chunks worth GROWTH_CHUNK positions."""
+        if self.buffer is not None:
+            capacity, reserve = self.capacity(max_length, reserved)
+            chunk = max(GROWTH_CHUNK // self.stride, 1)
+            self.buffer = grow_rows(self.buffer, self.windows(rows), self.buffer, capacity, chunk, reserve)
+
+    def extend(self, old_lengths, lengths, source, longest: int, max_length, reserved) -> None:
+        """Write the windows completed between old_lengths and lengths [B] (each sequence its own, none
+        twice), pooled from source [B, S, H, ...] (every stored row, any device); the buffer lands on
+        the lengths' device, grown for `longest` positions."""
+        ids, valid, rows = window_rows(old_lengths, lengths, self.size, self.stride)
+        like = source[:, :1].to(lengths.device, self.dtype or source.dtype)
+        capacity, reserve = self.capacity(max_length, reserved)
+        chunk = max(GROWTH_CHUNK // self.stride, 1)  # chunks worth GROWTH_CHUNK positions, not windows
+        self.buffer = grow_rows(self.buffer, self.windows(longest), like, capacity, chunk, reserve)
+        if ids.shape[1]:
+            pooled = compress_windows(source, rows.to(source.device), self.dtype, reduce=self.reduce)
+            write_windows(self.buffer, ids, valid, pooled)
+
+    def extend_one(self, old_lengths, lengths, source, ring: bool = False) -> None:
+        """`extend` for a one-token step: each sequence completes at most one window.  Fixed shapes, no
+        host read; source is the layer's rows by position, or a ring (`compress_windows`)."""
+        size, stride, target = self.size, self.stride, self.buffer
+        # windows complete before and after the step (a list, not a generator: no call per item)
+        first, last = [
+            torch.where(n >= size, torch.div(n - size, stride, rounding_mode="floor") + 1, torch.zeros_like(n))
+            for n in (old_lengths, lengths)
+        ]
+        rows = (first.unsqueeze(-1) * stride + torch.arange(size, device=first.device)).unsqueeze(1)  # [B, 1, size]
+        window = compress_windows(source, rows, self.dtype, ring, self.reduce)[:, 0]
+        index = first.clamp(max=target.shape[1] - 1)
+        batch = torch.arange(first.shape[0], device=first.device)
+        done = (last > first).view(-1, *([1] * (window.dim() - 1)))
+        target[batch, index] = torch.where(done, window.to(target.dtype), target[batch, index])
+
+    def view(self, rows: int) -> torch.Tensor:
+        """The windows complete within `rows` positions, [B, num_compressed(rows), H, ...]."""
+        return self.buffer[:, : num_compressed(rows, self.size, self.stride)]
+
+    def emptied(self) -> "WindowIndex":
+        """The same index with no buffer (a reset layer's)."""
+        return dataclasses.replace(self, buffer=None)
+
+    def forked(self, repeats: int = 1) -> "WindowIndex":
+        """A copy whose buffer is its own: each sequence repeated `repeats` times."""
+        buffer = self.buffer
+        if buffer is not None:
+            buffer = buffer.repeat_interleave(repeats, dim=0) if repeats > 1 else buffer.clone()
+        return dataclasses.replace(self, buffer=buffer)
+
+    def reordered(self, beam_idx: torch.Tensor) -> None:
+        """Sequences reordered by beam_idx [B] (beam search)."""
+        if self.buffer is not None:
+            self.buffer = self.buffer.index_select(0, beam_idx.to(self.buffer.device))
+
+
+def window_indexes(kernel, coarse=None, bounds=None, cis: bool = True) -> list[WindowIndex]:
+    """The window indexes of a layer with compression window kernel (size, stride) (None: a dense layer,
+    none), MiniCPM4.1's coarse window or None, Quest's block window (bs, bs) or None, and NOSA's CIS:
+    the compressed keys, the pooled CIS (fp32, as `selection` pools it), the coarse keys, the block
+    key min and max.  The one list every tier keeps (the resident and offloaded layers, the pages)."""
+    if kernel is None:
+        return []
+    indexes = [WindowIndex("ckeys", *kernel)]
+    if cis:
+        indexes.append(WindowIndex("pooled_cis", *kernel, source="cis", dtype=torch.float32))
+    if coarse is not None:
+        indexes.append(WindowIndex("coarse_keys", *coarse))
+    if bounds is not None:
+        indexes += [WindowIndex("block_lo", *bounds, reduce="amin"), WindowIndex("block_hi", *bounds, reduce="amax")]
+    return indexes
+
+
+def window_geometry(sparse) -> tuple:
+    """(kernel (size, stride), coarse window or None) of a SparseConfig; (None, None) for a dense model:
+    the one place a layer's window geometry is read from the config."""
+    if sparse is None:
+        return None, None
+    coarse = tuple(sparse.coarse_kernel) if sparse.lse == "coarse" else None
+    return (sparse.kernel_size, sparse.kernel_stride), coarse
+
+
 def new_rows(lengths: torch.Tensor, positions: torch.Tensor):
     """Where an append's tokens go: (batch_idx [N], col_idx [N], pos [N], new lengths [B], rows = the
     longest new length) for the N non-padding tokens of positions [B, n], or None if all are padding."""
@@ -276,9 +391,16 @@ def columns_to_remove(tokens: int, columns: int) -> int:
     return max(columns - tokens, 0)
 
 
+def _buffer(index: dict, name: str) -> torch.Tensor | None:
+    """The buffer of window index `name` in a layer's `index`, None when it keeps none or has none yet."""
+    window = index.get(name)
+    return None if window is None else window.buffer
+
+
 class SparseCacheLayer(CacheLayerMixin):
-    """One layer: K/V [B, S, H, d] (and NOSA's CIS [B, S, H]) by position, plus compressed keys
-    [B, C, H, d] and, with CIS, the CIS pooled over the same windows [B, C, H] (fp32).
+    """One layer: K/V [B, S, H, d] (and NOSA's CIS [B, S, H]) by position, plus the window indexes its
+    selector scores (`windows`, `window_indexes`): compressed keys [B, C, H, d], with CIS the CIS pooled
+    over the same windows [B, C, H] (fp32), MiniCPM4.1's coarse keys, Quest's block bounds.
 
     `lengths` [B] counts the stored positions of each sequence (they are contiguous from 0), on the
     device; `host_lengths` is the same count on the host, kept from each call's `CallInfo`, so
@@ -304,22 +426,39 @@ class SparseCacheLayer(CacheLayerMixin):
         self.kernel = (kernel_size, kernel_stride) if kernel_size else None
         # Quest's per-block key min / max, kept like the compressed keys (windows of one block)
         self.bounds_kernel = (block_size, block_size) if key_bounds and self.kernel else None
-        self.block_lo: torch.Tensor | None = None
-        self.block_hi: torch.Tensor | None = None
+        self.windows = window_indexes(self.kernel, coarse, self.bounds_kernel)
         self.coarse = coarse
         self.max_length = max_length
         self.block_size = block_size
-        self.kernels: kernels.KernelSet | None = None
         self.reserved: int | None = None  # rows generate() will store at most (`SparseCache.reserve`)
-        self.cis: torch.Tensor | None = None
-        self.ckeys: torch.Tensor | None = None
-        self.coarse_keys: torch.Tensor | None = None
-        self.pooled_cis: torch.Tensor | None = None
+        self._clear()
+
+    def _clear(self) -> None:
+        """Drop everything stored: the state a new layer starts from, and what `reset` leaves.  The
+        settings, `reserved` and the kinds of window index (each emptied: `WindowIndex.emptied`) stay."""
+        self.keys = self.values = self.cis = None
+        self.is_initialized = False
+        self.windows = [window.emptied() for window in self.windows]
+        self.index = {window.name: window for window in self.windows}
+        self.kernels: kernels.KernelSet | None = None
         self.lengths: torch.Tensor | None = None
         self.host_lengths: list[int] | None = None
         self.last_plan: Plan | None = None  # recorded into the step logs after the call (`record_plan`)
         self.block_shares: list[torch.Tensor] = []  # per planned decode step: blocks read / blocks stored
         self.columns = 0  # input columns seen, padding included (what generate() slices by)
+
+    # -- the window indexes by name (None: not kept, or not made yet) ------------------------------
+    ckeys = property(lambda self: _buffer(self.index, "ckeys"))
+    pooled_cis = property(lambda self: _buffer(self.index, "pooled_cis"))
+    coarse_keys = property(lambda self: _buffer(self.index, "coarse_keys"))
+    block_lo = property(lambda self: _buffer(self.index, "block_lo"))
+    block_hi = property(lambda self: _buffer(self.index, "block_hi"))
+
+    def index_tensors(self) -> dict:
+        """Name -> buffer of every window index made, and the lengths: the layer's selection index on the
+        device (what `OffloadedSparseCache.index_nbytes` counts)."""
+        made = {window.name: window.buffer for window in self.windows if window.buffer is not None}
+        return made if self.lengths is None else {**made, "lengths": self.lengths}
 
     # -- transformers' CacheLayerMixin -------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -341,23 +480,18 @@ class SparseCacheLayer(CacheLayerMixin):
         return self.columns + query_length, 0
 
     def reset(self) -> None:
-        reserved = self.reserved
-        self.__init__(
-            *(self.kernel or (None, None)),
-            coarse=self.coarse,
-            max_length=self.max_length,
-            block_size=self.block_size,
-            key_bounds=self.bounds_kernel is not None,  # Quest's bounds survive a reset
-        )
-        self.reserved = reserved
+        """Empty, as new, for the next text: every window index kept (emptied), `reserved` kept."""
+        self._clear()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         # beams of one prompt share its length, and beam_idx only permutes within a prompt's
         # beams, so host_lengths stay as they are (reading beam_idx would cost a sync per step)
-        for name in ("keys", "values", "cis", "ckeys", "coarse_keys", "pooled_cis", "block_lo", "block_hi", "lengths"):
+        for name in ("keys", "values", "cis", "lengths"):
             tensor = getattr(self, name, None)
             if tensor is not None:
                 setattr(self, name, tensor.index_select(0, beam_idx.to(tensor.device)))
+        for window in self.windows:
+            window.reordered(beam_idx)
 
     def forked(self, repeats: int = 1) -> "SparseCacheLayer":
         """An independent copy of this layer with each sequence repeated `repeats` times (sequence
@@ -369,6 +503,8 @@ class SparseCacheLayer(CacheLayerMixin):
                 setattr(other, name, value.repeat_interleave(repeats, dim=0) if repeats > 1 else value.clone())
         if self.host_lengths is not None:
             other.host_lengths = [n for n in self.host_lengths for _ in range(repeats)]
+        other.windows = [window.forked(repeats) for window in self.windows]
+        other.index = {window.name: window for window in other.windows}
         other.last_plan, other.block_shares = None, []
         return other
 
@@ -449,52 +585,20 @@ class SparseCacheLayer(CacheLayerMixin):
         self._grow_windows_for(rows)
 
     def _grow_windows_for(self, rows: int) -> None:
-        """Room for the compression windows of `rows` positions (compressed keys, pooled CIS)."""
+        """Room for the window indexes of `rows` positions."""
         if self.kernel is None or self._windows_fit(rows):
             return
-        for name, kernel in self._window_buffers():
-            target = getattr(self, name)
-            if target is not None and kernel is not None:
-                size, stride = kernel
-                capacity, reserved = self._window_capacity(size, stride)
-                setattr(
-                    self,
-                    name,
-                    grow_rows(
-                        target,
-                        max(num_compressed(rows, size, stride), 1),
-                        target,
-                        capacity,
-                        max(GROWTH_CHUNK // stride, 1),
-                        reserved,
-                    ),
-                )
-
-    def _window_buffers(self) -> tuple:
-        """(buffer name, its window (size, stride) or None) of every index kept by windows."""
-        return (
-            ("ckeys", self.kernel),
-            ("pooled_cis", self.kernel),
-            ("coarse_keys", self.coarse),
-            ("block_lo", self.bounds_kernel),
-            ("block_hi", self.bounds_kernel),
-        )
+        for window in self.windows:
+            window.grow_for(rows, self.max_length, self.reserved)
 
     def _windows_fit(self, rows: int) -> bool:
-        """Whether every window buffer already holds the windows of `rows` positions (a decode
-        step of a reserved cache: nothing to grow, checked in a few calls)."""
-        need = max(num_compressed(rows, *self.kernel), 1)
-        if self.ckeys is None or self.ckeys.shape[1] < need:
-            return False
-        if self.pooled_cis is not None and self.pooled_cis.shape[1] < need:
-            return False
-        if self.block_lo is not None and self.block_lo.shape[1] < max(num_compressed(rows, *self.bounds_kernel), 1):
-            return False
-        return (
-            self.coarse is None
-            or self.coarse_keys is None
-            or self.coarse_keys.shape[1] >= max(num_compressed(rows, *self.coarse), 1)
-        )
+        """Whether every window index already holds the windows of `rows` positions (a decode step
+        of a reserved cache: nothing to grow, checked in a few calls)."""
+        for window in self.windows:
+            buffer = window.buffer
+            if buffer is not None and buffer.shape[1] < max(num_compressed(rows, window.size, window.stride), 1):
+                return False
+        return True
 
     def _append_one(
         self, keys: torch.Tensor, values: torch.Tensor, cis: torch.Tensor | None, pos: torch.Tensor
@@ -521,79 +625,22 @@ class SparseCacheLayer(CacheLayerMixin):
         layer's rows by position, or an offloaded layer's ring)."""
         old_lengths = self.lengths.clone()
         self.lengths.copy_(torch.where(valid, torch.maximum(old_lengths, pos + 1), old_lengths))
-        if self.kernel is None:
-            return
-        self.ckeys = self._extend_one(self.ckeys, self.kernel, old_lengths, key_source, ring=ring)
-        if cis_source is not None:
-            self.pooled_cis = self._extend_one(
-                self.pooled_cis, self.kernel, old_lengths, cis_source, torch.float32, ring=ring
-            )
-        if self.coarse is not None:
-            self.coarse_keys = self._extend_one(self.coarse_keys, self.coarse, old_lengths, key_source, ring=ring)
-        if self.bounds_kernel is not None:
-            bounds = self.bounds_kernel
-            self.block_lo = self._extend_one(self.block_lo, bounds, old_lengths, key_source, ring=ring, reduce="amin")
-            self.block_hi = self._extend_one(self.block_hi, bounds, old_lengths, key_source, ring=ring, reduce="amax")
-
-    def _window_capacity(self, size: int, stride: int) -> tuple[int | None, int | None]:
-        """(max_length, reserved) counted in compression windows of `size` / `stride`."""
-        windows = lambda rows: None if rows is None else max(num_compressed(rows, size, stride), 1)  # noqa: E731
-        return windows(self.max_length), windows(self.reserved)
-
-    def _extend_one(self, target, kernel, old_lengths, source, dtype=None, ring: bool = False, reduce="mean"):
-        """`_extend` for a one-token step: each sequence completes at most one window.  Fixed
-        shapes, no host read; source is the layer's rows by position, or a ring (`compress_windows`)."""
-        size, stride = kernel
-        # windows complete before and after the step (a list, not a generator: no call per item)
-        first, last = [
-            torch.where(n >= size, torch.div(n - size, stride, rounding_mode="floor") + 1, torch.zeros_like(n))
-            for n in (old_lengths, self.lengths)
-        ]
-        rows = (first.unsqueeze(-1) * stride + torch.arange(size, device=first.device)).unsqueeze(1)  # [B, 1, size]
-        window = compress_windows(source, rows, dtype, ring, reduce)[:, 0]
-        index = first.clamp(max=target.shape[1] - 1)
-        batch = torch.arange(first.shape[0], device=first.device)
-        done = (last > first).view(-1, *([1] * (window.dim() - 1)))
-        target[batch, index] = torch.where(done, window.to(target.dtype), target[batch, index])
-        return target
+        for window in self.windows:
+            source = key_source if window.source == "keys" else cis_source
+            if source is not None:
+                window.extend_one(old_lengths, self.lengths, source, ring)
 
     def _extend_compressed(
         self, old_lengths: torch.Tensor, key_source: torch.Tensor, cis_source: torch.Tensor | None
     ) -> None:
-        """Compress the windows completed by the last append, per sequence (no window twice).
-
-        key_source [B, S, H, d] and cis_source [B, S, H] hold every stored row (any device);
-        the results land on the lengths' device.  CIS is pooled in fp32, as `selection` does.
-        """
-        if self.kernel is None:
-            return
-        self.ckeys = self._extend(self.ckeys, self.kernel, old_lengths, key_source)
-        if cis_source is not None:
-            self.pooled_cis = self._extend(self.pooled_cis, self.kernel, old_lengths, cis_source, torch.float32)
-        if self.coarse is not None:
-            self.coarse_keys = self._extend(self.coarse_keys, self.coarse, old_lengths, key_source)
-        if self.bounds_kernel is not None:
-            self.block_lo = self._extend(self.block_lo, self.bounds_kernel, old_lengths, key_source, reduce="amin")
-            self.block_hi = self._extend(self.block_hi, self.bounds_kernel, old_lengths, key_source, reduce="amax")
-
-    def _extend(self, target, kernel, old_lengths, source, dtype=None, reduce="mean"):
-        """`target` [B, C, ...] with the windows of `kernel` completed since `old_lengths` written."""
-        size, stride = kernel
-        ids, valid, rows = window_rows(old_lengths, self.lengths, size, stride)
-        like = source[:, :1].to(self.lengths.device, dtype or source.dtype)
-        capacity, reserved = self._window_capacity(size, stride)
-        # windows grow in chunks worth GROWTH_CHUNK positions, not GROWTH_CHUNK windows
-        target = grow_rows(
-            target,
-            max(num_compressed(self._longest(None), size, stride), 1),
-            like,
-            capacity,
-            max(GROWTH_CHUNK // stride, 1),
-            reserved,
-        )
-        if ids.shape[1]:
-            write_windows(target, ids, valid, compress_windows(source, rows.to(source.device), dtype, reduce=reduce))
-        return target
+        """Pool the windows completed by the last append into every window index, per sequence (no
+        window twice).  key_source [B, S, H, d] and cis_source [B, S, H] hold every stored row (any
+        device); the results land on the lengths' device."""
+        longest = self._longest(None)
+        for window in self.windows:
+            source = key_source if window.source == "keys" else cis_source
+            if source is not None:
+                window.extend(old_lengths, self.lengths, source, longest, self.max_length, self.reserved)
 
     def step_for(self, positions: torch.Tensor) -> CallInfo:
         """The `CallInfo` of a direct call storing `positions` [B, n] (one read of them)."""
@@ -606,11 +653,11 @@ class SparseCacheLayer(CacheLayerMixin):
     def compressed(self, key_count: int | None = None) -> tuple:
         """(compressed keys [B, C, H, d], coarse keys or None, pooled CIS fp32 [B, C, H] or None) up
         to the longest sequence, `key_count` when given (visibility masks the rest)."""
-        longest = self._longest(key_count)
-        ckeys = self.ckeys[:, : num_compressed(longest, *self.kernel)]
-        coarse = None if self.coarse is None else self.coarse_keys[:, : num_compressed(longest, *self.coarse)]
-        pooled = None if self.pooled_cis is None else self.pooled_cis[:, : ckeys.shape[1]]
-        return ckeys, coarse, pooled
+        longest, index = self._longest(key_count), self.index
+        ckeys = index["ckeys"].view(longest)
+        coarse = None if self.coarse is None else index["coarse_keys"].view(longest)
+        pooled = index["pooled_cis"].buffer
+        return ckeys, coarse, None if pooled is None else pooled[:, : ckeys.shape[1]]
 
     def capacity_rows(self) -> int:
         """Positions per sequence the layer's buffers hold now (what a decode step may score)."""
@@ -621,18 +668,22 @@ class SparseCacheLayer(CacheLayerMixin):
         keys or None and the pooled CIS or None, whole as allocated (visibility masks the windows
         not yet complete), and the rows they span (`capacity_rows`).  Changes only when a buffer
         grows, which a reserved or max_length cache never does while decoding."""
-        return self.ckeys, self.coarse_keys, self.pooled_cis, self.capacity_rows()
+        index = self.index
+        coarse = index.get("coarse_keys")
+        return (index["ckeys"].buffer, None if coarse is None else coarse.buffer, index["pooled_cis"].buffer,
+                self.capacity_rows())
 
     def key_bounds(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Quest's index: per complete block the per-channel min and max key, each [B, NBc, H, d], whole as
         allocated (fixed shapes; blocks not yet complete are masked by the scoring).  Kept only by a cache
         built for the quest selector."""
-        if self.block_lo is None:
+        low, high = (_buffer(self.index, name) for name in ("block_lo", "block_hi"))
+        if low is None:
             raise ValueError(
                 "this cache keeps no block key bounds: build the cache while sparse_config.selector is 'quest' "
                 "(or SparseCache(..., selector='quest'))"
             )
-        return self.block_lo, self.block_hi
+        return low, high
 
     def plan(self, selection: torch.Tensor) -> Plan:
         """Resident cache: nothing to move.  The `Plan` of selection [B, H, K] (-1 = none), with the
@@ -772,8 +823,8 @@ class SparseCache(Cache):
         return sparse is not None and get_selector(self.selector or sparse.selector).key_bounds
 
     def _make_layer(self, config, sparse, idx: int, max_length: int | None) -> SparseCacheLayer:
-        kernel = (sparse.kernel_size, sparse.kernel_stride) if sparse is not None else (None, None)
-        coarse = sparse.coarse_kernel if sparse is not None and sparse.lse == "coarse" else None
+        kernel, coarse = window_geometry(sparse)
+        kernel = kernel or (None, None)
         block_size = sparse.block_size if sparse is not None else None
         return SparseCacheLayer(
             *kernel, coarse=coarse, max_length=max_length, block_size=block_size,

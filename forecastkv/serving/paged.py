@@ -27,9 +27,12 @@ from ..modeling.cache import (
     CallInfo,
     SparseCache,
     SparseCacheLayer,
+    WindowIndex,
     attend_gathered,
     block_rows,
     compress_windows,
+    window_geometry,
+    window_indexes,
     window_rows,
 )
 
@@ -69,30 +72,24 @@ def slot_of(offsets: torch.Tensor, stride: int) -> torch.Tensor:
     return torch.div(offsets, stride, rounding_mode="floor")
 
 
-def window_kinds(sparse, nosa: bool) -> dict[str, tuple[int, int]]:
-    """Name -> (size, stride) of each window index a layer keeps (`SparseCacheLayer._window_buffers`)."""
-    if sparse is None:
-        return {}
-    kinds = {"ckeys": (sparse.kernel_size, sparse.kernel_stride)}
-    if nosa:
-        kinds["pooled_cis"] = kinds["ckeys"]
-    if sparse.lse == "coarse":
-        kinds["coarse_keys"] = tuple(sparse.coarse_kernel)
-    return kinds
-
-
 @dataclass
 class LayerPages:
     """One layer's paged storage.  keys/values [P, H, page, d] (views of the engine's KV pool);
-    cis [P, H, page] (NOSA's per-token bias) or None; windows: index name -> [P, slots, H, ...] (fp32
-    for the pooled CIS; `window_slots`), the slot of a window ending at position e in page
-    table[e // page] being `slot_of(e % page, stride)`."""
+    cis [P, H, page] (NOSA's per-token bias) or None; windows: index name -> [P, slots, H, ...] (in the
+    index's dtype, fp32 for the pooled CIS; `window_slots`), the slot of a window ending at position e in
+    page table[e // page] being `slot_of(e % page, stride)`; indexes: name -> the `WindowIndex` it stores
+    (its window, source and pooling: the resident layer's own list, `window_indexes`)."""
 
     keys: torch.Tensor
     values: torch.Tensor
     cis: torch.Tensor | None = None
     windows: dict[str, torch.Tensor] = field(default_factory=dict)
-    strides: dict[str, tuple[int, int]] = field(default_factory=dict)
+    indexes: dict[str, WindowIndex] = field(default_factory=dict)
+
+    @property
+    def strides(self) -> dict[str, tuple[int, int]]:
+        """Name -> (size, stride) of each window index."""
+        return {name: (index.size, index.stride) for name, index in self.indexes.items()}
 
     @property
     def page(self) -> int:
@@ -103,14 +100,14 @@ class LayerPages:
         """The window indexes (and CIS pages) for the K/V pages keys/values [P, H, page, d]."""
         pages, heads, page, dim = keys.shape
         check_page_geometry(page, sparse)
-        kinds = window_kinds(sparse, nosa)
+        indexes = {index.name: index for index in window_indexes(*window_geometry(sparse), cis=nosa)}
         windows = {}
-        for name, (_, stride) in kinds.items():
-            tail, dtype = ((), torch.float32) if name == "pooled_cis" else ((dim,), keys.dtype)
-            shape = (pages, window_slots(page, stride), heads, *tail)
-            windows[name] = torch.zeros(shape, dtype=dtype, device=keys.device)
+        for name, index in indexes.items():
+            tail = () if index.source == "cis" else (dim,)
+            shape = (pages, window_slots(page, index.stride), heads, *tail)
+            windows[name] = torch.zeros(shape, dtype=index.dtype or keys.dtype, device=keys.device)
         cis = torch.zeros((pages, heads, page), dtype=keys.dtype, device=keys.device) if nosa else None
-        return cls(keys, values, cis, windows, kinds)
+        return cls(keys, values, cis, windows, indexes)
 
 
 def page_slots(table: torch.Tensor, positions: torch.Tensor, page: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,9 +135,8 @@ class PagedCacheLayer(SparseCacheLayer):
         tier=None,
         index: int = 0,
     ):
-        kernel = (sparse.kernel_size, sparse.kernel_stride) if sparse is not None else (None, None)
-        coarse = tuple(sparse.coarse_kernel) if sparse is not None and sparse.lse == "coarse" else None
-        super().__init__(*kernel, coarse=coarse, block_size=block_size)
+        kernel, coarse = window_geometry(sparse)
+        super().__init__(*(kernel or (None, None)), coarse=coarse, block_size=block_size)
         self.pages, self.table = pages, table.to(pages.keys.device, torch.long)
         self.dtype, self.device = pages.keys.dtype, pages.keys.device
         self.kernels = kernels.kernel_set(self.device)
@@ -191,15 +187,15 @@ class PagedCacheLayer(SparseCacheLayer):
     def _file_windows(self, old_lengths: torch.Tensor) -> None:
         """Each window completed since old_lengths [B], pooled as `SparseCacheLayer._extend` pools it
         (`compress_windows` over the same rows), into its slot."""
-        for name, (size, stride) in self.pages.strides.items():
+        for name, index in self.pages.indexes.items():
+            size, stride = index.size, index.stride
             ids, valid, rows = window_rows(old_lengths, self.lengths, size, stride)
             if not ids.shape[1]:
                 continue
-            source = self.pages.cis if name == "pooled_cis" else self.pages.keys
+            source = self.pages.cis if index.source == "cis" else self.pages.keys
             gathered = self._rows(source, rows)  # [B, W * size, H, ...]
             local = torch.arange(rows.shape[1] * size, device=rows.device).view(1, rows.shape[1], size)
-            dtype = torch.float32 if name == "pooled_cis" else None
-            windows = compress_windows(gathered, local.expand(rows.shape[0], -1, -1), dtype)
+            windows = compress_windows(gathered, local.expand(rows.shape[0], -1, -1), index.dtype, reduce=index.reduce)
             end = ids * stride + size - 1
             page_ids, offsets = page_slots(self.table, end, self.pages.page)
             b, w = valid.nonzero(as_tuple=True)

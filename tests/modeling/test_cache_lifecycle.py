@@ -1,14 +1,17 @@
 """reset, crop and fork keep every selector's window indexes (Quest's block bounds, the compressed
-and coarse keys, NOSA's pooled CIS): after each, a cache decodes exactly as a fresh one fed the same
-tokens.  (`SparseCacheLayer.reset` once rebuilt itself without the bounds, so a resident Quest cache
-failed its first step after a reset.)"""
+and coarse keys, NOSA's pooled CIS): after each, a cache decodes exactly as a fresh resident one fed the
+same tokens, for the resident cache and the offloaded runtime in the mode the selector runs in.
+(`SparseCacheLayer.reset` once rebuilt itself without the bounds, so a resident Quest cache failed its
+first step after a reset.)"""
 
 import pytest
 import torch
 
+from forecastkv.inference import OffloadedSparseCache
 from forecastkv.modeling.cache import SparseCache
 from forecastkv.modeling.modeling import CACHE_KWARG
 from forecastkv.modes import SELECTORS
+from forecastkv.selectors import get_selector
 from tests.helpers import tiny_model
 
 PROMPT, STEPS = 44, 3  # five blocks of 8 and a partial one: every selector has a choice
@@ -35,13 +38,25 @@ def fresh(model, prompt, steps):
     return decode_logits(model, SparseCache(model.config), prompt, steps)
 
 
-CASES = [(selector, "infllmv2") for selector in SELECTORS] + [("query", "nosa"), ("quest", "nosa")]
+SELECTOR_CASES = [(selector, "infllmv2") for selector in SELECTORS] + [("query", "nosa"), ("quest", "nosa")]
+# the resident cache for every case, the offloaded runtime for every selector it can run
+CASES = [(*case, "resident") for case in SELECTOR_CASES] + [
+    (*case, "offloaded") for case in SELECTOR_CASES if get_selector(case[0]).deployable
+]
 
 
-@pytest.mark.parametrize(("selector", "policy"), CASES)
-def test_reset_then_reuse_equals_a_fresh_cache(selector, policy):
+def make_cache(model, kind: str):
+    """A resident cache, or the offloaded runtime in the mode the model's selector runs in."""
+    if kind == "resident":
+        return SparseCache(model.config)
+    rule = get_selector(model.config.sparse.selector)
+    return OffloadedSparseCache.for_model(model, mode="forecast-offload" if rule.plans_ahead else "sparse-offload")
+
+
+@pytest.mark.parametrize(("selector", "policy", "kind"), CASES)
+def test_reset_then_reuse_equals_a_fresh_cache(selector, policy, kind):
     model = model_for(selector, policy)
-    cache = SparseCache(model.config)
+    cache = make_cache(model, kind)
     decode_logits(model, cache, tokens(1, PROMPT + 8), tokens(2, STEPS))  # another text first
     cache.reset()
     again = decode_logits(model, cache, tokens(3, PROMPT), tokens(4, STEPS))
@@ -49,10 +64,10 @@ def test_reset_then_reuse_equals_a_fresh_cache(selector, policy):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize(("selector", "policy"), CASES)
-def test_crop_then_decode_equals_the_shorter_run(selector, policy):
+@pytest.mark.parametrize(("selector", "policy", "kind"), CASES)
+def test_crop_then_decode_equals_the_shorter_run(selector, policy, kind):
     model = model_for(selector, policy)
-    cache = SparseCache(model.config)
+    cache = make_cache(model, kind)
     prompt, extra, steps = tokens(5, PROMPT), tokens(6, 6), tokens(7, STEPS)
     decode_logits(model, cache, torch.cat([prompt, extra], dim=1), steps[:, :0])
     cache.crop(PROMPT)  # keep the prompt's columns, drop the 6 guessed ones
@@ -63,10 +78,10 @@ def test_crop_then_decode_equals_the_shorter_run(selector, policy):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize(("selector", "policy"), CASES)
-def test_a_fork_decodes_as_the_original_and_leaves_it_alone(selector, policy):
+@pytest.mark.parametrize(("selector", "policy", "kind"), CASES)
+def test_a_fork_decodes_as_the_original_and_leaves_it_alone(selector, policy, kind):
     model = model_for(selector, policy)
-    cache = SparseCache(model.config)
+    cache = make_cache(model, kind)
     prompt, steps, other = tokens(8, PROMPT), tokens(9, STEPS), tokens(10, STEPS)
     decode_logits(model, cache, prompt, steps[:, :0])
     forked = cache.fork()
