@@ -158,6 +158,8 @@ class OffloadedLayer(OffloadedStaging, SparseCacheLayer):
         self.staging = staging
         self.gather_programs = gather_programs
         self.given_pool: HostBlockPool | None = None  # build the host store on this pool (shared), else a new one
+        # R: rows of the widest window an index pools (kernel, MiniCPM4.1's coarse one, Quest's block)
+        self.ring_rows = max([window.size for window in self.windows], default=1)
         self._fresh()
 
     def _fresh(self) -> None:
@@ -182,10 +184,6 @@ class OffloadedLayer(OffloadedStaging, SparseCacheLayer):
         raise NotImplementedError("OffloadedSparseCache does not support beam search (reorder_cache)")
 
     # -- allocation ---------------------------------------------------------------------------
-    @property
-    def ring_rows(self) -> int:
-        """R: rows of the widest window an index pools (kernel, MiniCPM4.1's coarse one, Quest's block)."""
-        return max([window.size for window in self.windows], default=1)
 
     def _allocate(self, keys: torch.Tensor, cis: torch.Tensor | None) -> None:
         batch, _, heads, dim = keys.shape

@@ -181,11 +181,9 @@ class WindowIndex:
         """`extend` for a one-token step: each sequence completes at most one window.  Fixed shapes, no
         host read; source is the layer's rows by position, or a ring (`compress_windows`)."""
         size, stride, target = self.size, self.stride, self.buffer
-        # windows complete before and after the step (a list, not a generator: no call per item)
-        first, last = [
-            torch.where(n >= size, torch.div(n - size, stride, rounding_mode="floor") + 1, torch.zeros_like(n))
-            for n in (old_lengths, lengths)
-        ]
+        # windows complete before and after the step
+        first = torch.where(old_lengths >= size, torch.div(old_lengths - size, stride, rounding_mode="floor") + 1, 0)
+        last = torch.where(lengths >= size, torch.div(lengths - size, stride, rounding_mode="floor") + 1, 0)
         rows = (first.unsqueeze(-1) * stride + torch.arange(size, device=first.device)).unsqueeze(1)  # [B, 1, size]
         window = compress_windows(source, rows, self.dtype, ring, self.reduce)[:, 0]
         index = first.clamp(max=target.shape[1] - 1)
@@ -811,12 +809,22 @@ class SparseCache(Cache):
     ) -> None:
         sparse = config.sparse if config is not None else None
         num_layers = num_layers if num_layers is not None else config.num_hidden_layers
-        if selector is not None and selector not in SELECTORS:
-            raise ValueError(f"selector={selector!r} is not None or one of {SELECTORS}")
         self.selector = selector
         self.signature = model_signature(config) if config is not None else None
         self.unrecorded_from: tuple[int, ...] | None = None  # decode steps' first positions (`token_record.py`)
         super().__init__(layers=[self._make_layer(config, sparse, idx, max_length) for idx in range(num_layers)])
+
+    @property
+    def selector(self) -> str | None:
+        """The selector this cache runs (a registered name), None: the model's."""
+        return self._selector
+
+    @selector.setter
+    def selector(self, name: str | None) -> None:
+        if name is not None and name not in SELECTORS:
+            raise ValueError(f"selector={name!r} is not None or one of {SELECTORS}")
+        self._selector = name
+        self.rule = get_selector(name)  # resolved once here: a forward call reads no name
 
     def keeps_key_bounds(self, sparse) -> bool:
         """Whether the layers keep Quest's block key bounds: the cache's selector (or the model's) scores them."""

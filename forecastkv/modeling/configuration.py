@@ -109,6 +109,8 @@ class SparseConfig:
         if self.use_nope:
             raise ConfigError("sparse_config.use_nope=True is not supported: selection uses post-RoPE keys")
         self._check_budget_rules()
+        # the registered Selector of `selector`, resolved once here, so a forward call reads no name
+        object.__setattr__(self, "rule", get_selector(self.selector))
 
     def _check_budget_rules(self) -> None:
         """top_p in [0, 1] (0: off), and reuse_anchors a list of distinct layer ids holding 0 (stored as a tuple)."""

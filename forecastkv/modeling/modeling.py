@@ -110,9 +110,22 @@ class DecoderLayer(nn.Module):
             # a dense call hands over what the query selector's layer gets: Forecast vectors when made
             rule = next_kind if next_kind is not None else get_selector("query")
             next_handoff = rule.handoff(attn, next_layer, hidden, normed, call, handoff, kind)
-        next_plan = self._plan_next(call, next_kind, next_handoff, next_cache_layer)
-        takes_blocks = lambda rule: rule is not None and rule.scores_with == "blocks"  # noqa: E731
-        anchor_of_next = next_cache_layer is not None and takes_blocks(next_kind) and not takes_blocks(kind)
+        reuses = kind is not None and kind.scores_with == "blocks"  # it takes an anchor's blocks
+        next_reuses = next_kind is not None and next_kind.scores_with == "blocks"
+        anchor_of_next = next_cache_layer is not None and next_reuses and not reuses
+        # the next layer's decode plan, made here (before this layer attends, so its fetch overlaps this
+        # layer's work) when the call plans ahead and the next layer's rule knows its blocks a layer
+        # ahead (reuse's anchors select with their own queries, at their turn); an anchor plans the
+        # layer after it once it has selected, below
+        plans_next = (
+            call.plans_ahead and next_cache_layer is not None and next_kind.plans_ahead
+            and next_cache_layer.is_initialized
+        )
+        device = next_cache_layer.device if plans_next else None
+        next_plan = None
+        if plans_next and next_handoff is not None:
+            next_plan = next_kind.plan(next_handoff.to(device), call.positions.to(device), next_cache_layer,
+                                       call.sparse)
         record = {} if anchor_of_next and selections_out is None else selections_out
         out = attn(
             normed,
@@ -120,34 +133,24 @@ class DecoderLayer(nn.Module):
             call.cos,
             call.sin,
             cache_layer,
-            forecast_in=None if takes_blocks(kind) else handoff,
+            forecast_in=None if reuses else handoff,
             plan=plan,
             selections_out=record,
             selector=kind,
             step=call.step,
             sparse=call.sparse,
-            reused=handoff if takes_blocks(kind) else None,
+            reused=handoff if reuses else None,
         )
         if anchor_of_next:  # an anchor hands its own blocks to the layers after it
             next_handoff = record.get("selected")
-            next_plan = self._plan_next(call, next_kind, next_handoff, next_cache_layer)
+            if plans_next and next_handoff is not None:
+                next_plan = next_kind.plan(next_handoff.to(device), call.positions.to(device), next_cache_layer,
+                                           call.sparse)
         if call.layer_callback is not None:
             call.layer_callback(self.layer_idx, normed, call.positions, call.cos, call.sin, cache_layer)
         hidden = hidden + out * call.residual_scale
         hidden = hidden + self.mlp(self.post_attention_layernorm(hidden)) * call.residual_scale
         return hidden, next_handoff, next_plan
-
-    @staticmethod
-    def _plan_next(call: "LayerCall", next_kind, next_handoff, next_cache_layer):
-        """The next layer's decode `Plan` from what this layer hands it (None when the call does not
-        plan ahead or there is nothing to plan from): its blocks scored by the forecast / guessed
-        vectors, or the anchor's blocks reused."""
-        if not call.plans_ahead or next_handoff is None or not next_cache_layer.is_initialized:
-            return None
-        if not next_kind.plans_ahead:  # it selects with its own queries (reuse's anchors): at its turn
-            return None
-        device = next_cache_layer.device
-        return next_kind.plan(next_handoff.to(device), call.positions.to(device), next_cache_layer, call.sparse)
 
 
 @dataclass
@@ -331,7 +334,7 @@ class ForecastKVModel(ForecastKVPreTrainedModel):
             hidden = hidden * mup.scale_emb
             residual_scale = mup.scale_depth / math.sqrt(config.num_hidden_layers)
         # a cache may carry a selector of its own (the runtime's modes compare selectors on one model)
-        selector = get_selector(cache.selector or sparse.selector) if sparse is not None else None
+        selector = (cache.rule or sparse.rule) if sparse is not None else None
         forecast = selector is not None and selector.needs_forecast_heads
         want_forecast = config.forecast_config.enabled and (forecast or collect_selections)
         plans_ahead = selector is not None and selector.plans_ahead and step.decode and not step.any_dense

@@ -49,6 +49,18 @@ class Selector:
     def __repr__(self) -> str:
         return f"<selector {self.name}>"
 
+    # one object per rule: a copied or unpickled config (or cache) holds the registered one
+    def __copy__(self) -> "Selector":
+        return self
+
+    def __deepcopy__(self, memo) -> "Selector":
+        return self
+
+    def __reduce__(self):
+        from . import get_selector
+
+        return get_selector, (self.name,)
+
     # -- the rule per layer -------------------------------------------------------------------
     def at_layer(self, layer_idx: int, sparse) -> "Selector":
         """The rule layer `layer_idx` selects by under this selector (the same on every layer here)."""
