@@ -83,3 +83,26 @@ def test_a_selector_module_imports_first_in_a_fresh_process():
     code = "import forecastkv.selectors.quest as q; print(q.SELECTOR.name)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "quest", done.stderr
+
+
+def test_a_selector_stays_the_registered_object_through_copy_and_pickle():
+    """Attention tells the rules apart by identity (`rule is get_selector("query")`), so a copied or
+    unpickled config, cache or selector must hold the registered object, and a cache's name and rule agree."""
+    import copy
+    import pickle
+
+    from forecastkv.modeling.cache import SparseCache
+    from forecastkv.modeling.configuration import SparseConfig
+    from tests.helpers import tiny_config, tiny_sparse
+
+    for name in SELECTORS:
+        rule = get_selector(name)
+        assert copy.copy(rule) is rule and copy.deepcopy(rule) is rule and pickle.loads(pickle.dumps(rule)) is rule
+    config = SparseConfig(**tiny_sparse(selector="speculate"))
+    assert config.rule is get_selector("speculate") and copy.deepcopy(config).rule is config.rule
+    cache = SparseCache(tiny_config(sparse_config=tiny_sparse()), selector="quest")
+    assert cache.rule is get_selector("quest")
+    cache.selector = None
+    assert cache.rule is None
+    with pytest.raises(ValueError, match=r"selector='nope' is not None or one of"):
+        cache.selector = "nope"
