@@ -84,7 +84,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "cli-empty-prompt-raises",
-        "forecastkv/cli.py",
+        "forecastkv/inference/cli.py",
         'raise UsageError(f"{source} is empty: give a prompt of at least one token")',
         'raise ValueError(f"{source} is empty: give a prompt of at least one token")',
         ("tests/test_bad_input.py::test_bad_input_is_one_line_and_status_2[empty-prompt]",),

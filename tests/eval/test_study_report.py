@@ -304,8 +304,10 @@ def test_study_heads_must_be_a_directory(tmp_path, no_model, capsys):
 
 
 def test_study_options_make_the_spec():
-    from forecastkv.cli import STUDY_SMALL, _study_spec, build_parser
+    from forecastkv.cli import build_parser
     from forecastkv.eval.study import StudySpec
+    from forecastkv.eval.study_cli import STUDY_SMALL
+    from forecastkv.eval.study_cli import study_spec as _study_spec
 
     parse = build_parser().parse_args
     assert _study_spec(parse(["study"])) == StudySpec()  # the full study by default
