@@ -52,7 +52,7 @@ def _report(root: Path, fill):
 
 
 def _metrics(root: Path, fill):
-    from forecastkv.training.trainer import _append_metrics
+    from forecastkv.training.run_dir import append_metrics as _append_metrics
 
     _append_metrics(root / "metrics.jsonl", {"step": 1, "loss": 0.5})
     fill()

@@ -49,7 +49,7 @@ DEFAULTS: dict = {
         "eval_seq_len": None,  # None: seq_len.  Recall needs lengths well past the budget
         "eval_start": None,  # recall counts rows t >= eval_start (None: eval_seq_len // 2)
         "eval_backbone": "dense",
-        "val_sequences": 0,  # > 0: per-layer guard on unseen training text (trainer.guard_layers)
+        "val_sequences": 0,  # > 0: per-layer guard on unseen training text (step.guard_layers)
         "val_seq_len": None,  # None: seq_len
         "val_start": None,  # None: val_seq_len // 2
     },

@@ -12,47 +12,45 @@ Read top to bottom:
    data stream (each process its slice) and the frozen model runs over them once
    (`features.build_features`, through the model's own decoder loop) to cache what the heads read
    at `data.cache_rows` query rows: post-norm inputs, next-layer compressed keys, teacher rows and
-   their top-k targets;
+   their top-k targets (`rounds.py`: kept on disk under a key, so a resumed run reads them back);
 4. a step: `rows_per_step` of the cached rows per sequence, drawn by a generator seeded with
    (seed, `ROW_DRAW_SALT`, step, micro-batch), every layer's loss on them (`objective.rows_kl`),
    one backward; gradients summed over processes (a manual all-reduce), clipped, AdamW step.  A
-   step costs one projection and one [rows x C] softmax per layer: a small fraction of a forward;
+   step costs one projection and one [rows x C] softmax per layer: a small fraction of a forward
+   (`step.py`, with the calibration, evaluation and guard of 5-7);
 5. the first round also calibrates the heads' output norm to the real queries' (`calibrate_init`);
 6. the per-layer guard (`data.val_sequences` > 0): after the last step, each layer's recall is
    measured on validation windows of training text the run never visited
    (`data.unvisited_windows`), with the starting heads and with the trained ones; a layer whose
    trained head scores below its start gets the start back, so no layer ends below its init;
 7. held-out forecast recall with the protocol of `recall.forecast_recall`, checkpoints
-   (`checkpointing.py`), and at the end `forecast.safetensors` + `forecast_config.json`.
+   (`checkpointing.py`), and at the end `forecast.safetensors` + `forecast_config.json`; the run
+   directory (resume, refuse, `--overwrite`) and the stop signals are `run_dir.py`'s.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import random
 import shutil
 import signal
-import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from forecastkv.atomic import append_line, write_text_atomic
+from forecastkv.atomic import write_text_atomic
 from forecastkv.bundled import resolve_model_path
 from forecastkv.errors import ConfigError, DiskFullError, UserInputError
 from forecastkv.modeling import selection as sel
-from forecastkv.modeling.forecast_init import apply_forecast_init, calibrate_forecast_scale
-from forecastkv.modeling.heads import scoring_head_name, trainable_head_names
+from forecastkv.modeling.forecast_init import apply_forecast_init
+from forecastkv.modeling.heads import scoring_head_name
 
 from . import checkpointing as ckpt
 from .data import ByteTokenizer, build_sequences, unvisited_windows
-from .features import Features, build_features, cached_rows, head_vectors, load_part, save_part
-from .objective import ObjectiveConfig, rows_kl
-from .recall import measure_recall_counts
+from .features import Features
+from .objective import ObjectiveConfig
 from .recipe import (  # noqa: F401  (DEFAULTS, load_recipe, rows_per_sequence: importable from here too)
     DEFAULTS,
     check_against_model,
@@ -65,11 +63,29 @@ from .recipe import (  # noqa: F401  (DEFAULTS, load_recipe, rows_per_sequence: 
     val_window,
     visited_sequences,
 )
-
-# Salt of the per-step row draws, seeded (train.seed, ROW_DRAW_SALT, step, micro-batch): it keeps
-# that stream apart from the per-round cached-row draws, seeded (train.seed, round, micro-batch).
-# Changing it changes which rows every step trains on (and so every result).
-ROW_DRAW_SALT = 7
+from .rounds import FEATURE_DIR, RoundCache, build_round, feature_identity, feature_key  # noqa: F401
+from .run_dir import (  # noqa: F401  (RunExists, TrainingInterrupted: importable from here too)
+    RunExists,
+    Signals,
+    Stop,
+    TrainingInterrupted,
+    append_metrics,
+    finished,
+    prepare_run_dir,
+    say,
+    truncate_metrics,
+)
+from .step import (  # noqa: F401  (the step's parts: importable from here too)
+    ROW_DRAW_SALT,
+    backward_step,
+    calibrate_from_features,
+    evaluate,
+    forecast_heads,
+    guard_layers,
+    progress_bar,
+    step_loss,
+    step_rows,
+)
 
 # The head whose vectors select layer m's blocks, by state-dict name (the index of
 # `RecallReport.recall`); `modeling.heads` holds the rule.
@@ -122,14 +138,6 @@ def build_model(model_cfg: dict, device: torch.device):
     return model.eval(), base
 
 
-def forecast_heads(model) -> list[tuple[str, torch.nn.Parameter]]:
-    """The trainable tensors in state-dict order: the heads that score some layer
-    (`modeling.heads.trainable_head_names`; the last layer's forecast_proj has no consumer and
-    stays frozen)."""
-    names = set(trainable_head_names(model.config.num_hidden_layers))
-    return [(name, p) for name, p in model.named_parameters() if name in names]
-
-
 def freeze_base(model) -> list[torch.nn.Parameter]:
     """requires_grad False everywhere but the trainable heads; returns those."""
     model.requires_grad_(False)
@@ -142,319 +150,6 @@ def freeze_base(model) -> list[torch.nn.Parameter]:
 def _head_copy(model) -> dict:
     """{name: CPU copy} of the trainable heads."""
     return {n: p.detach().cpu().clone() for n, p in forecast_heads(model)}
-
-
-# ----------------------------------------------------------------------------------------------
-# one round, one step
-# ----------------------------------------------------------------------------------------------
-
-
-def _seeded(*parts: int) -> torch.Generator:
-    value = 0
-    for part in parts:
-        value = (value * 1_000_003 + int(part)) % (2**63 - 1)
-    return torch.Generator().manual_seed(value)
-
-
-FEATURE_DIR = "features"  # <output_dir>/features/: the current round's cached features
-FEATURE_FORMAT = 1  # bumped when what a feature file holds changes
-
-
-@dataclass
-class RoundCache:
-    """Where and under what identity a run keeps its rounds' features (`build_round`); None
-    `folder`: no disk cache.  identity: what every feature file's key covers besides its own
-    tokens and rows (`feature_identity`)."""
-
-    folder: Path | None
-    identity: dict
-    built: int = 0  # micro-batches built by this call
-    loaded: int = 0  # micro-batches read from the cache
-    load_s: float = 0.0  # seconds those reads took
-    saved_s: float = 0.0  # seconds their builds had taken: the time the cache saved
-
-
-def feature_identity(recipe: dict, model, fingerprint: str, device, mixed: str) -> dict:
-    """What a micro-batch's cached features depend on besides its tokens and round: the base model
-    (fingerprint, path / random config), its dtype and device, the geometry, the objective, the
-    backbone, the cached rows' range and seed, the torch version."""
-    data, train, model_cfg = recipe["data"], recipe["train"], recipe["model"]
-    identity = {
-        "format": FEATURE_FORMAT,
-        "fingerprint": fingerprint,
-        "path": model_cfg["path"],
-        "config": model_cfg["config"],
-        "model_seed": model_cfg["seed"],
-        "dtype": str(next(model.parameters()).dtype),
-        "device": torch.device(device).type,
-        "mixed_precision": mixed,
-        "sparse": model.config.sparse.to_dict(),
-        "objective": recipe["objective"],
-        "backbone": model_cfg["backbone"],
-        "seq_len": data["seq_len"],
-        "row_start": data["row_start"],
-        "cache_rows": data["cache_rows"],
-        "seed": train["seed"],
-        "torch": torch.__version__,
-    }
-    return json.loads(json.dumps(identity, default=str))
-
-
-def feature_key(identity: dict, ids: torch.Tensor, round_index: int, chunk: int, model) -> str:
-    """sha256 over `identity`, the round and micro-batch (which seed the cached rows), the token
-    ids, and -- when the frozen model attends with the heads themselves (backbone "forecast") --
-    the heads' current bytes."""
-    digest = hashlib.sha256(json.dumps({**identity, "round": round_index, "chunk": chunk}, sort_keys=True).encode())
-    digest.update(ids.detach().cpu().to(torch.int64).contiguous().numpy().tobytes())
-    if identity["backbone"] == "forecast":
-        for _, p in forecast_heads(model):
-            digest.update(p.detach().float().cpu().contiguous().numpy().tobytes())
-    return digest.hexdigest()
-
-
-def _part_path(folder: Path, round_index: int, chunk: int, key: str) -> Path:
-    return folder / f"round-{round_index:06d}-chunk-{chunk:05d}-{key[:16]}.safetensors"
-
-
-def _drop_older_rounds(folder: Path, chunks: range, round_index: int) -> None:
-    """Delete this process's cached micro-batches of rounds before `round_index`: a run keeps one round."""
-    for chunk in chunks:
-        for path in folder.glob(f"round-*-chunk-{chunk:05d}-*.safetensors"):
-            if int(path.name.split("-")[1]) < round_index:
-                path.unlink(missing_ok=True)
-
-
-def build_round(
-    model,
-    batch: torch.Tensor,
-    first_chunk: int,
-    round_index: int,
-    recipe: dict,
-    objective: ObjectiveConfig,
-    device,
-    cache: RoundCache | None = None,
-    on_layer_done=None,
-) -> list[Features]:
-    """Cached features of this process's sequences batch [n, T], one `Features` per micro-batch
-    (`Features.merge` joins them); micro-batch k (global index first_chunk + k) caches rows drawn
-    with seed (seed, round, chunk).  With a `cache` folder each micro-batch is read from it when
-    its key matches, else built and written there; on_layer_done(layers) is called as layers are
-    done (read ones count whole)."""
-    data, train = recipe["data"], recipe["train"]
-    sparse = model.config.sparse
-    layers = model.config.num_hidden_layers
-    micro, parts = train["micro_batch"], []
-    folder = cache.folder if cache is not None else None
-    if folder is not None:
-        _drop_older_rounds(folder, range(first_chunk, first_chunk + -(-batch.shape[0] // micro)), round_index)
-    for k, start in enumerate(range(0, batch.shape[0], micro)):
-        chunk = first_chunk + k
-        ids = batch[start : start + micro]
-        path = None
-        if folder is not None:
-            key = feature_key(cache.identity, ids, round_index, chunk, model)
-            path = _part_path(folder, round_index, chunk, key)
-            found = load_part(path, key, device)
-            if found is not None:
-                part, cache.saved_s, cache.load_s = found[0], cache.saved_s + found[1], cache.load_s + found[2]
-                cache.loaded += 1
-                parts.append(part)
-                if on_layer_done is not None:
-                    on_layer_done(layers)
-                continue
-        started = time.perf_counter()
-        rows = cached_rows(
-            batch.shape[1], data["row_start"], data["cache_rows"], _seeded(train["seed"], round_index, chunk)
-        )
-        done = None if on_layer_done is None else (lambda idx: on_layer_done(1))
-        part = build_features(model, ids.to(device), rows, sparse, objective, recipe["model"]["backbone"], done)
-        parts.append(part)
-        if path is not None:
-            save_part(path, part, key, time.perf_counter() - started)
-            cache.built += 1
-    return parts
-
-
-def step_rows(features: Features, first_chunk: int, step: int, recipe: dict) -> torch.Tensor | None:
-    """Row indices [B, r] into the cached rows for this step (None: all rows).  Sequence b belongs
-    to micro-batch first_chunk + b // micro_batch, whose draw is seeded with (seed, salt, step,
-    chunk), so the draw does not depend on how the sequences are split over processes."""
-    train = recipe["train"]
-    batch, count = features.positions.shape
-    take = train["rows_per_step"]
-    if take is None or take >= count:
-        return None
-    micro = train["micro_batch"]
-    draws = {}
-    for b in range(batch):
-        chunk = first_chunk + b // micro
-        if chunk not in draws:
-            draws[chunk] = (
-                torch.randperm(count, generator=_seeded(train["seed"], ROW_DRAW_SALT, step, chunk))[:take].sort().values
-            )
-    return torch.stack([draws[first_chunk + b // micro] for b in range(batch)]).to(features.positions.device)
-
-
-def step_loss(
-    model, features: Features, first_chunk: int, step: int, recipe: dict, objective: ObjectiveConfig, denominator: float
-) -> list[float]:
-    """Back-propagate one step's loss over this process's cached rows; returns the per-layer
-    losses (this process's share of the global mean)."""
-    sparse = model.config.sparse
-    index = step_rows(features, first_chunk, step, recipe)
-    feats = features if index is None else features.take(index)
-    per_layer, total = [], 0.0
-    for layer in range(model.config.num_hidden_layers):
-        targets = None if feats.targets is None else feats.targets[layer]
-        vectors = head_vectors(model, feats, layer)
-        loss = rows_kl(
-            vectors, feats.ckeys[layer], feats.positions, feats.teachers[layer], sparse, objective.loss, targets
-        )
-        loss = loss / denominator
-        per_layer.append(float(loss.detach()))
-        total = total + loss
-    total.backward()
-    return per_layer
-
-
-def sum_over_processes(params: list[torch.nn.Parameter], accelerator) -> None:
-    """All-reduce (sum) the gradients of `params` in one flat buffer.  Each micro-batch loss was
-    scaled by its share of the global batch, so the sum is the global-batch mean gradient."""
-    grads = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in params])
-    grads = accelerator.reduce(grads, reduction="sum")
-    offset = 0
-    for p in params:
-        p.grad = grads[offset : offset + p.numel()].view_as(p).clone()
-        offset += p.numel()
-
-
-def backward_step(
-    model,
-    params,
-    features: Features,
-    first_chunk: int,
-    step: int,
-    recipe: dict,
-    objective,
-    denominator: float,
-    accelerator,
-) -> float:
-    """Gradients of the global-batch loss in `params` (this process's share, summed over
-    processes); returns that loss (summed over layers)."""
-    layer_losses = step_loss(model, features, first_chunk, step, recipe, objective, denominator)
-    loss = torch.tensor([sum(layer_losses)], dtype=torch.float64)
-    if accelerator.num_processes > 1:
-        sum_over_processes(params, accelerator)
-        loss = accelerator.reduce(loss.to(accelerator.device), reduction="sum").cpu()
-    return float(loss)
-
-
-@torch.no_grad()
-def _calibration_sums(model, part: Features) -> torch.Tensor:
-    """One micro-batch's calibration sums, float64 [L*H*n + L*Hq + 1]: squared head-output norms
-    summed over its rows, squared real-query norms summed over its rows, the row count."""
-    layers = model.config.num_hidden_layers
-    head_sq = torch.stack(
-        [head_vectors(model, part, m).double().pow(2).sum(-1).sum(dim=(0, 1)).cpu() for m in range(layers)]
-    )
-    rows = part.positions.numel()
-    query_sq = part.query_sq.double().cpu() * rows
-    return torch.cat([head_sq.flatten(), query_sq.flatten(), torch.tensor([float(rows)], dtype=torch.float64)])
-
-
-@torch.no_grad()
-def calibrate_from_features(model, parts: list[Features], accelerator) -> None:
-    """Scale every head so its mean squared output norm equals the real queries' it imitates,
-    measured on the cached rows of all processes (`forecast_init.calibrate_forecast_scale`).
-
-    parts: this process's micro-batches (`build_round`).  Each micro-batch's sums are gathered
-    from every process and added in global micro-batch order, so the factors are bitwise the same
-    however the batch is split over processes (a sum over processes would round differently).
-    """
-    sums = torch.stack([_calibration_sums(model, part) for part in parts])  # [micro-batches, S]
-    if accelerator.num_processes > 1:
-        sums = accelerator.gather(sums.to(accelerator.device)).cpu()  # rank order = global order
-    total = sums.sum(dim=0)
-    layers, heads = model.config.num_hidden_layers, model.config.num_attention_heads
-    head_sq, query_sq = total[:-1].split([total.numel() - 1 - layers * heads, layers * heads])
-    count = total[-1]
-    calibrate_forecast_scale(
-        model, (head_sq / count).view(layers, -1).float(), (query_sq / count).view(layers, heads).float()
-    )
-
-
-# ----------------------------------------------------------------------------------------------
-# evaluation, guard
-# ----------------------------------------------------------------------------------------------
-
-
-def evaluate(
-    model, sequences: torch.Tensor, start: int, backbone: str, accelerator, progress: str | None = None, check=None
-) -> dict:
-    """Held-out forecast recall (`recall.measure_recall_counts`), sequences split over
-    processes, counts summed; returns `RecallReport.to_dict()`.  progress: a bar with this
-    label (this process's sequences); check: called before each sequence (it may raise to stop)."""
-    rank, world = accelerator.process_index, accelerator.num_processes
-    counts = torch.zeros(model.config.num_hidden_layers, 3, dtype=torch.float64)
-    mine = range(rank, sequences.shape[0], world)
-    bar = _bar(progress, len(mine))
-    with accelerator.autocast():
-        for row in mine:
-            if check is not None:
-                check()
-            counts += measure_recall_counts(model, sequences[row : row + 1].to(accelerator.device), start, backbone)
-            bar.update(1)
-    bar.close()
-    if world > 1:
-        counts = accelerator.reduce(counts.to(accelerator.device), reduction="sum").cpu()
-    length = sequences.shape[1]
-    return sel.summarise_recall(counts, start, length, sequences.shape[0] * (length - start), backbone).to_dict()
-
-
-@torch.no_grad()
-def guard_layers(
-    model,
-    start_heads: dict,
-    sequences: torch.Tensor,
-    start: int,
-    backbone: str,
-    accelerator,
-    progress: bool = False,
-    check=None,
-) -> dict:
-    """Give each layer whose validation recall fell below its starting head's the starting head back.
-
-    start_heads: {name: tensor} as `forecast_heads` before training; sequences [N, T] validation
-    windows; progress: bars; check: see `evaluate` (the trained heads are back in place if it
-    raises).  Returns {"start": recall per layer, "trained": recall per layer, "restored": [layers]}.
-    """
-    heads = dict(forecast_heads(model))
-    trained = {name: p.detach().clone() for name, p in heads.items()}
-    label = f"guard ({sequences.shape[0]} unseen windows), %s heads"
-    try:
-        for name, p in heads.items():
-            p.copy_(start_heads[name].to(p.device))
-        before = evaluate(
-            model, sequences, start, backbone, accelerator, label % "starting" if progress else None, check
-        )
-    finally:
-        for name, p in heads.items():
-            p.copy_(trained[name])
-    after = evaluate(model, sequences, start, backbone, accelerator, label % "trained" if progress else None, check)
-    restored = []
-    for layer, (old, new) in enumerate(zip(before["recall"], after["recall"])):
-        name = scoring_head_name(layer)
-        if new < old and name in heads:
-            heads[name].copy_(start_heads[name].to(heads[name].device))
-            restored.append(layer)
-    return {
-        "start": before["recall"],
-        "trained": after["recall"],
-        "restored": restored,
-        "length": sequences.shape[1],
-        "rows_from": start,
-        "sequences": sequences.shape[0],
-    }
 
 
 # ----------------------------------------------------------------------------------------------
@@ -573,17 +268,6 @@ def _resume(
     return Progress(state["step"], state["history"], state["losses"], state["start_heads"], state["guard"])
 
 
-def _append_metrics(path: Path, row: dict) -> None:
-    append_line(path, json.dumps(row) + "\n")  # a full disk cuts the row off whole
-
-
-def _truncate_metrics(path: Path, step: int) -> None:
-    """After a resume, drop rows the interrupted run logged beyond the checkpoint."""
-    if path.is_file():
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        write_text_atomic(path, "".join(json.dumps(r) + "\n" for r in rows if r["step"] <= step))
-
-
 def _recall_table(history: list) -> str:
     """Per-layer recall at the first and the last evaluation (one column when there was one)."""
     if not history:
@@ -610,13 +294,6 @@ def _guard_note(guard: dict | None) -> str:
     )
 
 
-def _bar(label: str | None, total: int, **kwargs):
-    """A tqdm bar on stderr with `label` (None: a disabled one)."""
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc=label, disable=label is None, dynamic_ncols=True, file=sys.stderr, **kwargs)
-
-
 def recall_change(history: list) -> str | None:
     """One line comparing the first evaluation (step 0: the starting heads) with the last, or None
     when the run has no step-0 evaluation.  A fall says so first."""
@@ -638,122 +315,6 @@ def _speed(steps: int, step_seconds: float, feature_seconds: float) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------
-# the run directory, signals
-# ----------------------------------------------------------------------------------------------
-
-
-class RunExists(UserInputError):
-    """A fresh run into the directory of a finished one: refused (nothing is retrained)."""
-
-
-class TrainingInterrupted(KeyboardInterrupt):
-    """SIGINT / SIGTERM stopped the run; `checkpoint` holds its last step (None: no step was done).
-    `exit_status` is 128 + the signal's number (130 for SIGINT), as a shell reports it."""
-
-    def __init__(self, signum: int, step: int, checkpoint: Path | None, output_dir: Path) -> None:
-        self.signum, self.step, self.checkpoint, self.output_dir = signum, step, checkpoint, output_dir
-        self.exit_status = 128 + int(signum)
-        super().__init__(self.message())
-
-    def message(self) -> str:
-        name = signal.Signals(self.signum).name
-        if self.checkpoint is None:
-            return (
-                f"{name}: stopped before the first step; nothing to save (features built so far are kept in "
-                f"{self.output_dir / FEATURE_DIR}); run the same command again to start"
-            )
-        return (
-            f"{name}: stopped at step {self.step}, saved {self.checkpoint}; resume with: "
-            f"forecastkv train-forecast --resume {self.output_dir}"
-        )
-
-
-class _Stop(Exception):
-    """Raised at a safe point once a stop signal arrived (caught by `train_forecast`)."""
-
-
-class _Signals:
-    """SIGINT / SIGTERM set a flag that the run reads at safe points (after a step, between layers
-    of a feature build, between evaluated sequences); a second signal stops at once.  Installed
-    only in the main thread; the previous handlers come back on exit."""
-
-    def __init__(self) -> None:
-        self.received: int | None = None
-        self.previous: dict = {}
-
-    def _handle(self, signum, frame) -> None:
-        if self.received is not None:
-            raise KeyboardInterrupt(f"second {signal.Signals(signum).name}: stopping without a checkpoint")
-        self.received = signum
-
-    def __enter__(self) -> "_Signals":
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                self.previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
-
-
-def _say(main: bool, text: str) -> None:
-    """One line on stderr from the main process (through tqdm, so an open bar is not torn)."""
-    if main:
-        from tqdm.auto import tqdm
-
-        tqdm.write(text, file=sys.stderr)
-
-
-def _finished(state: dict) -> bool:
-    return state["step"] >= state["recipe"]["train"]["steps"]
-
-
-def prepare_run_dir(out_dir: Path, overwrite: bool, main: bool, allow_unchecked: bool = False) -> str | None:
-    """Decide what a run without `resume` does with `out_dir`; returns the directory to resume
-    from, or None for a fresh start.
-
-    * empty / new: a fresh start;
-    * a finished run (its newest intact checkpoint reached its recipe's train.steps, and its
-      forecast.safetensors is written): refused with `RunExists` -- it is never retrained silently;
-    * an interrupted run (a checkpoint short of its steps, or a finished one killed before its
-      weights were written): resumed from its newest intact checkpoint;
-    * rows in metrics.jsonl but no checkpoint (killed before the first save): a fresh start, the
-      old rows dropped.
-    overwrite: delete the previous run's checkpoints and outputs (not its feature cache, whose
-    files are keyed by what they depend on) and start fresh.  Each choice is said in one line.
-    """
-    found = ckpt.list_checkpoints(out_dir)
-    if overwrite:
-        if main and (found or (out_dir / "metrics.jsonl").exists()):
-            shutil.rmtree(out_dir / ckpt.CHECKPOINT_DIR, ignore_errors=True)
-            for name in ckpt.RUN_FILES:
-                (out_dir / name).unlink(missing_ok=True)
-            _say(main, f"--overwrite: deleted the previous run's checkpoints and outputs in {out_dir}; starting again")
-        return None
-    if found:
-        path, state = ckpt.load_intact(out_dir, allow_unchecked)
-        steps = state["recipe"]["train"]["steps"]
-        if _finished(state) and (out_dir / "forecast.safetensors").is_file():
-            raise RunExists(
-                f"{out_dir} holds a finished run (step {state['step']} of {steps}); nothing was retrained: pass "
-                f"--resume {out_dir} --steps N to train it further, --overwrite to start again, or another --output"
-            )
-        _say(
-            main,
-            f"resuming the interrupted run in {out_dir} from step {state['step']} of {steps} ({path.name}); "
-            "--overwrite starts it again instead",
-        )
-        return str(path)
-    if (out_dir / "metrics.jsonl").exists():
-        _say(
-            main,
-            f"starting again in {out_dir}: the interrupted run there left no checkpoint (its metrics.jsonl is dropped)",
-        )
-    return None
-
-
-# ----------------------------------------------------------------------------------------------
 # the run
 # ----------------------------------------------------------------------------------------------
 
@@ -771,12 +332,12 @@ def train_forecast(
     from a checkpoint without a checksum (an older format 1; refused otherwise).  Returns a
     `TrainResult`.
     """
-    with _Signals() as signals:
+    with Signals() as signals:
         return _train(config_path_or_dict, overwrite, overrides, signals, allow_unchecked)
 
 
 def _train(
-    config_path_or_dict, overwrite: bool, overrides: dict, signals: "_Signals", allow_unchecked: bool = False
+    config_path_or_dict, overwrite: bool, overrides: dict, signals: "Signals", allow_unchecked: bool = False
 ) -> TrainResult:
     """`train_forecast`'s body, under its signal handlers: set up, the loop, the guard, the outputs."""
     recipe = resolve_recipe(config_path_or_dict, **overrides)
@@ -785,7 +346,7 @@ def _train(
     try:
         session.loop()
         session.guard_and_last_eval()
-    except _Stop:
+    except Stop:
         session.interrupted()  # raises TrainingInterrupted
     return session.finish()
 
@@ -795,7 +356,7 @@ class _Session:
     progress) and its parts as methods, in the order they run: `loop`, `guard_and_last_eval`,
     `finish` (or `interrupted` after a stop signal)."""
 
-    def __init__(self, recipe: dict, overwrite: bool, signals: "_Signals", allow_unchecked: bool = False) -> None:
+    def __init__(self, recipe: dict, overwrite: bool, signals: "Signals", allow_unchecked: bool = False) -> None:
         self.recipe, self.signals, self.allow_unchecked = recipe, signals, allow_unchecked
         self.train, self.data_cfg = recipe["train"], recipe["data"]
         self.objective = ObjectiveConfig.from_dict(recipe["objective"])
@@ -823,7 +384,7 @@ class _Session:
         """Clean up after killed writes, decide fresh start or resume (`prepare_run_dir`), seed."""
         if self.main:
             for stale in ckpt.remove_stale_temporaries(self.out_dir):
-                _say(self.main, f"removed {stale}, left by a write a kill interrupted")
+                say(self.main, f"removed {stale}, left by a write a kill interrupted")
         if not self.recipe["resume"]:
             self.recipe["resume"] = prepare_run_dir(self.out_dir, overwrite, self.main, self.allow_unchecked)
         torch.manual_seed(self.train["seed"])
@@ -864,7 +425,7 @@ class _Session:
             self.run = Progress()
         if self.main:
             if recipe["resume"]:
-                _truncate_metrics(self.metrics_path, self.run.step)
+                truncate_metrics(self.metrics_path, self.run.step)
             else:
                 self.metrics_path.unlink(missing_ok=True)
             self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -902,7 +463,7 @@ class _Session:
     def check_local(self) -> None:
         """A safe point inside work no other process waits on (one process only)."""
         if self.world == 1 and self.signals.received is not None:
-            raise _Stop
+            raise Stop
 
     # -- the loop -------------------------------------------------------------------------------
 
@@ -919,7 +480,7 @@ class _Session:
                 features = None  # free the previous round first
                 features = self.take_round(step)
             if self.bar is None:  # after the first round's features: its rate (and ETA) counts steps only
-                self.bar = _bar("forecast" if self.show else None, train["steps"], initial=run.step)
+                self.bar = progress_bar("forecast" if self.show else None, train["steps"], initial=run.step)
             started = time.time()
             self.optimizer.zero_grad(set_to_none=True)
             loss = backward_step(
@@ -943,7 +504,7 @@ class _Session:
             run.losses.append((done, loss))
             if self.main and (done % train["log_every"] == 0 or done == self.end):
                 row = {"step": done, "loss": loss, "grad_norm": grad_norm, "lr": lr, **self.speed()}
-                _append_metrics(self.metrics_path, row)
+                append_metrics(self.metrics_path, row)
             if train["eval_every"] > 0 and done % train["eval_every"] == 0 and done < self.end:
                 self.run_eval(done)
             recall = {"recall": f"{run.history[-1]['mean_recall']:.3f}"} if run.history else {}
@@ -952,7 +513,7 @@ class _Session:
             if done % train["save_every"] == 0 and done < self.end:
                 self.save(done)
             if self.stop_requested():
-                raise _Stop
+                raise Stop
         if self.bar is not None:
             self.bar.close()
 
@@ -964,7 +525,7 @@ class _Session:
         features = self.next_round(step)
         self.feature_seconds += time.time() - started
         if self.stop_requested():
-            raise _Stop  # the data stream already moved past this round: save its start
+            raise Stop  # the data stream already moved past this round: save its start
         self.building = False
         return features
 
@@ -975,7 +536,7 @@ class _Session:
         count = -(-batch.shape[0] // self.micro)
         round_index = step // self.per_round
         label = f"features, round {round_index} ({batch.shape[0]} sequences x {self.layers} layers)"
-        bar = _bar(label if self.show else None, count * self.layers, unit="layer", leave=False)
+        bar = progress_bar(label if self.show else None, count * self.layers, unit="layer", leave=False)
 
         def on_layer_done(n: int) -> None:
             bar.update(n)
@@ -1007,7 +568,7 @@ class _Session:
                 f"read {loaded} from the run's cache in {took:.1f} s (building them took {saved:.1f} s)"
             )
         plural = "es" if count != 1 else ""
-        _say(
+        say(
             self.show or (self.main and loaded > 0),
             f"features, round {round_index}: {count} micro-batch{plural} of this process: {note}",
         )
@@ -1034,7 +595,7 @@ class _Session:
         result = {"step": step, **recall}
         self.run.history.append(result)
         if self.main:
-            _append_metrics(self.metrics_path, {"step": step, "eval": result})
+            append_metrics(self.metrics_path, {"step": step, "eval": result})
 
     def save(self, step: int, position: dict | None = None) -> None:
         """A checkpoint at `step` (main process); position: the data position it resumes from."""
@@ -1096,7 +657,7 @@ class _Session:
                 self.check_local,
             )
             if self.main:
-                _append_metrics(self.metrics_path, {"step": run.step, "guard": run.guard})
+                append_metrics(self.metrics_path, {"step": run.step, "guard": run.guard})
             if run.history and run.history[-1]["step"] == run.step:
                 run.history.pop()  # measured before the guard gave layers their starting heads back
         if train["eval_every"] >= 0 and (not run.history or run.history[-1]["step"] != run.step):
@@ -1109,7 +670,7 @@ class _Session:
             self.bar.close()
         step = self.run.step
         if step > 0 and self.saved_step != step:
-            _say(self.main, f"{signal.Signals(self.signals.received).name}: writing a checkpoint at step {step}")
+            say(self.main, f"{signal.Signals(self.signals.received).name}: writing a checkpoint at step {step}")
             self.save(step, self.round_start if self.building else None)
         path = self.saved_path or (ckpt.find_checkpoint(self.out_dir) if step > 0 else None)
         raise TrainingInterrupted(self.signals.received, step, path, self.out_dir) from None
@@ -1117,7 +678,7 @@ class _Session:
     def finish(self) -> TrainResult:
         """The last checkpoint, forecast.safetensors (+ config) and recall.md; the run's result."""
         run, out_dir, cache = self.run, self.out_dir, self.cache
-        _say(self.show, f"writing the last checkpoint and {out_dir / 'forecast.safetensors'}")
+        say(self.show, f"writing the last checkpoint and {out_dir / 'forecast.safetensors'}")
         self.save(run.step)
         if self.main:
             self.model.save_forecast_weights(out_dir, base_model=self.base)

@@ -237,8 +237,10 @@ def test_resume_reuses_the_cached_features(tmp_path, monkeypatch):
     assert len(cached) == 4
 
     built = []
-    real = trainer_module.build_features
-    monkeypatch.setattr(trainer_module, "build_features", lambda *a, **k: built.append(1) or real(*a, **k))
+    from forecastkv.training import rounds as rounds_module  # where a round's features are built
+
+    real = rounds_module.build_features
+    monkeypatch.setattr(rounds_module, "build_features", lambda *a, **k: built.append(1) or real(*a, **k))
     started = time.perf_counter()
     resumed = train_forecast(recipe(out), resume=str(out))
     assert built == [] and resumed.speed["features_read"] == 4 and resumed.speed["features_built"] == 0
