@@ -19,6 +19,10 @@ class ConfigError(UserInputError):
     """A configuration that is unreadable or invalid: a recipe, an eval suite, a sparse_config."""
 
 
+class CheckpointError(UserInputError):
+    """A checkpoint directory that is missing, corrupt, partial or of an unknown format."""
+
+
 class DataError(UserInputError):
     """Training or evaluation data that cannot be read: the message names the file (and line)."""
 

@@ -187,7 +187,7 @@ class ForecastKVLM(HFLM):
         if isinstance(pretrained, str):
             pretrained = resolve_model_path(pretrained)
             if self.needs_heads and forecast is None and forecast_weights is None:
-                from .modeling.checkpoints import has_forecast_heads
+                from .modeling.head_files import has_forecast_heads
 
                 if not has_forecast_heads(pretrained):
                     forecast = {"init": FORECAST_INIT_DEFAULT}

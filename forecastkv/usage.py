@@ -90,7 +90,7 @@ def check_offload_needs(mode: str | None, model_option: str, path: str, forecast
     """Before loading: a forecast offload mode needs Forecast heads (created or loaded)."""
     if mode not in FORECAST_MODES or forecast_given:
         return
-    from .modeling.checkpoints import has_forecast_heads
+    from .modeling.head_files import has_forecast_heads
 
     if not has_forecast_heads(path):
         raise UsageError(

@@ -224,7 +224,7 @@ def test_converted_bundled_model_loads_with_plain_transformers(bundled_path, tmp
 def test_convert_writes_heads_dtype_and_modes_a_server_needs(tmp_path):
     """One `convert` line makes a checkpoint every mode serves: Forecast heads (--forecast-init),
     the asked dtype, the tokenizer, and the weights under the same file mode as the other files."""
-    from forecastkv.modeling.checkpoints import has_forecast_heads
+    from forecastkv.modeling.head_files import has_forecast_heads
 
     tiny_llama_dir(tmp_path / "llama")
     (tmp_path / "llama" / "tokenizer_config.json").write_text('{"tokenizer_class": "X"}\n')

@@ -140,7 +140,7 @@ def build_example(config: dict, unit: Unit, codec, rows: dict):
 def heads_digest(spec: dict) -> str | None:
     """sha1 (16 hex digits) of the trained heads file a suite's `model.forecast_weights` names
     (a directory holding forecast.safetensors, or the file), None without one."""
-    from ..modeling.checkpoints import FORECAST_WEIGHTS
+    from ..modeling.checkpoint_dir import FORECAST_WEIGHTS
 
     if spec.get("forecast_weights") is None:
         return None

@@ -18,21 +18,29 @@ from pathlib import Path
 
 import torch
 
-from ..atomic import file_mode, write_atomic, write_text_atomic
-from ..errors import ConfigError, ForecastKVWarning, UserInputError
+from ..errors import CheckpointError, ConfigError
+from .checkpoint_dir import (
+    _SPARSE_KEYS,
+    FORECAST_KEY,
+    SPARDA_NAME,
+    open_checkpoint,
+    resolve_directory,
+)
 from .configuration import ForecastConfig, ForecastKVConfig, resolve_sparse_config
+from .head_files import (
+    FORECAST_WEIGHTS,
+    check_heads_geometry,
+    read_forecast_side,
+)
 from .lazy_weights import (
     SAFETENSORS_DTYPES,
     LazyCheckpoint,
-    LazyCheckpointError,
     load_into,
-    load_pickled_weights,
     read_safetensors_header,
     set_tensor,
 )
+from .remote_code import record_source
 
-FORECAST_WEIGHTS = "forecast.safetensors"
-FORECAST_CONFIG = "forecast_config.json"
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "minicpm", "forecastkv")
 ARCH_KEYS = (
     "vocab_size",
@@ -56,54 +64,9 @@ ARCH_KEYS = (
     "rope_theta",
     "rope_scaling",
 )
-RENAMES = ((re.compile(r"\.q_future_proj\."), ".forecast_proj."), (re.compile(r"\.q_curr_proj\."), ".current_proj."))
-IGNORED = re.compile(r"rotary_emb\.|\.inv_freq$")
-SPARDA_NAME = re.compile(r"\.(q_future_proj|q_curr_proj)\.")
 # SparDA's query selector (the teacher its heads were trained against) uses the exact LSE: its
 # stage-1 kernel never reads MiniCPM4.1's coarse keys (plain MiniCPM4.1 runs the coarse one)
 SPARDA_RULES = {"lse": "exact"}
-FORECAST_KEY = re.compile(r"\.(forecast_proj|current_proj)\.weight$")
-
-
-class CheckpointError(UserInputError):
-    """A checkpoint directory that is missing, corrupt, partial or of an unknown format."""
-
-
-def resolve_directory(path_or_id: str | os.PathLike, **hub_kwargs) -> Path:
-    path = Path(path_or_id)
-    if path.is_dir():
-        return path
-    if path.exists():
-        raise CheckpointError(f"{path} is a file; pass the checkpoint directory")
-    try:
-        from huggingface_hub import snapshot_download
-
-        return Path(
-            snapshot_download(
-                str(path_or_id), **{k: v for k, v in hub_kwargs.items() if k in ("revision", "token", "cache_dir")}
-            )
-        )
-    except Exception as error:  # offline machines land here
-        raise CheckpointError(
-            f"{path_or_id!r} is neither a local directory nor a reachable hub id ({error})"
-        ) from error
-
-
-def _our_name(key: str) -> str | None:
-    """A stored tensor name under our state-dict names (None: not a weight we load)."""
-    if IGNORED.search(key):
-        return None
-    for pattern, replacement in RENAMES:
-        key = pattern.sub(replacement, key)
-    return key
-
-
-def open_checkpoint(directory: Path) -> LazyCheckpoint:
-    """The directory's tensors (names, shapes; data read later, one tensor at a time)."""
-    try:
-        return LazyCheckpoint(directory, rename=_our_name, skip=(FORECAST_WEIGHTS,))
-    except LazyCheckpointError as error:
-        raise CheckpointError(str(error)) from error
 
 
 def detect_format(raw: dict, state) -> str:
@@ -145,20 +108,6 @@ def config_from_raw(raw: dict, fmt: str) -> dict:
         # (validated like every other source, never dropped for a dense run)
         kwargs["sparse_config"] = raw["sparse_config"]
     return kwargs
-
-
-_SPARSE_KEYS = set(resolve_sparse_config({}).keys())
-
-
-def map_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    mapped = {}
-    for key, tensor in state.items():
-        if IGNORED.search(key):
-            continue
-        for pattern, replacement in RENAMES:
-            key = pattern.sub(replacement, key)
-        mapped[key] = tensor
-    return mapped
 
 
 def load_model(
@@ -382,64 +331,6 @@ def materialize_rest(model, dtype, device, device_map) -> None:
         raise CheckpointError(f"{len(still)} model tensors were neither loaded nor created, e.g. {still[:3]}")
 
 
-# The sparse_config keys that fix what a Forecast head scores: the compressed keys it is dotted with
-# (kernel, stride, RoPE or not) and the blocks they are pooled into.  Heads trained under one grid
-# predict nothing useful on another.  The other keys (topk, window, init blocks, dense_len, policy,
-# ...) set how many blocks are kept and which are forced; heads serve any of them.
-GEOMETRY_KEYS = ("kernel_size", "kernel_stride", "block_size", "use_nope")
-BUDGET_KEYS = ("topk", "window_size", "init_blocks", "dense_len", "query_blocks", "policy", "lse")
-
-
-# the warnings' stacklevel: from_pretrained's caller (from_pretrained -> load_model -> _merge_settings -> here)
-CALLER_OF_FROM_PRETRAINED = 5
-
-
-def _describe(sparse: dict, keys) -> str:
-    return ", ".join(f"{key} {sparse.get(key)}" for key in keys)
-
-
-def check_heads_geometry(heads_path, trained: dict | None, used: dict | None, allow_mismatch: bool = False) -> None:
-    """Heads trained under sparse_config `trained` (their forecast_config.json), loaded under
-    `used`.  Another block geometry (`GEOMETRY_KEYS`) is an error unless `allow_mismatch`, then a
-    warning naming both; another budget (`BUDGET_KEYS`: topk, window, ...) is a warning."""
-    import warnings
-
-    if not trained or not used:
-        return
-    trained, used = resolve_sparse_config(trained), resolve_sparse_config(used)
-    geometry = [key for key in GEOMETRY_KEYS if trained.get(key) != used.get(key)]
-    if geometry:
-        both = (
-            f"the forecast heads {heads_path} were trained for {_describe(trained, geometry)}; "
-            f"the sparse_config selects with {_describe(used, geometry)}"
-        )
-        if not allow_mismatch:
-            raise CheckpointError(
-                f"{both}: heads score blocks of the geometry they were trained on. Load them with their own geometry "
-                "(leave sparse_config unset, or give one with the same kernel_size / kernel_stride / block_size), "
-                "train heads for this geometry, or pass allow_geometry_mismatch=True (--allow-geometry-mismatch) "
-                "to use them anyway"
-            )
-        warnings.warn(
-            f"{both} (allowed by allow_geometry_mismatch): expect lower forecast recall",
-            ForecastKVWarning,
-            stacklevel=CALLER_OF_FROM_PRETRAINED,
-        )
-    budget = [key for key in BUDGET_KEYS if trained.get(key) != used.get(key)]
-    if budget:
-        why = (
-            ""
-            if geometry
-            else " (same block geometry: the heads rank the same blocks, the selection keeps another number of them)"
-        )
-        warnings.warn(
-            f"the forecast heads {heads_path} were trained with {_describe(trained, budget)}; "
-            f"selecting with {_describe(used, budget)}{why}",
-            ForecastKVWarning,
-            stacklevel=CALLER_OF_FROM_PRETRAINED,
-        )
-
-
 def _check_heads(model, heads: dict, heads_path, directory: Path, trained_on: str | None) -> None:
     """Loaded heads against the base `model`: the same layers and shapes, else an error naming the
     heads (not the base) and what to do instead."""
@@ -513,232 +404,8 @@ def _check_names(model, state: dict, directory: Path, created_ok: bool) -> bool:
 # ----------------------------------------------------------------------------------------------
 
 
-def forecast_state_dict(model) -> dict[str, torch.Tensor]:
-    return {
-        key: value.detach().cpu().contiguous() for key, value in model.state_dict().items() if FORECAST_KEY.search(key)
-    }
-
-
-def save_forecast_weights(model, directory: str | os.PathLike, base_model: str | None = None) -> Path:
-    """Write `forecast.safetensors` + `forecast_config.json` (atomically: temp file, then rename)."""
-    from safetensors.torch import save_file
-
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    tensors = forecast_state_dict(model)
-    if not tensors:
-        raise ValueError("the model has no forecast heads to save")
-    sparse = model.config.sparse_config
-    # the heads exist to select blocks: reloading them onto a base turns the forecast selector on
-    sparse = None if sparse is None else {**sparse, "selector": "forecast"}
-    meta = {"forecast": model.config.forecast, "sparse_config": sparse, "base_model": base_model}
-    write_atomic(directory / FORECAST_WEIGHTS, lambda tmp: save_file(tensors, str(tmp)))
-    write_text_atomic(directory / FORECAST_CONFIG, json.dumps(meta, indent=2))
-    return directory
-
-
-def read_safetensors_file(file: Path) -> dict[str, torch.Tensor]:
-    """All tensors of one (small) safetensors file; a truncated or corrupt file is a
-    `CheckpointError` naming it (the header is checked against the file size first)."""
-    from safetensors.torch import load_file
-
-    try:
-        read_safetensors_header(file)
-        return load_file(str(file))
-    except LazyCheckpointError as error:
-        raise CheckpointError(str(error)) from error
-    except Exception as error:  # safetensors' own SafetensorError for what the header check lets through
-        raise CheckpointError(f"corrupt checkpoint file {file}: {type(error).__name__}: {error}") from error
-
-
-SPARDA_HEAD = re.compile(
-    r"(?:^|\.)layers\.(\d+)\.(?:self_attn\.)?(q_future_proj|q_curr_proj|forecast_proj|current_proj)(?:\.weight)?$"
-)
-SPARDA_FILES = ("*.pt", "*.pth", "*.bin", "*.safetensors")
-
-
-def _sparda_tensors(obj, found: dict) -> None:
-    """Collect head tensors from a (nested) SparDA checkpoint dict under our state-dict names."""
-    if not isinstance(obj, dict):
-        return
-    for key, value in obj.items():
-        if isinstance(value, torch.Tensor) and isinstance(key, str):
-            match = SPARDA_HEAD.search(key)
-            if match and value.dim() == 2:
-                name = {"q_future_proj": "forecast_proj", "q_curr_proj": "current_proj"}.get(
-                    match.group(2), match.group(2)
-                )
-                found[f"model.layers.{int(match.group(1))}.self_attn.{name}.weight"] = value
-        elif isinstance(value, dict):
-            _sparda_tensors(value, found)
-
-
-def read_forecast_side(path: str | os.PathLike, settings: dict | None = None) -> tuple[dict[str, torch.Tensor], dict]:
-    """(head tensors, {"forecast": ..., "sparse_config": ...}) from forecast weights saved alone.
-
-    `path`: a directory written by `save_forecast_weights`; or SparDA's indexer checkpoint (a
-    `torch.save` file holding `q_future_proj` / `q_curr_proj` weights, optionally `sparse_config`;
-    no base), given as the file or a directory holding one.  For SparDA files heads_per_group is
-    read from the weight shape and the base `settings` (num_key_value_heads, head_dim).
-    """
-    path = Path(path)
-    if path.is_dir() and (path / FORECAST_WEIGHTS).is_file():
-        side_file = path / FORECAST_CONFIG
-        if not side_file.is_file():
-            raise CheckpointError(f"{path} has {FORECAST_WEIGHTS} but no {FORECAST_CONFIG}")
-        try:
-            side = json.loads(side_file.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            raise CheckpointError(f"corrupt forecast heads file {side_file}: not JSON ({error})") from error
-        if not isinstance(side, dict) or not isinstance(side.get("forecast"), dict):
-            raise CheckpointError(
-                f"corrupt forecast heads file {side_file}: expected a JSON object with a 'forecast' section"
-            )
-        return map_state_dict(read_safetensors_file(path / FORECAST_WEIGHTS)), side
-    files = (
-        [path]
-        if path.is_file()
-        else sorted(f for pattern in SPARDA_FILES for f in path.glob(pattern))
-        if path.is_dir()
-        else []
-    )
-    if not files:
-        raise CheckpointError(
-            f"no {FORECAST_WEIGHTS} (ours) or SparDA indexer checkpoint ({', '.join(SPARDA_FILES)}) at {path}"
-        )
-    found: dict[str, torch.Tensor] = {}
-    meta: dict = {}
-    for file in files:
-        try:
-            blob = (
-                read_safetensors_file(file)
-                if file.suffix == ".safetensors"
-                else load_pickled_weights(file, state_dict=False)
-            )
-        except LazyCheckpointError as error:  # a pickle with foreign objects, or a corrupt file
-            raise CheckpointError(f"cannot read SparDA indexer checkpoint: {error}") from error
-        _sparda_tensors(blob, found)
-        if isinstance(blob, dict) and isinstance(blob.get("sparse_config"), dict):
-            meta = blob["sparse_config"]
-    if not found:
-        raise CheckpointError(f"{path} holds no q_future_proj / q_curr_proj (or forecast_proj / current_proj) weights")
-    settings = settings or {}
-    rows = next(iter(found.values())).shape[0]
-    kv_heads = int(settings.get("num_key_value_heads") or settings.get("num_attention_heads") or 1)
-    head_dim = int(
-        settings.get("head_dim") or settings.get("hidden_size", rows) // int(settings.get("num_attention_heads", 1))
-    )
-    if rows % (kv_heads * head_dim):
-        raise CheckpointError(
-            f"SparDA head weight has {rows} rows, "
-            f"not a multiple of num_key_value_heads x head_dim = {kv_heads} x {head_dim}"
-        )
-    sparse = {k: v for k, v in meta.items() if k in _SPARSE_KEYS} or None
-    side = {
-        "forecast": {**ForecastConfig().to_dict(), "heads_per_group": rows // (kv_heads * head_dim)},
-        "sparse_config": sparse,
-        "sparda": True,
-    }
-    return found, side
-
-
 # ----------------------------------------------------------------------------------------------
 # plain transformers loading: auto_map, remote-code modules, tokenizer files
 # ----------------------------------------------------------------------------------------------
 
-# file -> (the module of the installed package it re-exports, the class, the Auto class it serves)
-REMOTE_CODE = {
-    "configuration_forecastkv.py": ("forecastkv.modeling.configuration", "ForecastKVConfig", "AutoConfig"),
-    "modeling_forecastkv.py": ("forecastkv.modeling.modeling", "ForecastKVForCausalLM", "AutoModelForCausalLM"),
-}
-REMOTE_CODE_TEXT = '''"""{cls} for `trust_remote_code=True` loading.
 
-The code is not copied here: this file imports it from the installed `forecastkv` package
-(`pip install forecastkv`), so a directory written by `save_pretrained` / `forecastkv convert` loads
-with `AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)` in any process.
-"""
-
-from {module} import {cls}
-
-__all__ = ["{cls}"]
-'''
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer.model",
-    "chat_template.jinja",
-    "chat_template.json",
-)
-
-
-def auto_map() -> dict[str, str]:
-    """config.json's `auto_map`: each Auto class -> "<module file stem>.<class>" of `REMOTE_CODE`."""
-    return {auto: f"{file[: -len('.py')]}.{cls}" for file, (_, cls, auto) in REMOTE_CODE.items()}
-
-
-def save_with_remote_code(model, save, directory, *args, **kwargs):
-    """Run transformers' `save(directory, ...)` for `model`, then add what plain transformers needs
-    to load the directory: the `REMOTE_CODE` modules and `auto_map` in config.json.
-
-    A model loaded through `trust_remote_code` has its classes registered for the Auto classes,
-    which would make transformers copy the package's own source files beside the weights; that is
-    switched off for the call (the modules written here import the installed package instead)."""
-    classes = (type(model), type(model.config))
-    registered = [cls.__dict__.get("_auto_class", None) for cls in classes]
-    for cls in classes:
-        cls._auto_class = None
-    try:
-        result = save(directory, *args, **kwargs)
-    finally:
-        for cls, value in zip(classes, registered):
-            if value is None:
-                del cls._auto_class  # back to the inherited None
-            else:
-                cls._auto_class = value
-    directory = Path(directory)
-    for file, (module, cls, _) in REMOTE_CODE.items():
-        write_text_atomic(directory / file, REMOTE_CODE_TEXT.format(module=module, cls=cls))
-    config_file = directory / "config.json"
-    raw = json.loads(config_file.read_text())
-    raw["auto_map"] = auto_map()
-    write_text_atomic(config_file, json.dumps(raw, indent=2, sort_keys=True) + "\n")
-    mode = file_mode()
-    for weights in directory.glob("*.safetensors"):  # safetensors writes them 0600, the other files get the umask's
-        weights.chmod(mode)
-    source = getattr(model, "source_directory", None)
-    if source is not None and Path(source).resolve() != directory.resolve():
-        copy_tokenizer_files(source, directory, replace=False)  # a served directory needs its tokenizer
-    return result
-
-
-def record_source(model, directory: Path):
-    """Remember the directory `model` was loaded from: `save_pretrained` copies its tokenizer files."""
-    model.source_directory = directory
-    return model
-
-
-def copy_tokenizer_files(source: str | os.PathLike, target: str | os.PathLike, replace: bool = True) -> list[str]:
-    """Copy the tokenizer files of checkpoint `source` (a directory or hub id) into `target`,
-    atomically, byte for byte (replace=False: keep those `target` has, e.g. from a
-    `tokenizer.save_pretrained`).  Returns the names copied (empty: the source has no tokenizer)."""
-    import shutil
-
-    directory = resolve_directory(source)
-    copied = []
-    for name in TOKENIZER_FILES:
-        if (directory / name).is_file() and (replace or not (Path(target) / name).exists()):
-            write_atomic(Path(target) / name, lambda tmp, src=directory / name: shutil.copyfile(src, tmp))
-            copied.append(name)
-    return copied
-
-
-def has_forecast_heads(path_or_id: str | os.PathLike) -> bool:
-    """Whether the checkpoint stores Forecast heads (ours or SparDA's names); reads headers only."""
-    checkpoint = open_checkpoint(resolve_directory(path_or_id))
-    return any(FORECAST_KEY.search(name) for name in checkpoint.names) or any(
-        SPARDA_NAME.search(name) for name in checkpoint.stored_names
-    )

@@ -15,8 +15,9 @@ def run_convert(args) -> int:
     if args.forecast_init and args.forecast_weights:
         raise UsageError("--forecast-init makes new heads and --forecast-weights loads trained ones: give one")
 
-    from .checkpoints import copy_tokenizer_files, has_forecast_heads
+    from .head_files import has_forecast_heads
     from .modeling import ForecastKVForCausalLM
+    from .remote_code import copy_tokenizer_files
 
     model = ForecastKVForCausalLM.from_pretrained(
         source,

@@ -477,7 +477,7 @@ class ForecastKVForCausalLM(ForecastKVPreTrainedModel, GenerationMixin):
 
     def save_forecast_weights(self, directory, base_model: str | None = None):
         """Save only the Forecast heads (a few MB) beside an untouched base checkpoint."""
-        from .checkpoints import save_forecast_weights
+        from .head_files import save_forecast_weights
 
         return save_forecast_weights(self, directory, base_model)
 
@@ -485,8 +485,8 @@ class ForecastKVForCausalLM(ForecastKVPreTrainedModel, GenerationMixin):
         """transformers' `save_pretrained`, plus `auto_map` in config.json and two small modules
         that import the installed package, so the directory also loads with
         `AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)` in a process that never
-        imported forecastkv (`checkpoints.save_with_remote_code`)."""
-        from .checkpoints import save_with_remote_code
+        imported forecastkv (`remote_code.save_with_remote_code`)."""
+        from .remote_code import save_with_remote_code
 
         return save_with_remote_code(self, super().save_pretrained, save_directory, *args, **kwargs)
 

@@ -110,7 +110,7 @@ def test_pipeline_on_a_converted_checkpoint_moves_only_selected_blocks(bundled_p
     from transformers import pipeline
 
     from forecastkv import ForecastKVForCausalLM, bundled_texts
-    from forecastkv.modeling.checkpoints import copy_tokenizer_files
+    from forecastkv.modeling.remote_code import copy_tokenizer_files
 
     sparse = {
         "kernel_size": 32,

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import forecastkv.modeling  # noqa: F401  (registers the Auto classes)
 from forecastkv import ForecastKVForCausalLM
-from forecastkv.modeling.checkpoints import CheckpointError
+from forecastkv.errors import CheckpointError
 from forecastkv.modeling.modeling import RotaryEmbedding
 from tests.helpers import TINY_MODEL, TINY_SPARSE, rel, tiny_config
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from forecastkv import ForecastKVForCausalLM
-from forecastkv.modeling.checkpoints import CheckpointError
+from forecastkv.errors import CheckpointError
 from tests.helpers import TINY_SPARSE
 from tests.modeling.test_checkpoints import HEAD_DIM, MINICPM_SPARSE, minicpm_dir, nosa_dir, random_llama
 

@@ -21,7 +21,7 @@ def build_checkpoints(root: Path) -> dict[str, str]:
     Forecast heads ("demo"), and again with policy nosa and A ~ N(0, 0.5^2), delta random ("nosa":
     A = 0 would make NOSA's bias a no-op).  Tokenizer files copied: both serve as they are."""
     from forecastkv import ForecastKVForCausalLM, bundled_model_path
-    from forecastkv.modeling.checkpoints import copy_tokenizer_files
+    from forecastkv.modeling.remote_code import copy_tokenizer_files
 
     source = bundled_model_path()
     model = ForecastKVForCausalLM.from_pretrained(
