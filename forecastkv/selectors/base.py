@@ -1,8 +1,9 @@
 """`Selector`: what one block-selection rule owns, and the rule of scoring a layer's compressed keys.
 
 The base class is the compressed-index rule that query, forecast and speculate share (InfLLM-v2's stage 1:
-`modeling/selection.py`), scored with what `scores_with` names.  A selector that scores another way
-(Quest's bounds, the oracle's exact mass, an anchor's blocks) overrides `select` and `plan`.  Shapes:
+`modeling/selection.py`), scored with what `scores_with` names.  A selector that scores the keys or an
+index of its own (Quest's bounds, the oracle's exact mass) is a `KeyScoringSelector` and defines
+`selection`; reuse, which takes an anchor's blocks, overrides `select` and `plan`.  Shapes:
 vectors [B, Tq, H*n, d], positions [B, Tq] (-1 = padding), a selection int64 [B, H, Tq, budget] of
 canonical rows (`modeling/selection.py`), a decode `Plan` (`modeling/cache.py`) of its [B, H, budget].
 """
