@@ -49,8 +49,7 @@ def resolve_selector(mode: str, selector: str | None, sparse) -> str | None:
     the mode cannot run it: a selector that is not deployable (the oracle reads every key) runs only in
     `no-offload`, and a mode that fetches a layer ahead needs a selector that plans ahead
     (`Selector.plans_ahead`)."""
-    if selector is not None and selector not in SELECTORS:
-        raise ValueError(f"selector={selector!r} is not None or one of {SELECTORS}")
+    get_selector(selector)  # a ValueError naming the registered selectors for an unknown name
     own = sparse.selector if sparse is not None else None
     if selector is None:
         selector = own if own is not None and own not in MODE_SELECTOR.values() else MODE_SELECTOR.get(mode)

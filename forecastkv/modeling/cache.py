@@ -39,7 +39,6 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .. import kernels
-from ..modes import SELECTORS
 from ..selectors import get_selector
 from . import selection as sel
 from .prefill import masked_attention
@@ -821,10 +820,8 @@ class SparseCache(Cache):
 
     @selector.setter
     def selector(self, name: str | None) -> None:
-        if name is not None and name not in SELECTORS:
-            raise ValueError(f"selector={name!r} is not None or one of {SELECTORS}")
+        self.rule = get_selector(name)  # resolved (and checked) once here: a forward call reads no name
         self._selector = name
-        self.rule = get_selector(name)  # resolved once here: a forward call reads no name
 
     def keeps_key_bounds(self, sparse) -> bool:
         """Whether the layers keep Quest's block key bounds: the cache's selector (or the model's) scores them."""

@@ -10,6 +10,8 @@ canonical rows (`modeling/selection.py`), a decode `Plan` (`modeling/cache.py`) 
 
 from __future__ import annotations
 
+import abc
+
 from ..modeling import selection as sel
 
 # what a selector scores with: the layer's own queries, the Forecast vectors the layer before makes,
@@ -131,7 +133,7 @@ class Selector:
         return cache_layer.plan(selection[:, :, 0])
 
 
-class KeyScoringSelector(Selector):
+class KeyScoringSelector(Selector, abc.ABC):
     """A selector that scores the keys (or an index of its own) rather than the compressed index, through
     `selection(vectors, positions, cache_layer, sparse, n_blocks)` -> [B, H, Tq, budget]: a prefill chunk
     scores the blocks its rows reach, a decode step every block the buffers hold (fixed shapes)."""
@@ -145,5 +147,7 @@ class KeyScoringSelector(Selector):
         n_blocks = sel.num_blocks(cache_layer.decode_index()[3], sparse.block_size)
         return cache_layer.plan(self.selection(vectors, positions, cache_layer, sparse, n_blocks)[:, :, 0])
 
+    @abc.abstractmethod
     def selection(self, vectors, positions, cache_layer, sparse, n_blocks: int):
-        raise NotImplementedError(f"{type(self).__name__} must define selection()")
+        """The selection [B, H, Tq, budget] of vectors [B, Tq, H*n, d] over `n_blocks` blocks (a subclass's
+        rule: a selector module that leaves it out fails when it makes its `SELECTOR`)."""

@@ -106,3 +106,13 @@ def test_a_selector_stays_the_registered_object_through_copy_and_pickle():
     assert cache.rule is None
     with pytest.raises(ValueError, match=r"selector='nope' is not None or one of"):
         cache.selector = "nope"
+
+
+def test_a_key_scoring_selector_without_its_rule_fails_when_made():
+    from forecastkv.selectors.base import KeyScoringSelector
+
+    class Forgetful(KeyScoringSelector):
+        name = "forgetful"
+
+    with pytest.raises(TypeError, match="selection"):
+        Forgetful()
