@@ -245,11 +245,11 @@ def use_stage1_kernel(device: torch.device | str) -> bool:
 
 def block_gather(
     k_host, v_host, load_ids, k_slots, v_slots, block_size, bias_host=None, bias_slots=None, num_programs=16,
-    check_ids=True, block_table=None,
+    check_ids=True, block_table=None, dest_table=None,
 ):
     return kernel_set(k_slots.device).block_gather(
         k_host, v_host, load_ids, k_slots, v_slots, block_size, bias_host, bias_slots, num_programs, check_ids,
-        block_table=block_table,
+        block_table=block_table, dest_table=dest_table,
     )  # fmt: skip
 
 

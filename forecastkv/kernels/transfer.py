@@ -22,6 +22,11 @@ blocks and `block_table` [B, NB] names sequence b's physical block for each logi
 indirection, read on the device.  Both kernels address a host row as b*s_b + p*s_p + r*s_s
 (`_host_strides`): by position p counts units of `rows_per_index` rows of sequence b, paged p is
 the table's physical block, r the row in it, and s_b = 0.
+
+The gather's destination is either per-sequence slots [B, M*block, H, d] (the offloaded cache's
+working set) or, with `dest_table`, a device pool of the same paged layout (vLLM's KV pages, which
+the engine's attention reads in place): the block a task loads lands in the physical block the
+destination table names for it.
 """
 
 from __future__ import annotations
@@ -97,11 +102,17 @@ _GATHER_DOC = """Copy host KV blocks into device slots, one task per (KV head, s
                                       still checks shapes and skips out-of-range ids
     block_table     [B, NB] or None   int32/int64 physical block of each logical block of each
                                       sequence (-1 = none), values in [-1, P); on the slots' device
+    dest_table      [B, NB] or None   int32/int64, with block_table only: k_slots, v_slots are then a
+                                      device pool [Q, block_size, H_kv, d] (bias_slots
+                                      [Q, block_size, H_kv]) and logical block i of sequence b lands
+                                      in its physical block dest_table[b, i] (-1 = none), values in
+                                      [-1, Q); on the slots' device
 
     Task (h, b, m) with id i >= 0 copies host rows [i*block, i*block+block) ∩ [0, S) of head h,
     sequence b (paged: every row of physical block block_table[b, i]) to slot rows
-    [m*block, m*block+block) of head h, sequence b.  Slot rows past the end of a partial last
-    block, and all rows of skipped tasks, are left untouched.  Returns None.
+    [m*block, m*block+block) of head h, sequence b (with dest_table: every row of head h of pool
+    block dest_table[b, i]).  Slot rows past the end of a partial last block, and all rows of
+    skipped tasks, are left untouched.  Returns None.
     """
 
 
@@ -124,11 +135,13 @@ def gather_geometry(k_host, load_ids, block_size: int, block_table):
 
 def validate_block_gather(
     k_host, v_host, load_ids, k_slots, v_slots, block_size, bias_host, bias_slots, num_programs,
-    check_ids=True, block_table=None,
+    check_ids=True, block_table=None, dest_table=None,
 ):
     """Check every argument (the id ranges only with check_ids); returns `gather_geometry`."""
     check_positive_int("block_size", block_size)
     check_positive_int("num_programs", num_programs)
+    if dest_table is not None and block_table is None:
+        raise ValueError("dest_table (a pool destination) needs a block_table: a pool-to-pool gather")
     for name, t in (("k_host", k_host), ("v_host", v_host), ("k_slots", k_slots), ("v_slots", v_slots)):
         check_tensor(name, t, ndim=4, dtypes=FLOAT_DTYPES)
     check_tensor("load_ids", load_ids, ndim=3, dtypes=INDEX_DTYPES)
@@ -137,15 +150,23 @@ def validate_block_gather(
     slots = load_ids.shape[2]
     ids_what = "[H_kv, B, M] with " + ("H_kv, B from k_host" if block_table is None else "B from block_table")
     check_shape("load_ids", load_ids, (heads, batch, slots), ids_what)
-    slots_what = f"[B, M*block_size, H_kv, d] with M={slots}, block_size={block_size}"
-    check_shape("k_slots", k_slots, (batch, slots * block_size, heads, dim), slots_what)
+    device_side = [("k_slots", k_slots), ("v_slots", v_slots), ("load_ids", load_ids)]
+    if dest_table is None:
+        slots_shape, slots_what = (batch, slots * block_size, heads, dim), f"[B, M*block_size, H_kv, d] with M={slots}"
+        bias_slots_what = "[B, M*block_size, H_kv]"
+    else:
+        check_tensor("dest_table", dest_table, ndim=2, dtypes=INDEX_DTYPES)
+        check_shape("dest_table", dest_table, block_table.shape, "[B, NB] like block_table")
+        slots_shape, slots_what = (k_slots.shape[0], block_size, heads, dim), "a device pool [Q, block_size, H_kv, d]"
+        bias_slots_what = "[Q, block_size, H_kv] like k_slots"
+        device_side.append(("dest_table", dest_table))
+    check_shape("k_slots", k_slots, slots_shape, f"{slots_what}, block_size={block_size}")
     check_shape("v_slots", v_slots, k_slots.shape, "must match k_slots")
     check_same_dtype(("k_host", "v_host", "k_slots", "v_slots"), (k_host, v_host, k_slots, v_slots))
-    device_side = [("k_slots", k_slots), ("v_slots", v_slots), ("load_ids", load_ids)]
     if block_table is not None:
         device_side.append(("block_table", block_table))
     host_side = [("k_host", k_host), ("v_host", v_host)]
-    bias_shapes, bias_whats = (bias_shape, (batch, slots * block_size, heads)), (bias_what, "[B, M*block_size, H_kv]")
+    bias_shapes, bias_whats = (bias_shape, slots_shape[:3]), (bias_what, bias_slots_what)
     if check_bias_pair(("bias_host", "bias_slots"), (bias_host, bias_slots), bias_shapes, bias_whats):
         device_side.append(("bias_slots", bias_slots))
         host_side.append(("bias_host", bias_host))
@@ -160,6 +181,9 @@ def validate_block_gather(
         check_range("load_ids", load_ids, -1, n_logical, limit)
         if block_table is not None:
             check_range("block_table", block_table, -1, n_physical, f"the pool's {n_physical} physical blocks")
+        if dest_table is not None:
+            pool = k_slots.shape[0]
+            check_range("dest_table", dest_table, -1, pool, f"the destination pool's {pool} blocks")
     return geometry
 
 
@@ -198,20 +222,43 @@ def _task_rows(
     return expand(b.unsqueeze(-1)), expand(h), flat[keep], dst.expand_as(keep)[keep]
 
 
+def _gather_into_pool(k_host, v_host, bias_host, load_ids, block_table, dest_table, k_pool, v_pool, bias_pool):
+    """The reference of a pool destination (`dest_table`): only the tasks that copy are indexed (one
+    read of their count), since a skipped task's write-back could land on a block another task fills."""
+    target = k_pool.device
+    ids = load_ids.to(target).long()  # [H, B, M]
+    heads, batch, _ = ids.shape
+    n_logical = block_table.shape[1]
+    b = torch.arange(batch, device=target).view(1, -1, 1).expand_as(ids)
+    h = torch.arange(heads, device=target).view(-1, 1, 1).expand_as(ids)
+    logical = ids.clamp(0, max(n_logical - 1, 0))
+    source = block_table.to(target).long()[b, logical]
+    dest = dest_table.to(target).long()[b, logical]
+    ok = (ids >= 0) & (ids < n_logical) & (source >= 0) & (source < k_host.shape[0])
+    ok &= (dest >= 0) & (dest < k_pool.shape[0])
+    h, source, dest = h[ok], source[ok], dest[ok]
+    for host, pool in ((k_host, k_pool), (v_host, v_pool), (bias_host, bias_pool)):
+        if host is not None:
+            pool[dest, :, h] = host[source.to(host.device), :, h.to(host.device)].to(target)
+
+
 @_gather_doc
 def block_gather_reference(
     k_host, v_host, load_ids, k_slots, v_slots, block_size, bias_host=None, bias_slots=None, num_programs=16,
-    check_ids=True, block_table=None,
+    check_ids=True, block_table=None, dest_table=None,
 ):
     # Every task's rows are read and written back (the old value where a task or row is skipped):
     # fixed shapes and no row selection, so the reference reads nothing back from the device.
     if check_ids:
         validate_block_gather(
             k_host, v_host, load_ids, k_slots, v_slots, block_size, bias_host, bias_slots, num_programs, check_ids,
-            block_table,
+            block_table, dest_table,
         )
     batch, seq, heads, _, slots, n_logical, n_physical = gather_geometry(k_host, load_ids, block_size, block_table)
     if heads * batch * slots == 0 or seq == 0:
+        return
+    if dest_table is not None:
+        _gather_into_pool(k_host, v_host, bias_host, load_ids, block_table, dest_table, k_slots, v_slots, bias_slots)
         return
     source, target = k_host.device, k_slots.device
     ids = load_ids.to(source).long()  # [H, B, M]
@@ -235,14 +282,17 @@ def block_gather_reference(
 @_gather_doc
 def block_gather_copy_engine(
     k_host, v_host, load_ids, k_slots, v_slots, block_size, bias_host=None, bias_slots=None, num_programs=16,
-    check_ids=True, block_table=None,
+    check_ids=True, block_table=None, dest_table=None,
 ):
     # Host-side gather into a pinned staging buffer, one DMA per tensor, then a device scatter.
     # The ids (and the table) come to the host first (a sync): the price of the copy-engine path.
     batch, seq, heads, dim, slots, n_logical, n_physical = validate_block_gather(
         k_host, v_host, load_ids, k_slots, v_slots, block_size, bias_host, bias_slots, num_programs, check_ids,
-        block_table,
+        block_table, dest_table,
     )
+    if dest_table is not None:  # a pool destination: the indexing copy (a baseline, no staging buffer)
+        _gather_into_pool(k_host, v_host, bias_host, load_ids, block_table, dest_table, k_slots, v_slots, bias_slots)
+        return
     table = None if block_table is None else block_table.to(k_host.device)
     b, h, host_rows, dst = _task_rows(load_ids.to(k_host.device), table, seq, heads, block_size, n_logical, n_physical)
     if host_rows.numel() == 0:
@@ -265,16 +315,17 @@ def block_gather_copy_engine(
 
 
 def _block_gather_kernel(
-    k_src, v_src, bias_src, ids, table, k_dst, v_dst, bias_dst,
-    n_tasks, n_seq, n_slots, seq_len, n_logical, n_physical,
+    k_src, v_src, bias_src, ids, table, dtable, k_dst, v_dst, bias_dst,
+    n_tasks, n_seq, n_slots, seq_len, n_logical, n_physical, n_dest,
     sk_b, sk_p, sk_s, sk_h, sk_d, sv_b, sv_p, sv_s, sv_h, sv_d,
     dk_b, dk_s, dk_h, dk_d, dv_b, dv_s, dv_h, dv_d,
     sc_b, sc_p, sc_s, sc_h, dc_b, dc_s, dc_h,
-    si_h, si_b, si_m, st_b, st_n,
+    si_h, si_b, si_m, st_b, st_n, sd_b, sd_n,
     BLOCK: tl.constexpr, BLOCK_P: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr,
-    HAS_BIAS: tl.constexpr, PAGED: tl.constexpr, NUM_PROGS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, PAGED: tl.constexpr, DEST_PAGED: tl.constexpr, NUM_PROGS: tl.constexpr,
 ):  # fmt: skip
-    # by position p is the logical block (s_p = BLOCK rows); paged p is the table's physical block
+    # by position p is the logical block (s_p = BLOCK rows); paged p is the table's physical block;
+    # the destination's dim 0 is the sequence (slots) or, DEST_PAGED, the pool block dtable names
     pid = tl.program_id(0)
     rows = tl.arange(0, BLOCK_P)
     cols = tl.arange(0, D_P)
@@ -292,16 +343,22 @@ def _block_gather_kernel(
             ok = ok & (phys >= 0) & (phys < n_physical)
         else:
             phys = blk
+        if DEST_PAGED:
+            dst = tl.load(dtable + b * sd_b + tl.where(ok, blk, 0) * sd_n).to(tl.int64)
+            ok = ok & (dst >= 0) & (dst < n_dest)
+            dst_row = rows
+        else:
+            dst = b
+            dst_row = m * BLOCK + rows
         row_ok = ok & (rows < BLOCK) & (blk * BLOCK + rows < seq_len)
-        dst_row = m * BLOCK + rows
         tile = row_ok[:, None] & (cols < D)[None, :]
         k = tl.load(k_src + b * sk_b + phys * sk_p + rows[:, None] * sk_s + h * sk_h + cols[None, :] * sk_d, mask=tile)
-        tl.store(k_dst + b * dk_b + dst_row[:, None] * dk_s + h * dk_h + cols[None, :] * dk_d, k, mask=tile)
+        tl.store(k_dst + dst * dk_b + dst_row[:, None] * dk_s + h * dk_h + cols[None, :] * dk_d, k, mask=tile)
         v = tl.load(v_src + b * sv_b + phys * sv_p + rows[:, None] * sv_s + h * sv_h + cols[None, :] * sv_d, mask=tile)
-        tl.store(v_dst + b * dv_b + dst_row[:, None] * dv_s + h * dv_h + cols[None, :] * dv_d, v, mask=tile)
+        tl.store(v_dst + dst * dv_b + dst_row[:, None] * dv_s + h * dv_h + cols[None, :] * dv_d, v, mask=tile)
         if HAS_BIAS:
             c = tl.load(bias_src + b * sc_b + phys * sc_p + rows * sc_s + h * sc_h, mask=row_ok)
-            tl.store(bias_dst + b * dc_b + dst_row * dc_s + h * dc_h, c, mask=row_ok)
+            tl.store(bias_dst + dst * dc_b + dst_row * dc_s + h * dc_h, c, mask=row_ok)
 
 
 _GATHER_KERNEL = LazyKernel(_block_gather_kernel)
@@ -310,11 +367,11 @@ _GATHER_KERNEL = LazyKernel(_block_gather_kernel)
 @_gather_doc
 def block_gather_triton(
     k_host, v_host, load_ids, k_slots, v_slots, block_size, bias_host=None, bias_slots=None, num_programs=16,
-    check_ids=True, block_table=None,
+    check_ids=True, block_table=None, dest_table=None,
 ):
     batch, seq, heads, dim, slots, n_logical, n_physical = validate_block_gather(
         k_host, v_host, load_ids, k_slots, v_slots, block_size, bias_host, bias_slots, num_programs, check_ids,
-        block_table,
+        block_table, dest_table,
     )
     n_tasks = heads * batch * slots
     if n_tasks == 0 or seq == 0 or dim == 0:
@@ -327,14 +384,17 @@ def block_gather_triton(
     dc = bias_slots.stride() if has_bias else (0, 0, 0)
     table = block_table if paged else load_ids  # a placeholder, never read by position
     st = block_table.stride() if paged else (0, 0)
+    dest_paged = dest_table is not None
+    dtable = dest_table if dest_paged else load_ids  # a placeholder, never read into slots
+    sd = dest_table.stride() if dest_paged else (0, 0)
     with cuda_device_guard(k_slots):
         _GATHER_KERNEL[(num_programs,)](
-            k_host, v_host, bias_src, load_ids, table, k_slots, v_slots, bias_dst,
-            n_tasks, batch, slots, seq, n_logical, n_physical,
+            k_host, v_host, bias_src, load_ids, table, dtable, k_slots, v_slots, bias_dst,
+            n_tasks, batch, slots, seq, n_logical, n_physical, k_slots.shape[0],
             *_host_strides(k_host, paged, block_size), *_host_strides(v_host, paged, block_size),
-            *k_slots.stride(), *v_slots.stride(), *sc, *dc, *load_ids.stride(), *st,
+            *k_slots.stride(), *v_slots.stride(), *sc, *dc, *load_ids.stride(), *st, *sd,
             BLOCK=block_size, BLOCK_P=next_pow2(block_size), D=dim, D_P=next_pow2(dim),
-            HAS_BIAS=has_bias, PAGED=paged, NUM_PROGS=num_programs, num_warps=8,
+            HAS_BIAS=has_bias, PAGED=paged, DEST_PAGED=dest_paged, NUM_PROGS=num_programs, num_warps=8,
         )  # fmt: skip
 
 

@@ -168,12 +168,22 @@ def aot_launches():
         k_pool, v_pool, ids, k_slots, v_slots, 64, b_pool, b_slots, num_programs=16, block_table=table
     )
     K.block_gather_triton(k_pool, v_pool, ids, k_slots, v_slots, 64, num_programs=16, block_table=table)
+    # a pool destination (vLLM's pages [Q, H, page, d] through a transposed view), page 16, bf16 + CIS
+    k_pool, v_pool, b_pool, ids, table = make_paged_case(
+        batch=3, logical=5, physical=12, heads=2, dim=128, block=16, slots=4, dtype=torch.bfloat16
+    )
+    k_dev = torch.empty(12, 2, 16, 128, dtype=torch.bfloat16, device=DEVICE)
+    b_dev = torch.empty(12, 2, 16, dtype=torch.bfloat16, device=DEVICE)
+    K.block_gather_triton(
+        k_pool, v_pool, ids, k_dev.transpose(1, 2), k_dev.clone().transpose(1, 2), 16, b_pool, b_dev.transpose(1, 2),
+        num_programs=16, block_table=table, dest_table=table,
+    )  # fmt: skip
 
 
 @aot_sm90
 def test_compiles_for_sm90():
     """Compiled-mode errors the interpreter lets through would show here, without a GPU."""
-    assert compile_sm90(__name__, "aot_launches") == 6
+    assert compile_sm90(__name__, "aot_launches") == 7
 
 
 # ----------------------------------------------------------------------------------------------
@@ -407,3 +417,92 @@ def test_paged_rejects_bad_inputs(fn, change, error, match):
     with pytest.raises(error, match=match):
         fn(**args)
     assert k_slots.isnan().all(), "nothing may be written before the error"
+
+
+# ----------------------------------------------------------------------------------------------
+# pool destination (`dest_table`): vLLM's pages, written in place
+# ----------------------------------------------------------------------------------------------
+
+
+def run_into_pool(fn, k_pool, v_pool, b_pool, ids, table, dest, pages, block, layout="pages", check_ids=True):
+    """Gather into a NaN device pool of `pages` blocks; layout "pages" is vLLM's [Q, H, page, d]
+    read through a transposed view (what the connector hands the kernel)."""
+    heads, dim = k_pool.shape[2], k_pool.shape[3]
+    shape = (pages, heads, block, dim) if layout == "pages" else (pages, block, heads, dim)
+    k_dev = torch.full(shape, float("nan"), dtype=k_pool.dtype, device=DEVICE)
+    v_dev = torch.full_like(k_dev, float("nan"))
+    b_dev = None if b_pool is None else torch.full(shape[:3], float("nan"), dtype=k_pool.dtype, device=DEVICE)
+    views = [None if t is None else (t.transpose(1, 2) if layout == "pages" else t) for t in (k_dev, v_dev, b_dev)]
+    fn(k_pool, v_pool, ids, views[0], views[1], block, b_pool, views[2], num_programs=3, check_ids=check_ids,
+       block_table=table, dest_table=dest)  # fmt: skip
+    return views
+
+
+def test_pool_destination_reference_by_a_loop():
+    """Task (h, b, m) with logical id i copies head h of host block table[b, i] into head h of device
+    block dest[b, i]; -1 ids and -1 entries of either table copy nothing."""
+    k_pool, v_pool, b_pool, ids, table = make_paged_case()
+    dest = torch.stack([torch.randperm(9)[:4] for _ in range(3)]).to(DEVICE)
+    dest[0, 3] = -1
+    outs = run_into_pool(K.block_gather_reference, k_pool, v_pool, b_pool, ids, table, dest, 9, 8)
+    expected = [torch.full_like(o.cpu(), float("nan")) for o in outs]
+    for h, b, m in zip(
+        *[x.flatten().tolist() for x in torch.meshgrid(*(torch.arange(n) for n in ids.shape), indexing="ij")]
+    ):
+        i = int(ids[h, b, m])
+        source, target = (int(table[b, i]), int(dest[b, i])) if i >= 0 else (-1, -1)
+        if source >= 0 and target >= 0:
+            for out, pool in zip(expected, (k_pool, v_pool, b_pool)):
+                out[target, :, h] = pool[source, :, h].cpu()
+    assert_same([o.cpu() for o in outs], expected)
+    assert not all(torch.isnan(o).all() for o in outs) and outs[0].isnan().any()
+
+
+@pytest.mark.parametrize("fn", GATHERS.values())
+@pytest.mark.parametrize("layout", ["pages", "blocks"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_pool_destination_matches_reference(fn, layout, bias):
+    k_pool, v_pool, b_pool, ids, table = make_paged_case(bias=bias)
+    dest = table.clone()  # the connector's case: host block ids are the device page ids
+    assert_same(
+        run_into_pool(fn, k_pool, v_pool, b_pool, ids, table, dest, 7, 8, layout),
+        run_into_pool(K.block_gather_reference, k_pool, v_pool, b_pool, ids, table, dest, 7, 8, layout),
+    )
+
+
+@needs_triton
+def test_pool_destination_unchecked_bad_entries_are_skipped():
+    k_pool, v_pool, b_pool, ids, table = make_paged_case()
+    dest = table.clone()
+    dest[1, :] = 50  # past the device pool's 7 blocks
+    outs = run_into_pool(K.block_gather_triton, k_pool, v_pool, b_pool, ids, table, dest, 7, 8, check_ids=False)
+    good = dest.masked_fill(dest >= 7, -1)
+    assert_same(outs, run_into_pool(K.block_gather_reference, k_pool, v_pool, b_pool, ids, table, good, 7, 8))
+
+
+@pytest.mark.parametrize(
+    "fn", [K.block_gather_reference, K.block_gather_triton, K.block_gather_copy_engine], ids=lambda f: f.__name__
+)
+@pytest.mark.parametrize(
+    "change, error, match",
+    [
+        (lambda c: {"dest_table": c["dest_table"].fill_(5)}, ValueError, r"dest_table has value 5 >= 5, the limit"),
+        (lambda c: {"dest_table": c["dest_table"][:, :2]}, ValueError, r"dest_table has shape \(3, 2\), expected"),
+        (lambda c: {"block_table": None}, ValueError, r"dest_table \(a pool destination\) needs a block_table"),
+        (
+            lambda c: {"k_slots": c["k_slots"][:, :4], "v_slots": c["v_slots"][:, :4]},
+            ValueError,
+            r"k_slots has shape \(5, 4, 2, 16\), expected \(5, 8, 2, 16\) \(a device pool",
+        ),
+    ],
+)
+def test_pool_destination_rejects_bad_inputs(fn, change, error, match):
+    k_pool, v_pool, b_pool, ids, table = make_paged_case()
+    k_dev = torch.full((5, 8, 2, 16), float("nan"), device=DEVICE)
+    v_dev, b_dev = k_dev.clone(), k_dev[..., 0].clone()
+    args = named_args(k_pool, v_pool, ids, k_dev, v_dev, 8, b_pool, b_dev, num_programs=4, block_table=table,
+                      dest_table=table.clamp(max=4))  # fmt: skip
+    args.update(change(args))
+    with pytest.raises(error, match=match):
+        fn(**args)
+    assert k_dev.isnan().all(), "nothing may be written before the error"
