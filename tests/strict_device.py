@@ -11,7 +11,7 @@ Host vs device is decided by *identity*: a tensor whose storage was allocated by
 every other tensor is device.  Views share the storage, so they stay host.
 
 * `strict_host()`: host tensors are `StrictHostTensor`s, whose ops raise `HostTensorTouched` unless
-  they run inside `host_store.host_transfer()` (the package's transfer functions enter it).  Metadata
+  they run inside `worker.host_transfer()` (the package's transfer functions enter it).  Metadata
   (`.shape`, `.numel()`, `.data_ptr()`, ...) never raises; `repr` shows metadata only.  Inside a
   transfer function a view of a host tensor stays strict, and `.to(...)` of a host tensor is the H2D
   copy: its result is a fresh device tensor, as on CUDA (on the CPU `.to("cpu")` would alias).
@@ -39,7 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 from forecastkv.inference import host_store
-from forecastkv.inference.host_store import host_transfer, in_host_transfer
+from forecastkv.inference.worker import host_transfer, in_host_transfer
 
 __all__ = [
     "HostTensorTouched",
@@ -188,7 +188,7 @@ class StrictHostTensor(torch.Tensor):
                 raise HostTensorTouched(
                     f"host-store tensor touched outside a transfer function: {resolve_name(func) or func} "
                     f"at {_call_site()[0]} (host operands of shape {shapes}); "
-                    "only code inside host_store.host_transfer() "
+                    "only code inside worker.host_transfer() "
                     f"(the H2D gather/staging and the D2H write-back) may read or write host tensors"
                 )
             out = func(*args, **kwargs)

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from ..inference.host_store import HostBlockPool, host_transfer
+from ..inference.host_store import HostBlockPool
+from ..inference.worker import host_transfer
 from .blocks import BlockRows, layer_rows
 
 

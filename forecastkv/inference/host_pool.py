@@ -1,5 +1,6 @@
-"""The paged host tier's bookkeeping: who holds each physical block, and which block holds each position
-(the manager half of the split vLLM v1's kv_offload draws; `host_store` is the worker half).
+"""The offload runtime's manager: who holds each physical block of the host tier, which block holds
+each position, and which blocks a decode step must load (the manager half of the split vLLM v1's
+kv_offload draws; the worker half, `host_store`'s buffers and `worker.TransferWorker`, moves the bytes).
 
 * `BlockAllocator` (the base of `host_store.HostBlockPool`, one per layer, shared by every cache
   built on it: forks, a batch over one prefix, a ContextStore): a reference count per physical
@@ -17,6 +18,10 @@ chunks (`modeling.cache.GROWTH_CHUNK`); its blocks up to the capacity are assign
 capacity is set (so a decode step never changes the table), and the pool grows by exactly the
 blocks assigned.
 
+* `plan_loads` (`generate()`'s offloaded layers and vLLM's `ForecastLookaheadConnector` alike):
+  a selection diffed against a slot map (`diff_block_map`), giving the transfer spec (`LoadSpec`:
+  the blocks to load into which slots, and the wanted / hit / missed counts) that a worker runs.
+
 Nothing here reads or writes a host buffer.  The buffers and every copy are `host_store`'s,
 reached through the pool: `_grow_buffers` (a growth) and `copy_block` (copy on write).
 """
@@ -26,6 +31,7 @@ from __future__ import annotations
 import collections
 import heapq
 import weakref
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -311,3 +317,67 @@ class BlockTables:
         size = self.block_size
         rows = [self.tables[b][p // size] * size + p % size for b, p in zip(batch_idx, pos)]
         return torch.tensor(rows, dtype=torch.long)
+
+
+# -- which blocks a decode step loads -------------------------------------------------------------
+
+
+@dataclass
+class LoadSpec:
+    """A transfer spec: what a worker loads for one layer's decode plan.  block_map [B, H, M]: the slot
+    map after the step; load_ids [B, H, M]: the logical block to fetch into each slot (-1 nothing);
+    slot_of [B, H, K]: the slot serving each wanted block (-1 none); counts: device int64 [3], the
+    complete blocks wanted, found in the map (hits) and fetched (misses), summed over the batch."""
+
+    block_map: torch.Tensor
+    load_ids: torch.Tensor
+    slot_of: torch.Tensor
+    counts: torch.Tensor
+
+
+def complete_wanted(selection: torch.Tensor, lengths: torch.Tensor, block_size: int) -> torch.Tensor:
+    """selection [B, H, K] with -1 for every block not complete among lengths [B] stored positions:
+    what a host tier can load (the block being written is served from the device)."""
+    complete = torch.div(lengths, block_size, rounding_mode="floor")
+    return selection.masked_fill((selection < 0) | (selection >= complete.view(-1, 1, 1)), -1)
+
+
+def plan_loads(block_map: torch.Tensor, selection: torch.Tensor, lengths: torch.Tensor, block_size: int) -> LoadSpec:
+    """The `LoadSpec` of selection [B, H, K] against slot map block_map [B, H, M] for sequences of
+    lengths [B] (device tensors: no host read)."""
+    wanted = complete_wanted(selection, lengths, block_size)
+    new_map, load_ids, slot_of, hits, misses = diff_block_map(block_map, wanted)
+    return LoadSpec(new_map, load_ids, slot_of, torch.stack([(wanted >= 0).sum(), hits.sum(), misses.sum()]))
+
+
+def diff_block_map(block_map: torch.Tensor, wanted: torch.Tensor):
+    """Hits keep their slots; misses fill free slots, empty ones first, then the lowest-numbered
+    slots whose block is no longer wanted.  A stale block stays mapped (and can hit again) until
+    its slot is reused, so ties always go to blocks already resident.
+
+    block_map [B, H, M] int64 (-1 = empty), wanted [B, H, K] int64 (-1 = none; distinct ids per row,
+    at most M valid).  Returns (new_map [B, H, M], load_ids [B, H, M] (host block per slot to fetch,
+    -1 = nothing), slot_of [B, H, K] (the slot serving each wanted block, -1 for none),
+    hits [B, H], misses [B, H]).
+    """
+    slots = block_map.shape[-1]
+    valid = wanted >= 0
+    same = (
+        (block_map.unsqueeze(-1) == wanted.unsqueeze(-2)) & valid.unsqueeze(-2) & (block_map >= 0).unsqueeze(-1)
+    )  # [B, H, M, K]
+    kept = same.any(dim=-1)
+    hit = same.any(dim=-2)
+    miss = valid & ~hit
+    order_key = torch.arange(slots, device=block_map.device) + torch.where(block_map < 0, 0, slots)
+    order_key = order_key.masked_fill(kept, 3 * slots)
+    free_order = order_key.argsort(dim=-1)  # free slots first
+    rank = (miss.long().cumsum(dim=-1) - 1).clamp(min=0)
+    target = torch.gather(free_order, -1, rank)  # [B, H, K]
+    scatter_at = torch.where(miss, target, slots)
+    load_ids = torch.full((*block_map.shape[:-1], slots + 1), -1, dtype=block_map.dtype, device=block_map.device)
+    load_ids.scatter_(-1, scatter_at, torch.where(miss, wanted, -1))
+    load_ids = load_ids[..., :slots]
+    new_map = torch.where(load_ids >= 0, load_ids, block_map)
+    hit_slot = (same.long() * torch.arange(slots, device=block_map.device).view(-1, 1)).sum(dim=-2)
+    slot_of = torch.where(hit, hit_slot, torch.where(miss, target, -1))
+    return new_map, load_ids, slot_of, hit.sum(dim=-1), miss.sum(dim=-1)

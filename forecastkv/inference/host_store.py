@@ -1,5 +1,5 @@
-"""The paged host tier's transfers: every byte between the host buffers and the device (the worker
-half of the split vLLM v1's kv_offload draws; `host_pool` is the manager half: who holds each
+"""The paged host tier's buffers and its multi-token copies (the worker half of the split vLLM v1's
+kv_offload draws, with `worker.TransferWorker`; `host_pool` is the manager half: who holds each
 block, which block holds each position).
 
 * `HostBlockPool` (a `host_pool.BlockAllocator`, per layer) owns the buffers: keys, values
@@ -7,68 +7,31 @@ block, which block holds each position).
   store's blocks are read into it when a lookup needs them), their growth, and the block copies
   (copy on write, reads of stored blocks).
 * `HostKVStore` (a `host_pool.BlockTables`, per cache and layer) moves a batch's rows through its
-  block tables: the D2H write-back (a decode step's rows, a prompt's span, scattered rows) and the
-  H2D staging and block gather.
+  block tables outside a decode step: a prompt's span and scattered rows to the host, the H2D
+  staging of a multi-token call and a crop's refill.
 
 On a machine with CUDA the pool's buffers are page-locked with `cudaHostRegister` at their exact
 size (the caching pinned allocator would round each up to a power of two and keep it after the
 cache is gone), so the UVA kernels can read and write them from the GPU and copies run
 asynchronously; on CPU they are plain memory.  `nbytes()` is what is pinned.
 
-Only the transfer functions touch host tensors: the H2D block gather and staging, and the D2H
-write-back.  They run inside `host_transfer()`, a thread-local counter (nearly free) that only
-the tests' strict-device harness (tests/strict_device.py) reads: there, host tensors (made by
-`allocate_host`, which the harness wraps in this module) raise when any op outside
-`host_transfer()` touches them.  Every CPU touch of host rows that the GPU may still be writing
-waits on the store's write event.
+A decode step's transfers (the row write-back and the block gather) are `worker.TransferWorker`'s;
+this module keeps the multi-token copies (staging, spans, scattered rows) and the copies on the
+host (growth, copy on write).  Only transfer functions touch host tensors: they run inside
+`worker.host_transfer()`, a thread-local counter (nearly free) that only the tests' strict-device
+harness (tests/strict_device.py) reads: there, host tensors (made by `allocate_host`, which the
+harness wraps in this module) raise when any op outside `host_transfer()` touches them.  Every CPU
+touch of host rows that the GPU may still be writing waits on the pool's write event.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import threading
 import weakref
 
 import torch
 
-from .. import kernels
 from .host_pool import BlockAllocator, BlockTables
-
-_transfer_state = threading.local()
-
-
-class host_transfer(contextlib.ContextDecorator):
-    """`with host_transfer(): ...` (or `@host_transfer()`): the enclosed code is a transfer function,
-    allowed to touch host-store tensors.  Re-entrant, per thread; production code never reads it."""
-
-    def __enter__(self) -> "host_transfer":
-        _transfer_state.depth = getattr(_transfer_state, "depth", 0) + 1
-        return self
-
-    def __exit__(self, *exc) -> bool:
-        _transfer_state.depth -= 1
-        return False
-
-
-def transfer_function(fn):
-    """Mark `fn` as a transfer function: it runs inside `host_transfer()`.  Under torch.compile the
-    marker is skipped (Dynamo cannot enter a user context manager, and the harness that reads it
-    never runs compiled), so a compiled step traces straight through."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        if torch.compiler.is_compiling():
-            return fn(*args, **kwargs)
-        with host_transfer():
-            return fn(*args, **kwargs)
-
-    return wrapper
-
-
-def in_host_transfer() -> bool:
-    """Whether this thread is inside `host_transfer()`."""
-    return getattr(_transfer_state, "depth", 0) > 0
+from .worker import record_write, transfer_function
 
 
 def _unregister(address: int) -> None:
@@ -191,11 +154,6 @@ class HostBlockPool(BlockAllocator):
             self.written.synchronize()
             self.written = None
 
-    def record_write(self, device: torch.device) -> None:
-        if self.pin and torch.device(device).type == "cuda":
-            self.written = torch.cuda.Event()
-            self.written.record(torch.cuda.current_stream(device))
-
     def block(self, block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Views (no copy) of physical block `block`: keys, values [block_size, H, d], cis
         [block_size, H] or None.  Host tensors: touch them inside `host_transfer()`, after
@@ -279,36 +237,6 @@ class HostKVStore(BlockTables):
         self.pool.wait_writes()
 
     # -- D2H write-back -----------------------------------------------------------------------
-    def write_rows(
-        self,
-        positions: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        cis: torch.Tensor | None,
-        ops: kernels.KernelSet | None = None,
-    ) -> int:
-        """A decode step's write-back: row b of keys/values [B, H, d] (cis [B, H]) at position
-        positions[b] (device int64 [B], -1 = skip), through the `row_store` kernel and the device
-        block table (UVA writes into pinned memory on CUDA: no host index, no sync).  ops: the
-        caller's `KernelSet` (a decode step passes its layer's: no dispatch, no checks per step);
-        None chooses one and checks the ids.  Returns bytes moved."""
-        pool = self.pool
-        with host_transfer():  # not `@transfer_function`: one frame shallower in a decode step
-            (kernels.row_store if ops is None else ops.row_store)(
-                keys.to(self.dtype),
-                values.to(self.dtype),
-                positions,
-                pool.keys,
-                pool.values,
-                None if cis is None else cis.to(self.cis_dtype),
-                pool.cis,
-                block_table=self.block_table,
-                check_ids=ops is None,
-            )
-        pool.record_write(keys.device)
-        moved = keys.numel() * keys.element_size() * 2
-        return moved + (0 if cis is None else cis.numel() * cis.element_size())
-
     @transfer_function
     def write(
         self,
@@ -348,7 +276,7 @@ class HostKVStore(BlockTables):
                 for flat, source in targets:
                     flat[row : row + end - first].copy_(source[b, first - start : end - start], non_blocking=pinned)
         moved = keys.numel() * keys.element_size() * 2 + (0 if cis is None else cis.numel() * cis.element_size())
-        pool.record_write(keys.device)
+        record_write(pool, keys.device)
         return moved
 
     # -- H2D ----------------------------------------------------------------------------------
@@ -390,34 +318,6 @@ class HostKVStore(BlockTables):
                 target[batch, offset + first - start : offset + end - start].copy_(
                     flat[row : row + end - first], non_blocking=self.pin and target.is_cuda
                 )
-
-    def gather(
-        self,
-        load_ids: torch.Tensor,
-        k_slots: torch.Tensor,
-        v_slots: torch.Tensor,
-        bias_slots: torch.Tensor | None,
-        num_programs: int,
-        ops: kernels.KernelSet | None = None,
-    ) -> None:
-        """The block gather through the device block table: load_ids [H, B, M] logical block ids
-        (-1 = skip) into slots [B, M*block, H, d] (`kernels.block_gather`; the UVA kernel on CUDA,
-        no sync; ids not checked: the kernel skips bad ones).  ops: the caller's `KernelSet`."""
-        pool = self.pool
-        with host_transfer():  # not `@transfer_function`: a decode step's fetch stays one frame shallower
-            (kernels.block_gather if ops is None else ops.block_gather)(
-                pool.keys,
-                pool.values,
-                load_ids,
-                k_slots,
-                v_slots,
-                self.block_size,
-                pool.cis,
-                bias_slots,
-                num_programs=num_programs,
-                check_ids=False,
-                block_table=self.block_table,
-            )
 
     # -- sizes --------------------------------------------------------------------------------
     def row_bytes(self) -> int:

@@ -4,11 +4,11 @@
   and on the device a slot buffer [B, (M + 1) * bs, H, d] of M = budget regular slots (complete
   blocks) and one tail slot (the block being written), a block map [B, H, M], and a ring of the
   latest rows from which a decode step pools the compression windows it completes.  A decode
-  step writes its row through to the host (`row_store`), `plan(selection)` diffs the selection
-  against the block map (`diff_block_map`: hits stay, misses go to free slots) and fetches the
-  misses with the block gather, at once (sync modes) or on a side stream (`StreamPrefetcher`,
-  forecast-offload on CUDA); `decode_attention(q, plan)` waits for this layer's fetch only and
-  attends over the slots.  Its multi-token half (staging, crop, attach, fork) is
+  step writes its row through to the host (`row_store`), `plan(selection)` has the manager diff the
+  selection against the block map (`host_pool.plan_loads`: hits stay, misses go to free slots) and
+  the layer's `worker.TransferWorker` fetch the misses with the block gather, at once (sync modes)
+  or on its side stream (forecast-offload on CUDA); `decode_attention(q, plan)` waits for this
+  layer's fetch only and attends over the slots.  Its multi-token half (staging, crop, attach, fork) is
   `inference/staging.py`.
 * `ResidentLayer`: a layer kept whole on the device (layer 0, or every layer in no-offload), with
   the same counters.
@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
 from ..modeling.cache import CallInfo, Plan, SparseCacheLayer, attend_gathered, gather_blocks, put_rows
+from .host_pool import complete_wanted, plan_loads
 from .host_store import HostBlockPool, HostKVStore
 from .staging import OffloadedStaging, Staging
+from .worker import TransferWorker, gather_programs_for
 
 
 @dataclass
@@ -167,7 +168,7 @@ class OffloadedLayer(OffloadedStaging, SparseCacheLayer):
         self.k_slots = self.v_slots = self.bias_slots = self.block_map = None
         self.k_ring = self.cis_ring = None
         self.staged = None  # (keys, values, cis) on the device during a multi-token call
-        self.prefetcher = None
+        self.worker: TransferWorker | None = None
         self.log = StepLog()
         self.d2h_bytes = 0
         self.h2d_other = 0  # staging and tail refills (prefill, verification, crop)
@@ -214,13 +215,14 @@ class OffloadedLayer(OffloadedStaging, SparseCacheLayer):
             self.bias_slots = torch.full((batch, rows, heads), nan, dtype=cis.dtype, device=device)
             self.cis_ring = torch.full((batch, self.ring_rows, heads), nan, dtype=cis.dtype, device=device)
         self.block_map = torch.full((batch, heads, self.budget), -1, dtype=torch.long, device=device)
-        self.prefetcher = self.new_prefetcher()
+        self.worker = self.new_worker()
         if self.gather_programs is None:
             self.gather_programs = gather_programs_for(device, batch)
 
-    def new_prefetcher(self):
-        """The fetch of this layer's misses: on a CUDA side stream in forecast-offload, else now."""
-        return make_prefetcher(self.k_slots.device, overlap=self.fetch == "prefetch")
+    def new_worker(self) -> TransferWorker:
+        """What moves this layer's rows and blocks: its fetches on a CUDA side stream in
+        forecast-offload, else at once."""
+        return TransferWorker(self.k_slots.device, overlap=self.fetch == "prefetch", ops=self.kernels)
 
     def _check_batch(self, keys: torch.Tensor) -> None:
         if keys.shape[0] != self.k_slots.shape[0]:
@@ -272,7 +274,8 @@ class OffloadedLayer(OffloadedStaging, SparseCacheLayer):
         """A decode step: keys/values [B, H, d], cis [B, H] or None, pos [B].  The row goes to the
         host through the `row_store` kernel; the tail slot, the ring and the compressed keys are
         updated on the device from the ring.  Fixed shapes, no host read, no host-store read."""
-        self.host.write_rows(pos, keys, values, cis, self.kernels)  # its bytes were counted by `prepare`
+        host = self.host  # the row's bytes were counted by `prepare`
+        self.worker.store_rows(host.pool, host.block_table, pos, keys, values, cis)
         valid, index = pos >= 0, pos.clamp(min=0)
         tail = self.budget * self.block_size + index % self.block_size
         ring = index % self.ring_rows
@@ -292,32 +295,26 @@ class OffloadedLayer(OffloadedStaging, SparseCacheLayer):
 
     # -- plan and blocks ----------------------------------------------------------------------
     def plan(self, selection: torch.Tensor) -> RuntimePlan:
-        """Diff `selection` [B, H, K] against the block map and return the `Plan`; fetch the misses
-        now (prefetch, on the side stream) or when the layer reads them (sync modes).  Blocks not
-        complete on the host (the current one) come from the tail slot and are not fetched."""
-        complete = torch.div(self.lengths, self.block_size, rounding_mode="floor")
+        """The manager diffs `selection` [B, H, K] against the block map (`plan_loads`); the worker
+        fetches the misses now (prefetch, on the side stream) or when the layer reads them (sync
+        modes).  Blocks not complete on the host (the current one) come from the tail slot and are
+        not fetched."""
         if self.log.selections is not None:
+            complete = torch.div(self.lengths, self.block_size, rounding_mode="floor")
             self.log.selections.append((selection.clone(), complete.clone()))
-        wanted = selection.masked_fill((selection < 0) | (selection >= complete.view(-1, 1, 1)), -1)
         if self.fetch == "dense":
-            count = (wanted >= 0).sum()
+            count = (complete_wanted(selection, self.lengths, self.block_size) >= 0).sum()
             self.last_plan = RuntimePlan(
                 selection, dense=True, counts=torch.stack([count, torch.zeros_like(count), torch.zeros_like(count)])
             )
             return self.last_plan
-        new_map, load_ids, slot_of, hits, misses = diff_block_map(self.block_map, wanted)
-        self.block_map.copy_(new_map)  # in place: a fixed address
-        plan = RuntimePlan(
-            selection,
-            slot_of=slot_of,
-            load_ids=load_ids,
-            fetched=False,
-            counts=torch.stack([(wanted >= 0).sum(), hits.sum(), misses.sum()]),
-        )
+        spec = plan_loads(self.block_map, selection, self.lengths, self.block_size)
+        self.block_map.copy_(spec.block_map)  # in place: a fixed address
+        plan = RuntimePlan(selection, slot_of=spec.slot_of, load_ids=spec.load_ids, fetched=False, counts=spec.counts)
         self.last_plan = plan
         if self.fetch == "prefetch":
-            fetch, ids = self._gather(load_ids)
-            plan.done = self.prefetcher.launch(fetch, keep_alive=(ids,))
+            fetch, ids = self._gather(spec.load_ids)
+            plan.done = self.worker.launch(fetch, keep_alive=(ids,))
             plan.fetched = True
         return plan
 
@@ -328,9 +325,11 @@ class OffloadedLayer(OffloadedStaging, SparseCacheLayer):
         ids = (
             torch.cat([load_ids, load_ids.new_full((*load_ids.shape[:2], 1), -1)], dim=-1).permute(1, 0, 2).contiguous()
         )
+        host = self.host
         fetch = functools.partial(
-            self.host.gather, ids, self.k_slots, self.v_slots, self.bias_slots, self.gather_programs, self.kernels
-        )
+            self.worker.gather, host.pool, host.block_table, ids, self.k_slots, self.v_slots, self.bias_slots,
+            self.gather_programs,
+        )  # fmt: skip
         return fetch, ids
 
     def _ready(self, plan: RuntimePlan) -> RuntimePlan:
@@ -338,7 +337,7 @@ class OffloadedLayer(OffloadedStaging, SparseCacheLayer):
         if plan.dense:
             return plan
         if plan.fetched:
-            self.prefetcher.wait(plan.done)
+            self.worker.wait(plan.done)
         else:
             self._gather(plan.load_ids)[0]()
             plan.fetched = True
@@ -437,97 +436,3 @@ class OffloadedLayer(OffloadedStaging, SparseCacheLayer):
         if self.host is None:
             return 0
         return self.block_size * self.host.row_bytes() // self.host.shape[1]
-
-
-def gather_programs_for(device: torch.device, batch: int) -> int:
-    """Persistent programs of the block gather: about one per 8 SMs (16 on an H100/H200, what
-    SparDA runs for batch <= 16), twice that above batch 16; 16 where there is no CUDA."""
-    device = torch.device(device)
-    base = 16
-    if device.type == "cuda" and torch.cuda.is_available():
-        base = max(1, torch.cuda.get_device_properties(device).multi_processor_count // 8)
-    return base if batch <= 16 else 2 * base
-
-
-# -- the fetch: now, or on a CUDA side stream ----------------------------------------------------
-
-
-class SyncPrefetcher:
-    """Runs the fetch at once on the current stream (CPU, or the synchronous baselines)."""
-
-    def launch(self, fetch: Callable[[], None], keep_alive: tuple = ()):
-        fetch()
-        return None
-
-    def wait(self, handle) -> None:
-        return None
-
-
-class StreamPrefetcher:
-    """A CUDA side stream: the fetch waits for a ready event on the launching stream (the selection
-    and block map are computed there), runs on the side stream and records a done event that
-    only the consuming layer waits on."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = torch.device(device)
-        self.stream = torch.cuda.Stream(device=self.device)
-
-    def launch(self, fetch: Callable[[], None], keep_alive: tuple = ()):
-        ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
-            self.stream.wait_event(ready)
-            for tensor in keep_alive:  # allocated on the main stream, read here
-                tensor.record_stream(self.stream)
-            fetch()
-            done = torch.cuda.Event()
-            done.record(self.stream)
-        return done
-
-    def wait(self, handle) -> None:
-        if handle is not None:
-            torch.cuda.current_stream(self.device).wait_event(handle)
-
-
-def make_prefetcher(device: torch.device, overlap: bool):
-    """A side-stream prefetcher for CUDA devices when `overlap`, else the synchronous one."""
-    device = torch.device(device)
-    if overlap and device.type == "cuda" and torch.cuda.is_available():
-        return StreamPrefetcher(device)
-    return SyncPrefetcher()
-
-
-# -- the slot map ---------------------------------------------------------------------------------
-
-
-def diff_block_map(block_map: torch.Tensor, wanted: torch.Tensor):
-    """Hits keep their slots; misses fill free slots, empty ones first, then the lowest-numbered
-    slots whose block is no longer wanted.  A stale block stays mapped (and can hit again) until
-    its slot is reused, so ties always go to blocks already resident.
-
-    block_map [B, H, M] int64 (-1 = empty), wanted [B, H, K] int64 (-1 = none; distinct ids per row,
-    at most M valid).  Returns (new_map [B, H, M], load_ids [B, H, M] (host block per slot to fetch,
-    -1 = nothing), slot_of [B, H, K] (the slot serving each wanted block, -1 for none),
-    hits [B, H], misses [B, H]).
-    """
-    slots = block_map.shape[-1]
-    valid = wanted >= 0
-    same = (
-        (block_map.unsqueeze(-1) == wanted.unsqueeze(-2)) & valid.unsqueeze(-2) & (block_map >= 0).unsqueeze(-1)
-    )  # [B, H, M, K]
-    kept = same.any(dim=-1)
-    hit = same.any(dim=-2)
-    miss = valid & ~hit
-    order_key = torch.arange(slots, device=block_map.device) + torch.where(block_map < 0, 0, slots)
-    order_key = order_key.masked_fill(kept, 3 * slots)
-    free_order = order_key.argsort(dim=-1)  # free slots first
-    rank = (miss.long().cumsum(dim=-1) - 1).clamp(min=0)
-    target = torch.gather(free_order, -1, rank)  # [B, H, K]
-    scatter_at = torch.where(miss, target, slots)
-    load_ids = torch.full((*block_map.shape[:-1], slots + 1), -1, dtype=block_map.dtype, device=block_map.device)
-    load_ids.scatter_(-1, scatter_at, torch.where(miss, wanted, -1))
-    load_ids = load_ids[..., :slots]
-    new_map = torch.where(load_ids >= 0, load_ids, block_map)
-    hit_slot = (same.long() * torch.arange(slots, device=block_map.device).view(-1, 1)).sum(dim=-2)
-    slot_of = torch.where(hit, hit_slot, torch.where(miss, target, -1))
-    return new_map, load_ids, slot_of, hit.sum(dim=-1), miss.sum(dim=-1)

@@ -34,8 +34,9 @@ from ..modeling.generation import register_offloaded_cache
 from ..modes import MODE_FETCH, MODE_SELECTOR, MODES, SELECTORS
 from ..selectors import get_selector
 from .host_store import HostBlockPool
-from .layers import OffloadedLayer, ResidentLayer, gather_programs_for
+from .layers import OffloadedLayer, ResidentLayer
 from .staging import Staging
+from .worker import gather_programs_for
 
 
 def _nbytes(tensors: dict) -> int:

@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 
 from ..modeling.cache import CallInfo, new_rows
-from .host_store import HostBlockPool, host_transfer
+from .host_store import HostBlockPool
+from .worker import host_transfer
 
 
 class Staging:
@@ -179,7 +180,7 @@ class OffloadedStaging:
         other = super().forked(repeats)
         if self.host is not None:
             other.host = self.host.forked(self.host_lengths, repeats)
-            other.prefetcher = other.new_prefetcher()
+            other.worker = other.new_worker()
         other.staged = None
         other.log = type(self.log)()
         other.log.selections = None if self.log.selections is None else []

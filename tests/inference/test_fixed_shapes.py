@@ -142,7 +142,7 @@ def test_generate_reserves_its_length(make):
 
 
 def test_gather_programs_default_and_override():
-    from forecastkv.inference.layers import gather_programs_for
+    from forecastkv.inference.worker import gather_programs_for
 
     assert gather_programs_for("cpu", 4) == 16 and gather_programs_for("cpu", 17) == 32
     model = tiny_model({"policy": "infllmv2", "selector": "forecast"}, seed=4)

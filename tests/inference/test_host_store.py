@@ -11,6 +11,7 @@ import torch
 
 from forecastkv.inference import host_store as hs
 from forecastkv.inference.host_store import HostBlockPool, HostKVStore
+from forecastkv.inference.worker import TransferWorker
 from forecastkv.modeling.cache import GROWTH_CHUNK
 
 NAN = float("nan")
@@ -120,12 +121,16 @@ def test_device_rows_are_copies_with_rows_past_each_length_zeroed():
     assert store(with_cis=False).device_rows(4, torch.tensor([4, 4, 4]), torch.device("cpu"))[2] is None
 
 
+def write_rows(s: HostKVStore, positions, keys, values, cis) -> None:
+    """A decode step's write-back into store `s`: the worker's `row_store` through its block table."""
+    TransferWorker("cpu", overlap=False).store_rows(s.pool, s.block_table, positions, keys, values, cis)
+
+
 def test_write_rows_stores_one_row_per_sequence():
     """The decode write-back (`row_store`): row b at positions[b], -1 skips the sequence."""
     s = store()
     keys, values, cis = torch.randn(BATCH, HEADS, DIM), torch.randn(BATCH, HEADS, DIM), torch.randn(BATCH, HEADS)
-    moved = s.write_rows(torch.tensor([4, -1, 0]), keys, values, cis)
-    assert moved == BATCH * HEADS * DIM * 4 * 2 + BATCH * HEADS * 4
+    write_rows(s, torch.tensor([4, -1, 0]), keys, values, cis)
     assert torch.equal(K(s)[0, 4], keys[0]) and torch.equal(V(s)[2, 0], values[2]) and torch.equal(C(s)[0, 4], cis[0])
     assert K(s)[1].isnan().all() and K(s)[0, :4].isnan().all() and C(s)[2, 1:].isnan().all()
 
@@ -300,7 +305,7 @@ def test_fork_shares_full_blocks_and_copies_the_tail():
         assert torch.equal(keys[b, :n], before[0][src_b, :n]) and torch.equal(cis[b, :n], before[2][src_b, :n])
     new = torch.randn(4, HEADS, DIM)
     forked_before = K(fork).clone()
-    fork.write_rows(torch.tensor([10, -1, 8, 11]), new, new + 1, new[..., 0])
+    write_rows(fork, torch.tensor([10, -1, 8, 11]), new, new + 1, new[..., 0])
     assert (
         torch.equal(K(fork)[0, 10], new[0])
         and torch.equal(K(fork)[2, 8], new[2])

@@ -1,4 +1,4 @@
-"""inference/layers.py: `diff_block_map` (the slot cache's bookkeeping) against a per-row
+"""inference/host_pool.py: `diff_block_map` (the slot cache's bookkeeping) against a per-row
 pure-Python reference: hits keep their slots, misses fill empty slots first and then the
 lowest-numbered stale ones, stale blocks stay mapped and can hit again, -1 pads, and every
 (sequence, KV head) row is independent."""
@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from forecastkv.inference.layers import diff_block_map
+from forecastkv.inference.host_pool import diff_block_map
 
 
 def reference_row(block_map: list[int], wanted: list[int]):

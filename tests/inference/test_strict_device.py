@@ -16,8 +16,9 @@ import torch
 from forecastkv import SparseCache
 from forecastkv.inference import OffloadedSparseCache
 from forecastkv.inference.fill import greedy_steps
-from forecastkv.inference.host_store import HostKVStore, allocate_host, in_host_transfer
+from forecastkv.inference.host_store import HostKVStore, allocate_host
 from forecastkv.inference.offloaded import MODE_SELECTOR, MODES
+from forecastkv.inference.worker import in_host_transfer
 from forecastkv.modeling.modeling import CACHE_KWARG
 from forecastkv.modeling.selection import num_compressed
 from tests.helpers import left_padded, tiny_model
