@@ -7,7 +7,9 @@ Sections, in this order (`SECTIONS`: name, budget seconds on the GPU, budget wit
    processes per file of tests/kernels (its test functions dealt between them), in parallel, plus
    the CUDA-only tests of tests/modeling;
 2. runtime parity: tests/inference/test_cuda_runtime.py, one process per policy (every offload
-   mode = SparseCache's tokens, no host sync in a decode step);
+   mode = SparseCache's tokens, no host sync in a decode step), and the CUDA test of
+   tests/serving/test_page_offload.py (the vLLM connector's runtime: loads on the side stream
+   through the UVA gather into the pages);
 3. decode sweep: benchmarks/decode_sweep.py at 32K and 128K, batch 1 and 4, modes no-offload /
    sparse-offload / forecast-sync / forecast-offload on MiniCPM4.1-8B-shaped random weights, the
    cache filled with random K/V (no prefill), decode timed first, a 32K prefill last;
@@ -198,10 +200,11 @@ def section_commands(name: str, out_dir: str, index: int, dry_run: bool) -> list
         target = ["tests/inference/test_cuda_runtime.py"]
         if dry_run:  # the CUDA tests skip; the CPU check of the decode loop runs
             return [pytest_command("test_cuda_runtime", target, out_dir, base, None, env={"TRITON_INTERPRET": "1"})]
+        pages = ["tests/serving/test_page_offload.py"]  # vLLM's connector runtime: side stream, UVA gather
         return [
             pytest_command(f"test_cuda_runtime-{policy}", target, out_dir, base, "cuda", ["-k", policy])
             for policy in RUNTIME_SHARDS
-        ]
+        ] + [pytest_command("test_page_offload", pages, out_dir, base, "cuda")]
     if name == "decode sweep":
         if dry_run:
             size = [

@@ -59,14 +59,15 @@ MUTATIONS: tuple[Mutation, ...] = (
         "forecastkv/modeling/modeling.py",
         "next_cache_layer, next_layer = (cache.layers[idx + 1], self.layers[idx + 1]) if idx < last else (None, None)",
         "next_cache_layer, next_layer = (cache.layers[idx], self.layers[idx + 1]) if idx < last else (None, None)",
-        ("tests/serving/test_lookahead.py",),
+        ("tests/serving/test_page_offload.py",),
     ),
     Mutation(
-        "lookahead-skips-the-last-slots-load",
-        "forecastkv/serving/lookahead.py",
-        "rows, heads, slots = (load_ids >= 0).nonzero(as_tuple=True)",
-        "rows, heads, slots = (load_ids[..., :-1] >= 0).nonzero(as_tuple=True)",
-        ("tests/serving/test_lookahead.py",),
+        "page-offload-skips-the-last-slots-load",
+        "forecastkv/serving/page_offload.py",
+        "ids = pages.masked_fill(load_ids.unsqueeze(-1) < 0, -1).flatten(-2).permute(1, 0, 2).contiguous()",
+        "ids = pages.masked_fill(load_ids.unsqueeze(-1) < 0, -1)[..., :-1, :]"
+        ".flatten(-2).permute(1, 0, 2).contiguous()",
+        ("tests/serving/test_page_offload.py",),
     ),
     Mutation(
         "top-p-no-budget-cap",
@@ -126,7 +127,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "offload-diff-overwrites-hits",
-        "forecastkv/inference/layers.py",
+        "forecastkv/inference/host_pool.py",
         "order_key = order_key.masked_fill(kept, 3 * slots)",
         "order_key = order_key.masked_fill(kept, 0)",
         ("tests/inference/test_layers.py",),

@@ -145,7 +145,7 @@ class PagedCacheLayer(SparseCacheLayer):
         # nothing stored yet: the call is a prefill, as a fresh SparseCache's first call is
         self.host_lengths = list(lengths) if any(lengths) else None
         self.is_initialized = True
-        # forecast-offload: the host tier that loads this layer's planned blocks (`serving/lookahead.py`)
+        # forecast-offload: the runtime that loads this layer's planned blocks (`serving/page_offload.py`)
         self.tier, self.index, self.decoding = tier, index, False
 
     def prepare(self, step: CallInfo, columns: int) -> None:
@@ -174,12 +174,12 @@ class PagedCacheLayer(SparseCacheLayer):
         page_ids, offsets = page_slots(self.table[b_idx], pos.unsqueeze(1), self.pages.page)
         page_ids, offsets = page_ids[:, 0, None], offsets[:, 0, None]  # [N, 1] against heads [1, H]
         heads = torch.arange(keys.shape[2], device=keys.device).view(1, -1)
-        self.pages.keys[page_ids, heads, offsets] = keys[b_idx, col].to(self.dtype)
-        self.pages.values[page_ids, heads, offsets] = values[b_idx, col].to(self.dtype)
-        if cis is not None:
-            self.pages.cis[page_ids, heads, offsets] = cis[b_idx, col].to(self.pages.cis.dtype)
+        rows = [keys[b_idx, col], values[b_idx, col], None if cis is None else cis[b_idx, col]]
+        for pool, row in zip((self.pages.keys, self.pages.values, self.pages.cis), rows):
+            if row is not None:
+                pool[page_ids, heads, offsets] = row.to(pool.dtype)
         if self.tier is not None:
-            self.tier.write_through(self.index, page_ids, heads, offsets)
+            self.tier.write_through(self.index, page_ids.view(-1), offsets.view(-1), *rows)
         old = self.lengths
         self.lengths = torch.tensor(step.lengths_after, dtype=torch.long, device=self.device)
         self._file_windows(old)
@@ -280,7 +280,7 @@ class PagedSparseCache(SparseCache):
 
     config: the model's; pages: one `LayerPages` per layer; table [B, nb] page ids per sequence;
     lengths: stored positions per sequence before the call (host ints); tier: a
-    `serving/lookahead.py:LookaheadTier` (forecast-offload) or None."""
+    `serving/page_offload.py:PageOffload` (forecast-offload) or None."""
 
     def __init__(
         self, config, pages: list[LayerPages], table: torch.Tensor, lengths: list[int], selector=None, tier=None

@@ -50,7 +50,7 @@ def forward_paged(
     K/V (and window indexes) go to and come from `pages` (one `LayerPages` per layer).
 
     model: a `ForecastKVModel` (the decoder stack); tier: forecast-offload's host tier
-    (`serving/lookahead.py:LookaheadTier`) or None.  Rows of token_ids past the batch's last request
+    (`serving/page_offload.py:PageOffload`) or None.  Rows of token_ids past the batch's last request
     (an engine's padding) come back as zeros."""
     out = torch.zeros(
         token_ids.shape[0], model.config.hidden_size, dtype=model.norm.weight.dtype, device=token_ids.device

@@ -5,10 +5,13 @@
                             "kv_connector_module_path": "forecastkv.serving.vllm_connector",
                             "kv_role": "kv_both"})
 
-The worker side owns a `serving/lookahead.py:LookaheadTier` over vLLM's page pools: every stored
-row is written through to the host tier, layer m's Forecast plan starts the load of layer m+1's
-missed blocks (`PagedCacheLayer.plan`), and `wait_for_layer_load(m + 1)` is where layer m+1's
-attention starts; it records whether those blocks were requested before it.  The scheduler side
+The worker side owns a `serving/page_offload.py:PageOffload` over vLLM's page pools: the offload
+runtime of `generate()` (its manager's `plan_loads`, its `TransferWorker` and pinned
+`HostBlockPool`s) run over the pages.  Every stored row is written through to the host with the
+UVA row store, layer m's Forecast plan starts the load of layer m+1's missed blocks on the worker's
+side stream through the UVA block gather, straight into the pages (`PagedCacheLayer.plan`), and
+`wait_for_layer_load(m + 1)` is where layer m+1's attention starts: the stream waits for that load
+and it records whether the load was requested before it.  The scheduler side
 loads nothing from outside (no external prefix cache): every method says so.
 
 kv_connector_extra_config {"evict": true} poisons the pool rows a request's slot maps do not hold
@@ -33,7 +36,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
-from .lookahead import LookaheadTier
+from .page_offload import PageOffload
 
 # bucket bounds of the bytes-per-decode-call histogram: 4 KiB .. 1 GiB, by factors of 4
 STEP_BYTE_BUCKETS = [float(4**k) for k in range(6, 16)]
@@ -124,8 +127,8 @@ class LookaheadPromMetrics(KVConnectorPromMetrics):
         hits.inc(stats.data["block_hits"])
 
 
-class ConnectorTier(LookaheadTier):
-    """A `LookaheadTier` whose waits go through the connector's `wait_for_layer_load`, by layer name."""
+class ConnectorTier(PageOffload):
+    """A `PageOffload` whose waits go through the connector's `wait_for_layer_load`, by layer name."""
 
     def __init__(self, connector: "ForecastLookaheadConnector", names: list[str], *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -164,11 +167,11 @@ class ForecastLookaheadConnector(KVConnectorBase_V1):
         """Nothing to load before the call: each layer's blocks are loaded when the layer before plans them."""
 
     def wait_for_layer_load(self, layer_name: str) -> bool:
-        """Layer `layer_name` is about to attend: on the CPU its loads ran when they were requested.
-        Records and returns whether they were requested before this wait."""
+        """Layer `layer_name` is about to attend: the current stream waits for its load (on the CPU the
+        load ran when it was requested).  Records and returns whether it was requested before this wait."""
         if self.tier is None:
             return False
-        found = LookaheadTier.wait(self.tier, self.tier.names.index(layer_name))
+        found = PageOffload.wait(self.tier, self.tier.names.index(layer_name))
         self.waits += 1
         self.waits_found += found
         return found
@@ -197,10 +200,10 @@ class ForecastLookaheadConnector(KVConnectorBase_V1):
         return LookaheadPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
-        """Rows are written through to the host tier as they are stored (`PagedCacheLayer.append`)."""
+        """Rows are written through to the host as they are stored (`PagedCacheLayer.append`)."""
 
     def wait_for_save(self) -> None:
-        """The write-through is synchronous on the CPU."""
+        """The write-through is ordered on the current stream (UVA writes on CUDA, synchronous on the CPU)."""
 
     # -- scheduler side ---------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:

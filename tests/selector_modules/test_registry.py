@@ -24,7 +24,7 @@ RUNNERS = [
     *(f"inference/{path.name}" for path in sorted((PACKAGE / "inference").glob("*.py"))),
     "serving/paged.py",
     "serving/step.py",
-    "serving/lookahead.py",
+    "serving/page_offload.py",
 ]
 NAME_SWITCH = re.compile(
     r"\b(selector|kind|next_kind|rule)\s*(==|!=)\s*[\"']"  # selector == "reuse"

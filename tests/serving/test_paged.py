@@ -31,14 +31,14 @@ class ToyEngine:
     """Pages of `page` tokens from a shuffled free list, a block table per request, chunked prefill."""
 
     def __init__(self, model, page: int, pages: int = 64, seed: int = 0):
-        config = model.config
+        config, device = model.config, model.device
         heads, dim = config.num_key_value_heads, config.head_dim
         nosa = config.sparse is not None and config.sparse.policy == "nosa"
         self.model, self.page = model, page
         self.layers = [
             LayerPages.around(
-                torch.full((pages, heads, page, dim), float("nan")),  # never-written rows are NaN: none may leak
-                torch.full((pages, heads, page, dim), float("nan")),
+                torch.full((pages, heads, page, dim), float("nan"), device=device),  # never-written rows: NaN
+                torch.full((pages, heads, page, dim), float("nan"), device=device),
                 config.sparse,
                 nosa,
             )
@@ -48,7 +48,7 @@ class ToyEngine:
         self.free = torch.randperm(pages, generator=gen).tolist()
         self.tables: dict[int, list[int]] = {}
         self.stored: dict[int, int] = {}
-        self.tier = None  # forecast-offload's host tier (test_lookahead.py)
+        self.tier = None  # forecast-offload's host tier (test_page_offload.py)
 
     def step(self, work: dict[int, list[int]]) -> dict[int, torch.Tensor]:
         """work: request -> its new tokens this call.  Returns request -> logits [n, vocab]."""
@@ -63,8 +63,9 @@ class ToyEngine:
             starts.append(starts[-1] + len(work[r]))
             seq_lens.append(total)
         width = max(len(self.tables[r]) for r in order)
-        table = torch.tensor([self.tables[r] + [0] * (width - len(self.tables[r])) for r in order])
-        tokens = torch.tensor([t for r in order for t in work[r]])
+        device = self.model.device
+        table = torch.tensor([self.tables[r] + [0] * (width - len(self.tables[r])) for r in order], device=device)
+        tokens = torch.tensor([t for r in order for t in work[r]], device=device)
         batch = EngineBatch(starts, seq_lens, table)
         hidden = forward_paged(self.model.model, tokens, batch, self.layers, tier=self.tier)
         logits = self.model.lm_head(hidden)

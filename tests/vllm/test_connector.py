@@ -2,7 +2,8 @@
 request's slot maps do not hold poisoned (NaN), greedy tokens still equal generate() with the
 SparseCache (attention read only blocks the connector loaded); H2D bytes per decode step equal the
 HF runtime's forecast-offload count for the same prompt within one block per layer; and every
-`wait_for_layer_load(m + 1)` found layer m+1's blocks already requested."""
+`wait_for_layer_load(m + 1)` found layer m+1's blocks already requested.  The connector runs generate()'s
+offload runtime: the same `TransferWorker` type over the same `HostBlockPool` type."""
 
 from __future__ import annotations
 
@@ -43,6 +44,11 @@ def test_connector_loads_what_the_forecast_plans(checkpoints):
     connector = get_kv_transfer_group()
     vllm_bytes = list(connector.recent_h2d)  # what get_kv_connector_stats handed vLLM, call by call
     waits, found = connector.waits, connector.waits_found
+    # generate()'s offload runtime under the pages: its worker and its pinned-pool host tier
+    from forecastkv.inference import HostBlockPool, TransferWorker
+
+    assert type(connector.tier.worker) is type(cache.layers[1].worker) is TransferWorker
+    assert {type(pool) for pool in connector.tier.host[1:]} == {type(cache.layers[1].host.pool)} == {HostBlockPool}
     del llm
     gc.collect()
 

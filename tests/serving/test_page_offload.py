@@ -1,4 +1,4 @@
-"""Forecast-offload over pages (`serving/lookahead.py`): the toy engine of test_paged.py with a host
+"""Forecast-offload over pages (`serving/page_offload.py`): the toy engine of test_paged.py with a host
 tier that loads only each decode step's missed blocks, and poisons (NaN) the pool rows of every
 complete block a request's slot map does not hold.  Logits still equal the resident cache's (so
 attention read only blocks it loaded), H2D bytes per decode step and the blocks wanted and hit equal
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from forecastkv.serving.lookahead import LookaheadTier
+from forecastkv.serving.page_offload import PageOffload
 from tests.helpers import offloaded_counts, tiny_model
 from tests.serving.test_paged import ToyEngine, prompts_of, reference_logits
 
@@ -26,7 +26,7 @@ def tiered_engine(model, evict: bool, page: int = 4) -> ToyEngine:
     engine = ToyEngine(model, page, pages=96)
     sparse = model.config.sparse
     ring = max(size for size, _ in engine.layers[0].strides.values())
-    engine.tier = LookaheadTier(engine.layers, sparse.budget_blocks, sparse.block_size, ring, evict=evict)
+    engine.tier = PageOffload(engine.layers, sparse.budget_blocks, sparse.block_size, ring, evict=evict)
     return engine
 
 
@@ -109,3 +109,82 @@ def test_a_request_on_freed_pages_starts_with_empty_slot_maps():
         tokens.append(int(rows[-1][-1].argmax()))
     torch.testing.assert_close(torch.cat(rows), reference_logits(model, second, tokens[:-1]), rtol=1e-4, atol=1e-4)
     assert engine.tier.stats.per_step[start:] == hf_runtime_bytes(model, "forecast-offload", second, tokens)
+
+
+def test_generate_and_the_pages_run_one_offload_runtime(monkeypatch):
+    """One host tier and one transfer path: `generate()`'s offloaded layers and the page runtime hold the
+    same worker type over the same pool type, and every row they store and every block they load goes
+    through `TransferWorker.store_rows` and `TransferWorker.gather` (counted per path)."""
+    from forecastkv.inference import HostBlockPool, TransferWorker
+
+    calls = {"store_rows": [], "gather": []}
+    for name in calls:
+        original = getattr(TransferWorker, name)
+
+        def spy(self, *args, _name=name, _original=original, **kwargs):
+            calls[_name].append(self)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(TransferWorker, name, spy)
+    model = tiny_model({"selector": "forecast"})
+    prompt = prompts_of([45])[0]
+    engine = tiered_engine(model, evict=True)
+    decode_alone(engine, prompt, steps=4)
+    paged = set(map(id, calls["store_rows"] + calls["gather"]))
+    _, cache = offloaded_counts(model, "forecast-offload", prompt, [0] * 4)
+    offloaded = [layer for layer in cache.layers if layer.offloaded]
+    assert {type(engine.tier.worker)} == {type(layer.worker) for layer in offloaded} == {TransferWorker}
+    assert {type(pool) for pool in engine.tier.host if pool is not None} == {HostBlockPool}
+    assert {type(layer.host.pool) for layer in offloaded} == {HostBlockPool}
+    ours = {id(engine.tier.worker)}
+    theirs = {id(layer.worker) for layer in offloaded}
+    assert paged == ours, "the page runtime moved rows outside its worker"
+    for name, seen in calls.items():
+        assert ours & set(map(id, seen)) and theirs & set(map(id, seen)), f"{name}: both paths must go through it"
+
+
+def test_one_host_tier_and_one_transfer_path_in_the_package():
+    """What the runtime's split promises, read from the source: the transfer kernels are called only by
+    the worker, and host buffers are allocated only by the host store."""
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[2] / "forecastkv"
+    launches, allocations = [], []
+    for path in root.rglob("*.py"):
+        name = str(path.relative_to(root))
+        text = path.read_text()
+        if not name.startswith("kernels/") and any(k in text for k in (".block_gather(", ".row_store(", "pin_memory")):
+            launches.append(name)
+        if "allocate_host(" in text or "cudaHostRegister" in text:
+            allocations.append(name)
+    assert launches == ["inference/worker.py"]
+    assert allocations == ["inference/host_store.py"]
+
+
+@pytest.mark.cuda
+def test_on_cuda_the_loads_run_on_the_side_stream_through_the_uva_gather(monkeypatch):
+    """On CUDA the page runtime is the mission's: pinned host pools, the Triton row store and block
+    gather, each load on the worker's side stream with an event the layer's wait joins; logits equal
+    the resident cache's (on the CPU) with unloaded blocks poisoned, bytes equal the HF runtime's."""
+    from forecastkv.inference import TransferWorker
+
+    cpu_model = tiny_model({"selector": "forecast"})
+    model = tiny_model({"selector": "forecast"}).cuda()
+    engine = tiered_engine(model, evict=True)
+    worker = engine.tier.worker
+    assert worker.stream is not None and worker.ops.triton
+    assert all(t.is_pinned() for pool in engine.tier.host if pool is not None for t in pool.tensors())
+    seen = []
+    original = TransferWorker.gather
+
+    def spy(self, *args, **kwargs):
+        seen.append(torch.cuda.current_stream(self.device) == self.stream)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(TransferWorker, "gather", spy)
+    prompt = prompts_of([45])[0]
+    logits, tokens = decode_alone(engine, prompt, steps=8)
+    torch.cuda.synchronize()
+    assert seen and all(seen), "a load ran off the side stream"
+    torch.testing.assert_close(logits.cpu(), reference_logits(cpu_model, prompt, tokens[:-1]), rtol=1e-4, atol=1e-4)
+    assert engine.tier.stats.per_step == hf_runtime_bytes(cpu_model, "forecast-offload", prompt, tokens)

@@ -1,14 +1,22 @@
-"""Forecast-offload over pages: a host tier holding every full block, and per request and layer the
-device working set the HF runtime keeps (`inference/layers.py:OffloadedLayer`).
+"""Forecast-offload over an engine's pages: `generate()`'s offload runtime under vLLM's KV pages.
 
-The engine's page pool stands for device memory.  Every stored row is written through to the host
-tier (a separate buffer on the CPU, so every byte that moves is counted; pinned memory on CUDA).
-At a decode step, the plan of an offloaded layer (made one layer ahead by the Forecast heads, or at
-the layer by the query selector) is diffed against that request's slot map of `budget` blocks per
-KV head (`inference/layers.py:diff_block_map`, the HF runtime's policy), and only the misses are
-copied host -> pool and counted.  `wait(layer)` is where the layer's attention starts: it records
-whether its blocks were requested before it.  Layer 0 (`resident`) stays whole, as in the HF
-runtime; so do the current block and the last `ring` rows (the HF runtime's tail slot and ring).
+The engine's page pools stand for device memory.  `PageOffload` adds no tier and no copy path of
+its own; it runs the runtime's parts over the pages:
+* the host tier is one `inference/host_store.py:HostBlockPool` per layer (pinned at its exact size
+  on CUDA), one host block per device page with the same id, so the engine's block table addresses
+  both;
+* every stored row is written through to it by the `inference/worker.py:TransferWorker`'s
+  `row_store` (UVA writes on CUDA);
+* at a decode step the plan of an offloaded layer (made one layer ahead by the Forecast heads, or
+  at the layer by the query selector) goes to the manager (`inference/host_pool.py:plan_loads`)
+  against that request's slot map of `budget` blocks per KV head (the HF runtime's policy), and
+  the worker loads only the misses, with the persistent UVA `block_gather` straight into the
+  pages (`dest_table`), on its side stream on CUDA;
+* `wait(layer)` is where the layer's attention starts: the current stream waits for that layer's
+  load only, and it records whether the load was requested before it.
+
+Layer 0 (`resident`) stays whole, as in the HF runtime; so do the current block and the last `ring`
+rows (the HF runtime's tail slot and ring).
 
 With `evict=True` the pool rows of complete blocks a decode request's slot map does not hold are
 overwritten with NaN after each call, so attention that read a block it did not load shows at once
@@ -22,11 +30,14 @@ prefill chunk drops whatever was filed under its pages (left by a request that f
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
 
-from ..inference.layers import diff_block_map
+from ..inference.host_pool import plan_loads
+from ..inference.host_store import HostBlockPool
+from ..inference.worker import TransferWorker, gather_programs_for
 from .paged import LayerPages, page_slots
 
 
@@ -48,11 +59,22 @@ class StepBytes:
             records.clear()
 
 
-class LookaheadTier:
+def host_pool_for(pages: LayerPages) -> HostBlockPool:
+    """A host block per page of `pages` (ids equal to the page ids), pinned on CUDA."""
+    count, heads, page, dim = pages.keys.shape
+    cis_dtype = None if pages.cis is None else pages.cis.dtype
+    pin = pages.keys.device.type == "cuda"
+    pool = HostBlockPool(page, heads, dim, pages.keys.dtype, pages.cis is not None, cis_dtype, pin)
+    pool.allocate(count)  # ids 0..count-1 in order: host block i mirrors page i
+    return pool
+
+
+class PageOffload:
     """The host tier and the slot maps of `pools` (one `LayerPages` per layer).
 
     budget: slots per (request, layer, KV head), the HF runtime's `budget_blocks`; block_size: the
-    selection block; ring: rows kept resident behind the newest token (the widest window index)."""
+    selection block (whole pages); ring: rows kept resident behind the newest token (the widest
+    window index)."""
 
     def __init__(
         self,
@@ -65,19 +87,20 @@ class LookaheadTier:
     ) -> None:
         self.pools, self.budget, self.block_size, self.ring = pools, budget, block_size, ring
         self.resident, self.evict = set(resident), evict
-        pin = pools[0].keys.device.type == "cuda"
-        host = lambda x: None if x is None else torch.empty(x.shape, dtype=x.dtype, pin_memory=pin)  # noqa: E731
-        self.host = [[host(p.keys), host(p.values), host(p.cis)] for p in pools]
+        self.host = [None if layer in self.resident else host_pool_for(p) for layer, p in enumerate(pools)]
+        device = pools[0].keys.device
+        self.worker = TransferWorker(device, overlap=True)
+        self.programs = gather_programs_for(device, 1)
         self.maps: dict[int, dict[int, torch.Tensor]] = {}  # page of the last stored token -> layer -> [H, budget]
         self.stats = StepBytes()
-        self._requested: set[int] = set()
+        self._requested: dict[int, object] = {}  # layer -> the worker's handle of its load this call
 
     # -- what one call does -----------------------------------------------------------------------
     def begin_decode(self) -> None:
         """A decode call starts: a new step of the byte count."""
         for records in (self.stats.per_step, self.stats.wanted, self.stats.hits):
             records.append(0)
-        self._requested = set()
+        self._requested = {}
 
     def forget(self, table: torch.Tensor, lengths: torch.Tensor) -> None:
         """A multi-token call (a prefill chunk, or a preempted request's recompute) of rows table [B, nb]
@@ -87,13 +110,12 @@ class LookaheadTier:
             for page in pages:
                 self.maps.pop(page, None)
 
-    def write_through(self, layer: int, page_ids, heads, offsets) -> None:
-        """The rows just stored at (page_ids [N, 1], heads [1, H], offsets [N, 1]) of `layer`, copied to the host."""
-        for pool, host in zip(
-            (self.pools[layer].keys, self.pools[layer].values, self.pools[layer].cis), self.host[layer]
-        ):
-            if pool is not None:
-                host[page_ids, heads, offsets] = pool[page_ids, heads, offsets].to("cpu")
+    def write_through(self, layer: int, page_ids, offsets, keys, values, cis) -> None:
+        """The rows keys/values [N, H, d] (cis [N, H]) just stored at pages page_ids [N], offsets [N] of
+        `layer`, to the host (the worker's `row_store`; a resident layer keeps none)."""
+        pool = self.host[layer]
+        if pool is not None:
+            self.worker.store_rows(pool, page_ids.view(-1, 1), offsets, keys, values, cis)
 
     def request(
         self, layer: int, table: torch.Tensor, before: torch.Tensor, lengths: torch.Tensor, selection: torch.Tensor
@@ -103,27 +125,28 @@ class LookaheadTier:
         lengths [B] now (the same when planned a layer ahead, one more at the layer itself): complete
         blocks only, as the HF runtime fetches them."""
         self.stats.events.append((len(self.stats.per_step), "request", layer))
-        self._requested.add(layer)
         if layer in self.resident:
+            self._requested[layer] = None
             return
-        complete = torch.div(lengths, self.block_size, rounding_mode="floor")
-        wanted = selection.masked_fill((selection < 0) | (selection >= complete.view(-1, 1, 1)), -1)
         keys = self._keys(table, before)
         maps = torch.stack([self.maps.setdefault(key, {}).get(layer, self._empty(selection)) for key in keys])
-        new_map, load_ids, _, hits, misses = diff_block_map(maps, wanted)
+        spec = plan_loads(maps, selection, lengths, self.block_size)
         for row, key in enumerate(keys):
-            self.maps[key][layer] = new_map[row]
-        self._load(layer, table, load_ids)
-        missed, asked, held = torch.stack([misses.sum(), (wanted >= 0).sum(), hits.sum()]).tolist()  # one read
+            self.maps[key][layer] = spec.block_map[row]
+        self._requested[layer] = self._load(layer, table, spec.load_ids)
+        asked, held, missed = spec.counts.tolist()  # one read
         self.stats.per_step[-1] += missed * self.block_bytes(layer)
         self.stats.wanted[-1] += asked
         self.stats.hits[-1] += held
 
     def wait(self, layer: int) -> bool:
-        """Where `layer`'s decode attention starts (vLLM's `wait_for_layer_load`): on the CPU every
-        load already ran; returns whether this layer's blocks were requested before it."""
+        """Where `layer`'s decode attention starts (vLLM's `wait_for_layer_load`): the current stream
+        waits for this layer's load; returns whether it was requested before this wait."""
         self.stats.events.append((len(self.stats.per_step), "wait", layer))
-        return layer in self._requested
+        if layer not in self._requested:
+            return False
+        self.worker.wait(self._requested[layer])
+        return True
 
     def end_decode(self, table: torch.Tensor, before: torch.Tensor, after: torch.Tensor) -> None:
         """After a decode call of rows table [B, nb] that went from lengths before [B] to after [B]:
@@ -152,22 +175,26 @@ class LookaheadTier:
     def _empty(self, selection: torch.Tensor) -> torch.Tensor:
         return torch.full((selection.shape[1], self.budget), -1, dtype=torch.long, device=selection.device)
 
+    def _load(self, layer: int, table: torch.Tensor, load_ids: torch.Tensor):
+        """Launch the load of the blocks load_ids [B, H, M] (-1 nothing) from the host into their pages:
+        each block is block_size / page pages, gathered through the block table on both sides (the
+        host block of a page has its id).  Returns the worker's handle."""
+        per_block = self.block_size // self.pools[0].page
+        pages = load_ids.unsqueeze(-1) * per_block + torch.arange(per_block, device=load_ids.device)
+        ids = pages.masked_fill(load_ids.unsqueeze(-1) < 0, -1).flatten(-2).permute(1, 0, 2).contiguous()
+        device = self.pools[layer]
+        # the pages are [P, H, page, ...]: the kernel reads them as [P, page, H, ...] through strides
+        targets = [None if t is None else t.transpose(1, 2) for t in (device.keys, device.values, device.cis)]
+        load = functools.partial(
+            self.worker.gather, self.host[layer], table, ids, *targets, self.programs, dest_table=table
+        )
+        return self.worker.launch(load, keep_alive=(ids, table))
+
     def _block_rows(self, table, rows, heads, blocks):
         """(page ids, heads, offsets) [M, bs] of blocks [M] of sequences rows [M] (their KV heads [M])."""
         positions = blocks.view(-1, 1) * self.block_size + torch.arange(self.block_size, device=blocks.device)
         page_ids, offsets = page_slots(table[rows], positions, self.pools[0].page)
         return page_ids, heads.view(-1, 1), offsets
-
-    def _load(self, layer: int, table: torch.Tensor, load_ids: torch.Tensor) -> None:
-        """Copy the host blocks named by load_ids [B, H, M] (-1 nothing) into the pool."""
-        rows, heads, slots = (load_ids >= 0).nonzero(as_tuple=True)
-        if not rows.numel():
-            return
-        index = self._block_rows(table, rows, heads, load_ids[rows, heads, slots])
-        pool = self.pools[layer]
-        for target, host in zip((pool.keys, pool.values, pool.cis), self.host[layer]):
-            if target is not None:
-                target[index] = host[tuple(i.cpu() for i in index)].to(target.device)
 
     def _poison(self, layer: int, table: torch.Tensor, lengths: torch.Tensor) -> None:
         """NaN into the pool rows of the complete blocks each row's slot map of `layer` does not
