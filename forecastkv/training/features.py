@@ -35,7 +35,7 @@ from forecastkv.modeling import selection as sel
 from forecastkv.modeling.heads import scoring_head
 from forecastkv.modeling.routing import attending_with, backbone_sparse_config
 
-from .objective import ObjectiveConfig, TopkTargets, teacher_rows, topk_targets
+from .objective import ObjectiveConfig, TopkTargets, teacher_keys, teacher_rows, topk_targets
 
 
 @dataclass
@@ -191,15 +191,15 @@ def build_features(
             store["inputs"].append(x.float())
         keys = cache_layer.full()[0]
         ckeys = sel.compress_keys(keys, sparse.kernel_size, sparse.kernel_stride).float()
-        fine = sel.compress_keys(keys, objective.teacher_kernel, objective.teacher_stride)
+        read = teacher_keys(keys, objective)
         pos = store["positions"]
         queries = attn.queries(x, cos[:, rows], sin[:, rows])
         chunks, targets = [], []
         for start in range(0, rows.numel(), objective.chunk_size):
             part = slice(start, start + objective.chunk_size)
-            chunks.append(teacher_rows(queries[:, part], fine, pos[:, part], sparse, objective, ckeys.shape[1]))
+            chunks.append(teacher_rows(queries[:, part], read, pos[:, part], sparse, objective, ckeys.shape[1]))
             if topk:  # a row's target depends on its teacher row and position only: chunking is exact
-                targets.append(topk_targets(chunks[-1], pos[:, part], sparse))
+                targets.append(topk_targets(chunks[-1], pos[:, part], sparse, objective.teacher))
         store["ckeys"].append(ckeys)
         store["teachers"].append(torch.cat(chunks, dim=2))
         if topk:

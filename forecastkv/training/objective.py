@@ -23,6 +23,14 @@ Visibility: teacher and student see exactly the keys the deployed forecast selec
   renormalised, KL(P~ || Q~) summed and divided by B * H_kv * T.  Option "full": KL over the whole
   row (P log P/Q, Q clamped at 1e-8).
 
+Teacher "attention" (`ObjectiveConfig.teacher`): the layer's true attention instead of its selector,
+so a student can select better than the selector it replaces.  P over the deployed grid is the exact
+attention mass (the oracle's, `selectors/oracle.py:oracle_block_mass`, averaged over the KV group)
+of each compressed key's stride of raw keys [c*s, (c+1)*s), masked by the forecast rule and
+renormalised: a block's r compressed keys then hold exactly its share of the mass, and the
+supervised set S(g, t) is the top-k blocks by that mass (summed over their r keys, not max-pooled),
+forced blocks removed as before.  Same KL, same student.
+
 Everything selection-related (compression, visibility, group softmax, pooling, forcing, top-k)
 comes from `forecastkv.modeling.selection`; this module only adds the alignment and the KL.
 """
@@ -38,16 +46,21 @@ from torch.utils.checkpoint import checkpoint
 
 from forecastkv.modeling import selection as sel
 from forecastkv.modeling.configuration import strict_from_dict
+from forecastkv.selectors.oracle import oracle_block_mass
 
 EPS = 1e-8
+TEACHERS = ("selector", "attention")
 
 
 @dataclass(frozen=True)
 class ObjectiveConfig:
-    """teacher_kernel / teacher_stride: the fine teacher grid; align_pooling: "max" | "mean";
-    loss: "topk" (SparDA's top-k + rest KL) | "full" (KL over the whole row); chunk_size: query rows
-    per teacher chunk (memory O(chunk_size x T))."""
+    """teacher: "selector" (SparDA's: the layer's query selector on a fine grid, what a natively
+    sparse base was trained with) | "attention" (the layer's true attention mass: see the module);
+    teacher_kernel / teacher_stride: the selector teacher's fine grid; align_pooling: "max" |
+    "mean"; loss: "topk" (SparDA's top-k + rest KL) | "full" (KL over the whole row); chunk_size:
+    query rows per teacher chunk (memory O(chunk_size x T))."""
 
+    teacher: str = "selector"
     teacher_kernel: int = 2
     teacher_stride: int = 1
     align_pooling: str = "max"
@@ -67,6 +80,8 @@ class ObjectiveConfig:
             raise ValueError(f"objective.align_pooling={self.align_pooling!r} is not one of ('max', 'mean')")
         if self.loss not in ("topk", "full"):
             raise ValueError(f"objective.loss={self.loss!r} is not one of ('topk', 'full')")
+        if self.teacher not in TEACHERS:
+            raise ValueError(f"objective.teacher={self.teacher!r} is not one of {TEACHERS}")
 
     @classmethod
     def from_dict(cls, values: dict | None) -> "ObjectiveConfig":
@@ -119,20 +134,32 @@ def renormalise(probs: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
+def teacher_keys(keys: torch.Tensor, objective: ObjectiveConfig) -> torch.Tensor:
+    """What the teacher reads of a layer's post-RoPE keys [B, T, H, d], computed once per layer: the
+    fine grid's compressed keys (teacher "selector") or the keys themselves ("attention")."""
+    if objective.teacher == "attention":
+        return keys
+    return sel.compress_keys(keys, objective.teacher_kernel, objective.teacher_stride)
+
+
+@torch.no_grad()
 def teacher_rows(
     queries: torch.Tensor,
-    fine_keys: torch.Tensor,
+    keys: torch.Tensor,
     positions: torch.Tensor,
     sparse,
     objective: ObjectiveConfig,
     count: int,
 ) -> torch.Tensor:
-    """The aligned teacher for a chunk of query rows.
+    """The teacher for a chunk of query rows on the deployed grid.
 
-    queries [B, R, Hq, d] (post-RoPE), fine_keys [B, Cf, H, d] (`compress_keys` of the layer's keys
-    with the teacher grid), positions [B, R].  Returns fp32 [B, H, R, count], rows summing to 1
+    queries [B, R, Hq, d] (post-RoPE), keys: `teacher_keys` of the layer (selector: [B, Cf, H, d],
+    attention: [B, T, H, d]), positions [B, R].  Returns fp32 [B, H, R, count], rows summing to 1
     (0 where nothing is visible).
     """
+    if objective.teacher == "attention":
+        return attention_teacher_rows(queries, keys, positions, sparse, count)
+    fine_keys = keys
     visible = forecast_visibility(positions, fine_keys.shape[1], objective.teacher_kernel, objective.teacher_stride)
     probs = sel.group_softmax_scores(queries, fine_keys, visible).masked_fill(~visible[:, None], 0.0)
     same_grid = (objective.teacher_kernel, objective.teacher_stride) == (sparse.kernel_size, sparse.kernel_stride)
@@ -144,16 +171,48 @@ def teacher_rows(
 
 
 @torch.no_grad()
-def teacher_selection(aligned: torch.Tensor, positions: torch.Tensor, sparse, n_blocks: int) -> torch.Tensor:
+def attention_teacher_rows(
+    queries: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, sparse, count: int
+) -> torch.Tensor:
+    """The "attention" teacher: queries [B, R, Hq, d], keys [B, T, H, d] (post-RoPE), positions [B, R]
+    -> fp32 [B, H, R, count]: per compressed key c the true attention mass of raw keys
+    [c*s, (c+1)*s) (s = kernel_stride), group-averaged, 0 where the forecast rule hides c,
+    renormalised."""
+    mass = oracle_block_mass(queries, keys, positions, sparse.kernel_stride, count)
+    visible = forecast_visibility(positions, count, sparse.kernel_size, sparse.kernel_stride)
+    return renormalise(mass.masked_fill(~visible[:, None], 0.0))
+
+
+def block_mass(teacher: torch.Tensor, visible: torch.Tensor, n_blocks: int, sparse) -> torch.Tensor:
+    """An "attention" teacher [B, H, R, C] summed over each block's r = block_size / kernel_stride
+    compressed keys -> [B, H, R, n_blocks]; -inf for a block none of whose keys is visible
+    (visible bool [B, R, C])."""
+    r = sparse.block_size // sparse.kernel_stride
+    width = n_blocks * r
+    pad = lambda x, value: F.pad(x, (0, max(width - x.shape[-1], 0)), value=value)[..., :width]  # noqa: E731
+    mass = pad(teacher, 0.0).view(*teacher.shape[:-1], n_blocks, r).sum(-1)
+    seen = pad(visible, False).view(*visible.shape[:-1], n_blocks, r).any(-1)
+    return mass.masked_fill(~seen[:, None], sel.NEG_INF)
+
+
+@torch.no_grad()
+def teacher_selection(
+    aligned: torch.Tensor, positions: torch.Tensor, sparse, n_blocks: int, teacher: str = "selector"
+) -> torch.Tensor:
     """The teacher's routed blocks: aligned [B, H, R, C] -> ids [B, H, R, K] (canonical, -1 padded).
 
-    infllmv2: K = budget_blocks; nosa: K = init + local + query_blocks (the query-aware shortlist;
-    the CIS-filled rest is not supervised).
+    Blocks are scored as the deployed selector pools (the max over overlapping compressed keys) for
+    the "selector" teacher, by their mass for the "attention" one.  infllmv2: K = budget_blocks;
+    nosa: K = init + local + query_blocks (the query-aware shortlist; the CIS-filled rest is not
+    supervised).
     """
     p, s, bs = sparse.kernel_size, sparse.kernel_stride, sparse.block_size
     visible = forecast_visibility(positions, aligned.shape[-1], p, s)
-    scores = aligned.masked_fill(~visible[:, None], sel.NEG_INF)
-    blocks = sel.pool_to_blocks(scores, n_blocks, p, s, bs)
+    if teacher == "attention":
+        blocks = block_mass(aligned, visible, n_blocks, sparse)
+    else:
+        scores = aligned.masked_fill(~visible[:, None], sel.NEG_INF)
+        blocks = sel.pool_to_blocks(scores, n_blocks, p, s, bs)
     blocks = sel.force_blocks(blocks, positions, bs, sparse.init_blocks, sparse.local_blocks)
     if sparse.policy == "nosa":
         width = min(sparse.init_blocks + sparse.local_blocks + sparse.query_blocks, sparse.budget_blocks)
@@ -241,11 +300,12 @@ class TopkTargets(NamedTuple):
 
 
 @torch.no_grad()
-def topk_targets(teacher: torch.Tensor, positions: torch.Tensor, sparse) -> TopkTargets:
-    """SparDA's top-k + rest target of teacher rows [B, H, R, C] at positions [B, R]."""
+def topk_targets(teacher: torch.Tensor, positions: torch.Tensor, sparse, kind: str = "selector") -> TopkTargets:
+    """SparDA's top-k + rest target of teacher rows [B, H, R, C] at positions [B, R]; kind: the
+    teacher's (`ObjectiveConfig.teacher`), which decides how blocks are ranked."""
     count = teacher.shape[-1]
     n_blocks = sel.num_blocks(int(positions.max()) + 1, sparse.block_size)
-    ids = teacher_selection(teacher, positions, sparse, n_blocks)
+    ids = teacher_selection(teacher, positions, sparse, n_blocks, kind)
     index, valid = supervised_keys(ids, positions, sparse, n_blocks, count)
     return TopkTargets(index, valid, bucket(teacher, index, valid))
 
@@ -299,13 +359,14 @@ def layer_loss(
     batch, length = positions.shape
     count, heads = ckeys.shape[1], ckeys.shape[2]
     ckeys = ckeys.detach()
-    fine_keys = sel.compress_keys(keys.detach(), objective.teacher_kernel, objective.teacher_stride)
+    read = teacher_keys(keys.detach(), objective)
     total = forecast.new_zeros((), dtype=torch.float32)
     for start in range(0, length, objective.chunk_size):
         rows = slice(start, start + objective.chunk_size)
         pos = positions[:, rows]
-        teacher = teacher_rows(queries[:, rows].detach(), fine_keys, pos, sparse, objective, count)
-        args = (forecast[:, rows], ckeys, pos, teacher, sparse, objective.loss)
+        teacher = teacher_rows(queries[:, rows].detach(), read, pos, sparse, objective, count)
+        targets = topk_targets(teacher, pos, sparse, objective.teacher) if objective.loss == "topk" else None
+        args = (forecast[:, rows], ckeys, pos, teacher, sparse, objective.loss, targets)
         if torch.is_grad_enabled() and forecast.requires_grad:
             total = total + checkpoint(rows_kl, *args, use_reentrant=False)
         else:

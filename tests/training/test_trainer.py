@@ -347,3 +347,19 @@ def test_multi_vector_heads_train_and_save(tmp_path):
         speed["steps_per_s"],
         speed["feature_s"],
     )
+
+
+def test_the_attention_teacher_reaches_the_trainer(tmp_path):
+    """`objective.teacher: attention` from a recipe: the run trains, its recipe.json names the teacher,
+    and its heads differ from a run of the same seed with the selector teacher (other targets, and
+    other cached features: the feature key covers the objective)."""
+    heads = {}
+    for teacher in ("selector", "attention"):
+        recipe = tiny_recipe(tmp_path / "data", tmp_path / teacher, steps=2)
+        recipe["objective"] = {"chunk_size": 24, "teacher": teacher, "loss": "topk"}
+        result = train_forecast(recipe)
+        heads[teacher] = heads_of(result.model)
+        saved = json.loads((Path(result.output_dir) / "recipe.json").read_text())
+        assert saved["objective"]["teacher"] == teacher
+    assert heads["selector"].keys() == heads["attention"].keys() == HEADS
+    assert any(not torch.equal(heads["selector"][k], heads["attention"][k]) for k in HEADS)
