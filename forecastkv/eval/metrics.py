@@ -184,3 +184,25 @@ def score_prediction(metric: str, prediction: str, references: Sequence[str], al
     if metric == "string_match_part":
         return string_match_part(prediction, references)
     return best_over_references(metric, prediction, references, all_classes)
+
+
+# ----------------------------------------------------------------------------------------------
+# intervals
+# ----------------------------------------------------------------------------------------------
+
+Z_95 = 1.959963984540054  # the standard normal's 97.5% quantile
+
+
+def wilson_interval(successes: int, trials: int, z: float = Z_95) -> tuple[float, float]:
+    """The Wilson score interval of a binomial proportion successes / trials (95% by default): the
+    interval an accuracy over `trials` examples is reported with.  Unlike the normal approximation
+    it stays inside [0, 1] and is not empty at 0 or `trials` successes (Newcombe 1998, method 3)."""
+    if isinstance(trials, bool) or not isinstance(trials, int) or trials < 1:
+        raise ValueError(f"trials must be a positive integer, got {trials!r}")
+    if isinstance(successes, bool) or not isinstance(successes, int) or not 0 <= successes <= trials:
+        raise ValueError(f"successes must be an integer in [0, trials={trials}], got {successes!r}")
+    p = successes / trials
+    scale = 1 + z * z / trials
+    centre = (p + z * z / (2 * trials)) / scale
+    half = z * (p * (1 - p) / trials + z * z / (4 * trials * trials)) ** 0.5 / scale
+    return max(0.0, centre - half), min(1.0, centre + half)

@@ -74,3 +74,21 @@ def test_best_over_references_and_dispatch():
     assert m.score_prediction("string_match_all", "12 34", ["12", "99"]) == 0.5
     with pytest.raises(ValueError, match="unknown metric 'bleu'"):
         m.score_prediction("bleu", "x", ["y"])
+
+
+@pytest.mark.parametrize(
+    "successes, trials, low, high",
+    # Newcombe (1998), Statistics in Medicine 17:857, Table II, method 3 (the score interval)
+    [(81, 263, 0.2553, 0.3662), (15, 148, 0.0624, 0.1605), (0, 20, 0.0, 0.1611), (0, 10, 0.0, 0.2775),
+     (5, 10, 0.2366, 0.7634), (10, 10, 0.7225, 1.0)],  # fmt: skip
+)
+def test_wilson_interval_against_a_known_table(successes, trials, low, high):
+    got = m.wilson_interval(successes, trials)
+    assert got == pytest.approx((low, high), abs=5e-5)
+
+
+def test_wilson_interval_rejects_bad_counts():
+    with pytest.raises(ValueError, match=r"successes must be an integer in \[0, trials=4\], got 5"):
+        m.wilson_interval(5, 4)
+    with pytest.raises(ValueError, match="trials must be a positive integer, got 0"):
+        m.wilson_interval(0, 0)
