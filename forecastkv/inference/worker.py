@@ -105,7 +105,10 @@ class TransferWorker:
         """Row n of keys/values [N, H, d] (cis [N, H]) to position positions[n] (device int64 [N], -1
         skips) of sequence n of block_table [N, NB] in `pool` (a `host_store.HostBlockPool`) with
         `row_store` (ids not checked: the kernel skips bad ones)."""
-        with host_transfer():  # not a decorator: a decode step's write-back stays one frame shallower
+        # inside host_transfer(), entered inline: a decode step's write-back calls no context manager
+        state = _transfer_state
+        state.depth = getattr(state, "depth", 0) + 1
+        try:
             self.ops.row_store(
                 keys.to(pool.dtype),
                 values.to(pool.dtype),
@@ -117,6 +120,8 @@ class TransferWorker:
                 block_table=block_table,
                 check_ids=False,
             )
+        finally:
+            state.depth -= 1
         record_write(pool, keys.device)
 
     # -- H2D --------------------------------------------------------------------------------------
@@ -134,7 +139,9 @@ class TransferWorker:
         """The blocks load_ids [H, B, M] (logical ids through block_table [B, NB], -1 skips) of `pool`
         into slots [B, M*block, H, d], or with dest_table into the device pool k_slots
         [Q, block, H, d] (`kernels.block_gather`, ids not checked: the kernel skips bad ones)."""
-        with host_transfer():
+        state = _transfer_state  # host_transfer(), entered inline as in `store_rows`
+        state.depth = getattr(state, "depth", 0) + 1
+        try:
             self.ops.block_gather(
                 pool.keys,
                 pool.values,
@@ -149,6 +156,8 @@ class TransferWorker:
                 block_table=block_table,
                 dest_table=dest_table,
             )
+        finally:
+            state.depth -= 1
 
     # -- now, or on the side stream -----------------------------------------------------------------
     def launch(self, transfer: Callable[[], None], keep_alive: tuple = ()):
