@@ -1,8 +1,9 @@
 """The context store's rows: copies between its per-layer host pools and caches or block files.
 
 The worker half of the store (the index, `context/index.py`, decides which blocks; these
-functions move their rows).  A chain is a list of blocks, each its block id per layer; pools are
-the store's `HostBlockPool` per layer; rows are keys, values [n, H, d] and cis [n, H] or None.
+functions move their rows, through the offload runtime's worker, `inference/worker.py`).  A
+chain is a list of blocks, each its block id per layer; pools are the store's `HostBlockPool`
+per layer; rows are keys, values [n, H, d] and cis [n, H] or None.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..inference.host_store import HostBlockPool
-from ..inference.worker import host_transfer
+from ..inference.worker import TransferWorker
 from .blocks import BlockRows, layer_rows
 
 
@@ -27,14 +28,12 @@ def fill(
     if not chain:
         return 0
     entries = []
-    with host_transfer():
-        for index, (pool, device, off) in enumerate(zip(pools, devices, offloaded)):
-            ids = [blocks[index] for blocks in chain]
-            if off:
-                entries.append((pool, ids, device))
-            else:
-                rows = pool.read_rows(ids, length)
-                entries.append(tuple(None if t is None else t.unsqueeze(0).to(device) for t in rows))
+    for index, (pool, device, off) in enumerate(zip(pools, devices, offloaded)):
+        ids = [blocks[index] for blocks in chain]
+        if off:
+            entries.append((pool, ids, device))
+        else:
+            entries.append(TransferWorker(device, overlap=False).read_blocks(pool, ids, length, device))
     if any(offloaded):
         cache.attach(entries, length)
     else:
@@ -57,11 +56,8 @@ def take_blocks(cache, pools: list[HostBlockPool], first: int, count: int, block
             rows = layer_rows(layer, first * block_size, (first + count) * block_size) if count else ()
             pool.reserve(count)
             ids = pool.allocate(count)
-            with host_transfer():
-                for position, block in enumerate(ids):
-                    for target, source in zip(pool.block(block), rows):
-                        if target is not None:
-                            target.copy_(source[position * block_size : (position + 1) * block_size])
+            if count:
+                TransferWorker(rows[0].device, overlap=False).write_blocks(pool, ids, rows)
         per_layer.append(ids)
     return [list(blocks) for blocks in zip(*per_layer)] if count else []
 
@@ -69,19 +65,16 @@ def take_blocks(cache, pools: list[HostBlockPool], first: int, count: int, block
 def copy_in(pools: list[HostBlockPool], block) -> list[int]:
     """A new block per pool holding `block`'s rows (a `disk.DiskBlock`, read a layer at a time);
     returns their ids.  The pools must have a free block each (`reserve`)."""
-    ids = []
+    ids, worker = [], TransferWorker("cpu", overlap=False)  # disk -> host: no device on either side
     for index, pool in enumerate(pools):
         (target,) = pool.allocate(1)
-        with host_transfer():
-            for view, rows in zip(pool.block(target), block.layer(index)):
-                if view is not None:
-                    view.copy_(rows)
+        worker.write_blocks(pool, [target], block.layer(index))
         ids.append(target)
     return ids
 
 
 def copy_out(pools: list[HostBlockPool], blocks: list[int], block_size: int) -> BlockRows:
     """A copy of one stored block's rows, every layer (block id per layer in `blocks`)."""
-    with host_transfer():
-        parts = [pool.read_rows([block], block_size) for pool, block in zip(pools, blocks)]
+    worker = TransferWorker("cpu", overlap=False)
+    parts = [worker.read_blocks(pool, [block], block_size) for pool, block in zip(pools, blocks)]
     return BlockRows(*(None if parts[0][i] is None else torch.stack([p[i] for p in parts]) for i in range(3)))

@@ -14,7 +14,7 @@ import torch
 
 from ..modeling.cache import CallInfo, new_rows
 from .host_store import HostBlockPool
-from .worker import host_transfer
+from .worker import TransferWorker
 
 
 class Staging:
@@ -157,11 +157,7 @@ class OffloadedStaging:
         built from one staging of those rows on `device`: what a prefill of them would leave."""
         if self.is_initialized:
             raise ValueError("attach() fills an empty layer; this one holds tokens already")
-        with host_transfer():
-            pool.wait_writes()
-            keys, values, cis = (
-                None if t is None else t.unsqueeze(0).to(device) for t in pool.read_rows(blocks, length)
-            )
+        keys, values, cis = TransferWorker(device, overlap=False).read_blocks(pool, blocks, length, device)
         self.given_pool = pool
         self.lazy_initialization(keys, values)
         self._allocate(keys, cis)

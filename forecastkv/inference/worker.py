@@ -9,7 +9,9 @@ decides what moves and holds no buffer).
 * gather missed blocks out of the pool with the persistent UVA `block_gather` kernel, into the
   offloaded layer's slots or (`dest_table`) straight into vLLM's pages;
 * run a gather on its CUDA side stream when it overlaps (forecast-offload: the Forecast plan of layer
-  m starts layer m+1's load) and hand back the event only the consuming layer waits on.
+  m starts layer m+1's load) and hand back the event only the consuming layer waits on;
+* read and write whole blocks of a pool: what a `ContextStore` (`context/transfer.py`) and a cache
+  attached to its blocks (`staging.OffloadedStaging.attach`) move.
 
 On a machine without CUDA the kernels are the PyTorch references (or the interpreter) over the same
 buffers and the "side stream" runs each gather at once: the same calls, the same bytes.
@@ -158,6 +160,28 @@ class TransferWorker:
             )
         finally:
             state.depth -= 1
+
+    # -- whole blocks (a context store's, an attached cache's) -----------------------------------------
+    def read_blocks(self, pool, blocks: list[int], length: int, device=None) -> tuple:
+        """The first `length` rows stored in `pool`'s `blocks` (in order), after the device's pending
+        writes into the pool: keys, values [length, H, d], cis [length, H] or None, fresh host tensors,
+        or with `device` there as [1, length, ...] (a sequence of one)."""
+        with host_transfer():
+            pool.wait_writes()
+            rows = pool.read_rows(blocks, length)
+            if device is None:
+                return rows
+            return tuple(None if t is None else t.unsqueeze(0).to(device) for t in rows)
+
+    def write_blocks(self, pool, blocks: list[int], rows: tuple) -> None:
+        """rows (keys, values [n, H, d], cis [n, H] or None, on any device; n = len(blocks) x block
+        size) into `pool`'s `blocks`, one block's rows each, in order."""
+        size = pool.block_size
+        with host_transfer():
+            for position, block in enumerate(blocks):
+                for target, source in zip(pool.block(block), rows):
+                    if target is not None and source is not None:
+                        target.copy_(source[position * size : (position + 1) * size])
 
     # -- now, or on the side stream -----------------------------------------------------------------
     def launch(self, transfer: Callable[[], None], keep_alive: tuple = ()):
