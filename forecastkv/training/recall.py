@@ -23,26 +23,49 @@ from forecastkv.errors import ConfigError
 from forecastkv.modeling import selection as sel
 from forecastkv.modeling.heads import scoring_vectors
 from forecastkv.modeling.routing import BACKBONES, attending_with, backbone_sparse_config
-from forecastkv.training.recall_cli import DEFAULT_START, build_parser
+from forecastkv.selectors.oracle import oracle_block_mass
+from forecastkv.training.recall_cli import DEFAULT_START, REFERENCES, build_parser
 
 # ----------------------------------------------------------------------------------------------
 # the runner: both selectors at every layer of a frozen forward
 # ----------------------------------------------------------------------------------------------
 
 
+def oracle_selection(queries: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, sparse) -> torch.Tensor:
+    """The `budget_blocks` blocks the layer's true attention puts the most mass on, the init and local
+    blocks forced as deployed, future blocks excluded (`oracle_block_mass`): int64 [B, H, Tq, K]."""
+    n_blocks = sel.num_blocks(int(positions.max()) + 1, sparse.block_size)
+    mass = oracle_block_mass(queries, keys, positions, sparse.block_size, n_blocks)
+    blocks = torch.arange(n_blocks, device=mass.device).view(1, 1, -1)
+    future = (blocks > torch.div(positions, sparse.block_size, rounding_mode="floor").unsqueeze(-1))[:, None]
+    scores = sel.force_blocks(mass.masked_fill(future, sel.NEG_INF), positions, sparse.block_size,
+                              sparse.init_blocks, sparse.local_blocks)  # fmt: skip
+    return sel.topk_blocks(scores, positions, sparse.budget_blocks, sparse.block_size)
+
+
 @torch.no_grad()
 def measure_recall_counts(
-    model, input_ids: torch.Tensor, start: int, backbone: str = "dense", sparse=None, on_layer_done=None
+    model,
+    input_ids: torch.Tensor,
+    start: int,
+    backbone: str = "dense",
+    sparse=None,
+    on_layer_done=None,
+    reference: str = "query",
 ) -> torch.Tensor:
     """Per-layer recall sums fp64 [L, 3] (hits, wanted, chance) of `model` on input_ids [B, T].
 
     model: a ForecastKVForCausalLM (or ForecastKVModel) with forecast heads; sparse: the geometry
     both selectors use (default: the model's sparse_config).  At every layer l both selections are
-    made for the rows t >= start by `selection.layer_selection` against layer l's keys: the query
-    selector from l's real queries, the forecast selector from the head that scores l
-    (`heads.scoring_head`).  Memory: one layer's K/V at a time.  on_layer_done(idx): called as
-    each layer is scored (a progress bar).
+    made for the rows t >= start against layer l's keys: the reference's, and the forecast selector's
+    from the head that scores l (`heads.scoring_head`) by `selection.layer_selection`.  reference:
+    "query" (the query selector from l's real queries: what heads trained on the selector teacher
+    imitate) or "oracle" (the top blocks of l's true attention, `oracle_selection`: what the
+    attention teacher's heads imitate).  Memory: one layer's K/V at a time.  on_layer_done(idx):
+    called as each layer is scored (a progress bar).
     """
+    if reference not in REFERENCES:
+        raise ConfigError(f"recall reference {reference!r} is not one of {REFERENCES}")
     inner = getattr(model, "model", model)
     config = inner.config
     sparse = sparse if sparse is not None else config.sparse
@@ -65,7 +88,11 @@ def measure_recall_counts(
         ckeys = sel.compress_keys(keys, sparse.kernel_size, sparse.kernel_stride)
         lse_keys = sel.compress_keys(keys, *sparse.coarse_kernel) if sparse.lse == "coarse" else None
         forecast = scoring_vectors(inner.layers, 0, x, c, s) if idx == 0 else carried.pop("forecast")
-        query_ids = sel.layer_selection(attn.queries(x, c, s), ckeys, pos, sparse, "query", lse_keys, cis)
+        queries = attn.queries(x, c, s)
+        if reference == "oracle":
+            query_ids = oracle_selection(queries, keys, pos, sparse)
+        else:
+            query_ids = sel.layer_selection(queries, ckeys, pos, sparse, "query", lse_keys, cis)
         forecast_ids = sel.layer_selection(forecast, ckeys, pos, sparse, "forecast", cis=cis)
         counts[idx] = sel.recall_row_sums(query_ids, forecast_ids, pos, sparse, start)
         if idx < last:
@@ -87,11 +114,12 @@ def forecast_recall(
     sparse=None,
     batch_size: int = 1,
     progress: bool = False,
+    reference: str = "query",
 ) -> sel.RecallReport:
     """The recall protocol on held-out sequences [N, T] (int64 token ids): per layer and mean over
     layers >= 1, chance alongside, counting query rows t in [start, T) only.  See
-    `measure_recall_counts` for model / backbone / sparse.  progress: a bar on stderr that moves
-    layer by layer (a 2K sequence of a 30-layer model takes seconds per layer on a CPU)."""
+    `measure_recall_counts` for model / backbone / sparse / reference.  progress: a bar on stderr that
+    moves layer by layer (a 2K sequence of a 30-layer model takes seconds per layer on a CPU)."""
     sequences = torch.as_tensor(sequences)
     if sequences.dim() != 2 or sequences.shape[0] == 0:
         raise ConfigError(
@@ -114,7 +142,7 @@ def forecast_recall(
     for first in range(0, sequences.shape[0], batch_size):
         rows = sequences[first : first + batch_size]
         counts += measure_recall_counts(
-            model, rows.to(device), start, backbone, sparse, lambda idx, n=rows.shape[0]: bar.update(n)
+            model, rows.to(device), start, backbone, sparse, lambda idx, n=rows.shape[0]: bar.update(n), reference
         )
     bar.close()
     length = sequences.shape[1]
@@ -124,7 +152,8 @@ def forecast_recall(
 @dataclass(frozen=True)
 class RecallProtocol:
     """What a recall number means: held-out `split` of `source`, `sequences` sequences of `length`
-    tokens (all there are when None), rows t >= `start`, attention of the frozen model `backbone`."""
+    tokens (all there are when None), rows t >= `start`, attention of the frozen model `backbone`,
+    recall of `reference`'s blocks ("query" or "oracle": `measure_recall_counts`)."""
 
     source: str = "bundled"
     split: str = "heldout"
@@ -132,12 +161,15 @@ class RecallProtocol:
     start: int = DEFAULT_START
     sequences: int | None = None
     backbone: str = "dense"
+    reference: str = "query"
 
     def __post_init__(self) -> None:
         if not 0 <= self.start < self.length:
             raise ConfigError(f"recall start={self.start} must lie in [0, length={self.length})")
         if self.backbone not in BACKBONES:
             raise ConfigError(f"backbone {self.backbone!r} is not one of {BACKBONES}")
+        if self.reference not in REFERENCES:
+            raise ConfigError(f"recall reference {self.reference!r} is not one of {REFERENCES}")
 
 
 def heldout_sequences(protocol: RecallProtocol, tokenizer) -> torch.Tensor:
@@ -156,7 +188,10 @@ def evaluate_recall(
 ) -> sel.RecallReport:
     """Run the protocol on `model` (forecast heads required).  Returns a `selection.RecallReport`."""
     sequences = heldout_sequences(protocol, tokenizer)
-    return forecast_recall(model, sequences, protocol.start, protocol.backbone, sparse=sparse, progress=progress)
+    return forecast_recall(
+        model, sequences, protocol.start, protocol.backbone, sparse=sparse, progress=progress,
+        reference=protocol.reference,
+    )  # fmt: skip
 
 
 def load_for_recall(
@@ -214,14 +249,16 @@ def resolve_geometry(sparse_config=None, forecast_weights=None, topk: int | None
 
 def run(args) -> int:
     """`forecastkv forecast-recall` with its parsed arguments (`recall_cli.build_parser`)."""
-    protocol = RecallProtocol(args.source, args.split, args.length, args.start, args.sequences, args.backbone)
+    protocol = RecallProtocol(
+        args.source, args.split, args.length, args.start, args.sequences, args.backbone, args.reference
+    )
     sparse = resolve_geometry(args.sparse_config, args.forecast_weights, args.topk)
     model, tokenizer, _ = load_for_recall(args.model, args.forecast_weights, sparse, args.init, args.heads_per_group)
     report = evaluate_recall(model, tokenizer, protocol, progress=not args.no_progress)
     what = args.forecast_weights or f"init {args.init}, {args.heads_per_group} vector(s) per group"
     print(
         f"forecast recall of {what}: T={args.length}, rows t >= {args.start}, {report.rows} rows, "
-        f"backbone {args.backbone}"
+        f"backbone {args.backbone}, recall of the {args.reference} selection's blocks"
     )
     print(report.table())
     if args.json:

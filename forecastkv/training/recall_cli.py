@@ -15,6 +15,9 @@ from ..modes import BACKBONES
 DEFAULT_START = 1024
 
 
+REFERENCES = ("query", "oracle")  # whose blocks recall counts (`recall.measure_recall_counts`)
+
+
 def build_parser(prog: str = "forecastkv forecast-recall") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog, description="Held-out forecast recall of saved (or freshly initialised) heads."
@@ -57,6 +60,13 @@ def build_parser(prog: str = "forecastkv forecast-recall") -> argparse.ArgumentP
         default="dense",
         choices=BACKBONES,
         help="what the layers attend with while the heads are scored (dense: full attention)",
+    )
+    parser.add_argument(
+        "--reference",
+        default="query",
+        choices=REFERENCES,
+        help="whose blocks recall counts: the query selector's (the selector teacher's target) or the oracle's, "
+        "the top blocks of the true attention (the attention teacher's)",
     )
     parser.add_argument("--json", default=None, help="also write the report as JSON here")
     parser.add_argument(

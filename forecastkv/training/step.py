@@ -156,11 +156,19 @@ def calibrate_from_features(model, parts: list[Features], accelerator) -> None:
 
 
 def evaluate(
-    model, sequences: torch.Tensor, start: int, backbone: str, accelerator, progress: str | None = None, check=None
+    model,
+    sequences: torch.Tensor,
+    start: int,
+    backbone: str,
+    accelerator,
+    progress: str | None = None,
+    check=None,
+    reference: str = "query",
 ) -> dict:
-    """Held-out forecast recall (`recall.measure_recall_counts`), sequences split over
-    processes, counts summed; returns `RecallReport.to_dict()`.  progress: a bar with this
-    label (this process's sequences); check: called before each sequence (it may raise to stop)."""
+    """Held-out forecast recall (`recall.measure_recall_counts`) of `reference`'s blocks (the
+    selection the heads' teacher stands for), sequences split over processes, counts summed;
+    returns `RecallReport.to_dict()`.  progress: a bar with this label (this process's sequences);
+    check: called before each sequence (it may raise to stop)."""
     rank, world = accelerator.process_index, accelerator.num_processes
     counts = torch.zeros(model.config.num_hidden_layers, 3, dtype=torch.float64)
     mine = range(rank, sequences.shape[0], world)
@@ -169,7 +177,8 @@ def evaluate(
         for row in mine:
             if check is not None:
                 check()
-            counts += measure_recall_counts(model, sequences[row : row + 1].to(accelerator.device), start, backbone)
+            ids = sequences[row : row + 1].to(accelerator.device)
+            counts += measure_recall_counts(model, ids, start, backbone, reference=reference)
             bar.update(1)
     bar.close()
     if world > 1:
@@ -188,8 +197,10 @@ def guard_layers(
     accelerator,
     progress: bool = False,
     check=None,
+    reference: str = "query",
 ) -> dict:
-    """Give each layer whose validation recall fell below its starting head's the starting head back.
+    """Give each layer whose validation recall (of `reference`'s blocks) fell below its starting
+    head's the starting head back.
 
     start_heads: {name: tensor} as `forecast_heads` before training; sequences [N, T] validation
     windows; progress: bars; check: see `evaluate` (the trained heads are back in place if it
@@ -202,12 +213,14 @@ def guard_layers(
         for name, p in heads.items():
             p.copy_(start_heads[name].to(p.device))
         before = evaluate(
-            model, sequences, start, backbone, accelerator, label % "starting" if progress else None, check
+            model, sequences, start, backbone, accelerator, label % "starting" if progress else None, check, reference
         )
     finally:
         for name, p in heads.items():
             p.copy_(trained[name])
-    after = evaluate(model, sequences, start, backbone, accelerator, label % "trained" if progress else None, check)
+    after = evaluate(
+        model, sequences, start, backbone, accelerator, label % "trained" if progress else None, check, reference
+    )
     restored = []
     for layer, (old, new) in enumerate(zip(before["recall"], after["recall"])):
         name = scoring_head_name(layer)

@@ -280,7 +280,9 @@ def _recall_table(history: list) -> str:
         final["mean_chance"],
     )
     setting = f"T = {final['length']}, rows t >= {final['start']}, {final['backbone']} backbone"
-    return table + f"\n{setting}, {final['rows']} rows per layer.\n"
+    oracle = final.get("reference") == "oracle"
+    of = "the oracle's blocks (true attention mass)" if oracle else "the query selector's blocks"
+    return table + f"\n{setting}, {final['rows']} rows per layer; recall of {of}.\n"
 
 
 def _guard_note(guard: dict | None) -> str:
@@ -360,6 +362,8 @@ class _Session:
         self.recipe, self.signals, self.allow_unchecked = recipe, signals, allow_unchecked
         self.train, self.data_cfg = recipe["train"], recipe["data"]
         self.objective = ObjectiveConfig.from_dict(recipe["objective"])
+        # recall (evaluations and the guard) counts the blocks the teacher stands for
+        self.recall_reference = "oracle" if self.objective.teacher == "attention" else "query"
         self._start_processes()
         self._prepare_directory(overwrite)
         self._build()
@@ -591,8 +595,9 @@ class _Session:
             self.accelerator,
             label,
             self.check_local,
+            self.recall_reference,
         )
-        result = {"step": step, **recall}
+        result = {"step": step, **recall, "reference": self.recall_reference}
         self.run.history.append(result)
         if self.main:
             append_metrics(self.metrics_path, {"step": step, "eval": result})
@@ -655,6 +660,7 @@ class _Session:
                 self.accelerator,
                 self.show,
                 self.check_local,
+                self.recall_reference,
             )
             if self.main:
                 append_metrics(self.metrics_path, {"step": run.step, "guard": run.guard})

@@ -340,3 +340,23 @@ def test_attention_teacher_kl_falls_under_training(loss):
         optimizer.step()
         losses.append(value.item())
     assert losses[-1] < 0.5 * losses[0], losses[::10]
+
+
+def test_oracle_recall_reference_by_a_loop():
+    """What the attention teacher's heads are measured against (`recall.oracle_selection`): per row the
+    init and local blocks, then the visible blocks of most true attention mass, `budget_blocks` in all."""
+    from forecastkv.selectors.oracle import oracle_block_mass
+    from forecastkv.training.recall import oracle_selection
+
+    sparse = SparseConfig(**TINY_SPARSE)
+    q, k, _ = random_inputs(7, length=70)
+    positions = torch.arange(70).expand(2, -1)
+    got = oracle_selection(q, k, positions, sparse)
+    bs, budget = sparse.block_size, sparse.budget_blocks
+    mass = oracle_block_mass(q, k, positions, bs, -(-70 // bs))
+    for b, g, t in ((0, 0, 69), (1, 1, 40), (0, 1, 23), (1, 0, 5)):
+        qb, local = t // bs, sparse.window_size // bs
+        forced = [j for j in range(qb + 1) if j < sparse.init_blocks or qb - local <= j]
+        rest = sorted((j for j in range(qb + 1) if j not in forced), key=lambda j: (-float(mass[b, g, t, j]), j))
+        expected = sorted(forced + rest[: max(budget - len(forced), 0)])
+        assert sorted(int(i) for i in got[b, g, t] if i >= 0) == expected, (b, g, t)

@@ -361,5 +361,9 @@ def test_the_attention_teacher_reaches_the_trainer(tmp_path):
         heads[teacher] = heads_of(result.model)
         saved = json.loads((Path(result.output_dir) / "recipe.json").read_text())
         assert saved["objective"]["teacher"] == teacher
+        # its evaluations count the blocks the teacher stands for: the query selector's, or the oracle's
+        reference = {"selector": "query", "attention": "oracle"}[teacher]
+        assert {entry["reference"] for entry in result.history} == {reference}
+        assert ("oracle's blocks" in (Path(result.output_dir) / "recall.md").read_text()) == (teacher == "attention")
     assert heads["selector"].keys() == heads["attention"].keys() == HEADS
     assert any(not torch.equal(heads["selector"][k], heads["attention"][k]) for k in HEADS)
