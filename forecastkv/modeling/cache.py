@@ -1,7 +1,8 @@
 """`SparseCache`: the resident KV cache behind `generate()`, a transformers `Cache`, and the
 contract every cache layer keeps with attention (`CacheLayer`).
 
-Attention talks to a cache layer through six calls, whatever tier holds the KV:
+Attention talks to a cache layer through six calls (and, for Quest's selectors, `key_bounds()`),
+whatever tier holds the KV:
 
     layer.append(k, v, cis, positions, step)   # store new tokens, update the compressed keys
     layer.compressed(key_count)                # (compressed keys, coarse keys, pooled CIS): prefill scores these
@@ -335,11 +336,16 @@ class CacheLayer(Protocol):
     heads, Hq query heads, d head dim, n new columns, C compressed keys, K selected blocks.
 
     `host_lengths`: stored positions per sequence on the host (None before the first token);
-    `lengths`: the same on the device, int64 [B]; `is_initialized`: it holds a token."""
+    `lengths`: the same on the device, int64 [B]; `is_initialized`: it holds a token; `device`: where
+    its device tensors live (once initialized); `kernels`: the kernel choices for that device (a
+    selector scores with them).  Attention, the decoder loop and the selectors use nothing else
+    (tests/modeling/test_cache_contract.py reads them for it)."""
 
     host_lengths: list[int] | None
     lengths: torch.Tensor | None
     is_initialized: bool
+    device: torch.device
+    kernels: kernels.KernelSet | None
 
     def append(
         self,
@@ -368,6 +374,10 @@ class CacheLayer(Protocol):
 
     def full(self) -> tuple:
         """(keys, values [B, S, H, d], cis [B, S, H] or None, S): every stored row on the device."""
+
+    def key_bounds(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Quest's index: per complete block the per-channel min and max key [B, NBc, H, d] (a layer
+        built for a selector whose `key_bounds` is set; others raise)."""
 
 
 def put_rows(buffer: torch.Tensor, rows: torch.Tensor, new: torch.Tensor, valid: torch.Tensor) -> None:
