@@ -1,0 +1,127 @@
+"""The selector study's cells as the quality claims issue 38 asks for: one record per cell with its
+selector, the teacher its Forecast heads were trained on, length, budget, prefetch, recall of the
+oracle's attention mass, and the needle's accuracy with a 95% Wilson interval.
+
+    python benchmarks/quality_summary.py --study selector=runs/study-selector attention=runs/study-attention \
+        --out benchmarks/results/quality
+
+Each `--study TEACHER=DIR` is a `forecastkv study --out DIR` run whose `forecast` and
+`quest-forecast` cells used heads trained with objective.teacher TEACHER; cells of selectors that
+use no heads (query, quest, dense, ...) are kept once, from the first study that has them.  Writes
+OUT/summary.json (a list of records) and OUT/summary.md (a table per length).
+
+What the numbers are: `recall_mass` is the study's (the share of the oracle's attention mass the
+selected blocks hold, over `recall_rows` (decode step, layer >= 1, KV head) rows of one held-out text);
+`accuracy` is the needle's answer tokens predicted under teacher forcing, over `trials` tokens of one
+needle, so its interval is over tokens of one example, not over independent examples.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+HEADED = ("forecast", "quest-forecast")  # selectors that score with the Forecast heads
+
+
+def parse_studies(items: list[str]) -> list[tuple[str, Path]]:
+    studies = []
+    for item in items:
+        teacher, sep, folder = item.partition("=")
+        if not sep or not teacher or not folder:
+            raise SystemExit(f"--study takes TEACHER=DIR, got {item!r}")
+        cells = Path(folder) / "cells.json"
+        if not cells.is_file():
+            raise SystemExit(f"{cells} does not exist: run `forecastkv study --out {folder}` first")
+        studies.append((teacher, cells))
+    return studies
+
+
+def record(cell: dict, teacher: str | None) -> dict:
+    """One summary record of a study cell."""
+    from forecastkv.eval.metrics import wilson_interval
+
+    trials = int(cell.get("tail_tokens") or 0)
+    accuracy = cell.get("needle_accuracy")
+    interval = None
+    if accuracy is not None and trials:
+        interval = [round(x, 4) for x in wilson_interval(round(accuracy * trials), trials)]
+    return {
+        "selector": cell["selector"],
+        "teacher": teacher if cell["selector"] in HEADED else None,
+        "vectors": 1 if cell["selector"] in HEADED else None,
+        "length": cell["length"],
+        "budget": cell["budget_blocks"],
+        "top_p": cell.get("p"),
+        "prefetch": cell.get("prefetch"),
+        "recall_mass": None if cell.get("recall_mass") is None else round(cell["recall_mass"], 4),
+        "recall_rows": cell.get("recall_rows"),
+        "accuracy": accuracy,
+        "trials": trials,
+        "interval": interval,
+        "h2d_bytes_per_step": cell.get("h2d_bytes_per_step"),
+        "ppl_ratio": None if cell.get("ppl_ratio") is None else round(cell["ppl_ratio"], 4),
+    }
+
+
+def summarise(studies: list[tuple[str, Path]]) -> list[dict]:
+    records, seen = [], set()
+    for teacher, cells in studies:
+        for cell in json.loads(cells.read_text()):
+            if cell.get("skipped"):
+                continue
+            key = (cell["selector"], cell["length"], cell["budget_blocks"], cell.get("p"))
+            if cell["selector"] in HEADED:
+                key = (*key, teacher)
+            if key in seen:
+                continue
+            seen.add(key)
+            records.append(record(cell, teacher))
+    return sorted(records, key=lambda r: (r["length"], r["budget"], r["top_p"] or 0, r["selector"], r["teacher"] or ""))
+
+
+def markdown(records: list[dict]) -> str:
+    lines = ["# Selector quality by teacher (benchmarks/quality_summary.py)", ""]
+    for length in sorted({r["length"] for r in records}):
+        lines += [
+            f"## {length} tokens",
+            "",
+            "| selector | teacher | budget | top-p | prefetch | recall (mass) | needle acc [95% CI] | ppl ratio |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for r in (r for r in records if r["length"] == length):
+            low, high = r["interval"] or (None, None)
+            interval = "-" if low is None else f"{r['accuracy']:.2f} [{low:.2f}, {high:.2f}]"
+            recall = "-" if r["recall_mass"] is None else f"{r['recall_mass']:.3f}"
+            lines.append(
+                f"| {r['selector']} | {r['teacher'] or '-'} | {r['budget']} | {r['top_p'] or '-'} | "
+                f"{'-' if r['prefetch'] is None else ('yes' if r['prefetch'] else 'no')} | {recall} | {interval} | "
+                f"{'-' if r['ppl_ratio'] is None else r['ppl_ratio']} |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--study", nargs="+", required=True, help="TEACHER=DIR of a `forecastkv study` run")
+    parser.add_argument("--out", default="benchmarks/results/quality", help="where summary.json and summary.md go")
+    args = parser.parse_args(argv)
+    records = summarise(parse_studies(args.study))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    from forecastkv.atomic import write_text_atomic
+
+    write_text_atomic(out / "summary.json", json.dumps(records, indent=1))
+    write_text_atomic(out / "summary.md", markdown(records))
+    print(markdown(records))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,44 @@
+"""benchmarks/quality_summary.py: study cells become one record per cell and teacher, with the needle's
+Wilson interval; head-free selectors are kept once, headed ones per teacher."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load():
+    spec = importlib.util.spec_from_file_location("quality_summary", ROOT / "benchmarks" / "quality_summary.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def cell(selector, accuracy, recall=0.9, **more):
+    return {"selector": selector, "length": 2048, "budget_blocks": 16, "p": None, "prefetch": selector != "query",
+            "recall_mass": recall, "recall_rows": 696, "needle_accuracy": accuracy, "tail_tokens": 8,
+            "ppl_ratio": 1.01, **more}  # fmt: skip
+
+
+def test_records_per_teacher_with_intervals(tmp_path):
+    qs = load()
+    for teacher, recall in (("selector", 0.92), ("attention", 0.95)):
+        folder = tmp_path / teacher
+        folder.mkdir()
+        cells = [cell("query", 0.875), cell("forecast", 1.0, recall), cell("quest", 0.5, skipped="no heads")]
+        (folder / "cells.json").write_text(json.dumps(cells))
+    studies = [f"{teacher}={tmp_path / teacher}" for teacher in ("selector", "attention")]
+    records = qs.summarise(qs.parse_studies(studies))
+    assert [(r["selector"], r["teacher"], r["recall_mass"]) for r in records] == [
+        ("forecast", "attention", 0.95), ("forecast", "selector", 0.92), ("query", None, 0.9)
+    ]
+    query = records[-1]
+    assert query["trials"] == 8 and query["interval"] == pytest.approx([0.5291, 0.9776], abs=1e-4)  # 7 of 8
+    assert "| forecast | attention | 16 |" in qs.markdown(records)
+    with pytest.raises(SystemExit, match="TEACHER=DIR"):
+        qs.parse_studies(["nothing"])
