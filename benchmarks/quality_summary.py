@@ -97,7 +97,7 @@ def markdown(records: list[dict]) -> str:
         for r in (r for r in records if r["length"] == length):
             low, high = r["interval"] or (None, None)
             interval = "-" if low is None else f"{r['accuracy']:.2f} [{low:.2f}, {high:.2f}]"
-            recall = "-" if r["recall_mass"] is None else f"{r['recall_mass']:.3f}"
+            recall = "-" if r["recall_mass"] is None else f"{r['recall_mass']:.4f}"
             lines.append(
                 f"| {r['selector']} | {r['teacher'] or '-'} | {r['budget']} | {r['top_p'] or '-'} | "
                 f"{'-' if r['prefetch'] is None else ('yes' if r['prefetch'] else 'no')} | {recall} | {interval} | "
