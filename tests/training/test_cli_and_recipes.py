@@ -102,5 +102,8 @@ def test_recall_protocol_and_geometry(tmp_path):
         RecallProtocol(length=2048, start=2048)
     with pytest.raises(ValueError, match=r"backbone 'sparse' is not one of"):
         RecallProtocol(backbone="sparse")
+    with pytest.raises(ValueError, match=r"recall reference 'quest' is not one of \('query', 'oracle'\)"):
+        RecallProtocol(reference="quest")
     args = build_parser().parse_args(["--forecast-weights", "x", "--length", "4096", "--start", "1024", "--topk", "12"])
-    assert (args.length, args.start, args.topk, args.backbone) == (4096, 1024, 12, "dense")
+    assert (args.length, args.start, args.topk, args.backbone, args.reference) == (4096, 1024, 12, "dense", "query")
+    assert build_parser().parse_args(["--reference", "oracle"]).reference == "oracle"
