@@ -389,6 +389,8 @@ def gpu_runs(results: Path = GPU_RESULTS) -> list[dict]:
             summary = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError):
             continue
+        if not isinstance(summary, dict):  # another tool's summary.json (benchmarks/results/quality's is a list)
+            continue
         if summary.get("dry_run") or not (summary.get("environment") or {}).get("cuda_available"):
             continue
         md = path.with_name("summary.md")

@@ -123,6 +123,8 @@ def test_gpu_runs_quotes_only_real_gpu_runs(tmp_path):
         }
         (tmp_path / name / "summary.json").write_text(json.dumps(summary))
     (tmp_path / "h200" / "summary.md").write_text("# GPU check\n")
+    (tmp_path / "quality").mkdir()  # another tool's summary.json, a list of records: not a GPU run
+    (tmp_path / "quality" / "summary.json").write_text(json.dumps([{"selector": "query"}]))
     runs = gpu_runs(tmp_path)
     assert [r["machine"] for r in runs] == ["h200 box"] and runs[0]["summary_md"] == "# GPU check\n"
     assert "h200 box" in _gpu_line(runs) and "2026-12-04" in _gpu_line(runs)
