@@ -5,8 +5,9 @@
 * the worker (`host_store.py`'s pinned buffers, `worker.py`'s `TransferWorker`: the UVA row store
   and block gather, the side stream and its events), which `generate()`'s cache and vLLM's
   connector (`serving/page_offload.py`) share;
-* the layers' decode half (slots, fetch: `layers.py`) and multi-token half (staging, attach, fork:
-  `staging.py`), and the offloaded `Cache` (`offloaded.py`).
+* the offloaded layers' `KVStore` (`OffloadedRows`): its decode half (slots, fetch: `layers.py`) and
+  multi-token half (staging, attach, fork: `staging.py`), and the offloaded `Cache` (`offloaded.py`),
+  whose layers are `modeling/cache.py:SparseCacheLayer`s over it.
 
     cache = OffloadedSparseCache.for_model(model, mode="forecast-offload", max_length=None)
     out = model.generate(ids, cache=cache, max_new_tokens=64)   # past_key_values= on 5.17
@@ -17,7 +18,7 @@
 
 from .host_pool import LoadSpec, diff_block_map, plan_loads
 from .host_store import HostBlockPool, HostKVStore
-from .layers import OffloadedLayer, ResidentLayer, RuntimePlan
+from .layers import OffloadedRows, RuntimePlan
 from .offloaded import MODES, OffloadedSparseCache
 from .worker import TransferWorker
 
@@ -26,9 +27,8 @@ __all__ = [
     "HostBlockPool",
     "HostKVStore",
     "LoadSpec",
-    "OffloadedLayer",
+    "OffloadedRows",
     "OffloadedSparseCache",
-    "ResidentLayer",
     "RuntimePlan",
     "TransferWorker",
     "diff_block_map",

@@ -1,18 +1,20 @@
-"""The offloaded runtime's cache layers, their decode-step half: what one decode step runs.
+"""The offloaded runtime's `KVStore`, its decode-step half: what one decode step runs.
 
-* `OffloadedLayer`: the full KV of a layer in a `HostKVStore` (pinned host memory, paged blocks),
+* `OffloadedRows`: the full KV of a layer in a `HostKVStore` (pinned host memory, paged blocks),
   and on the device a slot buffer [B, (M + 1) * bs, H, d] of M = budget regular slots (complete
   blocks) and one tail slot (the block being written), a block map [B, H, M], and a ring of the
   latest rows from which a decode step pools the compression windows it completes.  A decode
   step writes its row through to the host (`row_store`), `plan(selection)` has the manager diff the
   selection against the block map (`host_pool.plan_loads`: hits stay, misses go to free slots) and
-  the layer's `worker.TransferWorker` fetch the misses with the block gather, at once (sync modes)
+  the store's `worker.TransferWorker` fetch the misses with the block gather, at once (sync modes)
   or on its side stream (forecast-offload on CUDA); `decode_attention(q, plan)` waits for this
   layer's fetch only and attends over the slots.  Its multi-token half (staging, crop, attach, fork) is
   `inference/staging.py`.
-* `ResidentLayer`: a layer kept whole on the device (layer 0, or every layer in no-offload), with
-  the same counters.
-* `RuntimePlan`: the `Plan` of a runtime layer, with its slot map, fetch and counters.
+* `RuntimePlan`: the `Plan` of an offloaded store, with its slot map and fetch.
+
+A runtime layer is a `modeling/cache.py:SparseCacheLayer` over this store (or over a counted
+`ResidentRows`: layer 0, or every layer in no-offload): the window indexes and the contract are the
+layer's, whatever store holds the rows.
 
 Nothing in a decode step reads the host store's rows or the device back: the host counters of
 `CallInfo` decide every number, and host memory is touched only by the transfer kernels inside
@@ -26,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..modeling.cache import CallInfo, Plan, SparseCacheLayer, attend_gathered, gather_blocks, put_rows
+from ..modeling.cache import CallInfo, Plan, ResidentRows, StepLog, attend_gathered, gather_blocks, put_rows
 from .host_pool import complete_wanted, plan_loads
 from .host_store import HostBlockPool, HostKVStore
 from .staging import OffloadedStaging, Staging
@@ -35,177 +37,82 @@ from .worker import TransferWorker, gather_programs_for
 
 @dataclass
 class RuntimePlan(Plan):
-    """A runtime layer's `Plan`.  slot_of [B, H, K]: the slot serving each selected block (-1 none);
+    """An offloaded store's `Plan`.  slot_of [B, H, K]: the slot serving each selected block (-1 none);
     load_ids [B, H, M]: the host block fetched into each slot (-1 nothing); done: the side stream's
     event or None; fetched: the fetch was launched; dense: dense-offload (the whole layer is copied
-    instead); counts: device int64 [3], blocks wanted / hit / missed (the step log's row);
-    h2d_extra: bytes moved outside the gather (dense-offload's whole-layer copy)."""
+    instead).  `counts` (blocks wanted / hit / missed) and `h2d_extra` are the step log's row."""
 
     slot_of: torch.Tensor | None = None
     load_ids: torch.Tensor | None = None
     done: object = None
     fetched: bool = True
     dense: bool = False
-    counts: torch.Tensor | None = None
-    h2d_extra: int = 0
 
 
-class StepLog:
-    """Per decode step of one layer: blocks wanted / hit / missed (device int64 [3], summed over
-    sequences and heads: no host sync) and bytes moved that the host already knows."""
-
-    def __init__(self) -> None:
-        self.counts: list[torch.Tensor] = []
-        self.h2d_extra: list[int] = []  # bytes outside the block gather (dense-offload's whole-layer copy)
-        self.selections: list[tuple[torch.Tensor, torch.Tensor]] | None = (
-            None  # (selection, complete blocks) if recording
-        )
-
-    def add(self, counts: torch.Tensor, h2d_extra: int = 0) -> None:
-        self.counts.append(counts)
-        self.h2d_extra.append(h2d_extra)
-
-    def table(self) -> torch.Tensor:
-        """int64 [steps, 3] on the CPU (one sync)."""
-        if not self.counts:
-            return torch.zeros(0, 3, dtype=torch.long)
-        return torch.stack(self.counts).cpu()
-
-
-class ResidentLayer(SparseCacheLayer):
-    """A layer kept whole on the device (layer 0, or every layer in no-offload), with the counters."""
-
-    offloaded = False
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.log = StepLog()
-        self.d2h_bytes = 0
-        self.h2d_other = 0
-
-    def reset(self) -> None:
-        super().reset()
-        self.log, self.d2h_bytes, self.h2d_other = StepLog(), 0, 0
-
-    def plan(self, selection: torch.Tensor) -> RuntimePlan:
-        """`SparseCacheLayer.plan` with the step log's counters: every wanted block is a hit."""
-        share = super().plan(selection).share
-        wanted = (selection >= 0).sum()
-        self.last_plan = RuntimePlan(selection, share, counts=torch.stack([wanted, wanted, torch.zeros_like(wanted)]))
-        if self.log.selections is not None:
-            self.log.selections.append(
-                (selection.clone(), torch.div(self.lengths, self.block_size, rounding_mode="floor").clone())
-            )
-        return self.last_plan
-
-    def record_plan(self) -> None:
-        """The block share (`SparseCacheLayer.record_plan`) and the plan's counters into the step log."""
-        plan = self.last_plan
-        super().record_plan()
-        if plan is not None:
-            self.log.add(plan.counts, plan.h2d_extra)
-
-    def device_tensors(self) -> dict:
-        names = ("keys", "values", "cis")
-        return {name: getattr(self, name) for name in names if getattr(self, name, None) is not None}
-
-    def host_nbytes(self) -> int:
-        return 0
-
-    def host_pool(self) -> None:
-        return None
-
-    def forked(self, repeats: int = 1) -> "ResidentLayer":
-        """`SparseCacheLayer.forked` with fresh counters."""
-        other = super().forked(repeats)
-        recording = self.log.selections is not None
-        other.log, other.d2h_bytes, other.h2d_other = StepLog(), 0, 0
-        other.log.selections = [] if recording else None
-        return other
-
-
-class OffloadedLayer(OffloadedStaging, SparseCacheLayer):
-    """One offloaded layer: host store, device slots + block map, a ring of the latest rows, the
-    fetch of its misses.
+class OffloadedRows(OffloadedStaging):
+    """One offloaded layer's rows: host store, device slots + block map, a ring of the latest rows,
+    the fetch of its misses.
 
     Device state: slots [B, (M + 1) * bs, H, d] (M = budget regular slots, then the tail slot of
     the block being written), block map [B, H, M], and a ring [B, R, H, d] (+ CIS [B, R, H]) of
-    the latest R = the widest compression window's rows, from which a decode step pools the
-    windows it completes: nothing in a decode step reads the host store, and nothing reads the
-    device back (`host_lengths` decides every number).
+    the latest R = the widest window index's rows, from which a decode step pools the windows it
+    completes: nothing in a decode step reads the host store, and nothing reads the device back
+    (the layer's `host_lengths` decide every number).  budget: M; fetch: "prefetch" (a layer ahead,
+    on the side stream), "sync" or "dense" (`modes.MODE_FETCH`); staging: the cache's one staged
+    layer (`Staging`); given_pool: build the host store on this pool (shared), else a new one.
     """
 
     offloaded = True
 
     def __init__(
         self,
-        kernel_size,
-        kernel_stride,
-        coarse,
-        max_length,
         *,
-        block_size: int,
         budget: int,
         fetch: str,
         staging: Staging,
         gather_programs: int | None = None,
-        key_bounds: bool = False,
+        given_pool: HostBlockPool | None = None,
+        recording: bool = False,
     ) -> None:
-        super().__init__(
-            kernel_size, kernel_stride, coarse=coarse, max_length=max_length, block_size=block_size,
-            key_bounds=key_bounds,
-        )
         self.budget, self.fetch = budget, fetch
         self.staging = staging
         self.gather_programs = gather_programs
-        self.given_pool: HostBlockPool | None = None  # build the host store on this pool (shared), else a new one
-        # R: rows of the widest window an index pools (kernel, MiniCPM4.1's coarse one, Quest's block)
-        self.ring_rows = max([window.size for window in self.windows], default=1)
-        self._fresh()
-
-    def _fresh(self) -> None:
+        self.given_pool = given_pool
+        self.ring_rows, self.block_size = 1, None  # set by `allocate`
         self.host: HostKVStore | None = None
         self.k_slots = self.v_slots = self.bias_slots = self.block_map = None
         self.k_ring = self.cis_ring = None
         self.staged = None  # (keys, values, cis) on the device during a multi-token call
         self.worker: TransferWorker | None = None
-        self.log = StepLog()
+        self.log = StepLog(recording)
         self.d2h_bytes = 0
         self.h2d_other = 0  # staging and tail refills (prefill, verification, crop)
-        self.decoding = False  # the current call is a decode step (set by `prepare`)
-        self.step_h2d = 0  # this decode step's whole-layer copies (a dense row), booked by `record_plan`
+        self.decoding = False  # the current call is a decode step (set by `make_room`)
+        self.step_h2d = 0  # this decode step's whole-layer copies (a dense row), booked by `record`
 
-    def reset(self) -> None:
-        recording = self.log.selections is not None
-        super().reset()
-        self._fresh()
-        self.log.selections = [] if recording else None
+    def emptied(self) -> "OffloadedRows":
+        """The same settings holding nothing (a reset layer's); a recording log keeps recording."""
+        return OffloadedRows(
+            budget=self.budget, fetch=self.fetch, staging=self.staging, gather_programs=self.gather_programs,
+            given_pool=self.given_pool, recording=self.log.selections is not None,
+        )
 
-    def reorder_cache(self, beam_idx):
+    def reorder(self, beam_idx):
         raise NotImplementedError("OffloadedSparseCache does not support beam search (reorder_cache)")
 
     # -- allocation ---------------------------------------------------------------------------
-
-    def _allocate(self, keys: torch.Tensor, cis: torch.Tensor | None) -> None:
+    def allocate(self, layer, keys: torch.Tensor, cis: torch.Tensor | None) -> None:
+        """The host store and the device slots, ring and block map, for the batch of the first rows."""
         batch, _, heads, dim = keys.shape
-        device = keys.device
-        pin = device.type == "cuda"
-        cis_dtype = None if cis is None else cis.dtype
+        device, block_size = keys.device, layer.block_size
+        self.block_size = block_size
+        # R: rows of the widest window an index pools (kernel, MiniCPM4.1's coarse one, Quest's block)
+        self.ring_rows = max([window.size for window in layer.windows], default=1)
         self.host = HostKVStore(
-            batch,
-            heads,
-            dim,
-            keys.dtype,
-            cis is not None,
-            cis_dtype,
-            self.max_length,
-            pin,
-            self.reserved,
-            block_size=self.block_size,
-            device=device,
-            pool=self.given_pool,
-        )
-        rows = (self.budget + 1) * self.block_size
+            batch, heads, dim, keys.dtype, cis is not None, None if cis is None else cis.dtype, layer.max_length,
+            device.type == "cuda", layer.reserved, block_size=block_size, device=device, pool=self.given_pool,
+        )  # fmt: skip
+        rows = (self.budget + 1) * block_size
         # NaN, not zeros: a slot row read before it was written shows up at once in tests
         nan = float("nan")
         self.k_slots = torch.full((batch, rows, heads, dim), nan, dtype=keys.dtype, device=device)
@@ -215,69 +122,53 @@ class OffloadedLayer(OffloadedStaging, SparseCacheLayer):
             self.bias_slots = torch.full((batch, rows, heads), nan, dtype=cis.dtype, device=device)
             self.cis_ring = torch.full((batch, self.ring_rows, heads), nan, dtype=cis.dtype, device=device)
         self.block_map = torch.full((batch, heads, self.budget), -1, dtype=torch.long, device=device)
-        self.worker = self.new_worker()
+        self.worker = self.new_worker(layer)
         if self.gather_programs is None:
             self.gather_programs = gather_programs_for(device, batch)
 
-    def new_worker(self) -> TransferWorker:
+    def new_worker(self, layer) -> TransferWorker:
         """What moves this layer's rows and blocks: its fetches on a CUDA side stream in
         forecast-offload, else at once."""
-        return TransferWorker(self.k_slots.device, overlap=self.fetch == "prefetch", ops=self.kernels)
+        return TransferWorker(self.k_slots.device, overlap=self.fetch == "prefetch", ops=layer.kernels)
 
-    def _check_batch(self, keys: torch.Tensor) -> None:
+    # -- append -------------------------------------------------------------------------------
+    def append(self, layer, keys, values, cis, positions, step: CallInfo) -> None:
+        """Store new tokens on the host (write-through), in the tail slot and the ring;
+        keys/values [B, n, H, d], cis [B, n, H] or None, positions [B, n] (-1 = padding)."""
         if keys.shape[0] != self.k_slots.shape[0]:
             raise ValueError(
                 f"this cache holds a batch of {self.k_slots.shape[0]} sequences, got {keys.shape[0]}; "
                 "build a new cache per batch"
             )
-
-    # -- append -------------------------------------------------------------------------------
-    def append(
-        self,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        cis: torch.Tensor | None,
-        positions: torch.Tensor,
-        step: CallInfo | None = None,
-    ) -> None:
-        """Store new tokens on the host (write-through), in the tail slot and the ring;
-        keys/values [B, n, H, d], cis [B, n, H] or None, positions [B, n] (-1 = padding)."""
-        if not self.is_initialized:
-            self.lazy_initialization(keys, values)
-            self._allocate(keys, cis)
-        self._check_batch(keys)
-        step = self.step_for(positions) if step is None else step
-        if not step.prepared:
-            self.prepare(step, positions.shape[1])
         if step.decode:
-            self._append_token(keys[:, 0], values[:, 0], None if cis is None else cis[:, 0], positions[:, 0])
+            self._append_token(layer, keys[:, 0], values[:, 0], None if cis is None else cis[:, 0], positions[:, 0])
         else:
-            self._append_tokens(keys, values, cis, positions, step)
+            self._append_tokens(layer, keys, values, cis, positions, step)
 
-    def _make_room(self, step: CallInfo) -> None:
+    def make_room(self, layer, step: CallInfo) -> None:
         """Host capacity for the call; for a decode step room for its compression windows, and
-        its write-back's bytes (`SparseCacheLayer.prepare`)."""
+        its write-back's bytes."""
         host = self.host
-        host.reserved = self.reserved  # a reserve() after the store was made (an attached cache) counts
+        host.reserved = layer.reserved  # a reserve() after the store was made (an attached cache) counts
         if step.key_count > host.capacity or not host.complete:  # else nothing to assign: no call per step
             host.ensure(step.key_count)
         self.decoding = step.decode
         if step.decode:
             if self.staging.holder is not None:
                 self.staging.release()  # a decode step reads no staged layer
-            self._grow_windows_for(self.columns)
+            layer.grow_windows_for(layer.columns)
             self.d2h_bytes += host.shape[0] * host.row_nbytes
 
     def _append_token(
-        self, keys: torch.Tensor, values: torch.Tensor, cis: torch.Tensor | None, pos: torch.Tensor
+        self, layer, keys: torch.Tensor, values: torch.Tensor, cis: torch.Tensor | None, pos: torch.Tensor
     ) -> None:
         """A decode step: keys/values [B, H, d], cis [B, H] or None, pos [B].  The row goes to the
         host through the `row_store` kernel; the tail slot, the ring and the compressed keys are
         updated on the device from the ring.  Fixed shapes, no host read, no host-store read."""
-        host = self.host  # the row's bytes were counted by `prepare`
+        host = self.host  # the row's bytes were counted by `make_room`
         self.worker.store_rows(host.pool, host.block_table, pos, keys, values, cis)
         valid, index = pos >= 0, pos.clamp(min=0)
-        tail = self.budget * self.block_size + index % self.block_size
+        tail = self.budget * layer.block_size + index % layer.block_size
         ring = index % self.ring_rows
         for buffer, rows, new in (
             (self.k_slots, tail, keys),
@@ -288,30 +179,27 @@ class OffloadedLayer(OffloadedStaging, SparseCacheLayer):
         ):
             if new is not None:
                 put_rows(buffer, rows, new, valid)
-        self._advance(pos, valid, self.k_ring, self.cis_ring, ring=True)
+        layer.advance(pos, valid, self.k_ring, self.cis_ring, ring=True)
 
-    def capacity_rows(self) -> int:
+    def capacity_rows(self, layer) -> int:
         return 0 if self.host is None else self.host.capacity
 
     # -- plan and blocks ----------------------------------------------------------------------
-    def plan(self, selection: torch.Tensor) -> RuntimePlan:
+    def plan(self, layer, selection: torch.Tensor) -> RuntimePlan:
         """The manager diffs `selection` [B, H, K] against the block map (`plan_loads`); the worker
         fetches the misses now (prefetch, on the side stream) or when the layer reads them (sync
         modes).  Blocks not complete on the host (the current one) come from the tail slot and are
         not fetched."""
+        lengths, block_size = layer.lengths, layer.block_size
         if self.log.selections is not None:
-            complete = torch.div(self.lengths, self.block_size, rounding_mode="floor")
-            self.log.selections.append((selection.clone(), complete.clone()))
+            self.log.record(selection, lengths, block_size)
         if self.fetch == "dense":
-            count = (complete_wanted(selection, self.lengths, self.block_size) >= 0).sum()
-            self.last_plan = RuntimePlan(
-                selection, dense=True, counts=torch.stack([count, torch.zeros_like(count), torch.zeros_like(count)])
-            )
-            return self.last_plan
-        spec = plan_loads(self.block_map, selection, self.lengths, self.block_size)
+            count = (complete_wanted(selection, lengths, block_size) >= 0).sum()
+            zero = torch.zeros_like(count)
+            return RuntimePlan(selection, dense=True, counts=torch.stack([count, zero, zero]))
+        spec = plan_loads(self.block_map, selection, lengths, block_size)
         self.block_map.copy_(spec.block_map)  # in place: a fixed address
         plan = RuntimePlan(selection, slot_of=spec.slot_of, load_ids=spec.load_ids, fetched=False, counts=spec.counts)
-        self.last_plan = plan
         if self.fetch == "prefetch":
             fetch, ids = self._gather(spec.load_ids)
             plan.done = self.worker.launch(fetch, keep_alive=(ids,))
@@ -343,50 +231,50 @@ class OffloadedLayer(OffloadedStaging, SparseCacheLayer):
             plan.fetched = True
         return plan
 
-    def _dense_copy(self, plan: RuntimePlan):
+    def _dense_copy(self, layer, plan: RuntimePlan):
         """dense-offload: the whole layer copied to the device (counted against this step)."""
-        rows = self._longest(None)
+        rows = layer._longest(None)
         plan.h2d_extra += rows * self.host.row_bytes() * self.host.shape[0]
-        return self.host.device_rows(rows, self.lengths, self.k_slots.device)
+        return self.host.device_rows(rows, layer.lengths, self.k_slots.device)
 
-    def _slot_of_selected(self, plan: RuntimePlan) -> torch.Tensor:
+    def _slot_of_selected(self, layer, plan: RuntimePlan) -> torch.Tensor:
         """[B, H, K] slot serving each selected block: its regular slot, the tail slot (M) for the
         block being written, -1 for none."""
-        current = torch.div((self.lengths - 1).clamp(min=0), self.block_size, rounding_mode="floor").view(-1, 1, 1)
+        current = torch.div((layer.lengths - 1).clamp(min=0), layer.block_size, rounding_mode="floor").view(-1, 1, 1)
         tail = (plan.selection == current) & (plan.selection >= 0)
         return torch.where(plan.slot_of >= 0, plan.slot_of, torch.where(tail, self.budget, -1))
 
-    def blocks(self, plan: RuntimePlan):
-        """The planned blocks from the slots (same layout and values as `SparseCacheLayer.blocks`)."""
+    def blocks(self, layer, plan: RuntimePlan):
+        """The planned blocks from the slots (same layout and values as `ResidentRows.blocks`)."""
         plan = self._ready(plan)
         if plan.dense:
-            return gather_blocks(*self._dense_copy(plan), plan.selection, self.lengths, self.block_size)
-        slot = self._slot_of_selected(plan)
-        offsets = torch.arange(self.block_size, device=slot.device)
-        rows = (slot.clamp(min=0).unsqueeze(-1) * self.block_size + offsets).flatten(-2)
+            return gather_blocks(*self._dense_copy(layer, plan), plan.selection, layer.lengths, layer.block_size)
+        slot = self._slot_of_selected(layer, plan)
+        offsets = torch.arange(layer.block_size, device=slot.device)
+        rows = (slot.clamp(min=0).unsqueeze(-1) * layer.block_size + offsets).flatten(-2)
         return gather_blocks(
-            self.k_slots, self.v_slots, self.bias_slots, plan.selection, self.lengths, self.block_size, rows=rows
+            self.k_slots, self.v_slots, self.bias_slots, plan.selection, layer.lengths, layer.block_size, rows=rows
         )
 
-    def decode_attention(self, q: torch.Tensor, plan: RuntimePlan) -> torch.Tensor:
+    def decode_attention(self, layer, q: torch.Tensor, plan: RuntimePlan) -> torch.Tensor:
         """One decode token per sequence, q [B, 1, Hq, d] -> [B, 1, Hq, d], straight over the slots with
         the `sparse_decode_slots` kernel, or a gather of the slots + masked SDPA
         (`kernels.decode_kernels` decides); dense-offload attends the whole layer's copy."""
-        ops = self.kernels
+        ops, lengths = layer.kernels, layer.lengths
         if not ops.decode_kernels:
-            return attend_gathered(q, *self.blocks(plan), self.lengths)
+            return attend_gathered(q, *self.blocks(layer, plan), lengths)
         plan = self._ready(plan)
-        selection, block_size = plan.selection, self.block_size
+        selection, block_size = plan.selection, layer.block_size
         if plan.dense:
-            keys, values, cis = self._dense_copy(plan)
+            keys, values, cis = self._dense_copy(layer, plan)
             return ops.sparse_decode_blocks(
-                q[:, 0], keys, values, selection, self.lengths, block_size, bias=cis, check_ids=False
+                q[:, 0], keys, values, selection, lengths, block_size, bias=cis, check_ids=False
             )[0].unsqueeze(1)
-        slot = self._slot_of_selected(plan)
+        slot = self._slot_of_selected(layer, plan)
         batch, heads, _ = selection.shape
         slot_lens = torch.zeros((batch, heads, self.budget + 2), dtype=torch.long, device=slot.device)
         # rows of each selected block that are stored keys (a full block, or the tail's filled part)
-        stored = (self.lengths.view(-1, 1, 1) - selection.clamp(min=0) * block_size).clamp(0, block_size)
+        stored = (lengths.view(-1, 1, 1) - selection.clamp(min=0) * block_size).clamp(0, block_size)
         slot_lens.scatter_(-1, torch.where(slot >= 0, slot, self.budget + 1), torch.where(slot >= 0, stored, 0))
         return ops.sparse_decode_slots(
             q[:, 0],
@@ -398,17 +286,15 @@ class OffloadedLayer(OffloadedStaging, SparseCacheLayer):
             check_ids=False,
         )[0].unsqueeze(1)
 
-    def record_plan(self) -> None:
+    def record(self, layer, plan: RuntimePlan | None) -> None:
         """The step's plan counters into the step log, plus the whole-layer copies of a dense row
         (a step with no plan, e.g. a dense model's, is logged with zero blocks and those bytes)."""
         copied, self.step_h2d = self.step_h2d, 0
-        plan = self.last_plan
         if plan is not None:
             plan.h2d_extra += copied
             self.log.add(plan.counts, plan.h2d_extra)
         elif copied:
             self.log.add(torch.zeros(3, dtype=torch.long, device=self.k_slots.device), copied)
-        super().record_plan()
 
     # -- bytes --------------------------------------------------------------------------------
     def device_tensors(self) -> dict:
@@ -436,3 +322,5 @@ class OffloadedLayer(OffloadedStaging, SparseCacheLayer):
         if self.host is None:
             return 0
         return self.block_size * self.host.row_bytes() // self.host.shape[1]
+
+    missing_bounds = ResidentRows.missing_bounds

@@ -29,12 +29,12 @@ from __future__ import annotations
 
 import torch
 
-from ..modeling.cache import SparseCache, window_geometry
+from ..modeling.cache import ResidentRows, SparseCache, SparseCacheLayer, window_geometry
 from ..modeling.generation import register_offloaded_cache
 from ..modes import MODE_FETCH, MODE_SELECTOR, MODES, SELECTORS
 from ..selectors import get_selector
 from .host_store import HostBlockPool
-from .layers import OffloadedLayer, ResidentLayer
+from .layers import OffloadedRows
 from .staging import Staging
 from .worker import gather_programs_for
 
@@ -118,7 +118,7 @@ class OffloadedSparseCache(SparseCache):
         super().__init__(config, max_length=max_length, selector=selector)
         if record_selections:
             for layer in self.layers:
-                layer.log.selections = []
+                layer.store.log.selections = []
         if pools is not None:
             self.use_pools(pools)
 
@@ -136,12 +136,12 @@ class OffloadedSparseCache(SparseCache):
                 raise ValueError(f"layer {idx} is resident in mode {self.mode!r}: it has no host pool (give None)")
             if layer.is_initialized:
                 raise ValueError("use_pools() must come before the first token is stored")
-            layer.given_pool = pool
+            layer.store.given_pool = pool
 
     def attach(self, layers: list, length: int) -> None:
         """An empty cache of one sequence holding `length` stored positions, per layer either
         layers[l] = (pool, block ids): an offloaded layer's host blocks, held where they are
-        (shared with their owner, `OffloadedLayer.attach`), or layers[l] = (keys, values, cis):
+        (shared with their owner, `OffloadedStaging.attach`), or layers[l] = (keys, values, cis):
         a resident layer's rows [1, length, H, d] (cis [1, length, H] or None), appended to it.
         Device state goes where each layer's tensors are (the rows' device, or `device` of the
         pool entry: (pool, ids, device))."""
@@ -152,7 +152,7 @@ class OffloadedSparseCache(SparseCache):
                 if not isinstance(entry[0], HostBlockPool):
                     raise ValueError(f"layer {idx} is offloaded: give (pool, block ids, device), not rows")
                 pool, blocks, device = entry
-                layer.attach(pool, list(blocks), length, device)
+                layer.store.attach(layer, pool, list(blocks), length, device)
             else:
                 keys, values, cis = entry
                 if keys.shape[:2] != (1, length):
@@ -163,44 +163,41 @@ class OffloadedSparseCache(SparseCache):
 
     def host_pools(self) -> "list[HostBlockPool | None]":
         """Per layer, the `HostBlockPool` its host blocks live in (None: resident, or no token yet)."""
-        return [layer.host_pool() for layer in self.layers]
+        return [layer.store.host_pool() for layer in self.layers]
 
     def _forked(self, repeats: int) -> "OffloadedSparseCache":
         self.staging.release()  # a staged layer is this cache's, and device memory
         other = super()._forked(repeats)
         other.staging = Staging()
         for layer in other.layers:
-            if layer.offloaded:
-                layer.staging = other.staging
-                if self.gather_programs is None and layer.k_slots is not None:
-                    layer.gather_programs = gather_programs_for(layer.k_slots.device, layer.k_slots.shape[0])
+            store = layer.store
+            if store.offloaded:
+                store.staging = other.staging
+                if self.gather_programs is None and store.k_slots is not None:
+                    store.gather_programs = gather_programs_for(store.k_slots.device, store.k_slots.shape[0])
         return other
 
-    def _make_layer(self, config, sparse, idx: int, max_length: int | None):
+    def _make_layer(self, config, sparse, idx: int, max_length: int | None) -> SparseCacheLayer:
+        """Layer `idx`: the window indexes of the model's geometry over a counted `ResidentRows` (layer 0,
+        or every layer in no-offload) or an `OffloadedRows`."""
         kernel, coarse = window_geometry(sparse)
-        kernel = kernel or (None, None)
         mode, _, first_resident = self._build
+        block_size = sparse.block_size if sparse is not None else None
         if mode == "no-offload" or (idx == 0 and first_resident):
-            return ResidentLayer(
-                *kernel,
-                coarse=coarse,
-                max_length=max_length,
-                block_size=sparse.block_size if sparse is not None else None,
-                key_bounds=self.keeps_key_bounds(sparse),
+            store = ResidentRows(counted=True)
+        else:
+            block_size = block_size or 64  # a dense model's host blocks
+            store = OffloadedRows(
+                budget=sparse.budget_blocks if sparse is not None else 1,
+                fetch=MODE_FETCH.get(mode, "sync"),
+                staging=self.staging,
+                gather_programs=self.gather_programs,
             )
-        block_size = sparse.block_size if sparse is not None else 64
-        budget = sparse.budget_blocks if sparse is not None else 1
-        return OffloadedLayer(
-            *kernel,
-            coarse,
-            max_length,
-            block_size=block_size,
-            budget=budget,
-            fetch=MODE_FETCH.get(mode, "sync"),
-            staging=self.staging,
-            gather_programs=self.gather_programs,
-            key_bounds=self.keeps_key_bounds(sparse),
-        )
+        return SparseCacheLayer(
+            *(kernel or (None, None)), coarse=coarse, max_length=max_length,
+            block_size=block_size, key_bounds=self.keeps_key_bounds(sparse),
+            store=store,
+        )  # fmt: skip
 
     @classmethod
     def for_model(
@@ -227,7 +224,7 @@ class OffloadedSparseCache(SparseCache):
     def device_nbytes(self) -> int:
         """Bytes of the KV tier on the device: slots, block maps, resident layers' KV and any
         staged layer.  Compressed keys are counted apart, in `index_nbytes()`."""
-        return sum(_nbytes(layer.device_tensors()) for layer in self.layers)
+        return sum(_nbytes(layer.store.device_tensors()) for layer in self.layers)
 
     def index_nbytes(self) -> int:
         """Bytes of the selection index on the device (compressed keys, pooled CIS, lengths)."""
@@ -244,10 +241,11 @@ class OffloadedSparseCache(SparseCache):
         another cache or store too), and the pools' `allocated` / `free` blocks."""
         held = shared = 0
         for layer in self.layers:
-            if layer.offloaded and layer.host is not None:
-                blocks = layer.host.distinct_blocks()
+            host = layer.store.host if layer.offloaded else None
+            if host is not None:
+                blocks = host.distinct_blocks()
                 held += len(blocks)
-                shared += sum(1 for block in blocks if layer.host.pool.refs[block] > 1)
+                shared += sum(1 for block in blocks if host.pool.refs[block] > 1)
         pools = {id(pool): pool for pool in self.host_pools() if pool is not None}.values()
         return {
             "held": held,
@@ -267,10 +265,11 @@ class OffloadedSparseCache(SparseCache):
         steps_per_layer, fetched, hits, wanted, layer_h2d = [], [], [], [], []
         per_step: list[int] = []
         for layer in self.layers:
-            table = layer.log.table()
-            block_bytes = layer.block_bytes() if layer.offloaded else 0
+            log = layer.store.log
+            table = log.table()
+            block_bytes = layer.store.block_bytes()
             step_bytes = (table[:, 2] * block_bytes).tolist() if len(table) else []
-            step_bytes = [a + b for a, b in zip(step_bytes, layer.log.h2d_extra)]
+            step_bytes = [a + b for a, b in zip(step_bytes, log.h2d_extra)]
             steps_per_layer.append(len(table))
             wanted.append(int(table[:, 0].sum()))
             hits.append(int(table[:, 1].sum()))
@@ -298,8 +297,8 @@ class OffloadedSparseCache(SparseCache):
             "misses_per_layer": fetched,
             "hit_rate_per_layer": hit_rate,
             "hit_rate": None if dense or not offloaded_wanted else offloaded_hits / offloaded_wanted,
-            "h2d_other_bytes": sum(layer.h2d_other for layer in self.layers),
-            "d2h_bytes": sum(layer.d2h_bytes for layer in self.layers),
+            "h2d_other_bytes": sum(layer.store.h2d_other for layer in self.layers),
+            "d2h_bytes": sum(layer.store.d2h_bytes for layer in self.layers),
             "device_nbytes": self.device_nbytes(),
             "index_nbytes": self.index_nbytes(),
             "host_nbytes": self.host_nbytes(),

@@ -2,7 +2,7 @@
 (the worker half of the split vLLM v1's kv_offload draws; `host_pool` is the manager half, which
 decides what moves and holds no buffer).
 
-`TransferWorker` is the one transfer path of both runtimes: `generate()`'s `OffloadedLayer` and vLLM's
+`TransferWorker` is the one transfer path of both runtimes: `generate()`'s `OffloadedRows` and vLLM's
 `ForecastLookaheadConnector` (`serving/page_offload.py`) each hold one, and through it
 * store new rows into the pool's pinned buffers with the `row_store` kernel (UVA writes on CUDA, no
   host index, no sync; the pool records the write event that CPU touches wait on);

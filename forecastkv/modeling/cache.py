@@ -191,9 +191,19 @@ class WindowIndex:
         done = (last > first).view(-1, *([1] * (window.dim() - 1)))
         target[batch, index] = torch.where(done, window.to(target.dtype), target[batch, index])
 
+    @property
+    def made(self) -> bool:
+        """Whether it holds windows (an index of a source the layer does not store is never made)."""
+        return self.buffer is not None
+
     def view(self, rows: int) -> torch.Tensor:
         """The windows complete within `rows` positions, [B, num_compressed(rows), H, ...]."""
         return self.buffer[:, : num_compressed(rows, self.size, self.stride)]
+
+    def whole(self, rows: int) -> torch.Tensor | None:
+        """The buffer whole as allocated (a decode step's fixed shape), or None; `rows`: the positions the
+        store holds (what a store that reads its windows from elsewhere sizes them by)."""
+        return self.buffer
 
     def emptied(self) -> "WindowIndex":
         """The same index with no buffer (a reset layer's)."""
@@ -329,6 +339,8 @@ class Plan:
 
     selection: torch.Tensor
     share: torch.Tensor | None = None
+    counts: torch.Tensor | None = None  # device int64 [3]: blocks wanted / hit / missed (a runtime's step log)
+    h2d_extra: int = 0  # bytes moved outside the block gather (dense-offload's whole-layer copy)
 
 
 class CacheLayer(Protocol):
@@ -380,6 +392,66 @@ class CacheLayer(Protocol):
         built for a selector whose `key_bounds` is set; others raise)."""
 
 
+class KVStore(Protocol):
+    """Where one layer's K/V rows (and NOSA's CIS) live, and the calls that read them: the part of a
+    `SparseCacheLayer` that differs between tiers.  `ResidentRows` (the device), the offloaded
+    runtime's `inference/layers.py:OffloadedRows` (pinned host blocks, device slots, a side-stream
+    fetch) and an engine's pages (`serving/paged.py:PagedRows`).  `layer` is the `SparseCacheLayer`
+    that owns the store: its lengths, host counters, window indexes and settings.  Counters:
+    `log` (a `StepLog` or None), `d2h_bytes`, `h2d_other`."""
+
+    offloaded: bool
+
+    def emptied(self) -> "KVStore":
+        """The same kind of store, holding nothing (a reset layer's)."""
+
+    def allocate(self, layer, keys: torch.Tensor, cis: torch.Tensor | None) -> None:
+        """Before the first rows, keys [B, n, H, d] and cis [B, n, H] or None (their batch and shapes)."""
+
+    def make_room(self, layer, step: CallInfo) -> None:
+        """The host side of a call, before the layer runs: room for its rows."""
+
+    def append(self, layer, keys, values, cis, positions: torch.Tensor, step: CallInfo) -> None:
+        """Store the rows at positions [B, n], set `layer.lengths`, and extend the layer's window indexes
+        (`SparseCacheLayer.extend_windows`, `.advance`)."""
+
+    def capacity_rows(self, layer) -> int:
+        """Positions per sequence a decode step may score."""
+
+    def plan(self, layer, selection: torch.Tensor) -> Plan:
+        """The `Plan` of selection [B, H, K]; a runtime store starts its fetch here."""
+
+    def record(self, layer, plan: Plan | None) -> None:
+        """After the call: the plan's counters into the step log."""
+
+    def decode_attention(self, layer, q: torch.Tensor, plan: Plan) -> torch.Tensor:
+        """One token per sequence, q [B, 1, Hq, d], over the planned blocks -> [B, 1, Hq, d]."""
+
+    def full(self, layer, rows: int) -> tuple:
+        """(keys, values [B, rows, H, d], cis [B, rows, H] or None) on the device."""
+
+    def crop(self, layer) -> None:
+        """After the layer dropped trailing positions."""
+
+    def reorder(self, beam_idx: torch.Tensor) -> None:
+        """Sequences reordered by beam_idx [B] (beam search)."""
+
+    def forked(self, layer, repeats: int) -> "KVStore":
+        """An independent copy, each sequence repeated `repeats` times, with fresh counters."""
+
+    def device_tensors(self) -> dict:
+        """Name -> the device tensors holding rows (what `device_nbytes` counts)."""
+
+    def host_nbytes(self) -> int:
+        """Bytes of host memory it holds."""
+
+    def block_bytes(self) -> int:
+        """Bytes one (sequence, head) block moves host -> device (0: nothing moves)."""
+
+    def missing_bounds(self) -> Exception:
+        """The error of a `key_bounds()` call on a layer built without Quest's bounds."""
+
+
 def put_rows(buffer: torch.Tensor, rows: torch.Tensor, new: torch.Tensor, valid: torch.Tensor) -> None:
     """buffer[b, rows[b]] = new[b] where valid[b] (else the row keeps its value): one row per
     sequence, so no two writes meet.  buffer [B, R, ...], rows [B], new [B, ...], valid bool [B]."""
@@ -404,16 +476,198 @@ def _buffer(index: dict, name: str) -> torch.Tensor | None:
     return None if window is None else window.buffer
 
 
+class StepLog:
+    """Per decode step of one layer: blocks wanted / hit / missed (device int64 [3], summed over
+    sequences and heads: no host sync) and bytes moved that the host already knows.  Kept by the
+    offloaded runtime's stores (`ResidentRows(counted=True)`, `inference/layers.py:OffloadedRows`)."""
+
+    def __init__(self, recording: bool = False) -> None:
+        self.counts: list[torch.Tensor] = []
+        self.h2d_extra: list[int] = []  # bytes outside the block gather (dense-offload's whole-layer copy)
+        # (selection, complete blocks) per plan while recording (`record_selections`), else None
+        self.selections: list[tuple[torch.Tensor, torch.Tensor]] | None = [] if recording else None
+
+    def add(self, counts: torch.Tensor, h2d_extra: int = 0) -> None:
+        self.counts.append(counts)
+        self.h2d_extra.append(h2d_extra)
+
+    def record(self, selection: torch.Tensor, lengths: torch.Tensor, block_size: int) -> None:
+        """Keep a plan's selection and the complete blocks it saw (while recording: the caller checks)."""
+        complete = torch.div(lengths, block_size, rounding_mode="floor")
+        self.selections.append((selection.clone(), complete.clone()))
+
+    def fresh(self) -> "StepLog":
+        """An empty log that records if this one does (a reset or forked layer's)."""
+        return StepLog(self.selections is not None)
+
+    def table(self) -> torch.Tensor:
+        """int64 [steps, 3] on the CPU (one sync)."""
+        if not self.counts:
+            return torch.zeros(0, 3, dtype=torch.long)
+        return torch.stack(self.counts).cpu()
+
+
+class ResidentRows:
+    """The resident `KVStore`: K/V [B, S, H, d] (and NOSA's CIS [B, S, H]) on the device, row = position,
+    grown in chunks or preallocated (`capacity_for`).  counted: keep the offloaded runtime's counters
+    (`log`, `d2h_bytes`, `h2d_other`: a runtime's resident layer, where every wanted block is a hit).
+
+    A store holds rows and runs the calls that read them; the layer that owns it (`SparseCacheLayer`,
+    passed as `layer`) holds the lengths, the window indexes and the settings."""
+
+    offloaded = False
+
+    def __init__(self, counted: bool = False, recording: bool = False) -> None:
+        self.keys = self.values = self.cis = None
+        self.log = StepLog(recording) if counted else None
+        self.d2h_bytes = self.h2d_other = 0
+
+    def emptied(self) -> "ResidentRows":
+        """The same kind of store holding nothing (a reset layer's)."""
+        return ResidentRows(self.log is not None, self.log is not None and self.log.selections is not None)
+
+    # -- storing ---------------------------------------------------------------------------------
+    def allocate(self, layer, keys: torch.Tensor, cis: torch.Tensor | None) -> None:
+        """Nothing before the first rows: the buffers are sized when they come."""
+
+    def make_room(self, layer, step: CallInfo) -> None:
+        """Room for a decode step's token in every buffer (a multi-token call grows its own)."""
+        if step.decode and self.keys is not None:
+            rows = layer.columns
+            for name in ("keys", "values", "cis"):
+                buffer = getattr(self, name)
+                if buffer is not None:
+                    setattr(self, name, grow_rows(buffer, rows, buffer, layer.max_length, reserved=layer.reserved))
+            layer.grow_windows_for(rows)
+
+    def append(self, layer, keys, values, cis, positions, step: CallInfo) -> None:
+        """Store keys/values [B, n, H, d], cis [B, n, H] or None at positions [B, n] (-1 = padding).
+
+        A decode step writes without host syncs: `make_room` made room for its token, and a padding
+        row writes back what it read, so no row selection is needed."""
+        if step.decode and self.keys is not None:
+            pos = positions[:, 0]
+            valid, index = pos >= 0, pos.clamp(min=0)
+            for buffer, new in ((self.keys, keys), (self.values, values), (self.cis, cis)):
+                if new is not None:
+                    put_rows(buffer, index, new[:, 0], valid)
+            layer.advance(pos, valid, self.keys, self.cis)
+            return
+        new = new_rows(layer.lengths, positions)
+        if new is None:
+            return
+        batch_idx, col_idx, pos, new_lengths, rows = new
+        for name, source in (("keys", keys), ("values", values), ("cis", cis)):
+            if source is not None:
+                buffer = grow_rows(getattr(self, name), rows, source, layer.max_length, reserved=layer.reserved)
+                buffer[batch_idx, pos] = source[batch_idx, col_idx]
+                setattr(self, name, buffer)
+        old_lengths, layer.lengths = layer.lengths, new_lengths
+        layer.extend_windows(old_lengths, self.keys, self.cis)
+
+    def capacity_rows(self, layer) -> int:
+        """Positions per sequence the buffers hold now (what a decode step may score)."""
+        return 0 if self.keys is None else self.keys.shape[1]
+
+    # -- reading -----------------------------------------------------------------------------------
+    def plan(self, layer, selection: torch.Tensor) -> Plan:
+        """Nothing to move: the `Plan` of selection [B, H, K] (-1 = none), with the share of this step's
+        stored blocks it reads (a device scalar: no sync while decoding), and when counted the step
+        log's counters (every wanted block is a hit)."""
+        stored = (-(-layer.lengths.clamp(min=1) // layer.block_size)).sum() * selection.shape[1]
+        plan = Plan(selection, share=(selection >= 0).sum() / stored)
+        if self.log is not None:
+            wanted = (selection >= 0).sum()
+            plan.counts = torch.stack([wanted, wanted, torch.zeros_like(wanted)])
+            if self.log.selections is not None:
+                self.log.record(selection, layer.lengths, layer.block_size)
+        return plan
+
+    def record(self, layer, plan: Plan | None) -> None:
+        """After the call: the plan's counters into the step log (when counted)."""
+        if self.log is not None and plan is not None:
+            self.log.add(plan.counts, plan.h2d_extra)
+
+    def blocks(self, layer, plan: Plan):
+        """The blocks of plan.selection [B, H, K] -> keys, values [B, H, K*bs, d], key positions
+        [B, H, K*bs] (-1 = not a key), bias [B, H, K*bs] or None (`gather_blocks`)."""
+        return gather_blocks(self.keys, self.values, self.cis, plan.selection, layer.lengths, layer.block_size)
+
+    def decode_attention(self, layer, q: torch.Tensor, plan: Plan) -> torch.Tensor:
+        """One decode token per sequence, q [B, 1, Hq, d], over the planned blocks -> [B, 1, Hq, d]: the
+        `sparse_decode_blocks` kernel reading the blocks in place (no gather copy, no host sync), or
+        a gather + masked SDPA (`kernels.decode_kernels` decides).  Keys are those stored (position
+        < length), which at a decode step is every key up to the token."""
+        ops = layer.kernels
+        if ops.decode_kernels:
+            return ops.sparse_decode_blocks(
+                q[:, 0], self.keys, self.values, plan.selection, layer.lengths, layer.block_size, bias=self.cis,
+                check_ids=False,
+            )[0].unsqueeze(1)
+        return attend_gathered(q, *self.blocks(layer, plan), layer.lengths)
+
+    def full(self, layer, rows: int) -> tuple:
+        """K, V [B, rows, H, d], CIS [B, rows, H] or None: the first `rows` positions."""
+        cis = None if self.cis is None else self.cis[:, :rows]
+        return self.keys[:, :rows], self.values[:, :rows], cis
+
+    # -- lifecycle -----------------------------------------------------------------------------------
+    def crop(self, layer) -> None:
+        """After the layer dropped trailing positions: rows past the new lengths are rewritten when
+        stored again, so nothing to clear."""
+
+    def reorder(self, beam_idx: torch.Tensor) -> None:
+        for name in ("keys", "values", "cis"):
+            tensor = getattr(self, name)
+            if tensor is not None:
+                setattr(self, name, tensor.index_select(0, beam_idx.to(tensor.device)))
+
+    def forked(self, layer, repeats: int) -> "ResidentRows":
+        """An independent copy, each sequence repeated `repeats` times, with fresh counters."""
+        other = self.emptied()
+        for name in ("keys", "values", "cis"):
+            tensor = getattr(self, name)
+            if tensor is not None:
+                setattr(other, name, tensor.repeat_interleave(repeats, dim=0) if repeats > 1 else tensor.clone())
+        return other
+
+    # -- bytes ---------------------------------------------------------------------------------------
+    def device_tensors(self) -> dict:
+        names = ("keys", "values", "cis")
+        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+
+    def host_nbytes(self) -> int:
+        return 0
+
+    def host_pool(self) -> None:
+        return None
+
+    def block_bytes(self) -> int:
+        return 0
+
+    def missing_bounds(self) -> Exception:
+        """The error of a `key_bounds()` call on a layer built without them."""
+        return ValueError(
+            "this cache keeps no block key bounds: build the cache while sparse_config.selector is 'quest' "
+            "(or SparseCache(..., selector='quest'))"
+        )
+
+
 class SparseCacheLayer(CacheLayerMixin):
-    """One layer: K/V [B, S, H, d] (and NOSA's CIS [B, S, H]) by position, plus the window indexes its
-    selector scores (`windows`, `window_indexes`): compressed keys [B, C, H, d], with CIS the CIS pooled
-    over the same windows [B, C, H] (fp32), MiniCPM4.1's coarse keys, Quest's block bounds.
+    """One layer of a cache, composed of three parts:
+
+    * `store`: where the K/V rows (and NOSA's CIS) live and the calls that read them: `ResidentRows`
+      (the device, by position), the offloaded runtime's `inference/layers.py:OffloadedRows` (pinned host
+      blocks, device slots) or an engine's pages (`serving/paged.py:PagedRows`);
+    * `windows`: the selector's window indexes (`WindowIndex`, `window_indexes`): compressed keys
+      [B, C, H, d], NOSA's pooled CIS [B, C, H] (fp32), MiniCPM4.1's coarse keys, Quest's block bounds;
+    * the contract (`CacheLayer`): what attention calls, and nothing else.
 
     `lengths` [B] counts the stored positions of each sequence (they are contiguous from 0), on the
     device; `host_lengths` is the same count on the host, kept from each call's `CallInfo`, so
     decisions that need a number (rows, keys, blocks) never read it back from the device.
     `kernels`: the kernel choices (`kernels.kernel_set`) for its device, made when the first token
-    comes and carried.  Implements `CacheLayer`.
+    comes and carried.  `reset`, `crop`, `forked` and `reorder_cache` run once per part.
     """
 
     is_compileable = False
@@ -428,12 +682,15 @@ class SparseCacheLayer(CacheLayerMixin):
         max_length: int | None = None,
         block_size: int | None = None,
         key_bounds: bool = False,
+        store=None,
+        windows: list[WindowIndex] | None = None,
     ) -> None:
         super().__init__()
         self.kernel = (kernel_size, kernel_stride) if kernel_size else None
         # Quest's per-block key min / max, kept like the compressed keys (windows of one block)
-        self.bounds_kernel = (block_size, block_size) if key_bounds and self.kernel else None
-        self.windows = window_indexes(self.kernel, coarse, self.bounds_kernel)
+        bounds = (block_size, block_size) if key_bounds and self.kernel else None
+        self.windows = window_indexes(self.kernel, coarse, bounds) if windows is None else windows
+        self.store = ResidentRows() if store is None else store
         self.coarse = coarse
         self.max_length = max_length
         self.block_size = block_size
@@ -442,11 +699,11 @@ class SparseCacheLayer(CacheLayerMixin):
 
     def _clear(self) -> None:
         """Drop everything stored: the state a new layer starts from, and what `reset` leaves.  The
-        settings, `reserved` and the kinds of window index (each emptied: `WindowIndex.emptied`) stay."""
-        self.keys = self.values = self.cis = None
+        settings, `reserved`, the kinds of window index and of store (each emptied) stay."""
         self.is_initialized = False
         self.windows = [window.emptied() for window in self.windows]
         self.index = {window.name: window for window in self.windows}
+        self.store = self.store.emptied()
         self.kernels: kernels.KernelSet | None = None
         self.lengths: torch.Tensor | None = None
         self.host_lengths: list[int] | None = None
@@ -487,31 +744,30 @@ class SparseCacheLayer(CacheLayerMixin):
         return self.columns + query_length, 0
 
     def reset(self) -> None:
-        """Empty, as new, for the next text: every window index kept (emptied), `reserved` kept."""
+        """Empty, as new, for the next text: every window index and the store kept (emptied), `reserved` kept."""
         self._clear()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         # beams of one prompt share its length, and beam_idx only permutes within a prompt's
         # beams, so host_lengths stay as they are (reading beam_idx would cost a sync per step)
-        for name in ("keys", "values", "cis", "lengths"):
-            tensor = getattr(self, name, None)
-            if tensor is not None:
-                setattr(self, name, tensor.index_select(0, beam_idx.to(tensor.device)))
+        self.store.reorder(beam_idx)
+        if self.lengths is not None:
+            self.lengths = self.lengths.index_select(0, beam_idx.to(self.lengths.device))
         for window in self.windows:
             window.reordered(beam_idx)
 
     def forked(self, repeats: int = 1) -> "SparseCacheLayer":
         """An independent copy of this layer with each sequence repeated `repeats` times (sequence
-        b*repeats + j is copy j of sequence b): every tensor (all batch-major) copied, the host
-        counters and settings kept, the per-step logs fresh."""
+        b*repeats + j is copy j of sequence b): the store, the window indexes and the lengths copied,
+        the host counters and settings kept, the per-step logs fresh."""
         other = copy.copy(self)
-        for name, value in vars(self).items():
-            if isinstance(value, torch.Tensor):
-                setattr(other, name, value.repeat_interleave(repeats, dim=0) if repeats > 1 else value.clone())
+        if self.lengths is not None:
+            other.lengths = self.lengths.repeat_interleave(repeats, dim=0) if repeats > 1 else self.lengths.clone()
         if self.host_lengths is not None:
             other.host_lengths = [n for n in self.host_lengths for _ in range(repeats)]
         other.windows = [window.forked(repeats) for window in self.windows]
         other.index = {window.name: window for window in other.windows}
+        other.store = self.store.forked(self, repeats)
         other.last_plan, other.block_shares = None, []
         return other
 
@@ -520,7 +776,8 @@ class SparseCacheLayer(CacheLayerMixin):
 
         Every sequence loses the same number of trailing positions (trailing columns are real tokens
         in assisted and prompt-lookup decoding).  Windows past the new lengths are recomputed when
-        they complete again, so nothing else needs clearing.
+        they complete again, so nothing else needs clearing; the store refills what it keeps of the
+        last rows (`OffloadedRows.crop`).
         """
         if not self.is_initialized:
             return
@@ -530,6 +787,7 @@ class SparseCacheLayer(CacheLayerMixin):
         self.columns -= drop
         self.lengths = (self.lengths - drop).clamp(min=0)
         self.host_lengths = [max(n - drop, 0) for n in self.host_lengths]
+        self.store.crop(self)
 
     # -- the four calls --------------------------------------------------------------------------
     def append(
@@ -547,25 +805,11 @@ class SparseCacheLayer(CacheLayerMixin):
         """
         if not self.is_initialized:
             self.lazy_initialization(keys, values)
+            self.store.allocate(self, keys, cis)
         step = self.step_for(positions) if step is None else step
         if not step.prepared:
             self.prepare(step, positions.shape[1])
-        if step.decode and self.keys is not None:
-            self._append_one(keys[:, 0], values[:, 0], None if cis is None else cis[:, 0], positions[:, 0])
-            return
-        new = new_rows(self.lengths, positions)
-        if new is None:
-            return
-        batch_idx, col_idx, pos, new_lengths, rows = new
-        self.keys = grow_rows(self.keys, rows, keys, self.max_length, reserved=self.reserved)
-        self.values = grow_rows(self.values, rows, values, self.max_length, reserved=self.reserved)
-        self.keys[batch_idx, pos] = keys[batch_idx, col_idx]
-        self.values[batch_idx, pos] = values[batch_idx, col_idx]
-        if cis is not None:
-            self.cis = grow_rows(self.cis, rows, cis, self.max_length, reserved=self.reserved)
-            self.cis[batch_idx, pos] = cis[batch_idx, col_idx]
-        old_lengths, self.lengths = self.lengths, new_lengths
-        self._extend_compressed(old_lengths, self.keys, self.cis)
+        self.store.append(self, keys, values, cis, positions, step)
 
     def prepare(self, step: CallInfo, columns: int) -> None:
         """The host side of a call storing `columns` columns, done before the layer runs: the
@@ -576,22 +820,9 @@ class SparseCacheLayer(CacheLayerMixin):
             return
         self.columns += columns
         self.host_lengths = list(step.lengths_after)
-        self._make_room(step)
+        self.store.make_room(self, step)
 
-    def _make_room(self, step: CallInfo) -> None:
-        """Room for a decode step's token in every buffer (a multi-token call grows its own)."""
-        if step.decode and self.keys is not None:
-            self._grow_for(self.columns)
-
-    def _grow_for(self, rows: int) -> None:
-        """Room for `rows` positions per sequence in every buffer (a decode step's token)."""
-        self.keys = grow_rows(self.keys, rows, self.keys, self.max_length, reserved=self.reserved)
-        self.values = grow_rows(self.values, rows, self.values, self.max_length, reserved=self.reserved)
-        if self.cis is not None:
-            self.cis = grow_rows(self.cis, rows, self.cis, self.max_length, reserved=self.reserved)
-        self._grow_windows_for(rows)
-
-    def _grow_windows_for(self, rows: int) -> None:
+    def grow_windows_for(self, rows: int) -> None:
         """Room for the window indexes of `rows` positions."""
         if self.kernel is None or self._windows_fit(rows):
             return
@@ -607,19 +838,7 @@ class SparseCacheLayer(CacheLayerMixin):
                 return False
         return True
 
-    def _append_one(
-        self, keys: torch.Tensor, values: torch.Tensor, cis: torch.Tensor | None, pos: torch.Tensor
-    ) -> None:
-        """A decode step without host syncs: keys/values [B, H, d], cis [B, H] or None, pos [B]
-        (-1 = padding).  `prepare` made room for the token; a padding row writes back what it
-        read, so no row selection is needed."""
-        valid, index = pos >= 0, pos.clamp(min=0)
-        for buffer, new in ((self.keys, keys), (self.values, values), (self.cis, cis)):
-            if new is not None:
-                put_rows(buffer, index, new, valid)
-        self._advance(pos, valid, self.keys, self.cis)
-
-    def _advance(
+    def advance(
         self,
         pos: torch.Tensor,
         valid: torch.Tensor,
@@ -629,7 +848,7 @@ class SparseCacheLayer(CacheLayerMixin):
     ) -> None:
         """After a decode step stored its token at pos [B] (valid: pos >= 0): the lengths (in place:
         a fixed address) and the windows it completed, pooled from key_source / cis_source (the
-        layer's rows by position, or an offloaded layer's ring)."""
+        store's rows by position, or an offloaded store's ring)."""
         old_lengths = self.lengths.clone()
         self.lengths.copy_(torch.where(valid, torch.maximum(old_lengths, pos + 1), old_lengths))
         for window in self.windows:
@@ -637,7 +856,7 @@ class SparseCacheLayer(CacheLayerMixin):
             if source is not None:
                 window.extend_one(old_lengths, self.lengths, source, ring)
 
-    def _extend_compressed(
+    def extend_windows(
         self, old_lengths: torch.Tensor, key_source: torch.Tensor, cis_source: torch.Tensor | None
     ) -> None:
         """Pool the windows completed by the last append into every window index, per sequence (no
@@ -663,75 +882,62 @@ class SparseCacheLayer(CacheLayerMixin):
         longest, index = self._longest(key_count), self.index
         ckeys = index["ckeys"].view(longest)
         coarse = None if self.coarse is None else index["coarse_keys"].view(longest)
-        pooled = index["pooled_cis"].buffer
-        return ckeys, coarse, None if pooled is None else pooled[:, : ckeys.shape[1]]
+        pooled = index.get("pooled_cis")
+        return ckeys, coarse, None if pooled is None or not pooled.made else pooled.view(longest)
 
     def capacity_rows(self) -> int:
-        """Positions per sequence the layer's buffers hold now (what a decode step may score)."""
-        return 0 if self.keys is None else self.keys.shape[1]
+        """Positions per sequence the store holds now (what a decode step may score)."""
+        return self.store.capacity_rows(self)
 
     def decode_index(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, int]:
         """What a decode step scores, at fixed shapes: the compressed keys [B, C, H, d], the coarse
         keys or None and the pooled CIS or None, whole as allocated (visibility masks the windows
         not yet complete), and the rows they span (`capacity_rows`).  Changes only when a buffer
         grows, which a reserved or max_length cache never does while decoding."""
-        index = self.index
-        coarse = index.get("coarse_keys")
-        return (index["ckeys"].buffer, None if coarse is None else coarse.buffer, index["pooled_cis"].buffer,
-                self.capacity_rows())
+        rows, index = self.store.capacity_rows(self), self.index
+        coarse, pooled = index.get("coarse_keys"), index.get("pooled_cis")
+        return (index["ckeys"].whole(rows), None if coarse is None else coarse.whole(rows),
+                None if pooled is None else pooled.whole(rows), rows)
 
     def key_bounds(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Quest's index: per complete block the per-channel min and max key, each [B, NBc, H, d], whole as
         allocated (fixed shapes; blocks not yet complete are masked by the scoring).  Kept only by a cache
-        built for the quest selector."""
-        low, high = (_buffer(self.index, name) for name in ("block_lo", "block_hi"))
-        if low is None:
-            raise ValueError(
-                "this cache keeps no block key bounds: build the cache while sparse_config.selector is 'quest' "
-                "(or SparseCache(..., selector='quest'))"
-            )
-        return low, high
+        built for a selector whose `key_bounds` is set."""
+        low, high = self.index.get("block_lo"), self.index.get("block_hi")
+        if low is None or not low.made:
+            raise self.store.missing_bounds()
+        rows = self.capacity_rows()
+        return low.whole(rows), high.whole(rows)
 
     def plan(self, selection: torch.Tensor) -> Plan:
-        """Resident cache: nothing to move.  The `Plan` of selection [B, H, K] (-1 = none), with the
-        share of this step's stored blocks it reads (a device scalar: no sync while decoding)."""
-        stored = (-(-self.lengths.clamp(min=1) // self.block_size)).sum() * selection.shape[1]
-        self.last_plan = Plan(selection, share=(selection >= 0).sum() / stored)
+        """The store's `Plan` for selection [B, H, K] (-1 = none): what the decode attention will read,
+        with the fetch a runtime store starts here."""
+        self.last_plan = self.store.plan(self, selection)
         return self.last_plan
 
     def record_plan(self) -> None:
-        """After the call, on the host side: the last plan's share into `block_shares`."""
+        """After the call, on the host side: the last plan's counters into the store's step log and
+        its share into `block_shares`."""
         plan, self.last_plan = self.last_plan, None
+        self.store.record(self, plan)
         if plan is not None and plan.share is not None:
             self.block_shares.append(plan.share)
 
-    def blocks(self, selection: torch.Tensor):
-        """Gather the blocks of selection [B, H, K] (-1 = none) -> keys, values [B, H, K*bs, d], key
-        positions [B, H, K*bs] (-1 = not a key), bias [B, H, K*bs] or None."""
-        return gather_blocks(self.keys, self.values, self.cis, selection, self.lengths, self.block_size)
-
     def decode_attention(self, q: torch.Tensor, plan: Plan) -> torch.Tensor:
-        """One decode token per sequence, q [B, 1, Hq, d], over the planned blocks -> [B, 1, Hq, d]: the
-        `sparse_decode_blocks` kernel reading the blocks in place (no gather copy, no host sync), or
-        a gather + masked SDPA (`kernels.decode_kernels` decides).  Keys are those stored (position
-        < length), which at a decode step is every key up to the token."""
-        if self.kernels.decode_kernels:
-            return self.kernels.sparse_decode_blocks(
-                q[:, 0], self.keys, self.values, plan.selection, self.lengths, self.block_size, bias=self.cis,
-                check_ids=False,
-            )[0].unsqueeze(1)
-        return attend_gathered(
-            q,
-            *gather_blocks(self.keys, self.values, self.cis, plan.selection, self.lengths, self.block_size),
-            self.lengths,
-        )
+        """One decode token per sequence, q [B, 1, Hq, d], over the planned blocks -> [B, 1, Hq, d]
+        (the store's kernel or gather)."""
+        return self.store.decode_attention(self, q, plan)
 
     # -- full views (prefill and dense paths) ----------------------------------------------------
     def full(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
-        """K, V [B, S, H, d], CIS [B, S, H] or None, and S = the longest stored sequence."""
+        """K, V [B, S, H, d], CIS [B, S, H] or None, and S = the longest stored sequence, on the device."""
         rows = self._longest(None)
-        cis = None if self.cis is None else self.cis[:, :rows]
-        return self.keys[:, :rows], self.values[:, :rows], cis, rows
+        return (*self.store.full(self, rows), rows)
+
+    @property
+    def offloaded(self) -> bool:
+        """Whether the store keeps the rows on the host (the runtime's reports count by it)."""
+        return self.store.offloaded
 
 
 def attend_gathered(

@@ -5,7 +5,9 @@ tokens of several requests) through the model.  `vllm_plugin.py` registers the m
 Nothing here imports vLLM at import time.
 """
 
-from .paged import LayerPages, PagedCacheLayer, PagedSparseCache, check_page_geometry
+from .paged import LayerPages, PagedRows, PagedSparseCache, check_page_geometry, paged_layer
 from .step import EngineBatch, forward_paged
 
-__all__ = ["EngineBatch", "LayerPages", "PagedCacheLayer", "PagedSparseCache", "check_page_geometry", "forward_paged"]
+__all__ = [
+    "EngineBatch", "LayerPages", "PagedRows", "PagedSparseCache", "check_page_geometry", "forward_paged", "paged_layer",
+]

@@ -161,7 +161,7 @@ class PageOffload:
 
     # -- pieces ---------------------------------------------------------------------------------------
     def block_bytes(self, layer: int) -> int:
-        """Bytes of one block of one KV head: K, V and NOSA's CIS rows (`OffloadedLayer.block_bytes`)."""
+        """Bytes of one block of one KV head: K, V and NOSA's CIS rows (`OffloadedRows.block_bytes`)."""
         pool = self.pools[layer]
         row = sum(x.shape[-1] * x.element_size() for x in (pool.keys, pool.values))
         if pool.cis is not None:

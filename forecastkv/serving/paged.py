@@ -2,8 +2,9 @@
 
 A serving engine keeps every sequence's K/V in fixed-size pages of one pool per layer and hands
 each forward call a block table (sequence -> its pages) and each sequence's stored length.
-`PagedCacheLayer` reads and writes those pages, so `SparseAttention` (the same selection, the same
-attention ops as `generate()`) runs unchanged on top of them.
+`PagedRows`, the `KVStore` of a `SparseCacheLayer` (`paged_layer`), reads and writes those pages,
+so `SparseAttention` (the same selection, the same attention ops as `generate()`) runs unchanged on
+top of them.
 
 forecastkv's window indexes (compressed keys, NOSA's pooled CIS, coarse keys) are kept
 incrementally beside the pages in `LayerPages.windows`, one slot per compression window, filed
@@ -25,6 +26,7 @@ from ..errors import ConfigError
 from ..modeling import selection as sel
 from ..modeling.cache import (
     CallInfo,
+    Plan,
     SparseCache,
     SparseCacheLayer,
     WindowIndex,
@@ -118,42 +120,87 @@ def page_slots(table: torch.Tensor, positions: torch.Tensor, page: int) -> tuple
     return pages, positions.clamp(min=0) % page
 
 
-class PagedCacheLayer(SparseCacheLayer):
-    """`CacheLayer` over one layer's `LayerPages` for the B sequences of one engine call.
+@dataclass
+class PagedWindows(WindowIndex):
+    """A `WindowIndex` whose windows live in the pages' slots (`LayerPages.windows[name]`), read and
+    filed through the call's block table [B, nb] (`PagedRows.table`): the same pooling (`compress_windows`
+    over the same rows) as the resident index, another place to keep it."""
 
-    table [B, nb] int64 page ids per sequence; lengths: stored positions per sequence before the
-    call (host ints).  Selection, planning and the step logs are `SparseCacheLayer`'s; what is
-    stored where is the pages'.  Only for this call: the engine owns the pages between calls."""
+    rows: "PagedRows | None" = None
 
-    def __init__(
-        self,
-        pages: LayerPages,
-        table: torch.Tensor,
-        lengths: list[int],
-        sparse,
-        block_size: int | None,
-        tier=None,
-        index: int = 0,
-    ):
-        kernel, coarse = window_geometry(sparse)
-        super().__init__(*(kernel or (None, None)), coarse=coarse, block_size=block_size)
+    @property
+    def made(self) -> bool:
+        return True
+
+    def view(self, rows: int) -> torch.Tensor:
+        """The first windows of `rows` positions per sequence [B, C, H, ...], read from their slots;
+        windows a sequence has not completed read a stale slot, which visibility masks."""
+        count = sel.num_compressed(rows, self.size, self.stride)
+        store = self.rows
+        end = torch.arange(count, device=store.table.device) * self.stride + self.size - 1
+        page_ids, offsets = page_slots(store.table, end.expand(store.table.shape[0], -1), store.pages.page)
+        return store.pages.windows[self.name][page_ids, slot_of(offsets, self.stride)]
+
+    def whole(self, rows: int) -> torch.Tensor:
+        """A paged index has no buffer of its own: the windows of the `rows` stored positions."""
+        return self.view(rows)
+
+    def file(self, old_lengths: torch.Tensor, lengths: torch.Tensor) -> None:
+        """Each window completed between old_lengths and lengths [B], pooled from the pages, into its slot."""
+        store, size, stride = self.rows, self.size, self.stride
+        ids, valid, rows = window_rows(old_lengths, lengths, size, stride)
+        if not ids.shape[1]:
+            return
+        source = store.pages.cis if self.source == "cis" else store.pages.keys
+        gathered = store.rows_at(source, rows)  # [B, W * size, H, ...]
+        local = torch.arange(rows.shape[1] * size, device=rows.device).view(1, rows.shape[1], size)
+        windows = compress_windows(gathered, local.expand(rows.shape[0], -1, -1), self.dtype, reduce=self.reduce)
+        end = ids * stride + size - 1
+        page_ids, offsets = page_slots(store.table, end, store.pages.page)
+        b, w = valid.nonzero(as_tuple=True)
+        target = store.pages.windows[self.name]
+        target[page_ids[b, w], slot_of(offsets[b, w], stride)] = windows[b, w].to(target.dtype)
+
+    def emptied(self) -> "PagedWindows":
+        return self
+
+    def forked(self, repeats: int = 1) -> "PagedWindows":
+        raise NotImplementedError("an engine call's paged view is not forked: the engine shares its pages")
+
+    def reordered(self, beam_idx: torch.Tensor) -> None:
+        raise NotImplementedError("an engine call's paged view is not reordered: the engine owns its block tables")
+
+
+class PagedRows:
+    """The `KVStore` over one layer's `LayerPages` for the B sequences of one engine call.
+
+    table [B, nb] int64 page ids per sequence; lengths_before [B]: stored positions per sequence
+    before the call; tier: forecast-offload's `serving/page_offload.py:PageOffload` (loads this layer's
+    planned blocks into the pages) or None; index: the layer's number.  Only for this call: the engine
+    owns the pages between calls."""
+
+    offloaded = False
+    log = None
+    d2h_bytes = h2d_other = 0
+
+    def __init__(self, pages: LayerPages, table: torch.Tensor, tier=None, index: int = 0) -> None:
         self.pages, self.table = pages, table.to(pages.keys.device, torch.long)
-        self.dtype, self.device = pages.keys.dtype, pages.keys.device
-        self.kernels = kernels.kernel_set(self.device)
-        self.lengths = torch.tensor(lengths, dtype=torch.long, device=self.device)
-        self.lengths_before = self.lengths  # what the call started from (the tier files slot maps by it)
-        # nothing stored yet: the call is a prefill, as a fresh SparseCache's first call is
-        self.host_lengths = list(lengths) if any(lengths) else None
-        self.is_initialized = True
-        # forecast-offload: the runtime that loads this layer's planned blocks (`serving/page_offload.py`)
         self.tier, self.index, self.decoding = tier, index, False
+        self.lengths_before: torch.Tensor | None = None
 
-    def prepare(self, step: CallInfo, columns: int) -> None:
-        super().prepare(step, columns)
+    def windows(self) -> list[PagedWindows]:
+        """The layer's window indexes, kept in the pages."""
+        return [PagedWindows(**vars(index), rows=self) for index in self.pages.indexes.values()]
+
+    def emptied(self) -> "PagedRows":
+        return self
+
+    def allocate(self, layer, keys, cis) -> None:
+        """The engine allocated the pages before the call."""
+
+    def make_room(self, layer, step: CallInfo) -> None:
+        """Nothing to grow: the engine allocated the pages before the call."""
         self.decoding = step.decode and not step.any_dense
-
-    def _make_room(self, step: CallInfo) -> None:
-        """The engine allocated the pages before the call: nothing to grow."""
 
     def _need_table(self, rows: int) -> None:
         page = self.pages.page
@@ -161,12 +208,9 @@ class PagedCacheLayer(SparseCacheLayer):
             raise ValueError(f"the block table holds {self.table.shape[1]} pages of {page}, not {rows} positions")
 
     # -- storing ------------------------------------------------------------------------------------
-    def append(self, keys, values, cis, positions, step: CallInfo | None = None) -> None:
+    def append(self, layer, keys, values, cis, positions, step: CallInfo) -> None:
         """Store keys/values [B, n, H, d] (cis [B, n, H]) at positions [B, n] (-1 = padding) in their
-        pages, then file the windows they complete (`_file_windows`)."""
-        step = self.step_for(positions) if step is None else step
-        if not step.prepared:
-            self.prepare(step, positions.shape[1])
+        pages, then file the windows they complete (`PagedWindows.file`)."""
         self._need_table(max(step.lengths_after, default=0))
         valid = positions >= 0
         b_idx, col = valid.nonzero(as_tuple=True)
@@ -180,29 +224,12 @@ class PagedCacheLayer(SparseCacheLayer):
                 pool[page_ids, heads, offsets] = row.to(pool.dtype)
         if self.tier is not None:
             self.tier.write_through(self.index, page_ids.view(-1), offsets.view(-1), *rows)
-        old = self.lengths
-        self.lengths = torch.tensor(step.lengths_after, dtype=torch.long, device=self.device)
-        self._file_windows(old)
+        old = layer.lengths
+        layer.lengths = torch.tensor(step.lengths_after, dtype=torch.long, device=self.table.device)
+        for window in layer.windows:
+            window.file(old, layer.lengths)
 
-    def _file_windows(self, old_lengths: torch.Tensor) -> None:
-        """Each window completed since old_lengths [B], pooled as `SparseCacheLayer._extend` pools it
-        (`compress_windows` over the same rows), into its slot."""
-        for name, index in self.pages.indexes.items():
-            size, stride = index.size, index.stride
-            ids, valid, rows = window_rows(old_lengths, self.lengths, size, stride)
-            if not ids.shape[1]:
-                continue
-            source = self.pages.cis if index.source == "cis" else self.pages.keys
-            gathered = self._rows(source, rows)  # [B, W * size, H, ...]
-            local = torch.arange(rows.shape[1] * size, device=rows.device).view(1, rows.shape[1], size)
-            windows = compress_windows(gathered, local.expand(rows.shape[0], -1, -1), index.dtype, reduce=index.reduce)
-            end = ids * stride + size - 1
-            page_ids, offsets = page_slots(self.table, end, self.pages.page)
-            b, w = valid.nonzero(as_tuple=True)
-            target = self.pages.windows[name]
-            target[page_ids[b, w], slot_of(offsets[b, w], stride)] = windows[b, w].to(target.dtype)
-
-    def _rows(self, source: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def rows_at(self, source: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """source [P, H, page, ...] at positions [B, ...] -> [B, n, H, ...] (n = positions per sequence)."""
         page_ids, offsets = page_slots(self.table, positions, self.pages.page)
         flat_pages, flat_offsets = page_ids.reshape(page_ids.shape[0], -1), offsets.reshape(offsets.shape[0], -1)
@@ -210,49 +237,28 @@ class PagedCacheLayer(SparseCacheLayer):
         return source[flat_pages, :, flat_offsets]
 
     # -- reading --------------------------------------------------------------------------------------
-    def _window_index(self, name: str, count: int) -> torch.Tensor:
-        """The first `count` windows of index `name` per sequence [B, count, H, ...] (read from their
-        slots; windows a sequence has not completed read a stale slot, which visibility masks)."""
-        size, stride = self.pages.strides[name]
-        end = torch.arange(count, device=self.device) * stride + size - 1
-        page_ids, offsets = page_slots(self.table, end.expand(self.table.shape[0], -1), self.pages.page)
-        return self.pages.windows[name][page_ids, slot_of(offsets, stride)]
+    def capacity_rows(self, layer) -> int:
+        return layer._longest(None)
 
-    def compressed(self, key_count: int | None = None) -> tuple:
-        """(compressed keys [B, C, H, d], coarse keys or None, pooled CIS [B, C, H] or None) up to the
-        longest sequence (`SparseCacheLayer.compressed`)."""
-        longest = self._longest(key_count)
-        count = sel.num_compressed(longest, *self.kernel)
-        ckeys = self._window_index("ckeys", count)
-        coarse = None
-        if self.coarse is not None:
-            coarse = self._window_index("coarse_keys", sel.num_compressed(longest, *self.coarse))
-        pooled = self._window_index("pooled_cis", count) if "pooled_cis" in self.pages.windows else None
-        return ckeys, coarse, pooled
-
-    def capacity_rows(self) -> int:
-        return self._longest(None)
-
-    def decode_index(self) -> tuple:
-        return (*self.compressed(), self.capacity_rows())
-
-    def key_bounds(self):
-        raise ConfigError("the paged cache keeps no Quest block key bounds: serve with the query or forecast selector")
-
-    def plan(self, selection: torch.Tensor):
-        """`SparseCacheLayer.plan`; at a decode step with a host tier, the load of the blocks of
-        selection [B, H, K] it misses starts here (a layer ahead under the forecast selector)."""
-        plan = super().plan(selection)
+    def plan(self, layer, selection: torch.Tensor) -> Plan:
+        """The resident `Plan` (nothing to move on the device); at a decode step with a host tier, the
+        load of the blocks of selection [B, H, K] it misses starts here (a layer ahead under a selector
+        that plans ahead)."""
+        stored = (-(-layer.lengths.clamp(min=1) // layer.block_size)).sum() * selection.shape[1]
+        plan = Plan(selection, share=(selection >= 0).sum() / stored)
         if self.tier is not None and self.decoding:
-            self.tier.request(self.index, self.table, self.lengths_before, self.lengths, selection)
+            self.tier.request(self.index, self.table, self.lengths_before, layer.lengths, selection)
         return plan
 
-    def decode_attention(self, q: torch.Tensor, plan) -> torch.Tensor:
+    def record(self, layer, plan) -> None:
+        """No step log: the engine's connector counts its own loads."""
+
+    def decode_attention(self, layer, q: torch.Tensor, plan) -> torch.Tensor:
         """One token per sequence, q [B, 1, Hq, d], over the planned blocks read from their pages ->
-        [B, 1, Hq, d] (`attend_gathered`, as the resident layer's CPU path)."""
+        [B, 1, Hq, d] (`attend_gathered`, as the resident store's CPU path)."""
         if self.tier is not None:
             self.tier.wait(self.index)
-        pos, exists = block_rows(plan.selection, self.block_size, self.lengths)  # [B, H, K*bs]
+        pos, exists = block_rows(plan.selection, layer.block_size, layer.lengths)  # [B, H, K*bs]
         page_ids, offsets = page_slots(self.table, pos, self.pages.page)
         heads = torch.arange(pos.shape[1], device=pos.device).view(1, -1, 1)
         missing = ~exists.unsqueeze(-1)
@@ -261,22 +267,61 @@ class PagedCacheLayer(SparseCacheLayer):
         bias = None
         if self.pages.cis is not None:
             bias = self.pages.cis[page_ids, heads, offsets].masked_fill(~exists, 0.0)
-        return attend_gathered(q, k, v, pos.masked_fill(~exists, -1), bias, self.lengths)
+        return attend_gathered(q, k, v, pos.masked_fill(~exists, -1), bias, layer.lengths)
 
-    def full(self) -> tuple:
-        """(keys, values [B, S, H, d], cis [B, S, H] or None, S): every stored row, read from the pages;
-        rows past a sequence's length are zero (a stale page row must not reach the softmax)."""
-        rows = self._longest(None)
-        positions = torch.arange(rows, device=self.device).expand(self.table.shape[0], -1)
-        stale = (positions >= self.lengths.view(-1, 1)).unsqueeze(-1)
-        keys = self._rows(self.pages.keys, positions).masked_fill(stale.unsqueeze(-1), 0.0)
-        values = self._rows(self.pages.values, positions).masked_fill(stale.unsqueeze(-1), 0.0)
-        cis = None if self.pages.cis is None else self._rows(self.pages.cis, positions).masked_fill(stale, 0.0)
-        return keys, values, cis, rows
+    def full(self, layer, rows: int) -> tuple:
+        """(keys, values [B, rows, H, d], cis [B, rows, H] or None): every stored row, read from the
+        pages; rows past a sequence's length are zero (a stale page row must not reach the softmax)."""
+        positions = torch.arange(rows, device=self.table.device).expand(self.table.shape[0], -1)
+        stale = (positions >= layer.lengths.view(-1, 1)).unsqueeze(-1)
+        keys = self.rows_at(self.pages.keys, positions).masked_fill(stale.unsqueeze(-1), 0.0)
+        values = self.rows_at(self.pages.values, positions).masked_fill(stale.unsqueeze(-1), 0.0)
+        cis = None if self.pages.cis is None else self.rows_at(self.pages.cis, positions).masked_fill(stale, 0.0)
+        return keys, values, cis
+
+    def crop(self, layer) -> None:
+        raise NotImplementedError("an engine call's paged view is not cropped: the engine frees its pages")
+
+    def reorder(self, beam_idx) -> None:
+        raise NotImplementedError("an engine call's paged view is not reordered: the engine owns its block tables")
+
+    def forked(self, layer, repeats: int):
+        raise NotImplementedError("an engine call's paged view is not forked: the engine shares its pages")
+
+    def device_tensors(self) -> dict:
+        """None of its own: the pages are the engine's."""
+        return {}
+
+    def host_nbytes(self) -> int:
+        return 0
+
+    def block_bytes(self) -> int:
+        return 0
+
+    def missing_bounds(self) -> Exception:
+        return ConfigError("the paged cache keeps no Quest block key bounds: serve with the query or forecast selector")
+
+
+def paged_layer(pages: LayerPages, table: torch.Tensor, lengths: list[int], sparse, tier=None, index: int = 0):
+    """A `SparseCacheLayer` over one layer's pages (`PagedRows`) for the B sequences of one engine call:
+    lengths are the stored positions per sequence before the call (host ints)."""
+    store = PagedRows(pages, table, tier, index)
+    kernel, coarse = window_geometry(sparse)
+    block = sparse.block_size if sparse is not None else None
+    layer = SparseCacheLayer(*(kernel or (None, None)), coarse=coarse, block_size=block, store=store,
+                             windows=store.windows())
+    layer.dtype, layer.device = pages.keys.dtype, pages.keys.device
+    layer.kernels = kernels.kernel_set(layer.device)
+    layer.lengths = store.lengths_before = torch.tensor(lengths, dtype=torch.long, device=layer.device)
+    # nothing stored yet: the call is a prefill, as a fresh SparseCache's first call is
+    layer.host_lengths = list(lengths) if any(lengths) else None
+    layer.is_initialized = True
+    return layer
 
 
 class PagedSparseCache(SparseCache):
-    """A `SparseCache` whose layers are `PagedCacheLayer`s: one engine call's view of the pages.
+    """A `SparseCache` whose layers keep their rows and window indexes in pages (`paged_layer`): one
+    engine call's view of the pages.
 
     config: the model's; pages: one `LayerPages` per layer; table [B, nb] page ids per sequence;
     lengths: stored positions per sequence before the call (host ints); tier: a
@@ -289,10 +334,9 @@ class PagedSparseCache(SparseCache):
         self.tier = tier
         super().__init__(config, selector=selector)
 
-    def _make_layer(self, config, sparse, idx: int, max_length: int | None) -> PagedCacheLayer:
+    def _make_layer(self, config, sparse, idx: int, max_length: int | None) -> SparseCacheLayer:
         pages, table, lengths, tier = self._paged
-        block = sparse.block_size if sparse is not None else None
-        return PagedCacheLayer(pages[idx], table, lengths, sparse, block, tier=tier, index=idx)
+        return paged_layer(pages[idx], table, lengths, sparse, tier=tier, index=idx)
 
     def begin_call(self, positions: torch.Tensor, sparse, input_ids: torch.Tensor | None = None) -> CallInfo:
         step = super().begin_call(positions, sparse, input_ids)
@@ -308,5 +352,5 @@ class PagedSparseCache(SparseCache):
         if getattr(self, "_tier_step", False):
             pages, table, before, _ = self._paged
             self.tier.end_decode(
-                self.layers[0].table, torch.tensor(before, device=table.device), self.layers[0].lengths
+                self.layers[0].store.table, torch.tensor(before, device=table.device), self.layers[0].lengths
             )

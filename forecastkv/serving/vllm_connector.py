@@ -9,7 +9,7 @@ The worker side owns a `serving/page_offload.py:PageOffload` over vLLM's page po
 runtime of `generate()` (its manager's `plan_loads`, its `TransferWorker` and pinned
 `HostBlockPool`s) run over the pages.  Every stored row is written through to the host with the
 UVA row store, layer m's Forecast plan starts the load of layer m+1's missed blocks on the worker's
-side stream through the UVA block gather, straight into the pages (`PagedCacheLayer.plan`), and
+side stream through the UVA block gather, straight into the pages (`PagedRows.plan`), and
 `wait_for_layer_load(m + 1)` is where layer m+1's attention starts: the stream waits for that load
 and it records whether the load was requested before it.  The scheduler side
 loads nothing from outside (no external prefix cache): every method says so.
@@ -200,7 +200,7 @@ class ForecastLookaheadConnector(KVConnectorBase_V1):
         return LookaheadPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
-        """Rows are written through to the host as they are stored (`PagedCacheLayer.append`)."""
+        """Rows are written through to the host as they are stored (`PagedRows.append`)."""
 
     def wait_for_save(self) -> None:
         """The write-through is ordered on the current stream (UVA writes on CUDA, synchronous on the CPU)."""

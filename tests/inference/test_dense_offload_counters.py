@@ -24,7 +24,7 @@ def test_dense_offload_counts_each_decode_step(sparse):
     stats = cache.stats()
     # generate() makes new_tokens - 1 decode steps after the prefill
     assert stats["decode_steps"] == new_tokens - 1
-    row_bytes = sum(layer.host.row_bytes() for layer in cache.layers if layer.offloaded)
+    row_bytes = sum(layer.store.host.row_bytes() for layer in cache.layers if layer.offloaded)
     batch, prompt = ids.shape
     # step k copies every stored row of every sequence (the longest sequence's rows, all sequences): prompt + k + 1 rows
     expected = [(prompt + k + 1) * row_bytes * batch for k in range(new_tokens - 1)]

@@ -34,13 +34,18 @@ class OpShapes(TorchDispatchMode):
 
 
 def buffers(cache) -> dict:
-    """(layer, name) -> (shape, address) of every tensor a cache layer holds."""
+    """(layer, name) -> (shape, address) of every tensor a cache layer holds: its own, its store's, its
+    window indexes' and its host store's."""
     out = {}
     for i, layer in enumerate(cache.layers):
-        for name, value in vars(layer).items():
-            if isinstance(value, torch.Tensor):
-                out[(i, name)] = (tuple(value.shape), value.data_ptr())
-        host = getattr(layer, "host", None)
+        for prefix, part in (("", layer), ("store.", layer.store)):
+            for name, value in vars(part).items():
+                if isinstance(value, torch.Tensor):
+                    out[(i, prefix + name)] = (tuple(value.shape), value.data_ptr())
+        for window in layer.windows:
+            if window.buffer is not None:
+                out[(i, "window." + window.name)] = (tuple(window.buffer.shape), window.buffer.data_ptr())
+        host = getattr(layer.store, "host", None)
         if host is not None:
             for name in ("keys", "values", "cis"):
                 tensor = getattr(host, name)
@@ -105,10 +110,10 @@ def test_the_check_sees_a_growing_buffer():
     cache.reserve(ids.shape[1])  # room for the prompt only: decode regrows in chunks
     with torch.no_grad():
         token = model(input_ids=ids, attention_mask=mask, **{CACHE_KWARG: cache}).logits[:, -1:].argmax(-1)
-        before = buffers(cache)[(1, "keys")]
+        before = buffers(cache)[(1, "store.keys")]
         mask = torch.cat([mask, mask.new_ones(2, 1)], dim=1)
         model(input_ids=token, attention_mask=mask, **{CACHE_KWARG: cache})
-    assert buffers(cache)[(1, "keys")] != before
+    assert buffers(cache)[(1, "store.keys")] != before
 
 
 @pytest.mark.parametrize(
@@ -150,7 +155,7 @@ def test_gather_programs_default_and_override():
     cache = OffloadedSparseCache.for_model(model, mode="forecast-offload", gather_programs=3)
     with torch.no_grad():
         model(input_ids=ids, attention_mask=mask, **{CACHE_KWARG: cache})
-    assert {layer.gather_programs for layer in cache.layers if layer.offloaded} == {3}
+    assert {layer.store.gather_programs for layer in cache.layers if layer.offloaded} == {3}
     with pytest.raises(ValueError, match=r"gather_programs must be a positive integer or None .* got 0"):
         OffloadedSparseCache.for_model(model, gather_programs=0)
 

@@ -186,14 +186,15 @@ def test_device_bytes_are_o_budget():
         )
         own_sum = 0
         for layer in cache.layers:
+            store = layer.store
             assert (
-                layer.k_slots.shape == (2, rows, heads, d)
-                and layer.k_ring.shape == (2, ring, heads, d)
-                and layer.staged is None
+                store.k_slots.shape == (2, rows, heads, d)
+                and store.k_ring.shape == (2, ring, heads, d)
+                and store.staged is None
             )
             own_sum += sum(
                 t.numel() * t.element_size()
-                for t in (layer.k_slots, layer.v_slots, layer.bias_slots, layer.block_map, layer.k_ring, layer.cis_ring)
+                for t in (store.k_slots, store.v_slots, store.bias_slots, store.block_map, store.k_ring, store.cis_ring)
             )
         assert own_sum == per_layer * config.num_hidden_layers == cache.device_nbytes()
         assert cache.host_nbytes() >= 2 * length * heads * d * 2 * 4 * config.num_hidden_layers
@@ -206,7 +207,7 @@ def test_max_length_preallocates_and_limits():
     ids, mask = left_padded([40])
     cache = OffloadedSparseCache.for_model(model, max_length=60)
     generate(model, ids, mask, cache, new_tokens=5)
-    assert all(layer.host.capacity == 60 for layer in cache.layers if layer.offloaded)
+    assert all(layer.store.host.capacity == 60 for layer in cache.layers if layer.offloaded)
     with pytest.raises(ValueError, match="sequence of 61 tokens exceeds this cache's max_length=60"):
         generate(model, ids, mask, OffloadedSparseCache.for_model(model, max_length=60), new_tokens=30)
 
@@ -250,8 +251,8 @@ def test_counters_equal_a_set_based_replay(mode):
     for idx, layer in enumerate(cache.layers):
         if not layer.offloaded:
             continue
-        expected = replay_slot_cache(layer.log.selections, layer.budget)
-        assert layer.log.table().tolist() == [list(row) for row in expected]
+        expected = replay_slot_cache(layer.store.log.selections, layer.store.budget)
+        assert layer.store.log.table().tolist() == [list(row) for row in expected]
         misses = sum(row[2] for row in expected)
         assert stats["blocks_fetched_per_layer"][idx] == misses
         assert stats["hit_rate_per_layer"][idx] == pytest.approx(

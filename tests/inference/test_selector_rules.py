@@ -166,7 +166,7 @@ def test_quest_selects_the_blocks_of_the_largest_key_upper_bounds(cache_kind):
     )
     checked = 0
     for layer_idx in range(len(model.model.layers)):
-        keys = keys_cache.layers[layer_idx].keys
+        keys = keys_cache.layers[layer_idx].store.keys
         for records, entering, positions in steps[-1:]:
             q = layer_queries(model, layer_idx, entering[layer_idx], positions.view(-1, 1))
             ids_now = records[layer_idx]["selected"]
@@ -203,7 +203,7 @@ def test_quest_bounds_kept_incrementally_equal_the_bounds_of_the_stored_keys():
     decode_steps(model, offloaded, ids, mask, 3)
     for layer, off in zip(resident.layers, offloaded.layers):
         for b, length in enumerate(layer.host_lengths):
-            lo, hi = block_key_bounds(layer.keys[b : b + 1, :length], model.config.sparse.block_size)
+            lo, hi = block_key_bounds(layer.store.keys[b : b + 1, :length], model.config.sparse.block_size)
             blocks = lo.shape[1]
             for cache_layer in (layer, off):
                 low, high = cache_layer.key_bounds()
@@ -222,7 +222,7 @@ def test_oracle_selects_the_blocks_of_the_most_true_attention_mass():
         model.config.num_attention_heads // model.config.num_key_value_heads,
     )
     for layer_idx in range(len(model.model.layers)):
-        keys = cache.layers[layer_idx].keys
+        keys = cache.layers[layer_idx].store.keys
         records, entering, positions = steps[-1]
         q = layer_queries(model, layer_idx, entering[layer_idx], positions.view(-1, 1))
         for b, h in itertools.product(range(ids.shape[0]), range(heads)):
@@ -336,12 +336,12 @@ def test_top_p_bytes_are_the_missing_selected_blocks_bytes(selector, mode):
     for layer in cache.layers:
         if not layer.offloaded:
             continue
-        expected = replay_slot_cache(layer.log.selections, layer.budget)
-        assert layer.log.table().tolist() == [list(row) for row in expected]
+        expected = replay_slot_cache(layer.store.log.selections, layer.store.budget)
+        assert layer.store.log.table().tolist() == [list(row) for row in expected]
         block_bytes = layer.block_size * model.config.head_dim * 2 * 4
         for step, row in enumerate(expected):
             per_step[step] += row[2] * block_bytes
-        for selection, _ in layer.log.selections:
+        for selection, _ in layer.store.log.selections:
             assert selection.shape[-1] == model.config.sparse.budget_blocks  # the cap is the shape
             widths.update((selection >= 0).sum(-1).flatten().tolist())
     assert stats["h2d_bytes_per_step"] == per_step

@@ -196,7 +196,8 @@ def test_reference_equals_gathered_blocks_attended(with_cis, group):
     selection = torch.tensor([[[0, 3, -1], [1, 2, 3]], [[2, -1, -1], [0, 1, 2]]])
     q = torch.randn(batch, heads * group, dim)
     # the model's gather path: the selected blocks, then masked attention per query row
-    keys, values, key_pos, bias = gather_blocks(layer.keys, layer.values, layer.cis, selection, layer.lengths, block)
+    rows = layer.store
+    keys, values, key_pos, bias = gather_blocks(rows.keys, rows.values, rows.cis, selection, layer.lengths, block)
     positions = torch.tensor(lengths) - 1
     allowed = ((key_pos >= 0) & (key_pos <= positions.view(-1, 1, 1))).unsqueeze(2).expand(-1, -1, group, -1)
     expected = masked_attention(q.view(batch, heads, group, dim), keys, values, allowed, bias, group=1)

@@ -8,10 +8,11 @@ import inspect
 import pytest
 import torch
 
-from forecastkv.inference import OffloadedLayer, OffloadedSparseCache, ResidentLayer, RuntimePlan
+from forecastkv.inference import OffloadedRows, OffloadedSparseCache, RuntimePlan
 from forecastkv.modeling import selection as sel
-from forecastkv.modeling.cache import CacheLayer, CallInfo, Plan, SparseCache, SparseCacheLayer
+from forecastkv.modeling.cache import CacheLayer, CallInfo, KVStore, Plan, ResidentRows, SparseCache, SparseCacheLayer
 from forecastkv.modeling.configuration import SparseConfig
+from forecastkv.serving.paged import PagedRows
 from tests.helpers import tiny_model, tiny_sparse
 
 CONTRACT = ("append", "compressed", "decode_index", "plan", "decode_attention", "full")
@@ -52,13 +53,24 @@ def test_call_info_of_a_padded_prefill():
     assert CallInfo.from_positions(torch.arange(2, 5).view(1, -1), [2], None).contiguous()
 
 
-@pytest.mark.parametrize("layer_type", [SparseCacheLayer, ResidentLayer, OffloadedLayer])
-def test_every_cache_layer_implements_the_contract(layer_type):
-    """The six calls of `CacheLayer`, each a method of the layer with the contract's parameters."""
+def test_the_cache_layer_implements_the_contract():
+    """The six calls of `CacheLayer`, each a method of the one layer class with the contract's parameters."""
     for name in CONTRACT:
         mine = list(inspect.signature(getattr(CacheLayer, name)).parameters)
-        theirs = list(inspect.signature(getattr(layer_type, name)).parameters)
-        assert theirs[: len(mine)] == mine, (layer_type.__name__, name, theirs)
+        theirs = list(inspect.signature(getattr(SparseCacheLayer, name)).parameters)
+        assert theirs[: len(mine)] == mine, (name, theirs)
+
+
+@pytest.mark.parametrize("store_type", [ResidentRows, OffloadedRows, PagedRows])
+def test_every_store_implements_the_kv_store_protocol(store_type):
+    """Every call of `KVStore`, a method of each store with the protocol's parameters: the one part of a
+    layer that differs between tiers."""
+    calls = [name for name, value in vars(KVStore).items() if callable(value) and not name.startswith("_")]
+    assert {"append", "plan", "decode_attention", "full", "forked", "crop"} <= set(calls)
+    for name in calls:
+        mine = list(inspect.signature(getattr(KVStore, name)).parameters)
+        theirs = list(inspect.signature(getattr(store_type, name)).parameters)
+        assert theirs[: len(mine)] == mine, (store_type.__name__, name, theirs)
 
 
 @pytest.mark.parametrize("mode", [None, "forecast-offload", "dense-offload"])
@@ -79,11 +91,11 @@ def test_plans_carry_the_selection_and_runtime_plans_their_fetch(mode):
     budget = model.config.sparse.budget_blocks
     for layer, plan in zip(cache.layers, plans):
         assert isinstance(plan, Plan) and plan.selection.shape == (1, 2, budget)
-        assert isinstance(plan, RuntimePlan) == (mode is not None)
+        assert isinstance(plan, RuntimePlan) == layer.offloaded and (plan.counts is not None) == (mode is not None)
         if mode is not None:  # wanted: complete blocks (a resident layer's are all hits); never the tail
             selected = int((plan.selection >= 0).sum())
             wanted, hits = int(plan.counts[0]), int(plan.counts[1])
-            assert (wanted == hits == selected) if isinstance(layer, ResidentLayer) else wanted <= selected
+            assert (wanted == hits == selected) if not layer.offloaded else wanted <= selected
 
 
 def test_compiles_decode_is_the_cache_s_call():

@@ -8,8 +8,12 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
-from forecastkv.modeling.cache import CacheLayer
+from forecastkv.inference import OffloadedSparseCache
+from forecastkv.modeling.cache import CacheLayer, SparseCache, SparseCacheLayer
+from forecastkv.serving.paged import LayerPages, paged_layer
+from tests.helpers import tiny_model
 
 ROOT = Path(__file__).resolve().parents[2] / "forecastkv"
 SELECTORS = [f"selectors/{path.name}" for path in (ROOT / "selectors").glob("*.py")]
@@ -39,16 +43,23 @@ def test_the_check_sees_an_undeclared_member():
     assert "ring_rows" not in contract() and "key_bounds" in contract()
 
 
-@pytest.mark.parametrize(
-    "cls",
-    ["forecastkv.modeling.cache:SparseCacheLayer", "forecastkv.inference.layers:OffloadedLayer",
-     "forecastkv.inference.layers:ResidentLayer", "forecastkv.serving.paged:PagedCacheLayer"],
-)  # fmt: skip
-def test_every_cache_layer_provides_the_contract(cls):
-    import importlib
+def built_layer(store: str):
+    """Layer 1 of a tiny sparse model's cache of each tier."""
+    config = tiny_model({"policy": "infllmv2", "selector": "query"}).config
+    if store == "resident":
+        return SparseCache(config).layers[1]
+    if store == "offloaded":
+        return OffloadedSparseCache(config, mode="sparse-offload").layers[1]
+    pages = torch.zeros(4, config.num_key_value_heads, config.sparse.block_size, config.head_dim)
+    layer_pages = LayerPages.around(pages, pages.clone(), config.sparse, False)
+    return paged_layer(layer_pages, torch.zeros(1, 4), [0], config.sparse)
 
-    module, name = cls.split(":")
-    layer = getattr(importlib.import_module(module), name)
+
+@pytest.mark.parametrize("store", ["resident", "offloaded", "paged"])
+def test_every_cache_layer_provides_the_contract(store):
+    """Every tier's layer is the one `SparseCacheLayer`, composed with its tier's store."""
+    layer = built_layer(store)
+    assert type(layer) is SparseCacheLayer
     methods = {n for n, v in vars(CacheLayer).items() if callable(v) and not n.startswith("_")}
     assert all(callable(getattr(layer, method, None)) for method in methods), sorted(
         m for m in methods if not callable(getattr(layer, m, None))

@@ -85,8 +85,8 @@ def test_one_layer_from_tensors_equals_the_cache(policy, selector, prompt_length
 
     # the plain tensors: keys, values [B, S, H, d], NOSA's CIS [B, S, H]
     stored = int(lengths.max())
-    keys, values = layer.keys[:, :stored], layer.values[:, :stored]
-    cis = layer.cis[:, :stored] if policy == "nosa" else None
+    keys, values = layer.store.keys[:, :stored], layer.store.values[:, :stored]
+    cis = layer.store.cis[:, :stored] if policy == "nosa" else None
 
     ckeys = sel.compress_keys(keys, sparse.kernel_size, sparse.kernel_stride)
     assert ckeys.shape[1] == sel.num_compressed(stored, sparse.kernel_size, sparse.kernel_stride) > 0

@@ -93,7 +93,7 @@ def test_each_layer_selects_quests_blocks_for_the_forecast_vectors(heads_per_gro
     for records, entering, positions in steps:
         for layer_idx in range(len(model.model.layers)):
             vectors = forecast_vectors(model, layer_idx, entering, positions.view(-1, 1))
-            keys = keys_cache.layers[layer_idx].keys
+            keys = keys_cache.layers[layer_idx].store.keys
             for b in range(ids.shape[0]):
                 t = int(positions[b])
                 expected = loop_quest_forecast(vectors[b, 0].detach(), keys[b], t, sparse, heads)

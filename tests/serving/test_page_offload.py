@@ -133,11 +133,11 @@ def test_generate_and_the_pages_run_one_offload_runtime(monkeypatch):
     paged = set(map(id, calls["store_rows"] + calls["gather"]))
     _, cache = offloaded_counts(model, "forecast-offload", prompt, [0] * 4)
     offloaded = [layer for layer in cache.layers if layer.offloaded]
-    assert {type(engine.tier.worker)} == {type(layer.worker) for layer in offloaded} == {TransferWorker}
+    assert {type(engine.tier.worker)} == {type(layer.store.worker) for layer in offloaded} == {TransferWorker}
     assert {type(pool) for pool in engine.tier.host if pool is not None} == {HostBlockPool}
-    assert {type(layer.host.pool) for layer in offloaded} == {HostBlockPool}
+    assert {type(layer.store.host.pool) for layer in offloaded} == {HostBlockPool}
     ours = {id(engine.tier.worker)}
-    theirs = {id(layer.worker) for layer in offloaded}
+    theirs = {id(layer.store.worker) for layer in offloaded}
     assert paged == ours, "the page runtime moved rows outside its worker"
     for name, seen in calls.items():
         assert ours & set(map(id, seen)) and theirs & set(map(id, seen)), f"{name}: both paths must go through it"

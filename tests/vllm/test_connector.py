@@ -30,7 +30,7 @@ def test_connector_loads_what_the_forecast_plans(checkpoints):
     model = hf_model(path)
     expected, _ = hf_greedy(model, MODE, prompt, NEW_TOKENS)
     counts, cache = hf_runtime_counts(model, MODE, prompt, expected)
-    hf_bytes, block = counts["per_step"], cache.layers[1].block_bytes()
+    hf_bytes, block = counts["per_step"], cache.layers[1].store.block_bytes()
     layers = model.config.num_hidden_layers
     del model
 
@@ -47,8 +47,9 @@ def test_connector_loads_what_the_forecast_plans(checkpoints):
     # generate()'s offload runtime under the pages: its worker and its pinned-pool host tier
     from forecastkv.inference import HostBlockPool, TransferWorker
 
-    assert type(connector.tier.worker) is type(cache.layers[1].worker) is TransferWorker
-    assert {type(pool) for pool in connector.tier.host[1:]} == {type(cache.layers[1].host.pool)} == {HostBlockPool}
+    assert type(connector.tier.worker) is type(cache.layers[1].store.worker) is TransferWorker
+    pool_types = {type(pool) for pool in connector.tier.host[1:]}
+    assert pool_types == {type(cache.layers[1].store.host.pool)} == {HostBlockPool}
     del llm
     gc.collect()
 
