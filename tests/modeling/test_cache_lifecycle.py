@@ -91,3 +91,16 @@ def test_a_fork_decodes_as_the_original_and_leaves_it_alone(selector, policy, ki
         on_original = [model(steps[:, i : i + 1], **{CACHE_KWARG: cache}).logits[:, -1] for i in range(STEPS)]
     for got, want in zip(on_original, fresh(model, prompt, steps)[1:]):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("mode", ["no-offload", "sparse-offload"])
+def test_a_recording_cache_records_after_a_reset(mode):
+    """reset empties the store's step log but keeps it recording, in every store: the runtime's resident
+    layers once came back from a reset with recording off (their plans then went unrecorded)."""
+    model = model_for("query")
+    cache = OffloadedSparseCache.for_model(model, mode=mode, record_selections=True)
+    decode_logits(model, cache, tokens(11, PROMPT), tokens(12, STEPS))
+    cache.reset()
+    assert all(layer.store.log.selections == [] for layer in cache.layers)
+    decode_logits(model, cache, tokens(13, PROMPT), tokens(14, STEPS))
+    assert all(len(layer.store.log.selections) == STEPS for layer in cache.layers)
