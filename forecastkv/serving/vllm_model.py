@@ -1,5 +1,8 @@
 """`ForecastKVForVLLM`: a forecastkv checkpoint as a vLLM model, sparse attention over vLLM's pages.
 
+When nothing sparse runs and vLLM's own Llama computes the model exactly, vLLM's `LlamaForCausalLM`
+serves it instead (`serving/vllm_llama.py`: `ForecastKVForVLLM(...)` builds a `ForecastKVDenseLlama`).
+
 vLLM allocates and pages the KV cache, schedules requests (continuous batching, chunked prefill,
 prefix caching, n > 1) and samples; this class runs forecastkv's own decoder (the modules and ops
 `generate()` runs) on each call's tokens through `serving/step.py:forward_paged`, storing K/V in
@@ -34,6 +37,7 @@ from ..modeling.modeling import ForecastKVForCausalLM
 from ..modes import ATTENTION_MODES
 from .paged import LayerPages, check_page_geometry
 from .step import EngineBatch, forward_paged
+from .vllm_llama import ForecastKVDenseLlama, served_by_vllm_llama
 
 MODE_KEY = "forecastkv_mode"  # the hf_overrides key that picks the attention mode
 _PRINTED: set[str] = set()  # the errors this process has already printed as one line
@@ -109,6 +113,16 @@ def kv_page_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 class ForecastKVForVLLM(nn.Module):
     """vLLM's model interface (`forward`, `compute_logits`, `load_weights`) over `ForecastKVForCausalLM`."""
+
+    @one_line_errors
+    def __new__(cls, *, vllm_config, prefix: str = ""):
+        """vLLM's own Llama (a `ForecastKVDenseLlama`) where it computes the mode's model exactly
+        (`served_by_vllm_llama`: dense, no muP, plain rotary), else forecastkv's decoder over the pages."""
+        config = vllm_config.model_config.hf_config
+        apply_mode(config, getattr(vllm_config.model_config, "model", None) or "SRC")  # idempotent
+        if served_by_vllm_llama(config):
+            return ForecastKVDenseLlama(vllm_config=vllm_config, prefix=prefix)
+        return super().__new__(cls)
 
     @one_line_errors
     def __init__(self, *, vllm_config, prefix: str = "") -> None:
