@@ -19,6 +19,7 @@ import warnings
 
 from .context.cli import register_context_cache_command  # imports no torch
 from .errors import ForecastKVWarning, UserInputError  # imports no torch
+from .eval.suite_cli import register_quality_command  # imports no torch
 from .modes import MODES  # imports nothing
 from .usage import (  # imports no torch
     USAGE_STATUS,
@@ -274,6 +275,7 @@ SUBCOMMANDS = {
     "eval": _add_eval,
     "study": _add_study,
     "context-cache": register_context_cache_command,
+    "quality": register_quality_command,
 }
 
 

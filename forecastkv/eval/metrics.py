@@ -205,4 +205,7 @@ def wilson_interval(successes: int, trials: int, z: float = Z_95) -> tuple[float
     scale = 1 + z * z / trials
     centre = (p + z * z / (2 * trials)) / scale
     half = z * (p * (1 - p) / trials + z * z / (4 * trials * trials)) ** 0.5 / scale
-    return max(0.0, centre - half), min(1.0, centre + half)
+    # at 0 (or all) successes the bound is exactly 0 (1): centre - half rounds to about 1e-17 there
+    low = 0.0 if successes == 0 else max(0.0, centre - half)
+    high = 1.0 if successes == trials else min(1.0, centre + half)
+    return low, high

@@ -228,27 +228,28 @@ def cell_sparse_config(base: dict, cell: Cell, anchors: tuple) -> dict:
     }
 
 
-def check_geometry(spec: StudySpec, model) -> dict:
-    """The model's sparse geometry, after checking the spec against it (ConfigError naming the limit)."""
+def check_geometry(spec: StudySpec, model, what: str = "study") -> dict:
+    """The model's sparse geometry, after checking the spec against it (ConfigError naming the limit).
+    what: the spec's name in the messages ("study"; the quality suite's `QualitySpec` is checked here too)."""
     config = model.config
     if config.sparse is None:
-        raise ConfigError("the study needs a model with a sparse geometry (sparse_config); this one is dense")
+        raise ConfigError(f"the {what} needs a model with a sparse geometry (sparse_config); this one is dense")
     sparse = config.sparse
     forced = sparse.init_blocks + sparse.local_blocks + 1  # init, the local window and the current block
     small = [b for b in spec.budgets if b <= forced]
     if small:
         raise ConfigError(
-            f"study budgets {small} leave no block to choose: each must exceed the {forced} forced blocks "
+            f"{what} budgets {small} leave no block to choose: each must exceed the {forced} forced blocks "
             f"(init {sparse.init_blocks} + local {sparse.local_blocks} + the current one) of block_size "
             f"{sparse.block_size}"
         )
     limit = config.max_position_embeddings
     long = [n for n in spec.lengths if n > limit]
     if long:
-        raise ConfigError(f"study lengths {long} exceed the model's max_position_embeddings={limit}")
+        raise ConfigError(f"{what} lengths {long} exceed the model's max_position_embeddings={limit}")
     layers = config.num_hidden_layers
     if spec.reuse_anchors is not None and max(spec.reuse_anchors) >= layers:
-        raise ConfigError(f"study reuse_anchors {list(spec.reuse_anchors)} must be layer ids below {layers}")
+        raise ConfigError(f"{what} reuse_anchors {list(spec.reuse_anchors)} must be layer ids below {layers}")
     return sparse.to_dict()
 
 
@@ -368,6 +369,7 @@ class RecallMeter:
         self.block_size = model.config.sparse.block_size
         self.masses: dict = {}
         self.sums = {"mass": 0.0, "overlap": 0.0, "rows": 0, "mass_all": 0.0, "overlap_all": 0.0, "rows_all": 0}
+        self.layer_sums: dict = {}  # layer -> [recall_mass summed over its selective rows, those rows]
         self.selected, self.selected_rows = 0.0, 0
 
     def on_layer(self, idx, normed, positions, cos, sin, cache_layer) -> None:
@@ -387,9 +389,9 @@ class RecallMeter:
             self.selected_rows += ids.shape[1] * ids.shape[2]
             if idx in self.masses:
                 mass, positions = self.masses.pop(idx)
-                self._add_rows(ids, mass, positions)
+                self._add_rows(ids, mass, positions, idx)
 
-    def _add_rows(self, ids: torch.Tensor, mass: torch.Tensor, positions: torch.Tensor) -> None:
+    def _add_rows(self, ids: torch.Tensor, mass: torch.Tensor, positions: torch.Tensor, layer=None) -> None:
         from ..modeling.selection import selection_recall
         from ..selectors.oracle import oracle_blocks
 
@@ -406,9 +408,18 @@ class RecallMeter:
         self.sums["mass_all"] += float(recall.sum())
         self.sums["overlap_all"] += float(overlap.sum())
         self.sums["rows_all"] += recall.numel()
-        self.sums["mass"] += float(recall[selective].sum())
+        mass_sum, rows = float(recall[selective].sum()), int(selective.sum())
+        self.sums["mass"] += mass_sum
         self.sums["overlap"] += float(overlap[selective].sum())
-        self.sums["rows"] += int(selective.sum())
+        self.sums["rows"] += rows
+        if layer is not None:
+            sums = self.layer_sums.setdefault(layer, [0.0, 0])
+            sums[0], sums[1] = sums[0] + mass_sum, sums[1] + rows
+
+    def layer_recall(self, layers: int) -> tuple[list, list]:
+        """Per layer 0..layers-1: (mean recall_mass over its selective rows, None without any; those rows)."""
+        sums = [self.layer_sums.get(layer, (0.0, 0)) for layer in range(layers)]
+        return [total / rows if rows else None for total, rows in sums], [rows for _, rows in sums]
 
     def result(self) -> dict:
         s = self.sums

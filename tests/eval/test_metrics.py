@@ -87,6 +87,12 @@ def test_wilson_interval_against_a_known_table(successes, trials, low, high):
     assert got == pytest.approx((low, high), abs=5e-5)
 
 
+@pytest.mark.parametrize("trials", [1, 7, 50, 1000])
+def test_wilson_interval_holds_an_accuracy_of_0_and_1_exactly(trials):
+    """At no (every) success the lower (upper) bound is the accuracy itself, not a rounding away from it."""
+    assert m.wilson_interval(0, trials)[0] == 0.0 and m.wilson_interval(trials, trials)[1] == 1.0
+
+
 def test_wilson_interval_rejects_bad_counts():
     with pytest.raises(ValueError, match=r"successes must be an integer in \[0, trials=4\], got 5"):
         m.wilson_interval(5, 4)
