@@ -72,24 +72,6 @@ def test_vllm_tokens_equal_generate(checkpoints, mode):
 
 
 @pytest.mark.slow
-def test_dense_mode_is_vllms_own_llama(checkpoints):
-    """forecastkv's dense mode is served by vLLM's own Llama (`serving/vllm_llama.py`): the model class, and
-    greedy tokens and logprobs equal to vLLM-native's on the plain bundled checkpoint, the parity prompts
-    sent together."""
-    from forecastkv import bundled_model_path
-
-    prompts = essay_prompts(LENGTHS)
-    served = {}
-    for name, path, mode in (("native", bundled_model_path(), None), ("dense", checkpoints["demo"], "dense")):
-        llm = parity_engine(str(path), mode)
-        served[name] = (llm.apply_model(lambda model: type(model).__name__)[0], vllm_greedy(llm, prompts, NEW_TOKENS))
-        del llm
-        gc.collect()
-    assert served["native"][0] == "LlamaForCausalLM" and served["dense"][0] == "ForecastKVDenseLlama"
-    assert served["dense"][1] == served["native"][1]
-
-
-@pytest.mark.slow
 def test_prefix_caching_and_n_copies(checkpoints):
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -115,3 +97,22 @@ def test_prefix_caching_and_n_copies(checkpoints):
     assert [list(copy.token_ids) for copy in copies] == [expected[1]] * 3
     del llm
     gc.collect()
+
+
+@pytest.mark.slow
+def test_dense_mode_is_vllms_own_llama(checkpoints):
+    """forecastkv's dense mode is served by vLLM's own Llama (`serving/vllm_llama.py`): the model class, and
+    greedy tokens and logprobs equal to vLLM-native's on the plain bundled checkpoint, the parity prompts
+    sent together.  Last in the file: its engines' teardown tears down vLLM's process groups, which the
+    kept Forecast engine of the tests above still needs."""
+    from forecastkv import bundled_model_path
+
+    prompts = essay_prompts(LENGTHS)
+    served = {}
+    for name, path, mode in (("native", bundled_model_path(), None), ("dense", checkpoints["demo"], "dense")):
+        llm = parity_engine(str(path), mode)
+        served[name] = (llm.apply_model(lambda model: type(model).__name__)[0], vllm_greedy(llm, prompts, NEW_TOKENS))
+        del llm
+        gc.collect()
+    assert served["native"][0] == "LlamaForCausalLM" and served["dense"][0] == "ForecastKVDenseLlama"
+    assert served["dense"][1] == served["native"][1]
