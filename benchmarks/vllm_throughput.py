@@ -8,7 +8,8 @@ fills vLLM's prefix cache (its time: `prefill_seconds`, every prompt's prefill a
 pass asks for 1 + `--new` tokens with the same prompts, so its prefill is a cache hit and its time
 is the decode of `--new` tokens for every request at once.  Decode tokens/s = requests x new / time;
 every mode is divided by vllm-native's and by forecastkv's own dense (the second ratio alone would
-hide the gap to the engine a user already has).
+hide the gap to the engine a user already has).  Before both, each engine's time to the first token
+of one `--ttft-length` prompt alone (other text, cold: no prefix cache hit) is its TTFT.
 
     .venv-vllm/bin/python benchmarks/vllm_throughput.py --length 8000 --requests 8 --new 32
 
@@ -44,9 +45,10 @@ def positive(text: str) -> int:
     return value
 
 
-def decode_rate(path: str, mode: str | None, prompts: list[list[int]], new: int) -> dict:
+def decode_rate(path: str, mode: str | None, prompts: list[list[int]], new: int, first: list[int]) -> dict:
     """Decode tokens/s of `mode` (None: the checkpoint as vLLM loads it, no forecastkv_mode) for
-    `prompts` sent together (prefill served from the prefix cache)."""
+    `prompts` sent together (prefill served from the prefix cache), and the time to the first token
+    of the prompt `first` alone (sent first, on a cold engine: a user's TTFT)."""
     import gc
 
     from vllm import SamplingParams
@@ -54,7 +56,11 @@ def decode_rate(path: str, mode: str | None, prompts: list[list[int]], new: int)
 
     from tests.vllm.engines import engine
 
-    llm = engine(path, mode, enable_prefix_caching=True, max_model_len=max(map(len, prompts)) + new + 1)
+    longest = max(len(first), *map(len, prompts))
+    llm = engine(path, mode, enable_prefix_caching=True, max_model_len=longest + new + 1)
+    start = time.perf_counter()
+    llm.generate([TokensPrompt(prompt_token_ids=first)], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    ttft = time.perf_counter() - start
     inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
     start = time.perf_counter()
     llm.generate(inputs, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
@@ -67,6 +73,8 @@ def decode_rate(path: str, mode: str | None, prompts: list[list[int]], new: int)
     gc.collect()
     tokens = [list(o.outputs[0].token_ids) for o in outputs]
     return {
+        "ttft_seconds": ttft,
+        "ttft_prompt_tokens": len(first),
         "prefill_seconds": prefill,
         "prefill_tokens_per_s": sum(map(len, prompts)) / prefill,
         "seconds": seconds,
@@ -82,6 +90,7 @@ def main(argv=None) -> int:
     parser.add_argument("--requests", type=positive, default=8)
     parser.add_argument("--new", type=positive, default=32)
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument("--ttft-length", type=positive, default=4000, help="tokens of the TTFT prompt")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "vllm" / "throughput.json")
     args = parser.parse_args(argv)
     for needed in (NATIVE, "dense"):
@@ -91,14 +100,14 @@ def main(argv=None) -> int:
     from forecastkv import bundled_model_path
     from tests.vllm.engines import build_checkpoints, essay_prompts
 
-    prompts = essay_prompts([args.length] * args.requests)
+    *prompts, first = essay_prompts([args.length] * args.requests + [args.ttft_length])
     rows = {}
     with tempfile.TemporaryDirectory() as root:
         paths = build_checkpoints(Path(root))
         paths[NATIVE] = bundled_model_path()  # a plain Llama checkpoint: vLLM serves it with its own model
         for mode in args.modes:
             path = paths[NATIVE if mode == NATIVE else "nosa" if mode == "nosa" else "demo"]
-            rows[mode] = decode_rate(path, None if mode == NATIVE else mode, prompts, args.new)
+            rows[mode] = decode_rate(path, None if mode == NATIVE else mode, prompts, args.new, first)
             print(mode, rows[mode], flush=True)
     native, dense = (rows[name]["decode_tokens_per_s"] for name in (NATIVE, "dense"))
     native_tokens = rows[NATIVE]["tokens"]
@@ -113,11 +122,12 @@ def main(argv=None) -> int:
     tmp = args.out.with_suffix(".tmp")
     tmp.write_text(json.dumps(result, indent=2) + "\n")
     tmp.replace(args.out)
-    print(f"{'mode':<20} {'decode tok/s':>12} {'/ native':>9} {'/ dense':>8}")
+    print(f"{'mode':<20} {'decode tok/s':>12} {'/ native':>9} {'/ dense':>8} {'TTFT s':>8} {'/ native':>9}")
     for mode, row in rows.items():
         print(
             f"{mode:<20} {row['decode_tokens_per_s']:>12.2f} {row['ratio_to_vllm_native']:>9.2f} "
-            f"{row['ratio_to_dense']:>8.2f}"
+            f"{row['ratio_to_dense']:>8.2f} {row['ttft_seconds']:>8.2f} "
+            f"{row['ttft_seconds'] / rows[NATIVE]['ttft_seconds']:>9.2f}"
         )
     return 0
 

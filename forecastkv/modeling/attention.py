@@ -76,6 +76,8 @@ class SparseAttention(nn.Module):
             self.A = nn.Parameter(torch.zeros(self.num_kv_heads))
             self.delta = nn.Linear(self.num_kv_heads * d, self.num_kv_heads, bias=bias)
         self.scores_itself = scoring_head(layer_idx)[0] == layer_idx  # layer 0: its current_proj scores it
+        # True once a serving engine swapped q/k/v for one fused `qkv_proj` (`serving/vllm_layers.py`)
+        self.fused_qkv = False
 
     @property
     def sparse(self):
@@ -91,8 +93,24 @@ class SparseAttention(nn.Module):
 
     def queries(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Post-RoPE queries [B, T, Hq, d] from the post-norm input hidden [B, T, hidden]."""
+        if self.fused_qkv:
+            return self.project(hidden, cos, sin)[0]
         batch, length, _ = hidden.shape
         return apply_rope(self.q_proj(hidden).view(batch, length, self.num_heads, self.head_dim), cos, sin)
+
+    def project(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """(queries [B, T, Hq, d], keys [B, T, H, d], both post-RoPE, values [B, T, H, d]) from the
+        post-norm hidden [B, T, hidden]: three projections, or one fused `qkv_proj` call."""
+        batch, length, _ = hidden.shape
+        d = self.head_dim
+        if self.fused_qkv:
+            widths = [self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d]
+            q, k, v = self.qkv_proj(hidden).split(widths, -1)
+            q = apply_rope(q.reshape(batch, length, self.num_heads, d), cos, sin)
+        else:
+            q, k, v = self.queries(hidden, cos, sin), self.k_proj(hidden), self.v_proj(hidden)
+        k = apply_rope(k.reshape(batch, length, self.num_kv_heads, d), cos, sin)
+        return q, k, v.reshape(batch, length, self.num_kv_heads, d)
 
     def compute_cis(self, values: torch.Tensor) -> torch.Tensor:
         """NOSA's static per-token bias A * softplus(delta(v)).  values [B, T, H, d] -> [B, T, H]."""
@@ -149,9 +167,7 @@ class SparseAttention(nn.Module):
         sparse = self.sparse if sparse is FROM_CONFIG else sparse
         if step is None:
             step = CallInfo.from_positions(positions, cache_layer.host_lengths, sparse)
-        q = self.queries(hidden, cos, sin)
-        k = apply_rope(self.k_proj(hidden).view(batch, length, self.num_kv_heads, d), cos, sin)
-        v = self.v_proj(hidden).view(batch, length, self.num_kv_heads, d)
+        q, k, v = self.project(hidden, cos, sin)
         cis = self.compute_cis(v) if self.nosa_bias else None
         cache_layer.append(k, v, cis, positions, step)
 

@@ -112,6 +112,14 @@ class LayerPages:
         return cls(keys, values, cis, windows, indexes)
 
 
+def head_pages(pool: torch.Tensor) -> torch.Tensor | None:
+    """pool [P, H, page, ...] as [P * H, page, ...] (one entry per page and head), or None where the
+    layout has no such view (a CUDA backend's [2, P, page, H, d] pool puts heads inside the page)."""
+    if pool.shape[0] > 1 and pool.stride(0) != pool.shape[1] * pool.stride(1):
+        return None
+    return pool.flatten(0, 1)
+
+
 def page_slots(table: torch.Tensor, positions: torch.Tensor, page: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(page id, offset) of positions [B, ...] of the sequences of block table [B, nb]; positions
     past a table's end read its last entry (the caller masks them)."""
@@ -259,25 +267,55 @@ class PagedRows:
         if self.tier is not None:
             self.tier.wait(self.index)
         pos, exists = block_rows(plan.selection, layer.block_size, layer.lengths)  # [B, H, K*bs]
-        page_ids, offsets = page_slots(self.table, pos, self.pages.page)
-        heads = torch.arange(pos.shape[1], device=pos.device).view(1, -1, 1)
         missing = ~exists.unsqueeze(-1)
-        k = self.pages.keys[page_ids, heads, offsets].masked_fill(missing, 0.0)
-        v = self.pages.values[page_ids, heads, offsets].masked_fill(missing, 0.0)
-        bias = None
-        if self.pages.cis is not None:
-            bias = self.pages.cis[page_ids, heads, offsets].masked_fill(~exists, 0.0)
+        k, v, bias = (None if pool is None else self.block_rows_of(pool, plan.selection, layer.block_size, pos)
+                      for pool in (self.pages.keys, self.pages.values, self.pages.cis))
+        k.masked_fill_(missing, 0.0), v.masked_fill_(missing, 0.0)  # the gathers are fresh copies
+        if bias is not None:
+            bias.masked_fill_(~exists, 0.0)
         return attend_gathered(q, k, v, pos.masked_fill(~exists, -1), bias, layer.lengths)
+
+    def block_rows_of(self, pool: torch.Tensor, selection: torch.Tensor, block_size: int, pos: torch.Tensor):
+        """pool [P, H, page, ...] at the rows of the selected blocks, selection [B, H, K] (-1: none;
+        pos [B, H, K*bs] = `block_rows`' positions) -> [B, H, K*bs, ...].  A block is whole pages
+        (`check_page_geometry`), so this copies whole pages of one head by one flat `index_select`,
+        not one row at a time; a pool with heads inside the page reads row by row."""
+        flat = head_pages(pool)
+        batch, heads, width = selection.shape
+        if flat is None:
+            page_ids, offsets = page_slots(self.table, pos, self.pages.page)
+            return pool[page_ids, torch.arange(heads, device=pos.device).view(1, -1, 1), offsets]
+        per_block = block_size // self.pages.page
+        columns = selection.clamp(min=0).unsqueeze(-1) * per_block + torch.arange(per_block, device=pos.device)
+        columns = columns.clamp(max=self.table.shape[1] - 1).view(batch, heads * width * per_block)
+        page_ids = torch.gather(self.table, 1, columns).view(batch, heads, -1)
+        entries = page_ids * heads + torch.arange(heads, device=pos.device).view(1, -1, 1)
+        return flat.index_select(0, entries.view(-1)).view(batch, heads, width * block_size, *pool.shape[3:])
 
     def full(self, layer, rows: int) -> tuple:
         """(keys, values [B, rows, H, d], cis [B, rows, H] or None): every stored row, read from the
         pages; rows past a sequence's length are zero (a stale page row must not reach the softmax)."""
         positions = torch.arange(rows, device=self.table.device).expand(self.table.shape[0], -1)
         stale = (positions >= layer.lengths.view(-1, 1)).unsqueeze(-1)
-        keys = self.rows_at(self.pages.keys, positions).masked_fill(stale.unsqueeze(-1), 0.0)
-        values = self.rows_at(self.pages.values, positions).masked_fill(stale.unsqueeze(-1), 0.0)
-        cis = None if self.pages.cis is None else self.rows_at(self.pages.cis, positions).masked_fill(stale, 0.0)
+        keys = self.first_rows(self.pages.keys, positions).masked_fill(stale.unsqueeze(-1), 0.0)
+        values = self.first_rows(self.pages.values, positions).masked_fill(stale.unsqueeze(-1), 0.0)
+        cis = None if self.pages.cis is None else self.first_rows(self.pages.cis, positions).masked_fill(stale, 0.0)
         return keys, values, cis
+
+    def first_rows(self, pool: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """pool [P, H, page, ...] at positions [B, n] = 0 .. n-1 of every sequence -> [B, n, H, ...]:
+        the table's first pages whole (one flat `index_select`), or row by row where the pool has
+        heads inside the page (`head_pages`)."""
+        flat = head_pages(pool)
+        if flat is None:
+            return self.rows_at(pool, positions)
+        batch, rows = positions.shape
+        heads, page = pool.shape[1], self.pages.page
+        count = -(-rows // page)
+        columns = torch.arange(count, device=positions.device).clamp(max=self.table.shape[1] - 1)
+        entries = self.table[:, columns].unsqueeze(-1) * heads + torch.arange(heads, device=positions.device)
+        gathered = flat.index_select(0, entries.view(-1)).view(batch, count, heads, page, *pool.shape[3:])
+        return gathered.transpose(2, 3).reshape(batch, count * page, heads, *pool.shape[3:])[:, :rows]
 
     def crop(self, layer) -> None:
         raise NotImplementedError("an engine call's paged view is not cropped: the engine frees its pages")

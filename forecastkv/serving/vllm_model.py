@@ -37,6 +37,7 @@ from ..modeling.modeling import ForecastKVForCausalLM
 from ..modes import ATTENTION_MODES
 from .paged import LayerPages, check_page_geometry
 from .step import EngineBatch, forward_paged
+from .vllm_layers import load_weights, use_vllm_layers
 from .vllm_llama import ForecastKVDenseLlama, served_by_vllm_llama
 
 MODE_KEY = "forecastkv_mode"  # the hf_overrides key that picks the attention mode
@@ -140,6 +141,7 @@ class ForecastKVForVLLM(nn.Module):
         check_page_geometry(page, config.sparse)
         self.config = config
         self.hf = ForecastKVForCausalLM(config)
+        use_vllm_layers(self.hf, vllm_config.quant_config, prefix)  # fused QKV, gate/up, oneDNN GEMMs
         self.nosa = config.sparse is not None and config.sparse.policy == "nosa"
         self.layer_names = [f"{prefix}model.layers.{i}.self_attn.attn" for i in range(config.num_hidden_layers)]
         # vLLM pages and binds one KV pool per Attention layer (their forward never runs)
@@ -201,27 +203,10 @@ class ForecastKVForVLLM(nn.Module):
 
     @one_line_errors
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy the checkpoint's tensors into the model; a ConfigError names a tensor of another
-        shape (heads from another geometry) and every parameter the checkpoint lacks."""
-        params = dict(self.hf.named_parameters())
-        loaded = set()
-        for name, tensor in weights:
-            if name not in params:
-                continue  # a tied lm_head, or buffers the model recomputes (rotary tables)
-            if params[name].shape != tensor.shape:
-                raise ConfigError(
-                    f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, the model needs "
-                    f"{tuple(params[name].shape)} (weights from another geometry?)"
-                )
-            with torch.no_grad():
-                params[name].copy_(tensor)
-            loaded.add(name)
-        missing = sorted(set(params) - loaded)
-        if missing:
-            raise ConfigError(
-                f"mode {self.mode!r}: the checkpoint has no {', '.join(missing[:6])}"
-                + (f" (and {len(missing) - 6} more)" if len(missing) > 6 else "")
-            )
+        """Copy the checkpoint's tensors into the model (`vllm_layers.load_weights`: q/k/v and
+        gate/up into their fused parameters); a ConfigError names a tensor of another shape (heads
+        from another geometry) and every tensor the checkpoint lacks."""
+        load_weights(self.hf, weights, self.mode)
         return {name for name, _ in self.named_parameters()}
 
     # -- the pages ------------------------------------------------------------------------------------

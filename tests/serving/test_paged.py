@@ -30,19 +30,19 @@ MODES = {
 class ToyEngine:
     """Pages of `page` tokens from a shuffled free list, a block table per request, chunked prefill."""
 
-    def __init__(self, model, page: int, pages: int = 64, seed: int = 0):
+    def __init__(self, model, page: int, pages: int = 64, seed: int = 0, heads_inside: bool = False):
         config, device = model.config, model.device
         heads, dim = config.num_key_value_heads, config.head_dim
         nosa = config.sparse is not None and config.sparse.policy == "nosa"
         self.model, self.page = model, page
+
+        def pool():  # never-written rows: NaN; heads_inside: a CUDA backend's [P, page, H, d] pages
+            if heads_inside:
+                return torch.full((pages, page, heads, dim), float("nan"), device=device).transpose(1, 2)
+            return torch.full((pages, heads, page, dim), float("nan"), device=device)
+
         self.layers = [
-            LayerPages.around(
-                torch.full((pages, heads, page, dim), float("nan"), device=device),  # never-written rows: NaN
-                torch.full((pages, heads, page, dim), float("nan"), device=device),
-                config.sparse,
-                nosa,
-            )
-            for _ in range(config.num_hidden_layers)
+            LayerPages.around(pool(), pool(), config.sparse, nosa) for _ in range(config.num_hidden_layers)
         ]
         gen = torch.Generator().manual_seed(seed)
         self.free = torch.randperm(pages, generator=gen).tolist()
@@ -84,10 +84,10 @@ def reference_logits(model, prompt: list[int], continuation: list[int]) -> torch
     return torch.cat(rows)
 
 
-def run_engine(model, prompts: list[list[int]], chunk: int, steps: int, page: int):
+def run_engine(model, prompts: list[list[int]], chunk: int, steps: int, page: int, heads_inside: bool = False):
     """Chunked prefill of every prompt (all requests in each call), then `steps` greedy decode calls
     of the whole batch.  Returns (request -> logits of every row, request -> tokens generated)."""
-    engine = ToyEngine(model, page)
+    engine = ToyEngine(model, page, heads_inside=heads_inside)
     logits = {r: [] for r in range(len(prompts))}
     done = {r: 0 for r in range(len(prompts))}
     while any(done[r] < len(p) for r, p in enumerate(prompts)):
@@ -109,15 +109,19 @@ def prompts_of(lengths, seed=3):
     return [torch.randint(3, 128, (n,), generator=gen).tolist() for n in lengths]
 
 
-@pytest.mark.parametrize("mode", list(MODES))
-@pytest.mark.parametrize("page", [8, 4])
-def test_engine_logits_equal_resident_cache(mode, page):
+@pytest.mark.parametrize(
+    "mode,page,heads_inside",
+    [(mode, page, False) for mode in MODES for page in (8, 4)]
+    + [("infllmv2-forecast", 4, True), ("nosa", 8, True)],
+)
+def test_engine_logits_equal_resident_cache(mode, page, heads_inside):
     """Prompts from 1 token (less than a window) to 5 blocks, prefilled in chunks of 5 tokens (cutting
     pages, windows and blocks), then 6 decode steps in one batch: every logit equals the resident
-    cache's run of that request alone, and so does every greedy token."""
+    cache's run of that request alone, and so does every greedy token.  heads_inside: pages laid out
+    [P, page, H, d] (a CUDA backend's), which the page-wise block gather cannot flatten."""
     model = tiny_model(MODES[mode])
     prompts = prompts_of([1, 3, 7, 8, 19, 41])
-    logits, generated = run_engine(model, prompts, chunk=5, steps=6, page=page)
+    logits, generated = run_engine(model, prompts, chunk=5, steps=6, page=page, heads_inside=heads_inside)
     for r, prompt in enumerate(prompts):
         continuation = generated[r][:-1]
         expected = reference_logits(model, prompt, continuation)

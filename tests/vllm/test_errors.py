@@ -49,6 +49,23 @@ def test_heads_of_another_geometry(checkpoints, tmp_path):
     assert re.search(r"self_attn\.(current|forecast)_proj\.weight " + shapes, text), text
 
 
+@pytest.mark.slow
+def test_a_missing_part_of_a_fused_projection(checkpoints, tmp_path):
+    """vLLM's fused qkv_proj is loaded from three tensors: a checkpoint without one layer's v_proj
+    is refused by that tensor's name, not served with a qkv_proj a third uninitialised."""
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / "no-v"
+    shutil.copytree(checkpoints["demo"], path)
+    weights = path / "model.safetensors"
+    tensors = load_file(weights)
+    del tensors["model.layers.3.self_attn.v_proj.weight"]
+    save_file(tensors, weights, metadata={"format": "pt"})
+    with pytest.raises(Exception) as caught:
+        engine(str(path), "infllmv2-forecast")
+    assert "the checkpoint has no model.layers.3.self_attn.v_proj.weight" in failure_text(caught.value)
+
+
 def fake_vllm_config(tp: int = 1, pp: int = 1, page: int = 64):
     from forecastkv import ForecastKVConfig
 
