@@ -8,21 +8,12 @@ import socket
 
 import torch
 
+from forecastkv.eval.suite_cli import TINY_MODEL as SMALL_MODEL
+
 # The tiny random model: G = 3 (6 query heads on 2 KV heads), head_dim 16, large enough weights
-# (initializer_range 0.3) that attention choices change the logits; no BOS/EOS (byte tokens).
-TINY_MODEL = dict(
-    vocab_size=128,
-    hidden_size=96,
-    intermediate_size=128,
-    num_hidden_layers=3,
-    num_attention_heads=6,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    initializer_range=0.3,
-    query_chunk_size=16,
-    bos_token_id=None,
-    eos_token_id=None,
-)
+# (initializer_range 0.3) that attention choices change the logits; no BOS/EOS (byte tokens).  The
+# package's own (`forecastkv quality --small`'s), with 512 positions.
+TINY_MODEL = {**SMALL_MODEL, "max_position_embeddings": 512}
 
 # Its block geometry: kernel 4/2, blocks of 8, one init block, a one-block window.  A row deep in a
 # sequence attends to topk + 1 blocks, 3 of them forced (init, window, current): topk 3 leaves one

@@ -20,7 +20,9 @@ class RotaryEmbedding(nn.Module):
     """cos/sin tables for positions.  Supports rope_type default, linear, llama3, yarn and longrope.
 
     LongRoPE (MiniCPM / Phi-3): inverse frequencies are divided by `short_factor`, or by
-    `long_factor` when the call's length max(position)+1 exceeds `original_max_position_embeddings`;
+    `long_factor` when a sequence's length in the call, max(position)+1, exceeds
+    `original_max_position_embeddings` (decided per sequence, so a sequence's tables do not depend on
+    the batch it runs in, as in a serving engine's; MiniCPM's reference decides once per batch);
     cos and sin are multiplied by sqrt(1 + ln(max_pos / original_max) / ln(original_max)).
     """
 
@@ -62,9 +64,10 @@ class RotaryEmbedding(nn.Module):
     @torch.no_grad()
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [B, T] (int; -1 padding is clamped to 0) -> cos, sin [B, T, head_dim] in `dtype`."""
-        inv_freq = self.inv_freq
-        if self.original_max is not None and int(positions.max()) + 1 > self.original_max:
-            inv_freq = self.long_inv_freq
-        freqs = positions.clamp(min=0).float().unsqueeze(-1) * inv_freq.to(positions.device)
+        inv_freq = self.inv_freq.to(positions.device)
+        if self.original_max is not None:  # per sequence: a batch gives each row its own factors
+            past = (positions.amax(dim=-1, keepdim=True) + 1 > self.original_max).unsqueeze(-1)  # [B, 1, 1]
+            inv_freq = torch.where(past, self.long_inv_freq.to(positions.device), inv_freq)
+        freqs = positions.clamp(min=0).float().unsqueeze(-1) * inv_freq
         emb = torch.cat([freqs, freqs], dim=-1)
         return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)

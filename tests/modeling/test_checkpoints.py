@@ -557,3 +557,20 @@ def test_save_pretrained_writes_the_source_tokenizer_and_umask_modes(tmp_path):
     assert (out / "tokenizer_config.json").read_text() == '{"tokenizer_class": "Mine"}\n'
     assert (out / "model.safetensors").stat().st_mode & 0o777 == 0o640
     assert (out / "config.json").stat().st_mode & 0o777 == 0o640
+
+
+def test_longrope_factors_are_chosen_per_sequence():
+    """A batch of a sequence below `original_max_position_embeddings` and one past it: each row gets the
+    cos/sin it gets alone (short factors for the first, long for the second), so a serving engine's
+    batch does not change a sequence's rotary tables.  Deciding once per batch fails this."""
+    config = tiny_config(max_position_embeddings=128, rope_parameters={**LONGROPE, "rope_theta": 10000.0})
+    rotary = RotaryEmbedding(config)
+    short, long = torch.tensor([[20]]), torch.tensor([[60]])  # one decode row each, 32 the switch
+    batch = rotary(torch.cat([short, long]), torch.float32)
+    for row, alone in enumerate((rotary(short, torch.float32), rotary(long, torch.float32))):
+        for table, expected in zip(batch, alone):
+            torch.testing.assert_close(table[row : row + 1], expected, rtol=0, atol=0)
+    # the long factors at position 20 (what a per-batch decision gives the short row) are another table
+    freqs = 20 * rotary.long_inv_freq
+    long_cos = torch.cat([freqs, freqs]).cos() * rotary.attention_scaling
+    assert not torch.allclose(long_cos, batch[0][0, 0], atol=1e-3)
