@@ -3,8 +3,9 @@
 An engine (vLLM) batches requests as one flat run of tokens: request r owns tokens
 query_start[r] .. query_start[r+1] - 1, which continue its `seq_len - query_len` stored positions.
 `forward_paged` runs them through `ForecastKVModel.forward` with a `PagedSparseCache` per group:
-all one-token (decode) requests together, and each request with more tokens (a prefill chunk)
-on its own, so every sequence takes exactly the path it takes in `generate()`.
+all one-token (decode) requests together, and all requests with more tokens (prefill chunks)
+together, right-padded: every row is selected and attended by its own positions and key length,
+as a batch is in `generate()`.
 """
 
 from __future__ import annotations
@@ -37,10 +38,11 @@ class EngineBatch:
 
     def groups(self) -> list[list[int]]:
         """Request ids per model call: the decode requests together (one token on a stored
-        sequence), then each other request alone; requests with no token this call are skipped."""
+        sequence), then the prefill chunks together (right-padded to the longest: each row keeps its
+        own positions, key length and dense-or-sparse rule); requests with no token this call are skipped."""
         decode = [r for r in range(self.requests) if self.query_len(r) == 1 and self.stored_before(r) > 0]
-        chunks = [[r] for r in range(self.requests) if self.query_len(r) > 0 and r not in decode]
-        return ([decode] if decode else []) + chunks
+        chunks = [r for r in range(self.requests) if self.query_len(r) > 0 and r not in decode]
+        return [group for group in (decode, chunks) if group]
 
 
 def forward_paged(
