@@ -146,12 +146,13 @@ def disk_child(directory: str, length: int, new_tokens: int) -> dict:
     parts_after = rss_parts()
     peak = max(sampler.peak, decode.peak)
     layers = [layer for layer in cache.layers if layer.offloaded]
-    tier = sum(len(layer.store.host.distinct_blocks()) * layer.store.host.pool.block_nbytes() for layer in layers)
+    tier = sum(
+        len(layer.store.host.blocks.distinct_blocks()) * layer.store.host.pool.block_nbytes() for layer in layers
+    )
     return {
         "matched": matched,
         "store_load_s": load_s,
         "ttft_s": ttft,
-        "pools_file_backed": all(layer.store.host.pool.file is not None for layer in layers),
         "host_tier_bytes": tier,
         "host_tier_mib": tier / 2**20,
         "mapped_pools_mib": cache.host_nbytes() / 2**20,

@@ -107,7 +107,7 @@ class BlockIndex:
         for name in names:
             if name not in held:
                 held[name] = self.entries[name].blocks[0]
-                self.pools[0].retain([held[name]])
+                self.pools[0].allocator.retain([held[name]])
 
     def release(self, cache) -> None:
         """Drop `cache`'s references (also done when the cache is garbage collected)."""
@@ -118,11 +118,13 @@ class BlockIndex:
 
     def _release_key(self, key: int) -> None:
         held, _ = self._holders.pop(key, ({}, None))
-        self.pools[0].release(list(held.values()))  # the blocks held, even if their entries went since
+        self.pools[0].allocator.release(list(held.values()))  # the blocks held, even if their entries went since
 
     def live(self, entry: Entry) -> bool:
         """Whether anything beyond the store holds one of `entry`'s blocks (a live cache)."""
-        return entry.blocks is not None and any(pool.refs[block] > 1 for pool, block in zip(self.pools, entry.blocks))
+        return entry.blocks is not None and any(
+            pool.allocator.refs[block] > 1 for pool, block in zip(self.pools, entry.blocks)
+        )
 
     def referenced(self) -> int:
         """How many stored blocks live caches hold."""
@@ -191,7 +193,7 @@ class BlockIndex:
             self.forgotten.add(entry.name)
         if entry.blocks is not None:
             for pool, block in zip(self.pools, entry.blocks):
-                pool.release([block])
+                pool.allocator.release([block])
         self.nbytes -= entry.nbytes
         if entry.parent is not None and entry.parent in self.entries:
             self.entries[entry.parent].children.discard(entry.name)

@@ -149,7 +149,7 @@ class DiskTier:
                     self._revalidate(space)
                 missing = [entry for entry in chain if entry.blocks is None]
                 for pool in self.index.pools:
-                    pool.reserve(len(missing))
+                    pool.allocator.reserve(len(missing))
                 for entry in chain:
                     if not self.index.current(entry):
                         break

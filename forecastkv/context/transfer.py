@@ -50,12 +50,12 @@ def take_blocks(cache, pools: list[HostBlockPool], first: int, count: int, block
     for layer, pool in zip(cache.layers, pools):
         host = getattr(layer, "host", None)
         if host is not None and host.pool is pool:
-            ids = host.sequence_blocks(0)[first : first + count]
-            pool.retain(ids)
+            ids = host.blocks.sequence_blocks(0)[first : first + count]
+            pool.allocator.retain(ids)
         else:
             rows = layer_rows(layer, first * block_size, (first + count) * block_size) if count else ()
-            pool.reserve(count)
-            ids = pool.allocate(count)
+            pool.allocator.reserve(count)
+            ids = pool.allocator.allocate(count)
             if count:
                 TransferWorker(rows[0].device, overlap=False).write_blocks(pool, ids, rows)
         per_layer.append(ids)
@@ -67,7 +67,7 @@ def copy_in(pools: list[HostBlockPool], block) -> list[int]:
     returns their ids.  The pools must have a free block each (`reserve`)."""
     ids, worker = [], TransferWorker("cpu", overlap=False)  # disk -> host: no device on either side
     for index, pool in enumerate(pools):
-        (target,) = pool.allocate(1)
+        (target,) = pool.allocator.allocate(1)
         worker.write_blocks(pool, [target], block.layer(index))
         ids.append(target)
     return ids

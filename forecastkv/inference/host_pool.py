@@ -2,11 +2,11 @@
 each position, and which blocks a decode step must load (the manager half of the split vLLM v1's
 kv_offload draws; the worker half, `host_store`'s buffers and `worker.TransferWorker`, moves the bytes).
 
-* `BlockAllocator` (the base of `host_store.HostBlockPool`, one per layer, shared by every cache
+* `BlockAllocator` (`host_store.HostBlockPool.allocator`, one per layer, shared by every cache
   built on it: forks, a batch over one prefix, a ContextStore): a reference count per physical
   block and a heap of the free ones.  A full block is immutable, so caches share it; a block is
   free again when its last holder lets go.
-* `BlockTables` (the base of `host_store.HostKVStore`, one per cache and layer): a block table per
+* `BlockTables` (`host_store.HostKVStore.blocks`, one per cache and layer): a block table per
   sequence (logical block -> physical block, vLLM's layout), on the host (lists, what multi-token
   calls and forks decide by) and on the device (`block_table` [B, NB], what the decode step's
   kernels read: the block gather and the row write-back go through it, no host sync).  A sequence
@@ -22,8 +22,9 @@ blocks assigned.
   a selection diffed against a slot map (`diff_block_map`), giving the transfer spec (`LoadSpec`:
   the blocks to load into which slots, and the wanted / hit / missed counts) that a worker runs.
 
-Nothing here reads or writes a host buffer.  The buffers and every copy are `host_store`'s,
-reached through the pool: `_grow_buffers` (a growth) and `copy_block` (copy on write).
+Nothing here reads or writes a host buffer: these classes are members of the buffers' owners, not
+their bases.  The buffers and every copy are `host_store`'s, handed in as two callables: the pool's
+`grow` (buffers for more blocks) and `copy_block` (copy on write).
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ from __future__ import annotations
 import collections
 import heapq
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
@@ -42,10 +43,11 @@ from ..modeling.cache import capacity_for
 class BlockAllocator:
     """Reference counts of a pool's P physical blocks (ids 0..P-1, P = `capacity`) and a min-heap of
     the free ones: fresh blocks come out in ascending order (long contiguous runs).  The pool grows
-    by exactly the blocks asked for (`reserve`); the subclass that owns the buffers makes room for
-    them first (`_grow_buffers`)."""
+    by exactly the blocks asked for (`reserve`), after `grow(capacity)`, the buffers' owner's
+    callable, has made room for them (it keeps the `capacity` blocks stored so far)."""
 
-    def __init__(self) -> None:
+    def __init__(self, grow: Callable[[int], None]) -> None:
+        self.grow = grow
         self.refs: list[int] = []  # holders per physical block (0 = free)
         self._free: list[int] = []  # a min-heap of the free block ids
 
@@ -62,7 +64,7 @@ class BlockAllocator:
 
     def refcount(self, block: int) -> int:
         """Holders of physical block `block` (0 = free)."""
-        self._check_ids([block])
+        self.check_ids([block])
         return self.refs[block]
 
     def reserve(self, free: int) -> None:
@@ -72,14 +74,10 @@ class BlockAllocator:
         if missing <= 0:
             return
         old, capacity = self.capacity, self.capacity + missing
-        self._grow_buffers(capacity)
+        self.grow(capacity)
         self.refs.extend([0] * missing)
         for block in range(old, capacity):
             heapq.heappush(self._free, block)
-
-    def _grow_buffers(self, capacity: int) -> None:
-        """Make the buffers hold `capacity` blocks, keeping the `self.capacity` stored ones."""
-        raise NotImplementedError("the pool that owns the buffers grows them (host_store.HostBlockPool)")
 
     def allocate(self, count: int) -> list[int]:
         """`count` free blocks (lowest ids first), each with one holder: the caller."""
@@ -92,7 +90,7 @@ class BlockAllocator:
     def retain(self, blocks) -> None:
         """One more holder for each of `blocks` (allocated ones)."""
         blocks = [int(b) for b in blocks]
-        self._check_ids(blocks)
+        self.check_ids(blocks)
         for block in blocks:
             if self.refs[block] <= 0:
                 raise ValueError(f"block {block} is free; only an allocated block can be retained")
@@ -102,7 +100,7 @@ class BlockAllocator:
     def release(self, blocks) -> None:
         """One holder fewer for each of `blocks`; a block with none left is free again."""
         blocks = [int(b) for b in blocks]
-        self._check_ids(blocks)
+        self.check_ids(blocks)
         for block, count in collections.Counter(blocks).items():
             if self.refs[block] < count:
                 raise ValueError(
@@ -123,27 +121,10 @@ class BlockAllocator:
         for table in tables:
             table.clear()
 
-    def _check_ids(self, blocks) -> None:
+    def check_ids(self, blocks) -> None:
         for block in blocks:
             if not 0 <= block < self.capacity:
                 raise ValueError(f"block id {block} is outside the pool's {self.capacity} blocks")
-
-
-class BlockPool(Protocol):
-    """What `BlockTables` asks of its pool: a `BlockAllocator`'s counts, and a copy of a block's
-    first rows into another (copy on write; the pool that owns the buffers does it)."""
-
-    refs: list[int]
-
-    def allocate(self, count: int) -> list[int]: ...
-
-    def retain(self, blocks) -> None: ...
-
-    def release(self, blocks) -> None: ...
-
-    def release_tables(self, tables: list[list[int]]) -> None: ...
-
-    def copy_block(self, source: int, target: int, rows: int | None = None) -> None: ...
 
 
 class BlockTables:
@@ -152,31 +133,29 @@ class BlockTables:
 
     block_table [B, NB] int64 (on `device`, -1 = none) is the same table for the kernels.
     `capacity`: positions per sequence with blocks assigned; `complete`: every logical block below
-    it has one (a fast path per step).  The subclass moves the bytes and names an empty store like
-    it for forks (`_sibling`).  The blocks held are released when the store is freed.
+    it has one (a fast path per step).  `allocator` counts the holders; `copy_block(source,
+    target, rows)` (the buffers' owner's) copies a block's first rows for copy on write.  The blocks
+    held are released when the tables are freed.
     """
 
     def __init__(
         self,
         batch: int,
-        pool: BlockPool,
+        allocator: BlockAllocator,
+        copy_block: Callable[[int, int, int], None],
         block_size: int,
         max_length: int | None,
         reserved: int | None,
         device: torch.device | str,
     ) -> None:
-        self.pool = pool
+        self.allocator, self.copy_block = allocator, copy_block
         self.block_size, self.max_length, self.device = block_size, max_length, torch.device(device)
         self.reserved = reserved  # rows to allocate at once while they fit (`capacity_for`)
         self.tables: list[list[int]] = [[] for _ in range(batch)]
         self.capacity = 0
         self.complete = True
         self.block_table: torch.Tensor | None = None
-        self._finalizer = weakref.finalize(self, pool.release_tables, self.tables)
-
-    def _sibling(self, batch: int) -> BlockTables:
-        """An empty store of `batch` sequences like this one, over the same pool."""
-        raise NotImplementedError("the store that moves the bytes makes its siblings (host_store.HostKVStore)")
+        self._finalizer = weakref.finalize(self, allocator.release_tables, self.tables)
 
     # -- capacity and block assignment --------------------------------------------------------
     def blocks_for(self, rows: int) -> int:
@@ -198,7 +177,7 @@ class BlockTables:
         for table in self.tables:
             table.extend([-1] * (width - len(table)))
         missing = [(b, i) for b, table in enumerate(self.tables) for i in range(count) if table[i] < 0]
-        for (b, i), block in zip(missing, self.pool.allocate(len(missing))):
+        for (b, i), block in zip(missing, self.allocator.allocate(len(missing))):
             self.tables[b][i] = block
         self.complete = True
         self._push_table()
@@ -215,21 +194,22 @@ class BlockTables:
 
     # -- sharing ------------------------------------------------------------------------------
     def forked(self, lengths: list[int], repeats: int = 1) -> BlockTables:
-        """A new store over the same pool with each sequence b (lengths[b] positions stored)
+        """New tables over the same pool with each sequence b (lengths[b] positions stored)
         repeated `repeats` times (sequence b*repeats + j): its full blocks shared (one more
         holder each), its partial tail block copied; blocks past the tail are assigned at the
-        next `ensure`.  Neither store's later writes reach the other."""
-        other = self._sibling(len(self.tables) * repeats)
+        next `ensure`.  Neither side's later writes reach the other."""
+        settings = (self.block_size, self.max_length, self.reserved, self.device)
+        other = BlockTables(len(self.tables) * repeats, self.allocator, self.copy_block, *settings)
         for b, length in enumerate(lengths):
             full, partial = divmod(length, self.block_size)
             shared = self.tables[b][:full]
             for j in range(repeats):
                 table = other.tables[b * repeats + j]
-                self.pool.retain(shared)
+                self.allocator.retain(shared)
                 table.extend(shared)
                 if partial:
-                    (copy,) = self.pool.allocate(1)
-                    self.pool.copy_block(self.tables[b][full], copy, partial)
+                    (copy,) = self.allocator.allocate(1)
+                    self.copy_block(self.tables[b][full], copy, partial)
                     table.append(copy)
         other.capacity = max(lengths, default=0)  # recomputed (max_length / reserved) at the next ensure
         other.complete = False
@@ -248,11 +228,11 @@ class BlockTables:
             )
         if any(block >= 0 for block in self.tables[batch]):
             raise ValueError(f"sequence {batch} holds blocks already; adopt() fills an empty sequence")
-        self.pool.retain(blocks[:full])
+        self.allocator.retain(blocks[:full])
         table = list(blocks[:full])
         if partial:
-            (copy,) = self.pool.allocate(1)
-            self.pool.copy_block(blocks[full], copy, partial)
+            (copy,) = self.allocator.allocate(1)
+            self.copy_block(blocks[full], copy, partial)
             table.append(copy)
         self.tables[batch][:] = table
         self.capacity = max(self.capacity, length)
@@ -268,15 +248,15 @@ class BlockTables:
             full, partial = divmod(length, self.block_size)
             for i in range(full, len(table)):
                 block = table[i]
-                if block < 0 or self.pool.refs[block] == 1:
+                if block < 0 or self.allocator.refs[block] == 1:
                     continue
                 if i == full and partial:
-                    (copy,) = self.pool.allocate(1)
-                    self.pool.copy_block(block, copy, partial)
+                    (copy,) = self.allocator.allocate(1)
+                    self.copy_block(block, copy, partial)
                     table[i] = copy
                 else:
                     table[i] = -1
-                self.pool.release([block])
+                self.allocator.release([block])
                 changed = True
         if changed:
             self.complete = False
@@ -284,16 +264,16 @@ class BlockTables:
 
     def sequence_blocks(self, batch: int, length: int | None = None) -> list[int]:
         """Physical ids of sequence `batch`'s logical blocks (the first ceil(length / block) of
-        them if `length` is given: its stored blocks).  Read them with `pool.block(id)`."""
+        them if `length` is given: its stored blocks).  Read them with the pool's `block(id)`."""
         table = self.tables[batch]
         return list(table if length is None else table[: self.blocks_for(length)])
 
     def distinct_blocks(self) -> set[int]:
-        """Physical blocks this store holds (each counted once)."""
+        """Physical blocks these tables hold (each counted once)."""
         return {block for table in self.tables for block in table if block >= 0}
 
     # -- where positions live -----------------------------------------------------------------
-    def _runs(self, batch: int, start: int, stop: int) -> list[tuple[int, int, int]]:
+    def runs(self, batch: int, start: int, stop: int) -> list[tuple[int, int, int]]:
         """Positions [start, stop) of sequence `batch` as contiguous runs of pool rows:
         (first position, end position, first flat row of the pool), unassigned blocks skipped."""
         runs: list[list[int]] = []
@@ -312,7 +292,7 @@ class BlockTables:
             pos = end
         return [tuple(run) for run in runs]
 
-    def _flat_rows(self, batch_idx: list[int], pos: list[int]) -> torch.Tensor:
+    def flat_rows(self, batch_idx: list[int], pos: list[int]) -> torch.Tensor:
         """Flat pool rows [N] int64 (host) of positions pos[n] of sequences batch_idx[n]."""
         size = self.block_size
         rows = [self.tables[b][p // size] * size + p % size for b, p in zip(batch_idx, pos)]

@@ -2,13 +2,14 @@
 kv_offload draws, with `worker.TransferWorker`; `host_pool` is the manager half: who holds each
 block, which block holds each position).
 
-* `HostBlockPool` (a `host_pool.BlockAllocator`, per layer) owns the buffers: keys, values
-  [P, block, H, d] and cis [P, block, H] in host memory (RAM, never a file on some disk: a
-  store's blocks are read into it when a lookup needs them), their growth, and the block copies
-  (copy on write, reads of stored blocks).
-* `HostKVStore` (a `host_pool.BlockTables`, per cache and layer) moves a batch's rows through its
-  block tables outside a decode step: a prompt's span and scattered rows to the host, the H2D
-  staging of a multi-token call and a crop's refill.
+* `HostBlockPool` (per layer) owns the buffers: keys, values [P, block, H, d] and cis [P, block, H]
+  in host memory (RAM, never a file on some disk: a store's blocks are read into it when a lookup
+  needs them), their growth, and the block copies (copy on write, reads of stored blocks).  Who
+  holds which block is its `allocator`'s (`host_pool.BlockAllocator`, the manager's).
+* `HostKVStore` (per cache and layer) moves a batch's rows through its `blocks` (a
+  `host_pool.BlockTables`, the manager's: which block holds each position) outside a decode
+  step: a prompt's span and scattered rows to the host, the H2D staging of a multi-token call and
+  a crop's refill.
 
 On a machine with CUDA the pool's buffers are page-locked with `cudaHostRegister` at their exact
 size (the caching pinned allocator would round each up to a power of two and keep it after the
@@ -69,13 +70,15 @@ def _dtype_bytes(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-class HostBlockPool(BlockAllocator):
-    """Physical blocks of one layer's host tier, reference-counted (`BlockAllocator`).
+class HostBlockPool:
+    """Physical blocks of one layer's host tier; `allocator` (a `BlockAllocator`) counts their
+    holders and hands them out.
 
     keys, values [P, block_size, H, d] (dtype) and cis [P, block_size, H] (cis_dtype) or None,
     allocated by `allocate_host` (pinned at their exact size if `pin`); P = `capacity` grows by
-    exactly the blocks asked for (`reserve`), copying the stored blocks.  Block ids are indices
-    into dim 0.  Rows of a block past what its holder stored hold whatever the memory held.
+    exactly the blocks the allocator is asked for (`allocator.reserve`), copying the stored blocks.
+    Block ids are indices into dim 0.  Rows of a block past what its holder stored hold whatever
+    the memory held.
     """
 
     def __init__(
@@ -90,11 +93,16 @@ class HostBlockPool(BlockAllocator):
     ) -> None:
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
-        super().__init__()
+        self.allocator = BlockAllocator(grow=self._grow_buffers)
         self.block_size, self.heads, self.dim = block_size, heads, dim
         self.dtype, self.with_cis, self.cis_dtype, self.pin = dtype, with_cis, cis_dtype if with_cis else None, pin
         self.keys = self.values = self.cis = None
         self.written = None  # CUDA event after the last asynchronous write from the device
+
+    @property
+    def capacity(self) -> int:
+        """P: physical blocks in the buffers."""
+        return self.allocator.capacity
 
     # -- geometry -----------------------------------------------------------------------------
     def matches(
@@ -158,7 +166,7 @@ class HostBlockPool(BlockAllocator):
         """Views (no copy) of physical block `block`: keys, values [block_size, H, d], cis
         [block_size, H] or None.  Host tensors: touch them inside `host_transfer()`, after
         `wait_writes()`."""
-        self._check_ids([block])
+        self.allocator.check_ids([block])
         return self.keys[block], self.values[block], None if self.cis is None else self.cis[block]
 
     @transfer_function
@@ -173,7 +181,7 @@ class HostBlockPool(BlockAllocator):
     def read_rows(self, blocks: list[int], length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Copies of the first `length` rows stored in `blocks` (in order): keys, values
         [length, H, d], cis [length, H] or None (fresh host tensors).  Touch inside `host_transfer()`."""
-        self._check_ids(blocks)
+        self.allocator.check_ids(blocks)
         picked = torch.tensor(blocks, dtype=torch.long)
         buffers = (self.keys, self.values, self.cis)
         return tuple(None if t is None else t[picked].flatten(0, 1)[:length] for t in buffers)
@@ -183,14 +191,16 @@ class HostBlockPool(BlockAllocator):
         return tensor.view(self.capacity * self.block_size, *tensor.shape[2:])
 
 
-class HostKVStore(BlockTables):
+class HostKVStore:
     """One layer of a batch on the paged host tier: sequence b's position t is row t % block of
-    physical block tables[b][t // block] of the pool (`BlockTables`); this class moves the rows.
+    physical block blocks.tables[b][t // block] of the pool (`blocks`: a `BlockTables`, which
+    assigns, shares and copies on write); this class moves the rows.
 
     keys, values [P, block, H, d] and cis [P, block, H] (or None) are the pool's buffers.  Rows past
     a sequence's stored length hold whatever the memory held (the pool is allocated
     uninitialised): readers mask them by length (`device_rows` zeroes them on the way in).
-    `pool`: build on an existing pool (shared with other caches), else a new one.
+    `pool`: build on an existing pool (shared with other caches), else a new one; `blocks`: tables
+    over it to adopt (a fork's), else empty ones.
     """
 
     def __init__(
@@ -207,6 +217,7 @@ class HostKVStore(BlockTables):
         block_size: int = 64,
         device: torch.device | str = "cpu",
         pool: HostBlockPool | None = None,
+        blocks: BlockTables | None = None,
     ) -> None:
         self.shape = (batch, heads, dim)
         self.dtype, self.cis_dtype = dtype, cis_dtype if with_cis else None
@@ -216,14 +227,22 @@ class HostKVStore(BlockTables):
         problem = pool.matches(block_size, heads, dim, dtype, self.cis_dtype)
         if problem:
             raise ValueError(f"this host block pool holds blocks of another geometry ({problem})")
-        super().__init__(batch, pool, block_size, max_length, reserved, device)
+        self.pool = pool
+        if blocks is None:
+            blocks = BlockTables(batch, pool.allocator, pool.copy_block, block_size, max_length, reserved, device)
+        self.blocks = blocks
         self.row_nbytes = self.row_bytes()  # what a decode step's write-back moves per sequence
 
-    def _sibling(self, batch: int) -> HostKVStore:
-        """An empty store of `batch` sequences with this one's geometry and settings, over the same pool."""
+    def forked(self, lengths: list[int], repeats: int = 1) -> HostKVStore:
+        """A store over the same pool with each sequence b (lengths[b] positions stored) repeated
+        `repeats` times: full blocks shared, tails copied (`BlockTables.forked`)."""
         _, heads, dim = self.shape
-        settings = (self.dtype, self.with_cis, self.cis_dtype, self.max_length, self.pin, self.reserved)
-        return HostKVStore(batch, heads, dim, *settings, self.block_size, self.device, self.pool)
+        tables = self.blocks
+        settings = (self.dtype, self.with_cis, self.cis_dtype, tables.max_length, self.pin, tables.reserved)
+        forked = tables.forked(lengths, repeats)
+        return HostKVStore(
+            len(forked.tables), heads, dim, *settings, tables.block_size, tables.device, self.pool, forked
+        )
 
     # -- the pool's buffers -------------------------------------------------------------------
     keys = property(lambda self: self.pool.keys)
@@ -249,7 +268,7 @@ class HostKVStore(BlockTables):
         """A multi-token call's write-back of scattered rows (a padded prompt, draft tokens):
         keys/values [N, H, d] (any device) at (batch_idx[N], pos[N]).  Reads the indices and rows
         to the host (one sync, outside the decode step).  Returns bytes moved."""
-        rows = self._flat_rows(batch_idx.cpu().tolist(), pos.cpu().tolist())
+        rows = self.blocks.flat_rows(batch_idx.cpu().tolist(), pos.cpu().tolist())
         pool = self.pool
         pool.flat(pool.keys)[rows] = keys.to("cpu", self.dtype)
         pool.flat(pool.values)[rows] = values.to("cpu", self.dtype)
@@ -272,7 +291,7 @@ class HostKVStore(BlockTables):
         if cis is not None:
             targets.append((pool.flat(pool.cis), cis))
         for b in range(keys.shape[0]):
-            for first, end, row in self._runs(b, start, start + count):
+            for first, end, row in self.blocks.runs(b, start, start + count):
                 for flat, source in targets:
                     flat[row : row + end - first].copy_(source[b, first - start : end - start], non_blocking=pinned)
         moved = keys.numel() * keys.element_size() * 2 + (0 if cis is None else cis.numel() * cis.element_size())
@@ -291,8 +310,8 @@ class HostKVStore(BlockTables):
         rows = count if rows is None else rows
         pinned = self.pin and torch.device(device).type == "cuda"
         keep = torch.arange(rows, device=lengths.device).view(1, -1) < lengths.view(-1, 1)  # [B, rows]
-        batch = len(self.tables)
-        runs = [self._runs(b, 0, count) for b in range(batch)]
+        batch = len(self.blocks.tables)
+        runs = [self.blocks.runs(b, 0, count) for b in range(batch)]
         out = []
         for host in (self.keys, self.values, self.cis):
             if host is None:
@@ -314,7 +333,7 @@ class HostKVStore(BlockTables):
             if host is None or target is None or stop <= start:
                 continue
             flat = self.pool.flat(host)
-            for first, end, row in self._runs(batch, start, stop):
+            for first, end, row in self.blocks.runs(batch, start, stop):
                 target[batch, offset + first - start : offset + end - start].copy_(
                     flat[row : row + end - first], non_blocking=self.pin and target.is_cuda
                 )

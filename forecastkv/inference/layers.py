@@ -93,8 +93,12 @@ class OffloadedRows(OffloadedStaging):
     def emptied(self) -> "OffloadedRows":
         """The same settings holding nothing (a reset layer's); a recording log keeps recording."""
         return OffloadedRows(
-            budget=self.budget, fetch=self.fetch, staging=self.staging, gather_programs=self.gather_programs,
-            given_pool=self.given_pool, recording=self.log.selections is not None,
+            budget=self.budget,
+            fetch=self.fetch,
+            staging=self.staging,
+            gather_programs=self.gather_programs,
+            given_pool=self.given_pool,
+            recording=self.log.selections is not None,
         )
 
     def reorder(self, beam_idx):
@@ -148,10 +152,10 @@ class OffloadedRows(OffloadedStaging):
     def make_room(self, layer, step: CallInfo) -> None:
         """Host capacity for the call; for a decode step room for its compression windows, and
         its write-back's bytes."""
-        host = self.host
-        host.reserved = layer.reserved  # a reserve() after the store was made (an attached cache) counts
-        if step.key_count > host.capacity or not host.complete:  # else nothing to assign: no call per step
-            host.ensure(step.key_count)
+        host, blocks = self.host, self.host.blocks
+        blocks.reserved = layer.reserved  # a reserve() after the store was made (an attached cache) counts
+        if step.key_count > blocks.capacity or not blocks.complete:  # else nothing to assign: no call per step
+            blocks.ensure(step.key_count)
         self.decoding = step.decode
         if step.decode:
             if self.staging.holder is not None:
@@ -166,7 +170,7 @@ class OffloadedRows(OffloadedStaging):
         host through the `row_store` kernel; the tail slot, the ring and the compressed keys are
         updated on the device from the ring.  Fixed shapes, no host read, no host-store read."""
         host = self.host  # the row's bytes were counted by `make_room`
-        self.worker.store_rows(host.pool, host.block_table, pos, keys, values, cis)
+        self.worker.store_rows(host.pool, host.blocks.block_table, pos, keys, values, cis)
         valid, index = pos >= 0, pos.clamp(min=0)
         tail = self.budget * layer.block_size + index % layer.block_size
         ring = index % self.ring_rows
@@ -182,7 +186,7 @@ class OffloadedRows(OffloadedStaging):
         layer.advance(pos, valid, self.k_ring, self.cis_ring, ring=True)
 
     def capacity_rows(self, layer) -> int:
-        return 0 if self.host is None else self.host.capacity
+        return 0 if self.host is None else self.host.blocks.capacity
 
     # -- plan and blocks ----------------------------------------------------------------------
     def plan(self, layer, selection: torch.Tensor) -> RuntimePlan:
@@ -215,7 +219,7 @@ class OffloadedRows(OffloadedStaging):
         )
         host = self.host
         fetch = functools.partial(
-            self.worker.gather, host.pool, host.block_table, ids, self.k_slots, self.v_slots, self.bias_slots,
+            self.worker.gather, host.pool, host.blocks.block_table, ids, self.k_slots, self.v_slots, self.bias_slots,
             self.gather_programs,
         )  # fmt: skip
         return fetch, ids

@@ -243,15 +243,15 @@ class OffloadedSparseCache(SparseCache):
         for layer in self.layers:
             host = layer.store.host if layer.offloaded else None
             if host is not None:
-                blocks = host.distinct_blocks()
+                blocks = host.blocks.distinct_blocks()
                 held += len(blocks)
-                shared += sum(1 for block in blocks if host.pool.refs[block] > 1)
+                shared += sum(1 for block in blocks if host.pool.allocator.refs[block] > 1)
         pools = {id(pool): pool for pool in self.host_pools() if pool is not None}.values()
         return {
             "held": held,
             "shared": shared,
             "allocated": sum(p.capacity for p in pools),
-            "free": sum(p.free_blocks() for p in pools),
+            "free": sum(p.allocator.free_blocks() for p in pools),
         }
 
     def stats(self) -> dict:

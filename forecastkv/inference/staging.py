@@ -109,7 +109,7 @@ class OffloadedStaging:
         self.staging.release()
         complete = torch.div(layer.lengths, layer.block_size, rounding_mode="floor").view(-1, 1, 1)
         self.block_map = self.block_map.masked_fill(self.block_map >= complete, -1)  # now partial blocks
-        self.host.make_writable(layer.host_lengths)  # copy on write: blocks this cache writes again are its own
+        self.host.blocks.make_writable(layer.host_lengths)  # copy on write: blocks this cache writes again are its own
         self._refill_from_host(layer)
 
     def _refill_from_host(self, layer) -> None:
@@ -161,7 +161,7 @@ class OffloadedStaging:
         self.given_pool = pool
         layer.lazy_initialization(keys, values)
         self.allocate(layer, keys, cis)
-        self.host.adopt(0, blocks, length)
+        self.host.blocks.adopt(0, blocks, length)
         layer.columns, layer.host_lengths = length, [length]
         # no `ensure` here: the next call sizes the capacity (generate()'s reserve), so a cache
         # attached to a store's blocks allocates only the private blocks it will write

@@ -65,7 +65,7 @@ def host_pool_for(pages: LayerPages) -> HostBlockPool:
     cis_dtype = None if pages.cis is None else pages.cis.dtype
     pin = pages.keys.device.type == "cuda"
     pool = HostBlockPool(page, heads, dim, pages.keys.dtype, pages.cis is not None, cis_dtype, pin)
-    pool.allocate(count)  # ids 0..count-1 in order: host block i mirrors page i
+    pool.allocator.allocate(count)  # ids 0..count-1 in order: host block i mirrors page i
     return pool
 
 

@@ -181,8 +181,8 @@ def test_lookups_share_the_stored_host_blocks(name):
         assert torch.equal(generate(model, prompt, cache), generate(model, prompt, fresh_cache(model, mode, selector)))
         for index, layer in enumerate(cache.layers):
             if layer.offloaded:  # the prefix's blocks are the store's own, held once more
-                assert set(layer.store.host.sequence_blocks(0)[:32]) == {blocks[index] for blocks in stored}
-        own.append(len(cache.layers[1].store.host.sequence_blocks(0)) - 32)
+                assert set(layer.store.host.blocks.sequence_blocks(0)[:32]) == {blocks[index] for blocks in stored}
+        own.append(len(cache.layers[1].store.host.blocks.sequence_blocks(0)) - 32)
         caches.append(cache)
         sizes.append(host_bytes())
     per_layer_block = sum(p.block_nbytes() for p in pools)
@@ -195,4 +195,4 @@ def test_lookups_share_the_stored_host_blocks(name):
     assert store.stats()["referenced_blocks"] == 32  # the block tables of the live caches still hold them
     del caches, cache, layer  # `layer` is the last cache's: its block table holds blocks too
     gc.collect()
-    assert store.stats()["referenced_blocks"] == 0 and all(pool.used_blocks() == 32 for pool in pools)
+    assert store.stats()["referenced_blocks"] == 0 and all(pool.allocator.used_blocks() == 32 for pool in pools)

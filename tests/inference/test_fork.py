@@ -112,16 +112,16 @@ def assert_batch_shares_full_blocks(source, batch, n):
     for layer, mine in zip(source.layers, batch.layers):
         if not layer.offloaded:
             continue
-        shared = layer.store.host.sequence_blocks(0, DOC)[:full]
-        assert all(layer.store.host.pool.refs[block] == 1 + n for block in shared)
+        shared = layer.store.host.blocks.sequence_blocks(0, DOC)[:full]
+        assert all(layer.store.host.pool.allocator.refs[block] == 1 + n for block in shared)
         private = set()
         for b in range(n):
-            table = mine.store.host.sequence_blocks(b)
+            table = mine.store.host.blocks.sequence_blocks(b)
             assert table[:full] == shared
             private.update(table[full:])
-        assert all(mine.store.host.pool.refs[block] == 1 for block in private if block >= 0) and not private & set(
-            layer.store.host.sequence_blocks(0)
-        )
+        assert all(
+            mine.store.host.pool.allocator.refs[block] == 1 for block in private if block >= 0
+        ) and not private & set(layer.store.host.blocks.sequence_blocks(0))
 
 
 def model_block(cache) -> int:
@@ -208,7 +208,9 @@ def test_attach_holds_another_owners_blocks(setup, mode):
     entries = []
     for layer in owner.layers:
         if layer.offloaded:
-            entries.append((layer.store.host.pool, layer.store.host.sequence_blocks(0, DOC), torch.device("cpu")))
+            entries.append(
+                (layer.store.host.pool, layer.store.host.blocks.sequence_blocks(0, DOC), torch.device("cpu"))
+            )
         else:
             entries.append(layer.full()[:3])
     cache = OffloadedSparseCache.for_model(model, mode=mode)
@@ -217,9 +219,15 @@ def test_attach_holds_another_owners_blocks(setup, mode):
     full = DOC // model_block(owner)
     for layer, mine in zip(owner.layers, cache.layers):
         if layer.offloaded:
-            assert mine.store.host.sequence_blocks(0, DOC)[:full] == layer.store.host.sequence_blocks(0, DOC)[:full]
+            assert (
+                mine.store.host.blocks.sequence_blocks(0, DOC)[:full]
+                == layer.store.host.blocks.sequence_blocks(0, DOC)[:full]
+            )
             # the partial tail: a copy
-            assert mine.store.host.sequence_blocks(0, DOC)[full] != layer.store.host.sequence_blocks(0, DOC)[full]
+            assert (
+                mine.store.host.blocks.sequence_blocks(0, DOC)[full]
+                != layer.store.host.blocks.sequence_blocks(0, DOC)[full]
+            )
     assert torch.equal(generate(model, torch.cat([doc, questions[0]], 1), cache), expected[mode][0])
     assert torch.equal(generate(model, torch.cat([doc, questions[1]], 1), owner), expected[mode][1])
     with pytest.raises(ValueError, match="attach\\(\\) fills an empty layer"):

@@ -25,7 +25,7 @@ def store(dtype=torch.float32, with_cis=True, cis_dtype=torch.float32, max_lengt
     s = HostKVStore(
         BATCH, HEADS, DIM, dtype, with_cis, cis_dtype if with_cis else None, max_length, pin=False, block_size=block
     )
-    s.ensure(rows)
+    s.blocks.ensure(rows)
     for t in s.tensors():
         t.fill_(NAN)
     return s
@@ -34,8 +34,11 @@ def store(dtype=torch.float32, with_cis=True, cis_dtype=torch.float32, max_lengt
 def by_position(s, tensor):
     """One of the pool's buffers as [B, capacity, ...] by position: a copy, read through the host
     tables row by row (an independent reading of the layout)."""
-    size = s.block_size
-    rows = [[s.tables[b][t // size] * size + t % size for t in range(s.capacity)] for b in range(len(s.tables))]
+    size = s.blocks.block_size
+    rows = [
+        [s.blocks.tables[b][t // size] * size + t % size for t in range(s.blocks.capacity)]
+        for b in range(len(s.blocks.tables))
+    ]
     return tensor.reshape(-1, *tensor.shape[2:])[torch.tensor(rows)]
 
 
@@ -63,8 +66,8 @@ def test_write_stores_exactly_the_given_rows():
     cis = torch.randn(4, HEADS, generator=gen)
     moved = s.write(batch_idx, pos, keys, values, cis)
     assert moved == 2 * 4 * HEADS * DIM * 4 + 4 * HEADS * 4  # K + V + CIS, fp32 inputs
-    expected_k = torch.full((BATCH, s.capacity, HEADS, DIM), NAN)
-    expected_v, expected_c = expected_k.clone(), torch.full((BATCH, s.capacity, HEADS), NAN)
+    expected_k = torch.full((BATCH, s.blocks.capacity, HEADS, DIM), NAN)
+    expected_v, expected_c = expected_k.clone(), torch.full((BATCH, s.blocks.capacity, HEADS), NAN)
     for i, (b, t) in enumerate(zip(batch_idx.tolist(), pos.tolist())):
         expected_k[b, t], expected_v[b, t], expected_c[b, t] = keys[i], values[i], cis[i]
     assert equal_nan(K(s), expected_k) and equal_nan(V(s), expected_v) and equal_nan(C(s), expected_c)
@@ -123,7 +126,7 @@ def test_device_rows_are_copies_with_rows_past_each_length_zeroed():
 
 def write_rows(s: HostKVStore, positions, keys, values, cis) -> None:
     """A decode step's write-back into store `s`: the worker's `row_store` through its block table."""
-    TransferWorker("cpu", overlap=False).store_rows(s.pool, s.block_table, positions, keys, values, cis)
+    TransferWorker("cpu", overlap=False).store_rows(s.pool, s.blocks.block_table, positions, keys, values, cis)
 
 
 def test_write_rows_stores_one_row_per_sequence():
@@ -162,7 +165,7 @@ def test_pinned_bytes_are_exactly_what_is_allocated_and_freed_with_the_store(mon
     fake = FakeCudart()
     monkeypatch.setattr(hs.torch.cuda, "cudart", lambda: fake)
     s = HostKVStore(BATCH, HEADS, DIM, torch.bfloat16, True, torch.float32, 37, pin=True, block_size=BLOCK)
-    s.ensure(5)
+    s.blocks.ensure(5)
     expected = BATCH * 40 * (HEADS * DIM * 2 * 2 + HEADS * 4)
     assert sum(fake.registered.values()) == s.nbytes() == expected
     assert sorted(fake.registered) == sorted(t.data_ptr() for t in (s.keys, s.values, s.cis))
@@ -183,14 +186,14 @@ def test_row_bytes_and_nbytes(dtype, with_cis, cis_dtype, row):
     s = HostKVStore(BATCH, HEADS, DIM, dtype, with_cis, cis_dtype, None, pin=False, block_size=BLOCK)
     assert s.row_bytes() == row
     assert s.nbytes() == 0  # nothing allocated before the first ensure
-    s.ensure(10)
-    assert s.capacity == GROWTH_CHUNK and s.nbytes() == BATCH * GROWTH_CHUNK * row
+    s.blocks.ensure(10)
+    assert s.blocks.capacity == GROWTH_CHUNK and s.nbytes() == BATCH * GROWTH_CHUNK * row
     assert (s.cis is None) == (not with_cis)
 
 
 def test_ensure_grows_in_chunks_and_keeps_what_was_stored():
     s = store(rows=5)
-    assert s.capacity == GROWTH_CHUNK
+    assert s.blocks.capacity == GROWTH_CHUNK
     gen = torch.Generator().manual_seed(4)
     keys, values, cis = (
         torch.randn(BATCH, 6, HEADS, DIM, generator=gen),
@@ -199,10 +202,10 @@ def test_ensure_grows_in_chunks_and_keeps_what_was_stored():
     )
     s.write_span(GROWTH_CHUNK - 3, keys[:, :3], values[:, :3], cis[:, :3])  # the old buffer's last rows
     before = [t.clone() for t in (K(s), V(s), C(s))]
-    s.ensure(GROWTH_CHUNK)  # fits: nothing moves
-    assert s.capacity == GROWTH_CHUNK and all(equal_nan(t, b) for t, b in zip((K(s), V(s), C(s)), before))
-    s.ensure(GROWTH_CHUNK + 1)
-    assert s.capacity == 2 * GROWTH_CHUNK
+    s.blocks.ensure(GROWTH_CHUNK)  # fits: nothing moves
+    assert s.blocks.capacity == GROWTH_CHUNK and all(equal_nan(t, b) for t, b in zip((K(s), V(s), C(s)), before))
+    s.blocks.ensure(GROWTH_CHUNK + 1)
+    assert s.blocks.capacity == 2 * GROWTH_CHUNK
     assert K(s).shape == (BATCH, 2 * GROWTH_CHUNK, HEADS, DIM) and C(s).shape == (BATCH, 2 * GROWTH_CHUNK, HEADS)
     for t, b in zip((K(s), V(s), C(s)), before):
         assert equal_nan(t[:, :GROWTH_CHUNK], b)  # NaN where nothing was written, too
@@ -210,25 +213,27 @@ def test_ensure_grows_in_chunks_and_keeps_what_was_stored():
     assert torch.equal(K(s)[:, GROWTH_CHUNK - 3 : GROWTH_CHUNK + 3], keys) and torch.equal(
         C(s)[:, GROWTH_CHUNK - 3 : GROWTH_CHUNK + 3], cis
     )
-    s.ensure(3 * GROWTH_CHUNK - 7)
-    assert s.capacity == 3 * GROWTH_CHUNK and torch.equal(V(s)[:, GROWTH_CHUNK - 3 : GROWTH_CHUNK + 3], values)
+    s.blocks.ensure(3 * GROWTH_CHUNK - 7)
+    assert s.blocks.capacity == 3 * GROWTH_CHUNK and torch.equal(V(s)[:, GROWTH_CHUNK - 3 : GROWTH_CHUNK + 3], values)
 
 
 def test_max_length_preallocates_and_rejects_longer_sequences():
     s = store(max_length=40, rows=1)
-    assert s.capacity == 40 and K(s).shape == (BATCH, 40, HEADS, DIM)
+    assert s.blocks.capacity == 40 and K(s).shape == (BATCH, 40, HEADS, DIM)
     s.write_span(36, torch.ones(BATCH, 4, HEADS, DIM), torch.ones(BATCH, 4, HEADS, DIM), torch.ones(BATCH, 4, HEADS))
-    s.ensure(40)
+    s.blocks.ensure(40)
     with pytest.raises(ValueError, match="sequence of 41 tokens exceeds this cache's max_length=40"):
-        s.ensure(41)
-    assert s.capacity == 40 and (K(s)[:, 36:] == 1).all() and K(s)[:, :36].isnan().all()  # unchanged by the refusal
+        s.blocks.ensure(41)
+    assert (
+        s.blocks.capacity == 40 and (K(s)[:, 36:] == 1).all() and K(s)[:, :36].isnan().all()
+    )  # unchanged by the refusal
 
 
 def test_pinning_failure_names_the_bytes(monkeypatch):
     monkeypatch.setattr(hs.torch.cuda, "cudart", lambda: FakeCudart(fail=True))
     s = HostKVStore(2, 4, 64, torch.bfloat16, False, None, 2**20, pin=True)
     with pytest.raises(MemoryError, match=r"could not pin 1\.00 GiB of host memory .*cudaHostRegister: 2.*ulimit -l"):
-        s.ensure(1)  # K: 2 x 2^20 x 4 x 64 bf16 = 1 GiB
+        s.blocks.ensure(1)  # K: 2 x 2^20 x 4 x 64 bf16 = 1 GiB
 
 
 # -- the pool -------------------------------------------------------------------------------------
@@ -237,23 +242,27 @@ def test_pinning_failure_names_the_bytes(monkeypatch):
 def test_pool_counts_holders_and_reuses_freed_blocks():
     pool = HostBlockPool(BLOCK, HEADS, DIM, torch.float32, False, None, pin=False)
     assert pool.capacity == 0 and pool.nbytes() == 0
-    first = pool.allocate(3)
-    assert first == [0, 1, 2] and pool.capacity == 3 and [pool.refcount(b) for b in first] == [1, 1, 1]
+    first = pool.allocator.allocate(3)
+    assert first == [0, 1, 2] and pool.capacity == 3 and [pool.allocator.refcount(b) for b in first] == [1, 1, 1]
     assert pool.nbytes() == 3 * pool.block_nbytes() == 3 * BLOCK * HEADS * DIM * 2 * 4
-    pool.retain([1, 1])
-    pool.release([0, 1])
-    assert [pool.refcount(b) for b in first] == [0, 2, 1] and pool.free_blocks() == 1 and pool.used_blocks() == 2
-    assert pool.allocate(2) == [0, 3] and pool.capacity == 4  # the freed block first, then exactly one more
+    pool.allocator.retain([1, 1])
+    pool.allocator.release([0, 1])
+    assert (
+        [pool.allocator.refcount(b) for b in first] == [0, 2, 1]
+        and pool.allocator.free_blocks() == 1
+        and pool.allocator.used_blocks() == 2
+    )
+    assert pool.allocator.allocate(2) == [0, 3] and pool.capacity == 4  # the freed block first, then exactly one more
     with pytest.raises(ValueError, match="block 2 has 1 holders, fewer than the 2 releases asked"):
-        pool.release([2, 2])
-    assert pool.refcount(2) == 1  # a refused release changes nothing
+        pool.allocator.release([2, 2])
+    assert pool.allocator.refcount(2) == 1  # a refused release changes nothing
     with pytest.raises(ValueError, match="block id 9 is outside the pool's 4 blocks"):
-        pool.retain([9])
-    pool.release([2])
+        pool.allocator.retain([9])
+    pool.allocator.release([2])
     with pytest.raises(ValueError, match="block 2 is already free"):
-        pool.release([2])
+        pool.allocator.release([2])
     with pytest.raises(ValueError, match="block 2 is free; only an allocated block can be retained"):
-        pool.retain([2])
+        pool.allocator.retain([2])
 
 
 def test_a_store_refuses_a_pool_of_another_geometry():
@@ -268,7 +277,7 @@ def test_a_store_refuses_a_pool_of_another_geometry():
 def filled(lengths, rows=12):
     """A store of len(lengths) sequences, capacity `rows`, sequence b holding lengths[b] random rows."""
     s = HostKVStore(len(lengths), HEADS, DIM, torch.float32, True, torch.float32, rows, pin=False, block_size=BLOCK)
-    s.ensure(rows)
+    s.blocks.ensure(rows)
     for t in s.tensors():
         t.fill_(NAN)
     gen = torch.Generator().manual_seed(7)
@@ -289,14 +298,14 @@ def test_fork_shares_full_blocks_and_copies_the_tail():
     fork reads the same rows, and writes to a fork reach neither the source nor the other fork."""
     s = filled([10, 8])
     fork = s.forked([10, 8], repeats=2)
-    src = s.sequence_blocks(0)
+    src = s.blocks.sequence_blocks(0)
     for j in range(2):
-        assert fork.sequence_blocks(j, 8) == src[:2] and fork.sequence_blocks(j)[2] not in src
-        assert fork.sequence_blocks(2 + j, 8) == s.sequence_blocks(1, 8)
-    assert [s.pool.refcount(b) for b in src[:2]] == [3, 3] and s.pool.refcount(src[2]) == 1
-    fork.ensure(12)  # blocks past each tail are assigned now, private
+        assert fork.blocks.sequence_blocks(j, 8) == src[:2] and fork.blocks.sequence_blocks(j)[2] not in src
+        assert fork.blocks.sequence_blocks(2 + j, 8) == s.blocks.sequence_blocks(1, 8)
+    assert [s.pool.allocator.refcount(b) for b in src[:2]] == [3, 3] and s.pool.allocator.refcount(src[2]) == 1
+    fork.blocks.ensure(12)  # blocks past each tail are assigned now, private
     # the two copied tails, the 8-row sequences' third blocks
-    assert len(fork.distinct_blocks() - s.distinct_blocks()) == 2 + 2
+    assert len(fork.blocks.distinct_blocks() - s.blocks.distinct_blocks()) == 2 + 2
     before = (K(s).clone(), V(s).clone(), C(s).clone())
     lengths = torch.tensor([10, 10, 8, 8])
     keys, _, cis = fork.device_rows(10, lengths, torch.device("cpu"))
@@ -320,12 +329,12 @@ def test_crop_makes_shared_blocks_private_before_they_are_written():
     own copy (rows 4, 5 kept), block 2 is let go; the source keeps its blocks and rows."""
     s = filled([12])
     fork = s.forked([12])
-    src = s.sequence_blocks(0)
-    fork.make_writable([6])
-    mine = fork.sequence_blocks(0)
-    assert mine[0] == src[0] and mine[1] not in src and mine[2] == -1 and not fork.complete
-    assert [s.pool.refcount(b) for b in src] == [2, 1, 1]
-    fork.ensure(12)
+    src = s.blocks.sequence_blocks(0)
+    fork.blocks.make_writable([6])
+    mine = fork.blocks.sequence_blocks(0)
+    assert mine[0] == src[0] and mine[1] not in src and mine[2] == -1 and not fork.blocks.complete
+    assert [s.pool.allocator.refcount(b) for b in src] == [2, 1, 1]
+    fork.blocks.ensure(12)
     before = K(s).clone()
     fork.write_span(6, torch.ones(1, 4, HEADS, DIM), torch.ones(1, 4, HEADS, DIM), torch.ones(1, 4, HEADS))
     assert (K(fork)[0, 6:10] == 1).all() and equal_nan(K(s), before)
@@ -338,10 +347,10 @@ def test_a_store_lets_go_of_its_blocks_when_freed():
     s = filled([10, 3])
     pool = s.pool
     fork = s.forked([10, 3])
-    held = pool.used_blocks()
+    held = pool.allocator.used_blocks()
     del fork
     gc.collect()
-    assert pool.used_blocks() == held - 2  # its two copied tails; the shared blocks stay with s
+    assert pool.allocator.used_blocks() == held - 2  # its two copied tails; the shared blocks stay with s
     del s
     gc.collect()
-    assert pool.used_blocks() == 0 and pool.free_blocks() == pool.capacity
+    assert pool.allocator.used_blocks() == 0 and pool.allocator.free_blocks() == pool.capacity

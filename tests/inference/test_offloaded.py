@@ -207,7 +207,7 @@ def test_max_length_preallocates_and_limits():
     ids, mask = left_padded([40])
     cache = OffloadedSparseCache.for_model(model, max_length=60)
     generate(model, ids, mask, cache, new_tokens=5)
-    assert all(layer.store.host.capacity == 60 for layer in cache.layers if layer.offloaded)
+    assert all(layer.store.host.blocks.capacity == 60 for layer in cache.layers if layer.offloaded)
     with pytest.raises(ValueError, match="sequence of 61 tokens exceeds this cache's max_length=60"):
         generate(model, ids, mask, OffloadedSparseCache.for_model(model, max_length=60), new_tokens=30)
 

@@ -200,12 +200,12 @@ def test_host_store_transfer_functions_run_strict():
     allowed; anything else that reads its buffers raises."""
     with strict_host():
         store = HostKVStore(2, 2, 4, torch.float32, True, torch.float32, None, False)
-        store.ensure(3)
+        store.blocks.ensure(3)
     keys, values, cis = torch.randn(2, 3, 2, 4), torch.randn(2, 3, 2, 4), torch.randn(2, 3, 2)
     store.write_span(0, keys, values, cis)
     store.write(torch.tensor([1]), torch.tensor([3]), keys[1, :1], values[1, :1], cis[1, :1])
     with strict_host():
-        store.ensure(store.capacity + 1)  # regrowth copies the old rows
+        store.blocks.ensure(store.blocks.capacity + 1)  # regrowth copies the old rows
     assert (
         isinstance(store.keys, StrictHostTensor) and store.nbytes() > 0 and store.row_bytes() == 2 * 2 * 4 * 4 + 2 * 4
     )
