@@ -23,7 +23,6 @@ Nothing in a decode step reads the host store's rows or the device back: the hos
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -38,7 +37,8 @@ from .worker import TransferWorker, gather_programs_for
 @dataclass
 class RuntimePlan(Plan):
     """An offloaded store's `Plan`.  slot_of [B, H, K]: the slot serving each selected block (-1 none);
-    load_ids [B, H, M]: the host block fetched into each slot (-1 nothing); done: the side stream's
+    load_ids [H, B, M + 1]: the host block fetched into each slot (-1 nothing; the gather's layout, the
+    tail slot M skipped); done: the side stream's
     event or None; fetched: the fetch was launched; dense: dense-offload (the whole layer is copied
     instead).  `counts` (blocks wanted / hit / missed) and `h2d_extra` are the step log's row."""
 
@@ -138,16 +138,35 @@ class OffloadedRows(OffloadedStaging):
     # -- append -------------------------------------------------------------------------------
     def append(self, layer, keys, values, cis, positions, step: CallInfo) -> None:
         """Store new tokens on the host (write-through), in the tail slot and the ring;
-        keys/values [B, n, H, d], cis [B, n, H] or None, positions [B, n] (-1 = padding)."""
+        keys/values [B, n, H, d], cis [B, n, H] or None, positions [B, n] (-1 = padding).  A
+        multi-token call stages the layer (`OffloadedStaging._append_tokens`)."""
         if keys.shape[0] != self.k_slots.shape[0]:
             raise ValueError(
                 f"this cache holds a batch of {self.k_slots.shape[0]} sequences, got {keys.shape[0]}; "
                 "build a new cache per batch"
             )
-        if step.decode:
-            self._append_token(layer, keys[:, 0], values[:, 0], None if cis is None else cis[:, 0], positions[:, 0])
-        else:
+        if not step.decode:
             self._append_tokens(layer, keys, values, cis, positions, step)
+            return
+        # a decode step: the row goes to the host through the `row_store` kernel (its bytes were
+        # counted by `make_room`); the tail slot, the ring and the compressed keys are updated on the
+        # device from the ring.  Fixed shapes, no host read, no host-store read.
+        keys, values, cis, pos = keys[:, 0], values[:, 0], None if cis is None else cis[:, 0], positions[:, 0]
+        self.worker.store_rows(self.host.pool, self.host.blocks.block_table, pos, keys, values, cis)
+        valid, index = pos >= 0, pos.clamp(min=0)
+        tail = self.budget * layer.block_size + index % layer.block_size
+        ring = index % self.ring_rows
+        put_rows(
+            (
+                (self.k_slots, tail, keys),
+                (self.v_slots, tail, values),
+                (self.bias_slots, tail, cis),
+                (self.k_ring, ring, keys),
+                (self.cis_ring, ring, cis),
+            ),
+            valid,
+        )
+        layer.advance(pos, valid, self.k_ring, self.cis_ring, ring=True)
 
     def make_room(self, layer, step: CallInfo) -> None:
         """Host capacity for the call; for a decode step room for its compression windows, and
@@ -162,28 +181,6 @@ class OffloadedRows(OffloadedStaging):
                 self.staging.release()  # a decode step reads no staged layer
             layer.grow_windows_for(layer.columns)
             self.d2h_bytes += host.shape[0] * host.row_nbytes
-
-    def _append_token(
-        self, layer, keys: torch.Tensor, values: torch.Tensor, cis: torch.Tensor | None, pos: torch.Tensor
-    ) -> None:
-        """A decode step: keys/values [B, H, d], cis [B, H] or None, pos [B].  The row goes to the
-        host through the `row_store` kernel; the tail slot, the ring and the compressed keys are
-        updated on the device from the ring.  Fixed shapes, no host read, no host-store read."""
-        host = self.host  # the row's bytes were counted by `make_room`
-        self.worker.store_rows(host.pool, host.blocks.block_table, pos, keys, values, cis)
-        valid, index = pos >= 0, pos.clamp(min=0)
-        tail = self.budget * layer.block_size + index % layer.block_size
-        ring = index % self.ring_rows
-        for buffer, rows, new in (
-            (self.k_slots, tail, keys),
-            (self.v_slots, tail, values),
-            (self.bias_slots, tail, cis),
-            (self.k_ring, ring, keys),
-            (self.cis_ring, ring, cis),
-        ):
-            if new is not None:
-                put_rows(buffer, rows, new, valid)
-        layer.advance(pos, valid, self.k_ring, self.cis_ring, ring=True)
 
     def capacity_rows(self, layer) -> int:
         return 0 if self.host is None else self.host.blocks.capacity
@@ -203,26 +200,21 @@ class OffloadedRows(OffloadedStaging):
             return RuntimePlan(selection, dense=True, counts=torch.stack([count, zero, zero]))
         spec = plan_loads(self.block_map, selection, lengths, block_size)
         self.block_map.copy_(spec.block_map)  # in place: a fixed address
-        plan = RuntimePlan(selection, slot_of=spec.slot_of, load_ids=spec.load_ids, fetched=False, counts=spec.counts)
+        # the gather's ids [H, B, M + 1]: the blocks per slot, the tail slot (M) skipped
+        load_ids = spec.load_ids
+        ids = torch.cat([load_ids, load_ids.new_full((*load_ids.shape[:2], 1), -1)], -1).permute(1, 0, 2).contiguous()
+        plan = RuntimePlan(selection, slot_of=spec.slot_of, load_ids=ids, fetched=False, counts=spec.counts)
         if self.fetch == "prefetch":
-            fetch, ids = self._gather(spec.load_ids)
-            plan.done = self.worker.launch(fetch, keep_alive=(ids,))
+            plan.done = self.worker.gather(*self._gather_args(ids), side=True)
             plan.fetched = True
         return plan
 
-    def _gather(self, load_ids: torch.Tensor):
-        """The copy of the host blocks named by load_ids [B, H, M] into their slots (tail column
-        skipped) through the block table, ready to run now or on the side stream: the UVA kernel on
-        CUDA (no sync, skips bad ids), its reference elsewhere.  Returns (the fetch, its ids)."""
-        ids = (
-            torch.cat([load_ids, load_ids.new_full((*load_ids.shape[:2], 1), -1)], dim=-1).permute(1, 0, 2).contiguous()
-        )
+    def _gather_args(self, ids: torch.Tensor) -> tuple:
+        """The worker's `gather` of the host blocks ids [H, B, M + 1] into this layer's slots through
+        the block table: the UVA kernel on CUDA (no sync, skips bad ids), its reference elsewhere."""
         host = self.host
-        fetch = functools.partial(
-            self.worker.gather, host.pool, host.blocks.block_table, ids, self.k_slots, self.v_slots, self.bias_slots,
-            self.gather_programs,
-        )  # fmt: skip
-        return fetch, ids
+        return (host.pool, host.blocks.block_table, ids, self.k_slots, self.v_slots, self.bias_slots,
+                self.gather_programs)  # fmt: skip
 
     def _ready(self, plan: RuntimePlan) -> RuntimePlan:
         """`plan` with its blocks in place (waits for this layer's fetch only)."""
@@ -231,7 +223,7 @@ class OffloadedRows(OffloadedStaging):
         if plan.fetched:
             self.worker.wait(plan.done)
         else:
-            self._gather(plan.load_ids)[0]()
+            self.worker.gather(*self._gather_args(plan.load_ids))
             plan.fetched = True
         return plan
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-from typing import Callable
 
 import torch
 
@@ -85,8 +84,8 @@ def gather_programs_for(device: torch.device, batch: int) -> int:
 
 class TransferWorker:
     """Executes transfers for tensors on `device` with the kernels of `ops` (a `KernelSet`; default:
-    the current backend's for the device).  overlap: run launched gathers on a CUDA side stream
-    (only where CUDA exists; elsewhere, and without overlap, a launch runs at once)."""
+    the current backend's for the device).  overlap: run `gather(..., side=True)` on a CUDA side
+    stream (only where CUDA exists; elsewhere, and without overlap, it runs at once)."""
 
     def __init__(self, device: torch.device | str, overlap: bool, ops: kernels.KernelSet | None = None) -> None:
         self.device = torch.device(device)
@@ -137,29 +136,49 @@ class TransferWorker:
         bias_slots: torch.Tensor | None,
         programs: int,
         dest_table: torch.Tensor | None = None,
-    ) -> None:
+        side: bool = False,
+    ):
         """The blocks load_ids [H, B, M] (logical ids through block_table [B, NB], -1 skips) of `pool`
         into slots [B, M*block, H, d], or with dest_table into the device pool k_slots
-        [Q, block, H, d] (`kernels.block_gather`, ids not checked: the kernel skips bad ones)."""
+        [Q, block, H, d] (`kernels.block_gather`, ids not checked: the kernel skips bad ones).
+
+        side: run on the side stream, after the work already queued on the current stream (the plan
+        that named the blocks), and return the event it records, which only the reader waits on
+        (`wait`).  Without a side stream (no CUDA, or no overlap) the gather runs at once: None."""
+        stream = self.stream if side else None
+        if stream is not None:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.device))
         state = _transfer_state  # host_transfer(), entered inline as in `store_rows`
         state.depth = getattr(state, "depth", 0) + 1
         try:
-            self.ops.block_gather(
-                pool.keys,
-                pool.values,
-                load_ids,
-                k_slots,
-                v_slots,
-                pool.block_size,
-                pool.cis,
-                bias_slots,
-                programs,
-                False,
-                block_table=block_table,
-                dest_table=dest_table,
-            )
+            with contextlib.nullcontext() if stream is None else torch.cuda.stream(stream):
+                if stream is not None:
+                    stream.wait_event(ready)
+                    for tensor in (load_ids, block_table, dest_table):  # made on the current stream
+                        if tensor is not None:
+                            tensor.record_stream(stream)
+                self.ops.block_gather(
+                    pool.keys,
+                    pool.values,
+                    load_ids,
+                    k_slots,
+                    v_slots,
+                    pool.block_size,
+                    pool.cis,
+                    bias_slots,
+                    programs,
+                    False,
+                    block_table=block_table,
+                    dest_table=dest_table,
+                )
         finally:
             state.depth -= 1
+        if stream is None:
+            return None
+        done = torch.cuda.Event()
+        done.record(stream)
+        return done
 
     # -- whole blocks (a context store's, an attached cache's) -----------------------------------------
     def read_blocks(self, pool, blocks: list[int], length: int, device=None) -> tuple:
@@ -184,25 +203,8 @@ class TransferWorker:
                         target.copy_(source[position * size : (position + 1) * size])
 
     # -- now, or on the side stream -----------------------------------------------------------------
-    def launch(self, transfer: Callable[[], None], keep_alive: tuple = ()):
-        """Run `transfer`: on the side stream after the work already queued on the current stream (the
-        plan that named its blocks), returning the event it records; without a side stream at once,
-        returning None.  keep_alive: tensors made on the current stream that the side stream reads."""
-        if self.stream is None:
-            transfer()
-            return None
-        ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
-            self.stream.wait_event(ready)
-            for tensor in keep_alive:
-                tensor.record_stream(self.stream)
-            transfer()
-            done = torch.cuda.Event()
-            done.record(self.stream)
-        return done
-
     def wait(self, handle) -> None:
-        """The current stream waits for a launched transfer (nothing to wait for without a side stream)."""
+        """The current stream waits for a gather run on the side stream (`handle`: its event; None:
+        nothing to wait for)."""
         if handle is not None:
             torch.cuda.current_stream(self.device).wait_event(handle)

@@ -265,8 +265,9 @@ class CallInfo:
     per sequence before and after the call; positions: the call's positions as a CPU int64 [B, T]
     copy (None for a decode step, whose positions are lengths_before); dense: per sequence, whether
     it attends densely in this call (`selection.dense_at`); stores: whether it stores a token.
-    decode, any_dense (a sequence storing a token attends densely), all_dense: fields, not
-    properties, so a decode step reads them without a call."""
+    decode, any_dense (a sequence storing a token attends densely), all_dense and key_count (the
+    longest sequence after the call: rows any layer holds): fields, not properties, so a decode step
+    reads them without a call."""
 
     lengths_before: tuple[int, ...]
     lengths_after: tuple[int, ...]
@@ -276,6 +277,7 @@ class CallInfo:
     decode: bool
     any_dense: bool
     all_dense: bool
+    key_count: int
     prepared: bool = False  # the cache did this call's host bookkeeping already (`SparseCache.begin_call`)
 
     @classmethod
@@ -284,7 +286,9 @@ class CallInfo:
         before = tuple(lengths)
         after = tuple([n + 1 for n in before])  # lists, not generators: no call per sequence
         dense = tuple([sel.dense_at(n, sparse) for n in after])
-        return cls(before, after, None, dense, (True,) * len(before), True, any(dense), all(dense))
+        return cls(
+            before, after, None, dense, (True,) * len(before), True, any(dense), all(dense), max(after, default=0)
+        )
 
     @classmethod
     def from_positions(cls, positions: torch.Tensor, lengths, sparse) -> "CallInfo":
@@ -296,16 +300,11 @@ class CallInfo:
         dense = tuple(sel.dense_at(p + 1, sparse) for p in last)
         stores = tuple(p >= 0 for p in last)
         any_dense = any(d and s for d, s in zip(dense, stores))
-        return cls(before, after, host, dense, stores, False, any_dense, all(dense))
+        return cls(before, after, host, dense, stores, False, any_dense, all(dense), max(after, default=0))
 
     @property
     def batch(self) -> int:
         return len(self.lengths_after)
-
-    @property
-    def key_count(self) -> int:
-        """The longest sequence after the call (rows any layer holds)."""
-        return max(self.lengths_after, default=0)
 
     def bounds(self, start: int = 0, stop: int | None = None) -> tuple[int, int]:
         """(lowest, highest) position of the call's rows [start, stop), padding (-1) included."""
@@ -452,12 +451,18 @@ class KVStore(Protocol):
         """The error of a `key_bounds()` call on a layer built without Quest's bounds."""
 
 
-def put_rows(buffer: torch.Tensor, rows: torch.Tensor, new: torch.Tensor, valid: torch.Tensor) -> None:
-    """buffer[b, rows[b]] = new[b] where valid[b] (else the row keeps its value): one row per
-    sequence, so no two writes meet.  buffer [B, R, ...], rows [B], new [B, ...], valid bool [B]."""
-    batch = torch.arange(buffer.shape[0], device=buffer.device)
-    keep = valid.view(-1, *([1] * (new.dim() - 1)))
-    buffer[batch, rows] = torch.where(keep, new.to(buffer.dtype), buffer[batch, rows])
+def put_rows(writes, valid: torch.Tensor) -> None:
+    """For each (buffer, rows, new) of `writes` (new None: skipped): buffer[b, rows[b]] = new[b] where
+    valid[b] (else the row keeps its value): one row per sequence, so no two writes meet.
+    buffer [B, R, ...], rows [B], new [B, ...], valid bool [B].  One call for a decode step's writes."""
+    batch = None
+    for buffer, rows, new in writes:
+        if new is None:
+            continue
+        if batch is None:
+            batch = torch.arange(buffer.shape[0], device=buffer.device)
+        keep = valid.view(-1, *([1] * (new.dim() - 1)))
+        buffer[batch, rows] = torch.where(keep, new.to(buffer.dtype), buffer[batch, rows])
 
 
 def columns_to_remove(tokens: int, columns: int) -> int:
@@ -548,9 +553,11 @@ class ResidentRows:
         if step.decode and self.keys is not None:
             pos = positions[:, 0]
             valid, index = pos >= 0, pos.clamp(min=0)
-            for buffer, new in ((self.keys, keys), (self.values, values), (self.cis, cis)):
-                if new is not None:
-                    put_rows(buffer, index, new[:, 0], valid)
+            put_rows(
+                ((self.keys, index, keys[:, 0]), (self.values, index, values[:, 0]),
+                 (self.cis, index, None if cis is None else cis[:, 0])),
+                valid,
+            )  # fmt: skip
             layer.advance(pos, valid, self.keys, self.cis)
             return
         new = new_rows(layer.lengths, positions)
@@ -1026,6 +1033,7 @@ class SparseCache(Cache):
         num_layers = num_layers if num_layers is not None else config.num_hidden_layers
         self.selector = selector
         self.signature = model_signature(config) if config is not None else None
+        self._checked: tuple = (None, None)  # the (config, config.sparse) that last passed `check_model`
         self.unrecorded_from: tuple[int, ...] | None = None  # decode steps' first positions (`token_record.py`)
         super().__init__(layers=[self._make_layer(config, sparse, idx, max_length) for idx in range(num_layers)])
 
@@ -1054,8 +1062,9 @@ class SparseCache(Cache):
 
     def check_model(self, config) -> None:
         """Raise if this cache was built for a model of another shape than `config`'s."""
-        if self.signature is None:
-            return
+        checked = self._checked
+        if self.signature is None or (checked[0] is config and checked[1] is config.sparse):
+            return  # the objects the last check passed (a reassigned sparse_config is a new object)
         theirs = model_signature(config)
         diff = {key: (value, theirs.get(key)) for key, value in self.signature.items() if theirs.get(key) != value}
         if diff or set(theirs) != set(self.signature):
@@ -1067,6 +1076,7 @@ class SparseCache(Cache):
                 f"this {type(self).__name__} was built for another model ({detail}); "
                 "build one with the model that uses it"
             )
+        self._checked = (config, config.sparse)
 
     def sequence_lengths(self) -> torch.Tensor | None:
         """[B] stored positions per sequence on the device (None before the first token)."""

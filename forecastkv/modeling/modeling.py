@@ -233,6 +233,8 @@ class ForecastKVModel(ForecastKVPreTrainedModel):
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
+        # each layer's rule for the (selector, sparse config) objects of the last call (`forward`)
+        self._layer_rules: tuple = ((None, None), ())
         for layer in self.layers:
             for name in ("forecast_proj", "current_proj"):
                 if hasattr(layer.self_attn, name):
@@ -340,8 +342,11 @@ class ForecastKVModel(ForecastKVPreTrainedModel):
         plans_ahead = selector is not None and selector.plans_ahead and step.decode and not step.any_dense
         rules = (None,) * (len(self.layers) + 1)
         if selector is not None:
-            selector.check(sparse, len(self.layers))
-            rules = (*[selector.at_layer(idx, sparse) for idx in range(len(self.layers))], None)
+            made_for, rules = self._layer_rules
+            if made_for[0] is not selector or made_for[1] is not sparse:  # else the last call's, checked
+                selector.check(sparse, len(self.layers))
+                rules = (*[selector.at_layer(idx, sparse) for idx in range(len(self.layers))], None)
+                self._layer_rules = ((selector, sparse), rules)
         call = LayerCall(
             positions, cos, sin, step, sparse, rules, residual_scale, want_forecast, plans_ahead, layer_callback
         )

@@ -128,7 +128,7 @@ class Selector:
         else:
             scores = sel.score_blocks(vectors, ckeys, positions, sparse, n_blocks, self.scoring, lag, lse_keys=coarse)
             agnostic = None if pooled is None else sel.pooled_agnostic_scores(pooled, positions, sparse, n_blocks, lag)
-        logits = sel.scores_are_logits(self.scoring, vectors, ckeys)
+        logits = bool(sparse.top_p) and sel.scores_are_logits(self.scoring, vectors, ckeys)  # read by top-p only
         selection = sel.select_blocks(scores, positions, sparse, agnostic, logits)
         return cache_layer.plan(selection[:, :, 0])
 

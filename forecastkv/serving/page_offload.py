@@ -30,7 +30,6 @@ prefill chunk drops whatever was filed under its pages (left by a request that f
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -185,10 +184,7 @@ class PageOffload:
         device = self.pools[layer]
         # the pages are [P, H, page, ...]: the kernel reads them as [P, page, H, ...] through strides
         targets = [None if t is None else t.transpose(1, 2) for t in (device.keys, device.values, device.cis)]
-        load = functools.partial(
-            self.worker.gather, self.host[layer], table, ids, *targets, self.programs, dest_table=table
-        )
-        return self.worker.launch(load, keep_alive=(ids, table))
+        return self.worker.gather(self.host[layer], table, ids, *targets, self.programs, dest_table=table, side=True)
 
     def _block_rows(self, table, rows, heads, blocks):
         """(page ids, heads, offsets) [M, bs] of blocks [M] of sequences rows [M] (their KV heads [M])."""
