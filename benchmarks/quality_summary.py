@@ -3,11 +3,12 @@ selector, the teacher its Forecast heads were trained on, length, budget, prefet
 oracle's attention mass, and the needle's accuracy with a 95% Wilson interval.
 
     python benchmarks/quality_summary.py --study selector=runs/study-selector attention=runs/study-attention \
-        --out benchmarks/results/quality
+        selector:3=runs/study-selector-3v --out benchmarks/results/quality
 
-Each `--study TEACHER=DIR` is a `forecastkv study --out DIR` run whose `forecast` and
-`quest-forecast` cells used heads trained with objective.teacher TEACHER; cells of selectors that
-use no heads (query, quest, dense, ...) are kept once, from the first study that has them.  Writes
+Each `--study TEACHER[:VECTORS]=DIR` is a `forecastkv study --out DIR` run whose `forecast` and
+`quest-forecast` cells used heads trained with objective.teacher TEACHER and VECTORS Forecast vectors
+per KV head (forecast.heads_per_group; default 1); cells of selectors that use no heads (query,
+quest, dense, ...) are kept once, from the first study that has them.  Writes
 OUT/summary.json (a list of records) and OUT/summary.md (a table per length).
 
 What the numbers are: `recall_mass` is the study's (the share of the oracle's attention mass the
@@ -29,20 +30,24 @@ sys.path.insert(0, str(ROOT))
 HEADED = ("forecast", "quest-forecast")  # selectors that score with the Forecast heads
 
 
-def parse_studies(items: list[str]) -> list[tuple[str, Path]]:
+def parse_studies(items: list[str]) -> list[tuple[str, int, Path]]:
+    """(teacher, vectors per KV head, cells.json) per `TEACHER[:VECTORS]=DIR`."""
     studies = []
     for item in items:
-        teacher, sep, folder = item.partition("=")
+        heads, sep, folder = item.partition("=")
+        teacher, _, vectors = heads.partition(":")
         if not sep or not teacher or not folder:
-            raise SystemExit(f"--study takes TEACHER=DIR, got {item!r}")
+            raise SystemExit(f"--study takes TEACHER[:VECTORS]=DIR, got {item!r}")
+        if vectors and not (vectors.isdigit() and int(vectors) >= 1):
+            raise SystemExit(f"--study {item!r}: VECTORS must be a positive integer, got {vectors!r}")
         cells = Path(folder) / "cells.json"
         if not cells.is_file():
             raise SystemExit(f"{cells} does not exist: run `forecastkv study --out {folder}` first")
-        studies.append((teacher, cells))
+        studies.append((teacher, int(vectors or 1), cells))
     return studies
 
 
-def record(cell: dict, teacher: str | None) -> dict:
+def record(cell: dict, teacher: str | None, vectors: int = 1) -> dict:
     """One summary record of a study cell."""
     from forecastkv.eval.metrics import wilson_interval
 
@@ -54,7 +59,7 @@ def record(cell: dict, teacher: str | None) -> dict:
     return {
         "selector": cell["selector"],
         "teacher": teacher if cell["selector"] in HEADED else None,
-        "vectors": 1 if cell["selector"] in HEADED else None,
+        "vectors": vectors if cell["selector"] in HEADED else None,
         "length": cell["length"],
         "budget": cell["budget_blocks"],
         "top_p": cell.get("p"),
@@ -71,18 +76,21 @@ def record(cell: dict, teacher: str | None) -> dict:
 
 def summarise(studies: list[tuple[str, Path]]) -> list[dict]:
     records, seen = [], set()
-    for teacher, cells in studies:
+    for teacher, vectors, cells in studies:
         for cell in json.loads(cells.read_text()):
             if cell.get("skipped"):
                 continue
             key = (cell["selector"], cell["length"], cell["budget_blocks"], cell.get("p"))
             if cell["selector"] in HEADED:
-                key = (*key, teacher)
+                key = (*key, teacher, vectors)
             if key in seen:
                 continue
             seen.add(key)
-            records.append(record(cell, teacher))
-    return sorted(records, key=lambda r: (r["length"], r["budget"], r["top_p"] or 0, r["selector"], r["teacher"] or ""))
+            records.append(record(cell, teacher, vectors))
+    return sorted(
+        records,
+        key=lambda r: (r["length"], r["budget"], r["top_p"] or 0, r["selector"], r["teacher"] or "", r["vectors"] or 0),
+    )
 
 
 def markdown(records: list[dict]) -> str:
@@ -91,15 +99,17 @@ def markdown(records: list[dict]) -> str:
         lines += [
             f"## {length} tokens",
             "",
-            "| selector | teacher | budget | top-p | prefetch | recall (mass) | needle acc [95% CI] | ppl ratio |",
-            "|---|---|---|---|---|---|---|---|",
+            "| selector | teacher | vectors | budget | top-p | prefetch | recall (mass) | needle acc [95% CI] "
+            "| ppl ratio |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         for r in (r for r in records if r["length"] == length):
             low, high = r["interval"] or (None, None)
             interval = "-" if low is None else f"{r['accuracy']:.2f} [{low:.2f}, {high:.2f}]"
             recall = "-" if r["recall_mass"] is None else f"{r['recall_mass']:.4f}"
             lines.append(
-                f"| {r['selector']} | {r['teacher'] or '-'} | {r['budget']} | {r['top_p'] or '-'} | "
+                f"| {r['selector']} | {r['teacher'] or '-'} | {r['vectors'] or '-'} | {r['budget']} | "
+                f"{r['top_p'] or '-'} | "
                 f"{'-' if r['prefetch'] is None else ('yes' if r['prefetch'] else 'no')} | {recall} | {interval} | "
                 f"{'-' if r['ppl_ratio'] is None else r['ppl_ratio']} |"
             )
@@ -109,7 +119,7 @@ def markdown(records: list[dict]) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--study", nargs="+", required=True, help="TEACHER=DIR of a `forecastkv study` run")
+    parser.add_argument("--study", nargs="+", required=True, help="TEACHER[:VECTORS]=DIR of a `forecastkv study` run")
     parser.add_argument("--out", default="benchmarks/results/quality", help="where summary.json and summary.md go")
     args = parser.parse_args(argv)
     records = summarise(parse_studies(args.study))

@@ -32,13 +32,21 @@ def test_records_per_teacher_with_intervals(tmp_path):
         folder.mkdir()
         cells = [cell("query", 0.875), cell("forecast", 1.0, recall), cell("quest", 0.5, skipped="no heads")]
         (folder / "cells.json").write_text(json.dumps(cells))
+    # the same teacher with 3 vectors per KV head: its headed cells are records of their own
+    three = tmp_path / "selector3"
+    three.mkdir()
+    (three / "cells.json").write_text(json.dumps([cell("query", 0.5), cell("forecast", 1.0, 0.97)]))
     studies = [f"{teacher}={tmp_path / teacher}" for teacher in ("selector", "attention")]
-    records = qs.summarise(qs.parse_studies(studies))
-    assert [(r["selector"], r["teacher"], r["recall_mass"]) for r in records] == [
-        ("forecast", "attention", 0.95), ("forecast", "selector", 0.92), ("query", None, 0.9)
+    records = qs.summarise(qs.parse_studies([*studies, f"selector:3={three}"]))
+    assert [(r["selector"], r["teacher"], r["vectors"], r["recall_mass"]) for r in records] == [
+        ("forecast", "attention", 1, 0.95), ("forecast", "selector", 1, 0.92), ("forecast", "selector", 3, 0.97),
+        ("query", None, None, 0.9),
     ]
     query = records[-1]
     assert query["trials"] == 8 and query["interval"] == pytest.approx([0.5291, 0.9776], abs=1e-4)  # 7 of 8
-    assert "| forecast | attention | 16 |" in qs.markdown(records)
-    with pytest.raises(SystemExit, match="TEACHER=DIR"):
+    assert "| forecast | attention | 1 | 16 |" in qs.markdown(records)
+    assert "| forecast | selector | 3 | 16 |" in qs.markdown(records)
+    with pytest.raises(SystemExit, match=r"TEACHER\[:VECTORS\]=DIR"):
         qs.parse_studies(["nothing"])
+    with pytest.raises(SystemExit, match="VECTORS must be a positive integer, got '0'"):
+        qs.parse_studies([f"selector:0={three}"])
