@@ -115,3 +115,17 @@ def test_compiles_decode_is_the_cache_s_call():
     )
     assert OffloadedSparseCache.for_model(model, mode="forecast-offload").compiles_decode(decode)
     assert not OffloadedSparseCache.for_model(model, mode="dense-offload").compiles_decode(decode)
+
+
+def test_the_model_check_runs_again_when_the_sparse_config_is_reassigned():
+    """`check_model` keeps the (config, SparseConfig) objects it last passed, so a decode step skips it;
+    a sparse_config reassigned between calls is a new object and is checked again."""
+    model = tiny_model({"policy": "infllmv2"})
+    cache = SparseCache(model.config)
+    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model(ids, past_key_values=cache)
+        model(ids[:, :1], past_key_values=cache)  # the same objects: passes
+        model.config.sparse_config = tiny_sparse(block_size=16, window_size=16)
+        with pytest.raises(ValueError, match="built for another model .*block_size: cache 8 vs model 16"):
+            model(ids[:, :1], past_key_values=cache)
