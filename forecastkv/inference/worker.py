@@ -202,7 +202,7 @@ class TransferWorker:
                     if target is not None and source is not None:
                         target.copy_(source[position * size : (position + 1) * size])
 
-    # -- now, or on the side stream -----------------------------------------------------------------
+    # -- the side stream ------------------------------------------------------------------------------
     def wait(self, handle) -> None:
         """The current stream waits for a gather run on the side stream (`handle`: its event; None:
         nothing to wait for)."""
