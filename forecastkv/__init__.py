@@ -17,6 +17,7 @@ _PUBLIC = {
     "ForecastKVForCausalLM": ".modeling",
     "SparseCache": ".modeling",
     "SparseConfig": ".modeling",
+    "bundled_heads_path": ".bundled",
     "bundled_model_path": ".bundled",
     "bundled_texts": ".bundled",
 }

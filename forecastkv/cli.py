@@ -147,7 +147,12 @@ def _add_generate(commands) -> None:
         help="a preset name from forecastkv/presets "
         "(default: the checkpoint's, else the --forecast-weights heads' own)",
     )
-    gen.add_argument("--forecast-weights", default=None, help="a directory written by train-forecast")
+    gen.add_argument(
+        "--forecast-weights",
+        default=None,
+        help="a directory written by train-forecast, or bundled:NAME for the heads shipped with the package "
+        "(the default of a forecast --offload mode on the bundled model)",
+    )
     _add_geometry_option(gen)
     prompt = gen.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", default=None, help="the prompt text (default: read stdin)")

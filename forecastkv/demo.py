@@ -2,7 +2,8 @@
 same code as the package's commands:
 
 1. fit Forecast heads on the training essays      (`forecastkv train-forecast`: `train_forecast`);
-   the trainer measures held-out forecast recall before and after (`training.recall.forecast_recall`);
+   the trainer measures held-out forecast recall before and after (`training.recall.forecast_recall`),
+   and the heads shipped with the package (`bundled_heads_path`) are measured on the same sequences;
 2. held-out perplexity per selector at each length (`forecastkv eval`: `run_eval`);
 3. curves over context length (2K / 4K / 8K): per length one prefill of the held-out essays, copied
    into the cache of each mode (`inference.fill.copy_into`), then a short greedy decode: device KV
@@ -81,8 +82,9 @@ def demo_configs(
     return recipe, suites, curves
 
 
-def _recall_plot(before: dict, after: dict, path: Path) -> Path:
-    """Forecast recall per layer before and after training, chance alongside (layers >= 1)."""
+def _recall_plot(before: dict, after: dict, shipped: dict | None, path: Path) -> Path:
+    """Forecast recall per layer before and after training, the shipped heads' and chance alongside
+    (layers >= 1)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -92,6 +94,8 @@ def _recall_plot(before: dict, after: dict, path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(7, 3.6))
     ax.plot(layers, before["recall"][1:], "o-", label=f"init, step {before['step']} (mean {before['mean_recall']:.3f})")
     ax.plot(layers, after["recall"][1:], "s-", label=f"trained, step {after['step']} (mean {after['mean_recall']:.3f})")
+    if shipped is not None:
+        ax.plot(layers, shipped["recall"][1:], "^--", label=f"shipped heads (mean {shipped['mean_recall']:.3f})")
     ax.plot(layers, after["chance"][1:], ":", color="grey", label=f"chance (mean {after['mean_chance']:.3f})")
     ax.set_xlabel("layer (predicted from the layer before)")
     ax.set_ylabel("forecast recall (share of query-selected blocks)")
@@ -492,6 +496,7 @@ def run_demo(
     new_tokens = curves["generation"]["new_tokens"] if new_tokens is None else new_tokens
     clock = {"start": time.perf_counter()}
     trained, threads = _fit_heads(recipe, progress)
+    shipped = _shipped_recall(recipe, trained)
     clock["train"] = time.perf_counter()
     reports, perplexity = _held_out_perplexity(suites, progress)
     clock["eval"] = time.perf_counter()
@@ -505,6 +510,7 @@ def run_demo(
         recipe,
         curves,
         trained,
+        shipped,
         threads,
         reports,
         perplexity,
@@ -526,6 +532,7 @@ class DemoRun:
     recipe: dict
     curves: dict
     trained: object  # training.trainer.TrainResult: history[0] / [-1] are the recall before / after
+    shipped: dict | None  # the shipped heads' recall on the same sequences (None: none shipped for this model)
     threads: int  # torch threads of the steps after training
     reports: list  # the eval suites' report.md paths
     perplexity: dict  # {mode: {length: pooled perplexity}}
@@ -554,6 +561,49 @@ def _fit_heads(recipe: dict, progress: bool) -> tuple[object, int]:
         flush=True,
     )
     return trained, torch.get_num_threads()
+
+
+def _shipped_recall(recipe: dict, trained) -> dict | None:
+    """Step 1's comparison: the recall of the heads shipped for the recipe's model
+    (`forecast_weights="bundled:NAME"`) on the held-out sequences, rows and reference of the trained
+    heads' last eval, measured on the trained model with its heads swapped in and back.  None where no
+    heads are shipped for the model, the recipe has no eval, or the shapes differ (another
+    heads_per_group)."""
+    from transformers import AutoTokenizer
+
+    from .bundled import resolve_heads_path, resolve_model_path, shipped_heads_for
+    from .modeling.head_files import read_forecast_side
+    from .training.recall import RecallProtocol, evaluate_recall
+    from .training.recipe import eval_window
+
+    shipped = shipped_heads_for(str(recipe["model"]["path"]))
+    data = json.loads((Path(trained.output_dir) / "recipe.json").read_text())["data"]  # with the defaults
+    if shipped is None or not trained.history or not data["eval_source"] or not data["eval_sequences"]:
+        return None
+    heads, _ = read_forecast_side(resolve_heads_path(shipped))
+    model = trained.model
+    own = {name: value for name, value in model.state_dict().items() if name in heads}
+    if own.keys() != heads.keys() or any(own[k].shape != heads[k].shape for k in heads):
+        print(f"shipped heads {shipped}: another shape than the recipe's heads, not compared", flush=True)
+        return None
+    own = {name: value.clone() for name, value in own.items()}
+    length, start = eval_window(data)
+    reference = trained.history[-1].get("reference", "query")
+    protocol = RecallProtocol(
+        data["eval_source"], data["eval_split"], length, start, data["eval_sequences"], data["eval_backbone"], reference
+    )
+    model.load_state_dict(heads, strict=False)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(recipe["model"]["path"]))
+        report = evaluate_recall(model, tokenizer, protocol).to_dict()
+    finally:
+        model.load_state_dict(own, strict=False)
+    print(
+        f"shipped heads ({shipped}) on the same held-out rows: recall {report['mean_recall']:.3f} "
+        f"(these heads {trained.history[-1]['mean_recall']:.3f})",
+        flush=True,
+    )
+    return {"heads": shipped, **report}
 
 
 def _held_out_perplexity(suites: dict, progress: bool) -> tuple[list[Path], dict]:
@@ -657,7 +707,7 @@ def _report(run: DemoRun) -> dict:
     from .eval.report import plot_over_length
 
     sparse, gen, before, after = run.sparse, run.gen, run.trained.history[0], run.trained.history[-1]
-    recall_png = _recall_plot(before, after, run.output / "recall_by_layer.png")
+    recall_png = _recall_plot(before, after, run.shipped, run.output / "recall_by_layer.png")
     lengths, panels = curve_series(run.results, run.perplexity, sparse.budget_blocks)
     title = (
         f"SmolLM2-135M, {sparse.budget_blocks}-block budget of {sparse.block_size} tokens: "
@@ -672,6 +722,7 @@ def _report(run: DemoRun) -> dict:
     result = {
         "recall_before": before["mean_recall"],
         "recall_after": after["mean_recall"],
+        "recall_shipped": None if run.shipped is None else run.shipped["mean_recall"],
         "chance": after["mean_chance"],
         "lengths": lengths,
         "perplexity": run.perplexity,
@@ -741,6 +792,8 @@ def _report_lines(
         "",
         recall_md.read_text() if recall_md.is_file() else "",
         "",
+        _shipped_line(run.shipped, run.trained.history[-1]),
+        "",
         f"![recall by layer]({recall_png.name})",
         "",
         "## 2. Held-out perplexity per selector",
@@ -771,6 +824,16 @@ def _report_lines(
         *([gpu[0]["summary_md"]] if gpu and gpu[0]["summary_md"] else []),
         "",
     ]
+
+
+def _shipped_line(shipped: dict | None, after: dict) -> str:
+    if shipped is None:
+        return "No heads are shipped for this model (or they have another shape): nothing to compare."
+    return (
+        f"The heads shipped with the package (`forecast_weights=\"{shipped['heads']}\"`, what "
+        f"`forecastkv generate --offload forecast-offload` loads without training) on the same rows: mean recall "
+        f"{shipped['mean_recall']:.3f}, against {after['mean_recall']:.3f} for the heads trained here."
+    )
 
 
 def _summary_lines(

@@ -86,18 +86,25 @@ def check_preset(option: str, name: str | None) -> None:
         raise UsageError(f"{option} {name!r} is not a preset; known presets: {', '.join(list_presets())}")
 
 
-def check_offload_needs(mode: str | None, model_option: str, path: str, forecast_given: bool) -> None:
-    """Before loading: a forecast offload mode needs Forecast heads (created or loaded)."""
+def check_offload_needs(mode: str | None, model_option: str, model: str, path: str, forecast_given: bool) -> str | None:
+    """Before loading: a forecast offload mode needs Forecast heads (created or loaded).  Returns the
+    heads to load where none were given and the checkpoint has none but is a bundled model with heads
+    shipped for it (`"bundled:NAME"`), else None."""
     if mode not in FORECAST_MODES or forecast_given:
-        return
+        return None
+    from .bundled import shipped_heads_for
     from .modeling.head_files import has_forecast_heads
 
-    if not has_forecast_heads(path):
-        raise UsageError(
-            f"--offload {mode} selects blocks with Forecast heads, and {model_option} {path} has none: "
-            "add --forecast-init next_query (untrained heads made from the next layer's queries) "
-            "or --forecast-weights DIR (a train-forecast output)"
-        )
+    if has_forecast_heads(path):
+        return None
+    shipped = shipped_heads_for(model)
+    if shipped is not None:
+        return shipped
+    raise UsageError(
+        f"--offload {mode} selects blocks with Forecast heads, and {model_option} {model} has none: "
+        "add --forecast-init next_query (untrained heads made from the next layer's queries) "
+        "or --forecast-weights DIR (a train-forecast output)"
+    )
 
 
 def check_sparse(mode: str | None, model) -> None:

@@ -76,6 +76,8 @@ def test_demo_runs_end_to_end_at_a_tiny_size(bundled_path, tmp_path, capsys):
     )
     assert large["no-offload"]["steady"]["h2d_bytes_per_step"] == 0
     assert 0 <= result["recall_before"] <= 1 and 0 <= result["recall_after"] <= 1 and result["chance"] < 1
+    # step 1 measures the heads shipped with the package on the same held-out rows (not trained here)
+    assert 0 < result["recall_shipped"] <= 1 and result["recall_shipped"] != result["recall_after"]
 
     # the generation continues the longest curve's prompt; the questions share one stored prefix
     generation = result["generation"]
@@ -87,6 +89,7 @@ def test_demo_runs_end_to_end_at_a_tiny_size(bundled_path, tmp_path, capsys):
     assert all(row["ttft_s"] > 0 for row in asked)
 
     report = (tmp_path / "report.md").read_text()
+    assert f"mean recall {result['recall_shipped']:.3f}, against {result['recall_after']:.3f}" in report
     assert (
         "curves.png" in report and "recall_by_layer.png" in report and "forecast-offload" in report and "GPU" in report
     )

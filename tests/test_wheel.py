@@ -30,6 +30,10 @@ for name in list_presets():
     preset = load_preset(name)
     config = ForecastKVConfig(sparse_config=name, forecast=preset.get("forecast"))
     report["presets"][name] = {"budget": config.sparse.budget_blocks, "sparse_config": config.sparse_config}
+from forecastkv.bundled import resolve_heads_path
+from forecastkv.modeling.head_files import read_forecast_side
+heads, side = read_forecast_side(resolve_heads_path("bundled:smollm2-135m"))
+report["heads"] = {"dir": resolve_heads_path("bundled:smollm2-135m"), "tensors": len(heads), "side": side}
 print(json.dumps(report))
 """
 
@@ -112,6 +116,10 @@ def test_installed_wheel_loads_every_preset(installed):
         assert {key: loaded[key] for key in loaded.keys() - preset.keys()} == {
             key: defaults[key] for key in loaded.keys() - preset.keys()
         }, name  # the rest: defaults
+    # the shipped Forecast heads load from the installed copy by their bundled name
+    heads = report["heads"]
+    assert Path(heads["dir"]).resolve().is_relative_to(site.resolve()) and heads["tensors"] == 31, heads
+    assert heads["side"]["base_model"] == "bundled:smollm2-135m"
     # MiniCPM4.1-8B: 64 top-k + 2048 / 64 local = 96 blocks; NOSA-8B: 48 + 16 = 64
     assert report["presets"]["minicpm4.1-8b"]["budget"] == 96
     assert report["presets"]["nosa-8b"]["budget"] == 64

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from ..bundled import resolve_model_path
+from ..bundled import resolve_heads_path, resolve_model_path
 from ..errors import ConfigError
 from . import longbench
 from .codec import ByteCodec, TextCodec
@@ -144,7 +144,7 @@ def heads_digest(spec: dict) -> str | None:
 
     if spec.get("forecast_weights") is None:
         return None
-    path = Path(spec["forecast_weights"])
+    path = Path(resolve_heads_path(spec["forecast_weights"]))
     path = path / FORECAST_WEIGHTS if path.is_dir() else path
     if not path.is_file():
         return None

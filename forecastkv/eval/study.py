@@ -750,21 +750,24 @@ RECORD_FIELDS = (
 
 def load_study_model(spec: StudySpec, base: str = "bundled:smollm2-135m"):
     """(model, tokenizer, spec) for the study on `base` (float32, eval mode): with the Forecast heads of
-    `spec.heads_dir`, else of the demo's `runs/demo/heads` when that exists, else none (the forecast
+    `spec.heads_dir` (a directory or `bundled:NAME`), else of the demo's `runs/demo/heads` when that
+    exists, else the heads shipped for `base` (`bundled.shipped_heads_for`), else none (the forecast
     cells are then skipped, with the reason).  The geometry is the heads' (`training.recall.resolve_geometry`),
     else the smollm2-135m preset.  The returned spec names the heads used."""
     import dataclasses
 
     from transformers import AutoTokenizer
 
-    from ..bundled import resolve_model_path
+    from ..bundled import resolve_heads_path, resolve_model_path, shipped_heads_for
     from ..modeling.modeling import ForecastKVForCausalLM
     from ..training.recall import load_for_recall, resolve_geometry
 
     heads = spec.heads_dir
     if heads is None and (DEFAULT_HEADS / "forecast.safetensors").is_file():
         heads = str(DEFAULT_HEADS)
-    if heads is not None and not Path(heads).exists():
+    if heads is None:
+        heads = shipped_heads_for(base)
+    if heads is not None and not Path(resolve_heads_path(str(heads))).exists():
         raise ConfigError(f"study heads_dir {heads} does not exist (a train-forecast output directory)")
     sparse = resolve_geometry(None, heads)
     if heads is not None:

@@ -35,7 +35,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--selectors", nargs="+", choices=SELECTORS, default=None, help="selectors to run (all)")
     parser.add_argument("--tail", type=positive_int, default=None, help="decode steps scored at each length's end (32)")
     parser.add_argument(
-        "--heads", default=None, metavar="DIR", help="Forecast heads for `forecast` (default: runs/demo/heads if there)"
+        "--heads",
+        default=None,
+        metavar="DIR",
+        help="Forecast heads for `forecast`: a directory or bundled:NAME "
+        "(default: runs/demo/heads if there, else the shipped heads)",
     )
     parser.add_argument("--out", default="runs/study", metavar="DIR", help="where report.md, the plots and records go")
     parser.add_argument(

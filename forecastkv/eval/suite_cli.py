@@ -53,7 +53,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--budgets", type=positive_int, nargs="+", default=None, help="budgets in blocks, init and local included (16)"
     )
     parser.add_argument(
-        "--heads", default=None, metavar="DIR", help="Forecast heads (a train-forecast output; default runs/demo/heads)"
+        "--heads",
+        default=None,
+        metavar="DIR",
+        help="Forecast heads (a train-forecast output or bundled:NAME; default runs/demo/heads, else the shipped ones)",
     )
     parser.add_argument("--out", default="runs/quality", metavar="DIR", help="where the records and the summary go")
     parser.add_argument(
@@ -123,8 +126,8 @@ def run(args) -> int:
     spec = quality_spec(args)  # a bad value fails here, before the model loads
     if args.small and args.heads is not None:
         raise UsageError(f"--heads {args.heads}: --small runs a tiny random model with its own random heads")
-    if args.heads is not None and not Path(args.heads).expanduser().is_dir():
-        raise UsageError(f"--heads {args.heads}: no such directory (a train-forecast output)")
+    if args.heads is not None and not args.heads.startswith("bundled:") and not Path(args.heads).expanduser().is_dir():
+        raise UsageError(f"--heads {args.heads}: no such directory (a train-forecast output, or bundled:NAME)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     began = time.perf_counter()
@@ -155,7 +158,9 @@ def heads_teacher(heads_dir) -> str | None:
     """The teacher the Forecast heads in `heads_dir` were trained with (recipe.json's objective), else None."""
     import json
 
-    recipe = None if heads_dir is None else Path(heads_dir) / "recipe.json"
+    from ..bundled import resolve_heads_path
+
+    recipe = None if heads_dir is None else Path(resolve_heads_path(str(heads_dir))) / "recipe.json"
     if recipe is None or not recipe.is_file():
         return None
     try:

@@ -128,7 +128,16 @@ def run_generate(args) -> int:
     """`forecastkv generate ARGS`: 0 when the text was printed."""
     path = model_path("--model", args.model)
     check_preset("--sparse-config", args.sparse_config)
-    check_offload_needs(args.offload, "--model", path, bool(args.forecast_init or args.forecast_weights))
+    shipped = check_offload_needs(
+        args.offload, "--model", args.model, path, bool(args.forecast_init or args.forecast_weights)
+    )
+    if shipped is not None:
+        args.forecast_weights = shipped
+        print(
+            f"forecastkv: --offload {args.offload} selects with the trained heads shipped for {args.model} "
+            f"(--forecast-weights {shipped}); --forecast-weights DIR loads your own",
+            file=sys.stderr,
+        )
     sampling = args.temperature is not None or args.top_p is not None
     if args.context_cache and (sampling or args.stream):
         raise UsageError(

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from ..bundled import resolve_heads_path
 from ..errors import CheckpointError, ConfigError
 from .checkpoint_dir import (
     _SPARSE_KEYS,
@@ -131,6 +132,7 @@ def load_model(
     Peak memory is about the loaded model plus its largest tensor.
     """
     directory = resolve_directory(path_or_id, **kwargs)
+    forecast_weights = resolve_heads_path(forecast_weights)  # "bundled:NAME": the heads shipped for NAME
     raw = read_config_json(directory)
     checkpoint = open_checkpoint(directory)
     state = checkpoint.names  # name -> shape; the data stays on disk until load_into

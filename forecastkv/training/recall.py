@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from forecastkv.atomic import write_text_atomic
-from forecastkv.bundled import resolve_model_path
+from forecastkv.bundled import resolve_heads_path, resolve_model_path
 from forecastkv.errors import ConfigError
 from forecastkv.modeling import selection as sel
 from forecastkv.modeling.heads import scoring_vectors
@@ -238,7 +238,7 @@ def resolve_geometry(sparse_config=None, forecast_weights=None, topk: int | None
     if isinstance(sparse_config, str) and sparse_config.lstrip().startswith("{"):
         sparse_config = _json_mapping(sparse_config, "--sparse-config")
     if sparse_config is None and forecast_weights is not None:
-        side = Path(forecast_weights) / "forecast_config.json"
+        side = Path(resolve_heads_path(forecast_weights)) / "forecast_config.json"
         if side.is_file():
             sparse_config = _json_mapping(side.read_text(errors="replace"), str(side)).get("sparse_config")
     geometry = dict(resolve_sparse_config(sparse_config if sparse_config is not None else "smollm2-135m"))

@@ -26,7 +26,9 @@ def build_parser(prog: str = "forecastkv forecast-recall") -> argparse.ArgumentP
         "--model", default="bundled:smollm2-135m", help="base checkpoint directory / hub id / bundled:<name>"
     )
     parser.add_argument(
-        "--forecast-weights", default=None, help="a directory with forecast.safetensors (train-forecast output)"
+        "--forecast-weights",
+        default=None,
+        help="a directory with forecast.safetensors (train-forecast output), or bundled:NAME (the shipped heads)",
     )
     parser.add_argument(
         "--init",
