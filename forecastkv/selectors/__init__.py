@@ -23,6 +23,9 @@ loop, the caches and the runtime ask it; none of them names a selector.
                         applied to the residual entering layer l guess layer l+1's queries (`speculate.py`).
   * ``quest-forecast``  Quest's block bounds scored with the Forecast vectors of the layer before, so it
                         plans a layer ahead (`quest_forecast.py`).
+  * ``maxkey-forecast`` the Forecast vectors scored against each block's max-pooled key (the per-channel
+                        maximum, the upper half of Quest's bounds): a one-sided key summary, a layer ahead
+                        (`maxkey_forecast.py`).
 
 A new selector is one module here plus its line in `REGISTERED`.  This module imports nothing, so the
 console script can offer the names without importing torch.
@@ -39,6 +42,7 @@ REGISTERED = {
     "reuse": "reuse",
     "speculate": "speculate",
     "quest-forecast": "quest_forecast",
+    "maxkey-forecast": "maxkey_forecast",
 }
 
 

@@ -68,10 +68,14 @@ class Quest(KeyScoringSelector):
     name = "quest"
     key_bounds = True
 
+    def bounds(self, cache_layer) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (lo, hi) [B, NBc, H, d] the scores bound q.k with: the cache's per-block key min and max."""
+        return cache_layer.key_bounds()
+
     def selection(self, vectors, positions, cache_layer, sparse, n_blocks: int):
         """Quest's selection int64 [B, H, Tq, budget] of `vectors` [B, Tq, H*n, d] over n_blocks blocks,
         scored with this rule's visibility lag."""
-        low, high = cache_layer.key_bounds()
+        low, high = self.bounds(cache_layer)
         scores = quest_block_scores(vectors, low, high, positions, sparse.block_size, n_blocks, self.lag)
         scores = sel.force_blocks(scores, positions, sparse.block_size, sparse.init_blocks, sparse.local_blocks)
         agnostic = None

@@ -92,7 +92,7 @@ def test_small_run_writes_every_cell_with_every_key(small_run):
         dense = c["selector"] == "dense"
         assert c["budget"] == (None if dense else SMALL["budgets"][0])
         assert c["prefetch"] is (False if dense else get_selector(c["selector"]).plans_ahead)
-        heads = c["selector"] in ("forecast", "quest-forecast")
+        heads = c["selector"] in ("forecast", "quest-forecast", "maxkey-forecast")
         assert c["vectors"] == (1 if heads else None) and c["teacher"] is None  # random heads: no recipe
     for c in tasks:
         assert c["examples"] == SMALL["examples"] and 0 <= c["successes"] <= c["examples"]

@@ -18,7 +18,7 @@ from forecastkv.eval.study_report import (
 from tests.test_cli import _user_error
 
 BLOCK = 64
-AHEAD = ("forecast", "reuse", "speculate", "quest-forecast")  # the selectors that plan a layer ahead
+AHEAD = ("forecast", "reuse", "speculate", "quest-forecast", "maxkey-forecast")  # the selectors that plan a layer ahead
 
 
 def cell(length=2048, selector="query", kind="blocks", blocks=16, p=None, **metrics):

@@ -37,11 +37,16 @@ def forecast_vectors(model, layer_idx: int, entering: list[torch.Tensor], positi
     return layer.self_attn.project_forecast(layer.input_layernorm(entering[source]), cos, sin, which)
 
 
-def loop_quest_forecast(vectors, keys, t: int, sparse, heads: int) -> dict[int, list[int]]:
+def quest_bound(v, lo, hi):
+    return torch.maximum(v * lo, v * hi)
+
+
+def loop_quest_forecast(vectors, keys, t: int, sparse, heads: int, bound=quest_bound) -> dict[int, list[int]]:
     """Per KV head h, the blocks the rule picks for a row at t: the upper bound
-    u_j = sum_c max(v_c lo_c, v_c hi_c) / sqrt(d) of each vector of h's group over block j's keys, for the
-    blocks complete before the row's token is stored ((j+1)*bs <= t), softmaxed per vector and summed over
-    the group; init and local blocks forced; the top budget_blocks (ties to the lower id)."""
+    u_j = sum_c max(v_c lo_c, v_c hi_c) / sqrt(d) of each vector of h's group over block j's keys (or the
+    sum of another per-channel `bound`), for the blocks complete before the row's token is stored
+    ((j+1)*bs <= t), softmaxed per vector and summed over the group; init and local blocks forced; the
+    top budget_blocks (ties to the lower id)."""
     bs, per = sparse.block_size, vectors.shape[0] // heads
     complete, visible = t // bs, t // bs + 1
     picked = {}
@@ -53,7 +58,7 @@ def loop_quest_forecast(vectors, keys, t: int, sparse, heads: int) -> dict[int, 
             for j in range(complete):
                 block = keys[j * bs : (j + 1) * bs, h].double()
                 lo, hi = block.min(0).values, block.max(0).values
-                bounds.append(float(torch.maximum(v * lo, v * hi).sum()) / math.sqrt(v.shape[-1]))
+                bounds.append(float(bound(v, lo, hi).sum()) / math.sqrt(v.shape[-1]))
             if not bounds:
                 continue
             top = max(bounds)
@@ -74,17 +79,11 @@ def test_it_is_registered_as_a_layer_ahead_quest_rule():
     assert (quest.lag, quest.plans_ahead, quest.needs_forecast_heads) == (0, False, False)
 
 
-@pytest.mark.parametrize(("heads_per_group", "cache_kind"), [(1, "resident"), (3, "resident"), (1, "forecast-offload")])
-def test_each_layer_selects_quests_blocks_for_the_forecast_vectors(heads_per_group, cache_kind):
-    """Every layer's decode selection equals the loop, for one and for three vectors per KV head, and when
-    the layer before plans it (forecast-offload fetches it a layer ahead)."""
-    model = tiny_model(GEOMETRY, seed=8, heads_per_group=heads_per_group)
+def check_every_layer_against_the_loop(model, cache, bound=quest_bound) -> None:
+    """Every layer's decode selection in `cache` over 3 steps of two left-padded prompts equals the loop's
+    (`loop_quest_forecast` with `bound`)."""
     sparse = model.config.sparse
     ids, mask = left_padded([70, 55])  # crosses the block boundaries 72 and 56 while decoding
-    if cache_kind == "resident":
-        cache = SparseCache(model.config)
-    else:
-        cache = OffloadedSparseCache.for_model(model, mode=cache_kind)
     keys_cache = SparseCache(model.config)
     steps = decode_steps(model, cache, ids, mask, 3)
     decode_steps(model, keys_cache, ids, mask, 3)
@@ -96,7 +95,7 @@ def test_each_layer_selects_quests_blocks_for_the_forecast_vectors(heads_per_gro
             keys = keys_cache.layers[layer_idx].store.keys
             for b in range(ids.shape[0]):
                 t = int(positions[b])
-                expected = loop_quest_forecast(vectors[b, 0].detach(), keys[b], t, sparse, heads)
+                expected = loop_quest_forecast(vectors[b, 0].detach(), keys[b], t, sparse, heads, bound)
                 for h in range(heads):
                     got = selected_row(records[layer_idx]["selected"][b, h, 0])
                     assert got == expected[h], (layer_idx, b, h, t)
@@ -104,15 +103,35 @@ def test_each_layer_selects_quests_blocks_for_the_forecast_vectors(heads_per_gro
     assert checked == 3 * len(model.model.layers) * ids.shape[0] * heads
 
 
-def test_it_chooses_otherwise_than_quest_on_its_own_queries():
-    """The vectors matter: on one prompt quest-forecast and quest select differently somewhere."""
+def new_cache(model, cache_kind: str):
+    """A resident SparseCache, or an offloaded cache of mode `cache_kind`."""
+    if cache_kind == "resident":
+        return SparseCache(model.config)
+    return OffloadedSparseCache.for_model(model, mode=cache_kind)
+
+
+def selections_differ(first: str, second: str) -> bool:
+    """Whether the two selectors select differently somewhere on one prompt (2 decode steps, seed 8)."""
     chosen = {}
-    for selector in ("quest", "quest-forecast"):
+    for selector in (first, second):
         model = tiny_model({**GEOMETRY, "selector": selector}, seed=8)
         ids, mask = left_padded([70, 55])
         steps = decode_steps(model, SparseCache(model.config), ids, mask, 2)
         chosen[selector] = [record["selected"] for records, _, _ in steps for record in records]
-    assert any(not torch.equal(a, b) for a, b in zip(chosen["quest"], chosen["quest-forecast"]))
+    return any(not torch.equal(a, b) for a, b in zip(chosen[first], chosen[second]))
+
+
+@pytest.mark.parametrize(("heads_per_group", "cache_kind"), [(1, "resident"), (3, "resident"), (1, "forecast-offload")])
+def test_each_layer_selects_quests_blocks_for_the_forecast_vectors(heads_per_group, cache_kind):
+    """Every layer's decode selection equals the loop, for one and for three vectors per KV head, and when
+    the layer before plans it (forecast-offload fetches it a layer ahead)."""
+    model = tiny_model(GEOMETRY, seed=8, heads_per_group=heads_per_group)
+    check_every_layer_against_the_loop(model, new_cache(model, cache_kind))
+
+
+def test_it_chooses_otherwise_than_quest_on_its_own_queries():
+    """The vectors matter: on one prompt quest-forecast and quest select differently somewhere."""
+    assert selections_differ("quest", "quest-forecast")
 
 
 # both offload modes and budgets in both backends without the interpreter; the block gather (auto) and every
