@@ -107,6 +107,22 @@ def check_offload_needs(mode: str | None, model_option: str, model: str, path: s
     )
 
 
+def check_heads_option(option: str, value: str | None) -> None:
+    """A `--heads DIR` option names a train-forecast output directory or the shipped `bundled:NAME`."""
+    if value is None:
+        return
+    if value.startswith("bundled:"):
+        from .bundled import resolve_heads_path
+        from .errors import ConfigError
+
+        try:
+            resolve_heads_path(value)
+        except ConfigError as error:
+            raise UsageError(f"{option} {value}: {error}") from None
+    elif not Path(value).expanduser().is_dir():
+        raise UsageError(f"{option} {value}: no such directory (a train-forecast output, or bundled:NAME)")
+
+
 def check_sparse(mode: str | None, model) -> None:
     if mode in SELECTING_MODES and model.config.sparse is None:
         raise UsageError(

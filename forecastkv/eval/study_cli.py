@@ -9,7 +9,7 @@ import argparse
 from pathlib import Path
 
 from ..modes import SELECTORS
-from ..usage import UsageError, positive_int, probability
+from ..usage import check_heads_option, positive_int, probability
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -78,8 +78,7 @@ def run(args) -> int:
     from .study_report import write_study_report
 
     spec = study_spec(args)  # a bad value fails here, before the model loads
-    if args.heads is not None and not Path(args.heads).expanduser().is_dir():
-        raise UsageError(f"--heads {args.heads}: no such directory (a train-forecast output)")
+    check_heads_option("--heads", args.heads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     began = time.perf_counter()

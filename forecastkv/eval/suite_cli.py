@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..usage import UsageError, positive_int
+from ..usage import UsageError, check_heads_option, positive_int
 
 # `forecastkv quality --small`: the tiny model's lengths, budget and answer (the options given win)
 SMALL = {"lengths": [640], "budgets": [8], "examples": 3, "ppl_tokens": 32, "max_new_tokens": 8}
@@ -126,8 +126,7 @@ def run(args) -> int:
     spec = quality_spec(args)  # a bad value fails here, before the model loads
     if args.small and args.heads is not None:
         raise UsageError(f"--heads {args.heads}: --small runs a tiny random model with its own random heads")
-    if args.heads is not None and not args.heads.startswith("bundled:") and not Path(args.heads).expanduser().is_dir():
-        raise UsageError(f"--heads {args.heads}: no such directory (a train-forecast output, or bundled:NAME)")
+    check_heads_option("--heads", args.heads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     began = time.perf_counter()

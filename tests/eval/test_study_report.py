@@ -298,9 +298,12 @@ def test_study_bad_options_are_one_line_errors(argv, message, no_model, capsys):
     assert message in _one_line_error(["study", *argv], capsys)
 
 
-def test_study_heads_must_be_a_directory(tmp_path, no_model, capsys):
+def test_study_heads_must_be_a_directory_or_shipped_heads(tmp_path, no_model, capsys):
     line = _one_line_error(["study", "--heads", str(tmp_path / "missing"), "--out", str(tmp_path)], capsys)
-    assert line.endswith(f"--heads {tmp_path / 'missing'}: no such directory (a train-forecast output)")
+    missing = tmp_path / "missing"
+    assert line.endswith(f"--heads {missing}: no such directory (a train-forecast output, or bundled:NAME)")
+    line = _one_line_error(["study", "--heads", "bundled:nope", "--out", str(tmp_path)], capsys)
+    assert line.endswith("--heads bundled:nope: no shipped Forecast heads named 'nope'; shipped: ['smollm2-135m']")
 
 
 def test_study_options_make_the_spec():
