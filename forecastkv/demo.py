@@ -567,12 +567,12 @@ def _shipped_recall(recipe: dict, trained) -> dict | None:
     """Step 1's comparison: the recall of the heads shipped for the recipe's model
     (`forecast_weights="bundled:NAME"`) on the held-out sequences, rows and reference of the trained
     heads' last eval, measured on the trained model with its heads swapped in and back.  None where no
-    heads are shipped for the model, the recipe has no eval, or the shapes differ (another
-    heads_per_group)."""
+    heads are shipped for the model, the recipe has no eval, or the heads differ in shape (another
+    heads_per_group) or block geometry (`head_files.GEOMETRY_KEYS`)."""
     from transformers import AutoTokenizer
 
     from .bundled import resolve_heads_path, resolve_model_path, shipped_heads_for
-    from .modeling.head_files import read_forecast_side
+    from .modeling.head_files import GEOMETRY_KEYS, read_forecast_side
     from .training.recall import RecallProtocol, evaluate_recall
     from .training.recipe import eval_window
 
@@ -580,11 +580,13 @@ def _shipped_recall(recipe: dict, trained) -> dict | None:
     data = json.loads((Path(trained.output_dir) / "recipe.json").read_text())["data"]  # with the defaults
     if shipped is None or not trained.history or not data["eval_source"] or not data["eval_sequences"]:
         return None
-    heads, _ = read_forecast_side(resolve_heads_path(shipped))
+    heads, side = read_forecast_side(resolve_heads_path(shipped))
     model = trained.model
     own = {name: value for name, value in model.state_dict().items() if name in heads}
-    if own.keys() != heads.keys() or any(own[k].shape != heads[k].shape for k in heads):
-        print(f"shipped heads {shipped}: another shape than the recipe's heads, not compared", flush=True)
+    trained_for = side.get("sparse_config") or {}
+    geometry = [key for key in GEOMETRY_KEYS if trained_for.get(key) != model.config.sparse_config.get(key)]
+    if own.keys() != heads.keys() or any(own[k].shape != heads[k].shape for k in heads) or geometry:
+        print(f"shipped heads {shipped}: another shape or block geometry than the recipe's, not compared", flush=True)
         return None
     own = {name: value.clone() for name, value in own.items()}
     length, start = eval_window(data)
@@ -828,7 +830,7 @@ def _report_lines(
 
 def _shipped_line(shipped: dict | None, after: dict) -> str:
     if shipped is None:
-        return "No heads are shipped for this model (or they have another shape): nothing to compare."
+        return "No heads are shipped for this model (or for its block geometry): nothing to compare."
     return (
         f"The heads shipped with the package (`forecast_weights=\"{shipped['heads']}\"`, what "
         f"`forecastkv generate --offload forecast-offload` loads without training) on the same rows: mean recall "
