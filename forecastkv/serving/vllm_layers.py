@@ -3,10 +3,17 @@
 `use_vllm_layers(model, quant_config, prefix)` swaps a `ForecastKVForCausalLM`'s projections for
 vLLM's: one `QKVParallelLinear` per attention (three matmuls become one), `RowParallelLinear` for
 o_proj, a `MergedColumnParallelLinear` gate/up with vLLM's fused `SiluAndMul` and a
-`RowParallelLinear` down projection per MLP, `ReplicatedLinear` Forecast heads and lm_head.  vLLM's
-loader then packs each weight for its CPU GEMM (oneDNN) after `load_weights`, as it does for its own
-models.  Everything else (norms, rotary tables, selection, the Forecast handoff, NOSA's CIS) stays
-forecastkv's, so the sparse rules are the ones `generate()` runs.
+`RowParallelLinear` down projection per MLP, `ColumnParallelLinear` Forecast heads (sharded like
+q_proj) and a `ReplicatedLinear` lm_head.  vLLM's loader then packs each weight for its CPU GEMM
+(oneDNN) after `load_weights`, as it does for its own models.  Everything else (norms, rotary tables,
+selection, the Forecast handoff, NOSA's CIS) stays forecastkv's, so the sparse rules are the ones
+`generate()` runs.
+
+Tensor parallelism shards attention by KV group: each of the T ranks holds H / T KV heads, their
+query heads and their Forecast vectors, so a group's selection (which sums its query heads) and the
+Forecast handoff (layer m's vectors for layer m+1's heads) stay on one rank, and o_proj / down_proj
+sum the ranks' parts.  NOSA's CIS bias reads every KV head's values (`delta` mixes them): each rank
+gathers the values, computes the bias of all heads and keeps its own (`sharded_cis`).
 
 `load_weights` maps a checkpoint's q/k/v and gate/up tensors onto the fused parameters through
 their vLLM weight loaders (`STACKED`), and a tied lm_head onto the embedding's tensor.
@@ -19,9 +26,16 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from vllm.distributed import (
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+    tensor_model_parallel_all_gather,
+)
 from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.model_executor.layers.linear import (
+    ColumnParallelLinear,
     MergedColumnParallelLinear,
     QKVParallelLinear,
     ReplicatedLinear,
@@ -62,11 +76,39 @@ class FusedMLP(nn.Module):
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
+def check_tensor_parallel(config, ranks: int) -> None:
+    """A ConfigError unless every one of `ranks` tensor-parallel ranks can hold whole KV groups:
+    num_key_value_heads must divide by it (vLLM would replicate KV heads instead, splitting a group's
+    query heads, whose summed scores select its blocks, over ranks)."""
+    if ranks > 1 and config.num_key_value_heads % ranks:
+        raise ConfigError(
+            f"tensor_parallel_size={ranks} must divide num_key_value_heads={config.num_key_value_heads}: "
+            "forecastkv shards attention by KV group (its selection sums a group's query heads)"
+        )
+
+
+def sharded_cis(attn, ranks: int, rank: int):
+    """NOSA's `compute_cis` on one tensor-parallel rank: values [..., H/T, d] of this rank's heads ->
+    bias [..., H/T].  `delta` reads all H heads' values, so they are gathered from the ranks first
+    (rank order is head order); A and delta are whole on every rank (H + H*H*d numbers)."""
+    heads = slice(rank * attn.num_kv_heads, (rank + 1) * attn.num_kv_heads)
+
+    def compute_cis(values: torch.Tensor) -> torch.Tensor:
+        local = values.flatten(-2).contiguous()
+        every = tensor_model_parallel_all_gather(local, dim=-1) if ranks > 1 else local
+        return (attn.A * F.softplus(attn.delta(every)))[..., heads]
+
+    return compute_cis
+
+
 def use_vllm_layers(model, quant_config=None, prefix: str = "") -> None:
     """Swap `model`'s (a `ForecastKVForCausalLM`) projections for vLLM's linear layers, in place,
-    before its weights are loaded (`load_weights`)."""
+    before its weights are loaded (`load_weights`); under tensor parallelism each attention keeps
+    this rank's KV groups (`check_tensor_parallel`)."""
     config = model.config
     hidden, d = config.hidden_size, config.head_dim
+    ranks, rank = get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
+    check_tensor_parallel(config, ranks)
     for idx, layer in enumerate(model.model.layers):
         attn, name = layer.self_attn, f"{prefix}model.layers.{idx}"
         bias = config.attention_bias
@@ -81,13 +123,33 @@ def use_vllm_layers(model, quant_config=None, prefix: str = "") -> None:
             return_bias=False,
         )
         for head in ("forecast_proj", "current_proj"):
-            if hasattr(attn, head):
+            if hasattr(attn, head):  # [H * n * d] rows, KV head outermost: a contiguous shard is H / T heads'
                 width = getattr(attn, head).out_features
-                setattr(attn, head, ReplicatedLinear(hidden, width, bias=False, prefix=f"{name}.self_attn.{head}",
-                                                     return_bias=False))
+                setattr(attn, head, ColumnParallelLinear(hidden, width, bias=False, gather_output=False,
+                                                         prefix=f"{name}.self_attn.{head}", return_bias=False))
+        attn.num_heads, attn.num_kv_heads = attn.num_heads // ranks, attn.num_kv_heads // ranks
+        if attn.nosa_bias and ranks > 1:
+            attn.compute_cis = sharded_cis(attn, ranks, rank)  # an instance attribute: it shadows the method
         layer.mlp = FusedMLP(config, quant_config, f"{name}.mlp")
     model.lm_head = ReplicatedLinear(hidden, config.vocab_size, bias=False, prefix=f"{prefix}lm_head",
                                      return_bias=False)
+
+
+def checkpoint_shape(model, name: str, param: torch.Tensor) -> tuple[int, ...]:
+    """The whole checkpoint tensor's shape for `model`'s parameter `name`, which on a
+    tensor-parallel rank holds one shard: a column-parallel layer's output rows, a row-parallel
+    layer's weight columns (vLLM's `output_dim` / `input_dim` attributes)."""
+    shape = list(param.shape)
+    layer = model.get_submodule(name.rpartition(".")[0])
+    if isinstance(layer, ColumnParallelLinear):
+        dim = getattr(param, "output_dim", None)
+    elif isinstance(layer, RowParallelLinear):
+        dim = getattr(param, "input_dim", None)
+    else:
+        dim = None
+    if dim is not None:
+        shape[dim] *= get_tensor_model_parallel_world_size()
+    return tuple(shape)
 
 
 def load_weights(model, weights: Iterable[tuple[str, torch.Tensor]], mode: str) -> set[str]:
@@ -108,10 +170,10 @@ def load_weights(model, weights: Iterable[tuple[str, torch.Tensor]], mode: str) 
             if target not in params:
                 continue  # an untied lm_head under tie_word_embeddings, or buffers the model recomputes
             param = params[target]
-            if shard is None and param.shape != tensor.shape:
+            if shard is None and checkpoint_shape(model, target, param) != tuple(tensor.shape):
                 raise ConfigError(
                     f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, the model needs "
-                    f"{tuple(param.shape)} (weights from another geometry?)"
+                    f"{checkpoint_shape(model, target, param)} (weights from another geometry?)"
                 )
             loader = getattr(param, "weight_loader", default_weight_loader)
             with torch.no_grad():

@@ -37,7 +37,7 @@ from ..modeling.modeling import ForecastKVForCausalLM
 from ..modes import ATTENTION_MODES
 from .paged import LayerPages, check_page_geometry
 from .step import EngineBatch, forward_paged
-from .vllm_layers import load_weights, use_vllm_layers
+from .vllm_layers import check_tensor_parallel, load_weights, use_vllm_layers
 from .vllm_llama import ForecastKVDenseLlama, served_by_vllm_llama
 
 MODE_KEY = "forecastkv_mode"  # the hf_overrides key that picks the attention mode
@@ -130,12 +130,13 @@ class ForecastKVForVLLM(nn.Module):
         super().__init__()
         config = vllm_config.model_config.hf_config
         parallel = vllm_config.parallel_config
-        if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
+        if parallel.pipeline_parallel_size > 1:
             raise ConfigError(
-                f"forecastkv's vLLM model runs on one rank: tensor_parallel_size="
-                f"{parallel.tensor_parallel_size}, pipeline_parallel_size={parallel.pipeline_parallel_size} "
-                "(both must be 1); use data parallelism (several engines) to scale out"
+                f"forecastkv's vLLM model runs its layers in one stage: pipeline_parallel_size="
+                f"{parallel.pipeline_parallel_size} must be 1; use tensor_parallel_size or data parallelism"
             )
+        ranks = parallel.tensor_parallel_size
+        check_tensor_parallel(config, ranks)
         self.mode = apply_mode(config, getattr(vllm_config.model_config, "model", None) or "SRC")
         page = vllm_config.cache_config.block_size
         check_page_geometry(page, config.sparse)
@@ -144,13 +145,13 @@ class ForecastKVForVLLM(nn.Module):
         use_vllm_layers(self.hf, vllm_config.quant_config, prefix)  # fused QKV, gate/up, oneDNN GEMMs
         self.nosa = config.sparse is not None and config.sparse.policy == "nosa"
         self.layer_names = [f"{prefix}model.layers.{i}.self_attn.attn" for i in range(config.num_hidden_layers)]
-        # vLLM pages and binds one KV pool per Attention layer (their forward never runs)
+        # vLLM pages and binds one KV pool per Attention layer (their forward never runs): this rank's heads
         self.kv_layers = nn.ModuleList(
             Attention(
-                config.num_attention_heads,
+                config.num_attention_heads // ranks,
                 config.head_dim,
                 config.head_dim**-0.5,
-                num_kv_heads=config.num_key_value_heads,
+                num_kv_heads=config.num_key_value_heads // ranks,
                 cache_config=vllm_config.cache_config,
                 prefix=name,
             )

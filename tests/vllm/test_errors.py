@@ -67,20 +67,31 @@ def test_a_missing_part_of_a_fused_projection(checkpoints, tmp_path):
 
 
 def fake_vllm_config(tp: int = 1, pp: int = 1, page: int = 64):
+    """What the model constructor reads of a vLLM config, for a SmolLM2-shaped checkpoint (9 query heads
+    over 3 KV heads; the checks under test refuse before any layer is built)."""
     from forecastkv import ForecastKVConfig
 
+    hf_config = ForecastKVConfig(
+        sparse_config="smollm2-135m", hidden_size=576, num_attention_heads=9, num_key_value_heads=3
+    )
     return SimpleNamespace(
-        model_config=SimpleNamespace(hf_config=ForecastKVConfig(sparse_config="smollm2-135m")),
+        model_config=SimpleNamespace(hf_config=hf_config),
         parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp),
         cache_config=SimpleNamespace(block_size=page),
     )
 
 
-@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
-def test_parallelism_is_refused_by_name(tp, pp):
+@pytest.mark.parametrize(
+    "tp,pp,message",
+    [
+        (2, 1, "tensor_parallel_size=2 must divide num_key_value_heads=3"),  # SmolLM2's 3 KV groups
+        (1, 2, "pipeline_parallel_size=2 must be 1"),
+    ],
+)
+def test_parallelism_that_splits_a_kv_group_or_the_stack_is_refused_by_name(tp, pp, message):
     from forecastkv.serving.vllm_model import ForecastKVForVLLM
 
-    with pytest.raises(ConfigError, match=f"tensor_parallel_size={tp}, pipeline_parallel_size={pp}"):
+    with pytest.raises(ConfigError, match=message):
         ForecastKVForVLLM(vllm_config=fake_vllm_config(tp, pp))
 
 

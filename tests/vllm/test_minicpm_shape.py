@@ -10,19 +10,12 @@ import gc
 import pytest
 import torch
 
-from tests.helpers import TINY_MODEL
-from tests.vllm.engines import PAGE, engine, hf_greedy, vllm_greedy
+from tests.vllm.engines import PAGE, TINY_VLLM_SHAPE, engine, hf_greedy, vllm_greedy
 
 HEAD_DIM = 32
 # the tests' tiny model with heads of 32 (vLLM-CPU's smallest) and MiniCPM4.1's extras
 MINICPM_SHAPE = dict(
-    TINY_MODEL,
-    vocab_size=256,
-    hidden_size=128,
-    intermediate_size=256,
-    num_attention_heads=4,
-    max_position_embeddings=1024,
-    tie_word_embeddings=False,
+    TINY_VLLM_SHAPE,
     mup={"scale_emb": 12.0, "scale_depth": 1.4, "dim_model_base": 32},
     rope_parameters={
         "rope_type": "longrope",
