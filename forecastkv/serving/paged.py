@@ -106,7 +106,9 @@ class LayerPages:
         windows = {}
         for name, index in indexes.items():
             tail = () if index.source == "cis" else (dim,)
-            shape = (pages, window_slots(page, index.stride), heads, *tail)
+            # one scratch page past the pool's (id `pages`, in no block table): where a decode step's
+            # sequences that complete no window write, so the step writes every row (`file_one`)
+            shape = (pages + 1, window_slots(page, index.stride), heads, *tail)
             windows[name] = torch.zeros(shape, dtype=index.dtype or keys.dtype, device=keys.device)
         cis = torch.zeros((pages, heads, page), dtype=keys.dtype, device=keys.device) if nosa else None
         return cls(keys, values, cis, windows, indexes)
@@ -153,8 +155,11 @@ class PagedWindows(WindowIndex):
         """A paged index has no buffer of its own: the windows of the `rows` stored positions."""
         return self.view(rows)
 
-    def file(self, old_lengths: torch.Tensor, lengths: torch.Tensor) -> None:
-        """Each window completed between old_lengths and lengths [B], pooled from the pages, into its slot."""
+    def file(self, old_lengths: torch.Tensor, lengths: torch.Tensor, one_token: bool = False) -> None:
+        """Each window completed between old_lengths and lengths [B], pooled from the pages, into its
+        slot.  one_token: every sequence stored one token (a decode step): `file_one`."""
+        if one_token:
+            return self.file_one(old_lengths, lengths)
         store, size, stride = self.rows, self.size, self.stride
         ids, valid, rows = window_rows(old_lengths, lengths, size, stride)
         if not ids.shape[1]:
@@ -168,6 +173,24 @@ class PagedWindows(WindowIndex):
         b, w = valid.nonzero(as_tuple=True)
         target = store.pages.windows[self.name]
         target[page_ids[b, w], slot_of(offsets[b, w], stride)] = windows[b, w].to(target.dtype)
+
+    def file_one(self, old_lengths: torch.Tensor, lengths: torch.Tensor) -> None:
+        """`file` for a step of one token per sequence, which completes at most one window each: fixed
+        shapes, no host read (as the resident index's `extend_one`).  Every sequence pools its next
+        window; one that did not complete it writes to the scratch page instead of its slot."""
+        store, size, stride = self.rows, self.size, self.stride
+        first, last = (torch.where(n >= size, torch.div(n - size, stride, rounding_mode="floor") + 1, 0)
+                       for n in (old_lengths, lengths))
+        rows = first.unsqueeze(-1) * stride + torch.arange(size, device=first.device)  # [B, size]
+        source = store.pages.cis if self.source == "cis" else store.pages.keys
+        gathered = store.rows_at(source, rows)  # [B, size, H, ...]
+        local = torch.arange(size, device=rows.device).expand(rows.shape[0], 1, -1)
+        window = compress_windows(gathered, local, self.dtype, reduce=self.reduce)[:, 0]
+        page_ids, offsets = page_slots(store.table, rows[:, -1:], store.pages.page)
+        target = store.pages.windows[self.name]
+        scratch = torch.full_like(page_ids, target.shape[0] - 1)
+        page_ids = torch.where((last > first).unsqueeze(-1), page_ids, scratch)
+        target[page_ids[:, 0], slot_of(offsets[:, 0], stride)] = window.to(target.dtype)
 
     def emptied(self) -> "PagedWindows":
         return self
@@ -220,8 +243,11 @@ class PagedRows:
         """Store keys/values [B, n, H, d] (cis [B, n, H]) at positions [B, n] (-1 = padding) in their
         pages, then file the windows they complete (`PagedWindows.file`)."""
         self._need_table(max(step.lengths_after, default=0))
-        valid = positions >= 0
-        b_idx, col = valid.nonzero(as_tuple=True)
+        if step.decode:  # one token per sequence, every one stored: no padding to find (no host read)
+            b_idx = torch.arange(positions.shape[0], device=positions.device)
+            col = torch.zeros_like(b_idx)
+        else:
+            b_idx, col = (positions >= 0).nonzero(as_tuple=True)
         pos = positions[b_idx, col]
         page_ids, offsets = page_slots(self.table[b_idx], pos.unsqueeze(1), self.pages.page)
         page_ids, offsets = page_ids[:, 0, None], offsets[:, 0, None]  # [N, 1] against heads [1, H]
@@ -235,7 +261,7 @@ class PagedRows:
         old = layer.lengths
         layer.lengths = torch.tensor(step.lengths_after, dtype=torch.long, device=self.table.device)
         for window in layer.windows:
-            window.file(old, layer.lengths)
+            window.file(old, layer.lengths, one_token=step.decode)
 
     def rows_at(self, source: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """source [P, H, page, ...] at positions [B, ...] -> [B, n, H, ...] (n = positions per sequence)."""

@@ -16,6 +16,7 @@ from forecastkv.errors import ConfigError
 from forecastkv.modeling.cache import SparseCache
 from forecastkv.serving import EngineBatch, LayerPages, check_page_geometry, forward_paged
 from tests.helpers import tiny_model, tiny_sparse
+from tests.strict_device import count_host_reads
 
 MODES = {
     "dense": None,
@@ -128,6 +129,25 @@ def test_engine_logits_equal_resident_cache(mode, page, heads_inside):
         assert torch.isfinite(logits[r]).all(), f"request {r} (prompt of {len(prompt)}) has non-finite logits"
         torch.testing.assert_close(logits[r], expected, rtol=1e-4, atol=1e-4, msg=f"{mode}, request {r}")
         assert generated[r] == expected[len(prompt) - 1 :].argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_decode_call_reads_nothing_back_to_the_host(mode):
+    """A decode call of the whole batch over the pages makes no host read of a device tensor (what a
+    GPU pays for with a sync), through 8 steps in which rows complete windows and blocks on different
+    steps (prompts of 1 to 41 tokens, windows of 4 every 2, pages of 4): stores, window filing
+    (`PagedWindows.file_one`), selection and attention.  The engine's host ints (lengths, starts)
+    are its own."""
+    model = tiny_model(MODES[mode])
+    prompts = prompts_of([1, 7, 8, 19, 41])
+    with count_host_reads():  # the pool and the model are made inside: every tensor is "device"
+        engine = ToyEngine(model, page=4)
+        out = engine.step(dict(enumerate(prompts)))
+        for _ in range(8):
+            tokens = {r: [int(rows[-1].argmax())] for r, rows in out.items()}
+            with count_host_reads() as step:
+                out = engine.step(tokens)
+            assert step.reads == 0, step.report()
 
 
 def test_a_decode_batch_reads_only_its_pages():
