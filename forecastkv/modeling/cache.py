@@ -992,9 +992,19 @@ def gather_blocks(keys, values, cis, selection, lengths, block_size, rows: torch
     h_idx = torch.arange(heads, device=index.device).view(1, -1, 1)
     # advanced indexing copies whole d-rows (a gather over a transposed view is several x slower)
     k, v = keys[b_idx, index, h_idx], values[b_idx, index, h_idx]
-    bias = None if cis is None else cis[b_idx, index, h_idx].masked_fill(~exists, 0.0)
-    missing = ~exists.unsqueeze(-1)
-    return k.masked_fill(missing, 0.0), v.masked_fill(missing, 0.0), pos.masked_fill(~exists, -1), bias
+    bias = None if cis is None else cis[b_idx, index, h_idx]
+    zero_missing_(exists, k, v, bias)
+    return k, v, pos.masked_fill(~exists, -1), bias
+
+
+def zero_missing_(exists: torch.Tensor, *gathered: torch.Tensor | None) -> None:
+    """Zero, in place, the rows of fresh gathers [B, H, L, ...] (None: skipped) where exists [B, H, L]
+    is False: a row that is not a key may hold anything (NaN in a never-written slot), and a masked
+    logit does not stop it from reaching the softmax's output."""
+    missing = ~exists
+    for rows in gathered:
+        if rows is not None:
+            rows.masked_fill_(missing.view(*missing.shape, *[1] * (rows.dim() - 3)).expand_as(rows), 0.0)
 
 
 def model_signature(config) -> dict:

@@ -36,6 +36,7 @@ from ..modeling.cache import (
     window_geometry,
     window_indexes,
     window_rows,
+    zero_missing_,
 )
 
 
@@ -293,12 +294,9 @@ class PagedRows:
         if self.tier is not None:
             self.tier.wait(self.index)
         pos, exists = block_rows(plan.selection, layer.block_size, layer.lengths)  # [B, H, K*bs]
-        missing = ~exists.unsqueeze(-1)
         k, v, bias = (None if pool is None else self.block_rows_of(pool, plan.selection, layer.block_size, pos)
                       for pool in (self.pages.keys, self.pages.values, self.pages.cis))
-        k.masked_fill_(missing, 0.0), v.masked_fill_(missing, 0.0)  # the gathers are fresh copies
-        if bias is not None:
-            bias.masked_fill_(~exists, 0.0)
+        zero_missing_(exists, k, v, bias)  # the gathers are fresh copies
         return attend_gathered(q, k, v, pos.masked_fill(~exists, -1), bias, layer.lengths)
 
     def block_rows_of(self, pool: torch.Tensor, selection: torch.Tensor, block_size: int, pos: torch.Tensor):
