@@ -8,7 +8,10 @@ fills vLLM's prefix cache (its time: `prefill_seconds`, every prompt's prefill a
 pass asks for 1 + `--new` tokens with the same prompts, so its prefill is a cache hit and its time
 is the decode of `--new` tokens for every request at once.  Decode tokens/s = requests x new / time;
 every mode is divided by vllm-native's and by forecastkv's own dense (the second ratio alone would
-hide the gap to the engine a user already has).  Before both, each engine's time to the first token
+hide the gap to the engine a user already has).  `infllmv2-forecast-gather` is infllmv2-forecast with
+its decode attention gathered and computed by forecastkv (FORECASTKV_VLLM_KERNEL=0) instead of vLLM-CPU's
+attention kernel on the selected pages (`serving/vllm_model.py:cpu_page_attention`).
+Before both, each engine's time to the first token
 of one `--ttft-length` prompt alone (other text, cold: no prefix cache hit) is its TTFT.
 
     .venv-vllm/bin/python benchmarks/vllm_throughput.py --length 8000 --requests 8 --new 32
@@ -35,7 +38,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 NATIVE = "vllm-native"  # vLLM's own model on the plain checkpoint: the baseline
-MODES = (NATIVE, "dense", "infllmv2-query", "infllmv2-forecast", "nosa")
+GATHER = "-gather"  # a sparse mode with its decode attention gathered by forecastkv, not vLLM's kernel
+MODES = (NATIVE, "dense", "infllmv2-query", "infllmv2-forecast", "infllmv2-forecast" + GATHER, "nosa")
 
 
 def positive(text: str) -> int:
@@ -107,7 +111,10 @@ def main(argv=None) -> int:
         paths[NATIVE] = bundled_model_path()  # a plain Llama checkpoint: vLLM serves it with its own model
         for mode in args.modes:
             path = paths[NATIVE if mode == NATIVE else "nosa" if mode == "nosa" else "demo"]
-            rows[mode] = decode_rate(path, None if mode == NATIVE else mode, prompts, args.new, first)
+            served = None if mode == NATIVE else mode.removesuffix(GATHER)
+            # serving/vllm_model.py reads it as each engine's model first runs (engines run in this process)
+            os.environ["FORECASTKV_VLLM_KERNEL"] = "0" if mode.endswith(GATHER) else "1"
+            rows[mode] = decode_rate(path, served, prompts, args.new, first)
             print(mode, rows[mode], flush=True)
     native, dense = (rows[name]["decode_tokens_per_s"] for name in (NATIVE, "dense"))
     native_tokens = rows[NATIVE]["tokens"]

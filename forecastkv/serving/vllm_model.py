@@ -24,6 +24,7 @@ inside): `one_line_errors`.
 from __future__ import annotations
 
 import functools
+import os
 import sys
 from collections.abc import Iterable
 
@@ -97,19 +98,52 @@ def apply_mode(config, source: str = "SRC") -> str:
     return name
 
 
-def kv_page_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def kv_page_views(kv_cache: torch.Tensor, isa: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A layer's page pool as (keys, values), each a [P, H, page, d] view.  vLLM-CPU's pool is
-    [P, H, page, 2 * d]; a CUDA backend's [2, P, page, H, d] (untested here: no GPU).  Only forecastkv
-    reads and writes the pool, so any view of it serves, as long as it is the same every call."""
+    [P, H, page, 2 * d]: a page of one head holds its keys, then its values; under its "vec" kernels
+    (`isa`, fp32 on x86) the keys of a page are stored transposed, [d, page], and the view reads them
+    so, which lets its attention kernel read the pages forecastkv writes (`cpu_page_attention`).  A
+    CUDA backend's pool is [2, P, page, H, d] (untested here: no GPU)."""
     if kv_cache.dim() == 4:
         pages, heads, page, _ = kv_cache.shape
         keys, values = kv_cache.view(pages, heads, 2 * page, -1).chunk(2, dim=2)
+        if isa == "vec":
+            keys = keys.view(pages, heads, -1, page).transpose(2, 3)  # each page's key block is contiguous
         return keys, values
     if kv_cache.dim() == 5 and kv_cache.shape[0] == 2:
         return kv_cache[0].transpose(1, 2), kv_cache[1].transpose(1, 2)
     raise ConfigError(
         f"unknown vLLM KV pool layout {tuple(kv_cache.shape)}: expected [P, H, page, 2d] or [2, P, page, H, d]"
     )
+
+
+def cpu_page_attention(kv_cache: torch.Tensor, isa: str):
+    """vLLM-CPU's attention kernel (`cpu_attention_with_kv_cache`) as `LayerPages.attend` for the pool
+    kv_cache [P, H, page, 2 * d]: each row (a sequence's KV head) is one request with one KV head, its
+    selected head pages its block table (`paged.head_page_attention` is the reference)."""
+    from vllm import _custom_ops as ops
+
+    pages, heads, page, _ = kv_cache.shape
+    per_head = kv_cache.view(pages * heads, 1, 2 * page, -1)  # one KV head per entry, as the rows index them
+    keys, values = per_head.chunk(2, dim=2)
+
+    def attend(q: torch.Tensor, entries: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        rows, group, dim = q.shape
+        starts = torch.arange(rows + 1, dtype=torch.int32, device=q.device)
+        lengths = lengths.to(torch.int32)
+        plan = ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=rows, num_heads=group, num_kv_heads=1, head_dim=dim, seq_lens=lengths, dtype=q.dtype,
+            query_start_loc=starts, causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=False,
+        )
+        out = torch.empty_like(q)
+        ops.cpu_attention_with_kv_cache(
+            query=q.contiguous(), key_cache=keys, value_cache=values, output=out, query_start_loc=starts,
+            seq_lens=lengths, scale=dim**-0.5, causal=True, alibi_slopes=None, sliding_window=-1,
+            block_table=entries.to(torch.int32), softcap=0.0, scheduler_metadata=plan, s_aux=None,
+        )
+        return out
+
+    return attend
 
 
 class ForecastKVForVLLM(nn.Module):
@@ -225,12 +259,29 @@ class ForecastKVForVLLM(nn.Module):
         ring = max(size for size, _ in pages[0].strides.values())
         return connector.attach(self.layer_names, pages, self.config.sparse, ring)
 
+    def _kernel_isa(self, pool: torch.Tensor) -> str | None:
+        """"vec" where sparse decode runs vLLM-CPU's attention kernel on the selected pages: its fp32
+        x86 kernels on vLLM-CPU's [P, H, page, 2d] pool, no NOSA bias (the kernel adds none), unless
+        FORECASTKV_VLLM_KERNEL=0; None: forecastkv gathers the blocks and attends itself."""
+        if pool.dim() != 4 or pool.device.type != "cpu" or self.nosa or os.environ.get("FORECASTKV_VLLM_KERNEL") == "0":
+            return None
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        isa = _get_attn_isa(pool.dtype, pool.shape[2], self.config.head_dim)
+        return isa if isa == "vec" else None
+
     def _layer_pages(self) -> list[LayerPages]:
         """Each layer's `LayerPages` over the KV pool vLLM bound to it (made again if vLLM rebinds)."""
         pools = [layer.kv_cache for layer in self.kv_layers]
         pools = [pool[0] if isinstance(pool, list) else pool for pool in pools]
         key = tuple(pool.data_ptr() for pool in pools)
         if self._pages is None or self._pages[0] != key:
-            pages = [LayerPages.around(*kv_page_views(pool), self.config.sparse, self.nosa) for pool in pools]
+            isa = self._kernel_isa(pools[0])
+            pages = [
+                LayerPages.around(*kv_page_views(pool, isa), self.config.sparse, self.nosa,
+                                  attend=None if isa is None else cpu_page_attention(pool, isa))
+                for pool in pools
+            ]
             self._pages = (key, pages)
         return self._pages[1]
+

@@ -9,12 +9,15 @@ selection block (and an error for those that do not).
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
 from forecastkv.errors import ConfigError
 from forecastkv.modeling.cache import SparseCache
 from forecastkv.serving import EngineBatch, LayerPages, check_page_geometry, forward_paged
+from forecastkv.serving.paged import head_page_attention, head_pages
 from tests.helpers import tiny_model, tiny_sparse
 from tests.strict_device import count_host_reads
 
@@ -31,7 +34,9 @@ MODES = {
 class ToyEngine:
     """Pages of `page` tokens from a shuffled free list, a block table per request, chunked prefill."""
 
-    def __init__(self, model, page: int, pages: int = 64, seed: int = 0, heads_inside: bool = False):
+    def __init__(
+        self, model, page: int, pages: int = 64, seed: int = 0, heads_inside: bool = False, kernel: bool = False
+    ):
         config, device = model.config, model.device
         heads, dim = config.num_key_value_heads, config.head_dim
         nosa = config.sparse is not None and config.sparse.policy == "nosa"
@@ -45,6 +50,9 @@ class ToyEngine:
         self.layers = [
             LayerPages.around(pool(), pool(), config.sparse, nosa) for _ in range(config.num_hidden_layers)
         ]
+        if kernel:  # decode through an engine's page-attention kernel: here its PyTorch reference
+            for layer in self.layers:
+                layer.attend = partial(head_page_attention, head_pages(layer.keys), head_pages(layer.values))
         gen = torch.Generator().manual_seed(seed)
         self.free = torch.randperm(pages, generator=gen).tolist()
         self.tables: dict[int, list[int]] = {}
@@ -85,10 +93,12 @@ def reference_logits(model, prompt: list[int], continuation: list[int]) -> torch
     return torch.cat(rows)
 
 
-def run_engine(model, prompts: list[list[int]], chunk: int, steps: int, page: int, heads_inside: bool = False):
+def run_engine(
+    model, prompts: list[list[int]], chunk: int, steps: int, page: int, heads_inside: bool = False, kernel=False
+):
     """Chunked prefill of every prompt (all requests in each call), then `steps` greedy decode calls
     of the whole batch.  Returns (request -> logits of every row, request -> tokens generated)."""
-    engine = ToyEngine(model, page, heads_inside=heads_inside)
+    engine = ToyEngine(model, page, heads_inside=heads_inside, kernel=kernel)
     logits = {r: [] for r in range(len(prompts))}
     done = {r: 0 for r in range(len(prompts))}
     while any(done[r] < len(p) for r, p in enumerate(prompts)):
@@ -111,18 +121,23 @@ def prompts_of(lengths, seed=3):
 
 
 @pytest.mark.parametrize(
-    "mode,page,heads_inside",
-    [(mode, page, False) for mode in MODES for page in (8, 4)]
-    + [("infllmv2-forecast", 4, True), ("nosa", 8, True)],
+    "mode,page,heads_inside,kernel",
+    [(mode, page, False, False) for mode in MODES for page in (8, 4)]
+    + [("infllmv2-forecast", 4, True, False), ("nosa", 8, True, False)]
+    + [(mode, page, False, True) for mode in ("infllmv2-query", "infllmv2-forecast", "coarse-lse", "nosa")
+       for page in (8, 4)],
 )
-def test_engine_logits_equal_resident_cache(mode, page, heads_inside):
+def test_engine_logits_equal_resident_cache(mode, page, heads_inside, kernel):
     """Prompts from 1 token (less than a window) to 5 blocks, prefilled in chunks of 5 tokens (cutting
     pages, windows and blocks), then 6 decode steps in one batch: every logit equals the resident
     cache's run of that request alone, and so does every greedy token.  heads_inside: pages laid out
-    [P, page, H, d] (a CUDA backend's), which the page-wise block gather cannot flatten."""
+    [P, page, H, d] (a CUDA backend's), which the page-wise block gather cannot flatten.  kernel: decode
+    through a page-attention kernel (`PagedRows.attend_selected`; NOSA's bias keeps the gather)."""
     model = tiny_model(MODES[mode])
     prompts = prompts_of([1, 3, 7, 8, 19, 41])
-    logits, generated = run_engine(model, prompts, chunk=5, steps=6, page=page, heads_inside=heads_inside)
+    logits, generated = run_engine(
+        model, prompts, chunk=5, steps=6, page=page, heads_inside=heads_inside, kernel=kernel
+    )
     for r, prompt in enumerate(prompts):
         continuation = generated[r][:-1]
         expected = reference_logits(model, prompt, continuation)
@@ -131,17 +146,17 @@ def test_engine_logits_equal_resident_cache(mode, page, heads_inside):
         assert generated[r] == expected[len(prompt) - 1 :].argmax(-1).tolist()
 
 
-@pytest.mark.parametrize("mode", list(MODES))
-def test_a_decode_call_reads_nothing_back_to_the_host(mode):
+@pytest.mark.parametrize("mode,kernel", [(mode, False) for mode in MODES] + [("infllmv2-forecast", True)])
+def test_a_decode_call_reads_nothing_back_to_the_host(mode, kernel):
     """A decode call of the whole batch over the pages makes no host read of a device tensor (what a
     GPU pays for with a sync), through 8 steps in which rows complete windows and blocks on different
     steps (prompts of 1 to 41 tokens, windows of 4 every 2, pages of 4): stores, window filing
-    (`PagedWindows.file_one`), selection and attention.  The engine's host ints (lengths, starts)
-    are its own."""
+    (`PagedWindows.file_one`), selection and attention (gathered, or by a page-attention kernel's
+    block tables).  The engine's host ints (lengths, starts) are its own."""
     model = tiny_model(MODES[mode])
     prompts = prompts_of([1, 7, 8, 19, 41])
     with count_host_reads():  # the pool and the model are made inside: every tensor is "device"
-        engine = ToyEngine(model, page=4)
+        engine = ToyEngine(model, page=4, kernel=kernel)
         out = engine.step(dict(enumerate(prompts)))
         for _ in range(8):
             tokens = {r: [int(rows[-1].argmax())] for r, rows in out.items()}
