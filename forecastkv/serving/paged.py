@@ -317,7 +317,8 @@ class PagedRows:
 
     def decode_attention(self, layer, q: torch.Tensor, plan) -> torch.Tensor:
         """One token per sequence, q [B, 1, Hq, d], over the planned blocks read from their pages ->
-        [B, 1, Hq, d] (`attend_gathered`, as the resident store's CPU path)."""
+        [B, 1, Hq, d]: by the engine's kernel where it has one (`attend_selected`), else gathered and
+        attended here (`attend_gathered`, as the resident store's CPU path)."""
         if self.tier is not None:
             self.tier.wait(self.index)
         if self.pages.attend is not None and self.pages.cis is None:
