@@ -84,19 +84,18 @@ def grow_rows(
     return grown
 
 
+def windows_complete(lengths: torch.Tensor, size: int, stride: int) -> torch.Tensor:
+    """How many compression windows (`size` keys, `stride` apart) lengths [B] stored keys complete."""
+    return torch.where(lengths >= size, torch.div(lengths - size, stride, rounding_mode="floor") + 1, 0)
+
+
 def window_rows(old_lengths: torch.Tensor, new_lengths: torch.Tensor, size: int, stride: int):
     """The compression windows completed between two lengths, per sequence.
 
     Returns (window ids [B, W], valid bool [B, W], key rows [B, W, size]) with W the most windows
     any sequence completed; each sequence computes only its own new windows.
     """
-
-    def count(lengths):
-        return torch.where(
-            lengths >= size, torch.div(lengths - size, stride, rounding_mode="floor") + 1, torch.zeros_like(lengths)
-        )
-
-    first, last = count(old_lengths), count(new_lengths)
+    first, last = windows_complete(old_lengths, size, stride), windows_complete(new_lengths, size, stride)
     width = int((last - first).max()) if last.numel() else 0
     ids = first.unsqueeze(1) + torch.arange(max(width, 0), device=first.device)
     valid = ids < last.unsqueeze(1)
@@ -182,8 +181,7 @@ class WindowIndex:
         host read; source is the layer's rows by position, or a ring (`compress_windows`)."""
         size, stride, target = self.size, self.stride, self.buffer
         # windows complete before and after the step
-        first = torch.where(old_lengths >= size, torch.div(old_lengths - size, stride, rounding_mode="floor") + 1, 0)
-        last = torch.where(lengths >= size, torch.div(lengths - size, stride, rounding_mode="floor") + 1, 0)
+        first, last = windows_complete(old_lengths, size, stride), windows_complete(lengths, size, stride)
         rows = (first.unsqueeze(-1) * stride + torch.arange(size, device=first.device)).unsqueeze(1)  # [B, 1, size]
         window = compress_windows(source, rows, self.dtype, ring, self.reduce)[:, 0]
         index = first.clamp(max=target.shape[1] - 1)

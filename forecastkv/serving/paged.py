@@ -38,6 +38,7 @@ from ..modeling.cache import (
     window_geometry,
     window_indexes,
     window_rows,
+    windows_complete,
     zero_missing_,
 )
 
@@ -207,8 +208,7 @@ class PagedWindows(WindowIndex):
         shapes, no host read (as the resident index's `extend_one`).  Every sequence pools its next
         window; one that did not complete it writes to the scratch page instead of its slot."""
         store, size, stride = self.rows, self.size, self.stride
-        first, last = (torch.where(n >= size, torch.div(n - size, stride, rounding_mode="floor") + 1, 0)
-                       for n in (old_lengths, lengths))
+        first, last = windows_complete(old_lengths, size, stride), windows_complete(lengths, size, stride)
         rows = first.unsqueeze(-1) * stride + torch.arange(size, device=first.device)  # [B, size]
         source = store.pages.cis if self.source == "cis" else store.pages.keys
         gathered = store.rows_at(source, rows)  # [B, size, H, ...]
