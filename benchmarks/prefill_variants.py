@@ -138,7 +138,7 @@ def main() -> None:
     q, keys, values, bias, positions, masks, bs = (
         c[k] for k in ("q", "keys", "values", "bias", "positions", "masks", "block_size")
     )
-    blocks = tuple(None if x is None else prefill.block_layout(x, bs) for x in (keys, values, bias))
+    blocks = prefill.BlockSource.laid_out(keys, values, bias, bs)
     visible = masks & (torch.arange(masks.shape[-1]) <= (positions // bs)[:, None, :, None])
     tiles = visible[:, :, : visible.shape[2] // bs * bs].unflatten(2, (-1, bs))  # [B, H, tiles, bs, NB]
     print(

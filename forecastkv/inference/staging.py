@@ -148,6 +148,10 @@ class OffloadedStaging:
         keys, values, cis = self.staged
         return keys[:, :rows], values[:, :rows], None if cis is None else cis[:, :rows]
 
+    def block_source(self, layer) -> None:
+        """None: a multi-token call reads the staged copy (`full`)."""
+        return None
+
     # -- sharing ------------------------------------------------------------------------------
     def attach(self, layer, pool: HostBlockPool, blocks: list[int], length: int, device: torch.device | str) -> None:
         """An empty `layer` holds one sequence of `length` positions whose rows are in `pool`'s

@@ -19,7 +19,7 @@ from .cache import CallInfo, Plan
 from .heads import scoring_head
 from .prefill import (
     CHUNKED_ATTENTION_ROWS,
-    block_layout,
+    BlockSource,
     chunked_sparse_attention,
     dense_attention,
     dense_sequences,
@@ -231,6 +231,23 @@ class SparseAttention(nn.Module):
         if forecast_in is not None and rule.scores_with != "guessed-queries":  # guesses are not Forecast vectors
             out["forecast"] = selection if rule is forecast else select(forecast_in, forecast)
 
+    def _stored_rows(self, cache_layer, dense: torch.Tensor, step: CallInfo, sparse, flex: bool) -> tuple:
+        """(keys, values [B, S, H, d], cis [B, S, H] or None, S, None) from `cache_layer.full()`, or
+        (None, None, None, S, the store's `BlockSource`) where the store reads its blocks in place (an
+        engine's pages) and the call attends sparse rows by block: a chunk over a long stored context
+        then copies only the blocks its rows chose, not every row.  dense bool [B]: `dense_sequences`."""
+        any_dense = any(step.dense)
+        # NOSA's bias must be dropped for the dense sequences of a mixed call: the pages hold it
+        drop_bias = any_dense and self.nosa_bias and sparse is not None and not sparse.dense_cis_bias
+        if sparse is not None and not step.decode and not step.all_dense and not flex and not drop_bias:
+            source = cache_layer.block_source()
+            if source is not None:
+                return None, None, None, cache_layer.key_count(), source
+        keys, values, cis, count = cache_layer.full()
+        if cis is not None and sparse is not None and not sparse.dense_cis_bias:
+            cis = cis.masked_fill(dense.view(-1, 1, 1), 0.0)  # SparDA-NOSA: dense sequences drop the CIS bias
+        return keys, values, cis, count, None
+
     def _attend_chunks(
         self, q, vectors, forecast_in, positions, cache_layer, selections_out, rule, step: CallInfo, sparse
     ) -> torch.Tensor:
@@ -240,11 +257,11 @@ class SparseAttention(nn.Module):
         sequence is dense or sparse for the whole call.  Sparse rows are selected in query chunks and
         attend only their blocks (or FlexAttention on CUDA): memory O(chunk x selected keys).  Every
         host-side number comes from `step`, so on CUDA the chunk loop never waits for the device."""
-        keys, values, cis, count = cache_layer.full()
         dense = dense_sequences(positions, sparse)
-        if cis is not None and sparse is not None and not sparse.dense_cis_bias:
-            cis = cis.masked_fill(dense.view(-1, 1, 1), 0.0)  # SparDA-NOSA: dense sequences attend without the CIS bias
         all_dense, any_dense = step.all_dense, any(step.dense)
+        flex = sparse is not None and not step.decode and not all_dense and not any_dense and use_flex(q)
+        flex = flex and step.contiguous()
+        keys, values, cis, count, source = self._stored_rows(cache_layer, dense, step, sparse, flex)
         if sparse is None or (all_dense and selections_out is None):
             return dense_attention(q, keys, values, cis, positions, self.config.query_chunk_size)
         n_blocks = sel.num_blocks(count, sparse.block_size)
@@ -254,11 +271,10 @@ class SparseAttention(nn.Module):
             self._record(selections_out, q, forecast_in, positions, cache_layer, ids, rule, **host)
             masks = row_block_masks(ids, positions, n_blocks, sparse.block_size, dense if any_dense else None)
             return masked_decode_attention(q, keys, values, cis, positions, masks, sparse.block_size)
-        flex = not all_dense and not any_dense and use_flex(q) and step.contiguous()
         outputs, bits, records = [], [], {}
-        blocks = None
-        if not all_dense and not flex:  # K/V (and CIS) by block, once per call: chunks gather whole blocks
-            blocks = tuple(None if x is None else block_layout(x, sparse.block_size) for x in (keys, values, cis))
+        blocks = source
+        if blocks is None and not all_dense and not flex:  # K/V (and CIS) by block, once per call
+            blocks = BlockSource.laid_out(keys, values, cis, sparse.block_size)
         pending, pending_from = [], 0  # row masks of chunks selected but not yet attended
         chunk = self.config.query_chunk_size
         if cache_layer.kernels.stage1:  # the fused kernel stores no [rows, C] scores: larger tiles pay

@@ -384,6 +384,13 @@ class CacheLayer(Protocol):
     def full(self) -> tuple:
         """(keys, values [B, S, H, d], cis [B, S, H] or None, S): every stored row on the device."""
 
+    def key_count(self) -> int:
+        """S: the longest stored sequence (a host int, no read)."""
+
+    def block_source(self):
+        """The stored rows as key blocks read in place (`modeling/prefill.py:BlockSource`: an engine's
+        pages), or None where only `full()` gives them."""
+
     def key_bounds(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Quest's index: per complete block the per-channel min and max key [B, NBc, H, d] (a layer
         built for a selector whose `key_bounds` is set; others raise)."""
@@ -426,6 +433,9 @@ class KVStore(Protocol):
 
     def full(self, layer, rows: int) -> tuple:
         """(keys, values [B, rows, H, d], cis [B, rows, H] or None) on the device."""
+
+    def block_source(self, layer):
+        """The rows as key blocks read in place (`modeling/prefill.py:BlockSource`), or None."""
 
     def crop(self, layer) -> None:
         """After the layer dropped trailing positions."""
@@ -615,6 +625,10 @@ class ResidentRows:
         """K, V [B, rows, H, d], CIS [B, rows, H] or None: the first `rows` positions."""
         cis = None if self.cis is None else self.cis[:, :rows]
         return self.keys[:, :rows], self.values[:, :rows], cis
+
+    def block_source(self, layer) -> None:
+        """None: the rows are [B, S, H, d] buffers, laid out by block where a chunk needs them."""
+        return None
 
     # -- lifecycle -----------------------------------------------------------------------------------
     def crop(self, layer) -> None:
@@ -938,6 +952,14 @@ class SparseCacheLayer(CacheLayerMixin):
         """K, V [B, S, H, d], CIS [B, S, H] or None, and S = the longest stored sequence, on the device."""
         rows = self._longest(None)
         return (*self.store.full(self, rows), rows)
+
+    def key_count(self) -> int:
+        """The longest stored sequence (the host counter)."""
+        return self._longest(None)
+
+    def block_source(self):
+        """The store's rows as key blocks read in place (an engine's pages), or None: `full()`."""
+        return self.store.block_source(self)
 
     @property
     def offloaded(self) -> bool:

@@ -43,6 +43,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import warnings
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -261,22 +262,61 @@ def block_layout(x: torch.Tensor, block_size: int) -> torch.Tensor:
     return out.view(batch, heads, n_blocks, block_size, *x.shape[3:])
 
 
+@dataclass(frozen=True)
+class BlockSource:
+    """Where `chunked_sparse_attention` reads key blocks from.  keys/values [N, unit, d] and bias
+    [N, unit] or None hold pieces of `unit` rows; index int64 [B, H, NB, per] names the per =
+    block_size / unit pieces of block j of sequence b, KV head h, in position order.
+
+    `laid_out` copies a cache's [B, S, H, ...] rows into `block_layout` (one piece per block); an
+    engine's pages are a source as they are (`serving/paged.py:PagedRows.block_source`: one piece
+    per page), so a prefill chunk over a long stored context copies only the blocks its rows chose."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    bias: torch.Tensor | None
+    index: torch.Tensor
+
+    @classmethod
+    def laid_out(cls, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor | None, block_size: int):
+        """keys/values [B, S, H, d], bias [B, S, H] or None -> a source of whole blocks (zero past S)."""
+        k, v = block_layout(keys, block_size), block_layout(values, block_size)
+        batch, heads, n_blocks = k.shape[:3]
+        b = None if bias is None else block_layout(bias, block_size).view(-1, block_size)
+        index = torch.arange(batch * heads * n_blocks, device=keys.device).view(batch, heads, n_blocks, 1)
+        return cls(k.view(-1, block_size, k.shape[-1]), v.view(-1, block_size, v.shape[-1]), b, index)
+
+    @property
+    def n_blocks(self) -> int:
+        return self.index.shape[2]
+
+    def gather(self, entry: torch.Tensor, blocks: torch.Tensor) -> tuple:
+        """entry [m] (b * H + h), blocks int64 [m, w] -> fresh copies of those blocks' keys and values
+        [m, 1, w * block_size, d] and bias [m, 1, w * block_size] or None."""
+        members, width = blocks.shape
+        flat = self.index.flatten(0, 1)[entry.unsqueeze(1), blocks].flatten()  # [m * w * per]
+        rows = width * self.index.shape[3] * self.keys.shape[1]
+        k, v = (x.index_select(0, flat).view(members, 1, rows, x.shape[-1]) for x in (self.keys, self.values))
+        bias = None if self.bias is None else self.bias.index_select(0, flat).view(members, 1, rows)
+        return k, v, bias
+
+
 def chunked_sparse_attention(
     q: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
+    keys: torch.Tensor | None,
+    values: torch.Tensor | None,
     bias: torch.Tensor | None,
     positions: torch.Tensor,
     masks: torch.Tensor,
     block_size: int,
-    blocks: tuple | None = None,
+    blocks: BlockSource | None = None,
 ) -> torch.Tensor:
     """Rows attend only their own blocks; work and memory follow the union of a tile's blocks.
 
     q [B, R, Hq, d], keys/values [B, S, H, d], bias [B, S, H] or None, positions [B, R] (-1 =
     padding), masks bool [B, H, R, NB] (`row_block_masks`; blocks after a row's own are ignored)
-    -> [B, R, Hq, d].  `blocks`: (`block_layout` of keys, of values, of bias or None), computed
-    once per layer by the caller (else here).
+    -> [B, R, Hq, d].  `blocks`: where the key blocks are read (`BlockSource`), given by the caller
+    once per layer; without it keys/values/bias are laid out here (`BlockSource.laid_out`).
 
     Rows are cut into tiles of `block_size` rows.  An entry is one (sequence, KV head, tile): its
     G query heads share one gather of the union's blocks (expanded over the heads, never copied)
@@ -284,16 +324,12 @@ def chunked_sparse_attention(
     so no entry pays for another's larger union.
     """
     batch, rows, heads, dim = q.shape
-    kv_heads = keys.shape[2]
-    group = heads // kv_heads
     if blocks is None:
-        blocks = (
-            block_layout(keys, block_size),
-            block_layout(values, block_size),
-            None if bias is None else block_layout(bias, block_size),
-        )
-    key_blocks, value_blocks, bias_blocks = blocks
-    n_blocks = key_blocks.shape[2]
+        blocks = BlockSource.laid_out(keys, values, bias, block_size)
+    kv_heads = blocks.index.shape[1]
+    group = heads // kv_heads
+    if blocks.n_blocks < masks.shape[-1]:
+        raise ValueError(f"the block source holds {blocks.n_blocks} blocks, the masks select among {masks.shape[-1]}")
     tile = min(block_size, rows)
     current = torch.div(positions, block_size, rounding_mode="floor")[:, None, :, None]
     masks = masks & (torch.arange(masks.shape[-1], device=q.device) <= current)  # nothing after a row's own block
@@ -303,15 +339,14 @@ def chunked_sparse_attention(
     pad_rows = n_tiles * tile - rows
     pos = positions if pad_rows == 0 else F.pad(positions, (0, pad_rows), value=-1)
     entry_pos = pos.view(batch, 1, n_tiles, tile).expand(-1, kv_heads, -1, -1).reshape(entries, tile)
-    # flat row of entry e's first block in the [B * H * NB, bs, ...] block layouts
-    entry_base = (torch.arange(batch * kv_heads, device=q.device) * n_blocks).repeat_interleave(n_tiles)
+    entry_head = torch.arange(batch * kv_heads, device=q.device).repeat_interleave(n_tiles)  # b * H + h
     qt = q if pad_rows == 0 else F.pad(q, (0, 0, 0, 0, 0, pad_rows))
     query = (
         qt.view(batch, n_tiles, tile, kv_heads, group, dim)
         .permute(0, 3, 1, 4, 2, 5)
         .reshape(entries, group * tile, dim)
     )
-    tiled, union, valid = tiled.reshape(entries, tile, n_blocks), union.reshape(entries, -1), valid.reshape(entries, -1)
+    tiled, union, valid = tiled.reshape(entries, tile, -1), union.reshape(entries, -1), valid.reshape(entries, -1)
     widths = valid.sum(dim=-1)
     out = query.new_zeros(entries, group * tile, dim)  # entries without blocks (padding tiles) stay 0
     for width in widths.unique().tolist():
@@ -319,15 +354,8 @@ def chunked_sparse_attention(
             continue
         members = (widths == width).nonzero().flatten()
         out[members] = _attend_entries(
-            query[members],
-            entry_pos[members],
-            union[members, :width],
-            tiled[members],
-            entry_base[members],
-            key_blocks,
-            value_blocks,
-            bias_blocks,
-            group,
+            query[members], entry_pos[members], union[members, :width], tiled[members], entry_head[members],
+            blocks, group, block_size,
         )
     out = (
         out.view(batch, kv_heads, n_tiles, group, tile, dim)
@@ -337,19 +365,19 @@ def chunked_sparse_attention(
     return out if pad_rows == 0 else out[:, :rows]
 
 
-def _attend_entries(query, pos, union, tiled, base, key_blocks, value_blocks, bias_blocks, group: int) -> torch.Tensor:
+def _attend_entries(
+    query, pos, union, tiled, entry_head, blocks: BlockSource, group: int, block_size: int
+) -> torch.Tensor:
     """Attention of m entries that share a union width w.
 
     query [m, G*tile, d] (folded heads), pos [m, tile] (-1 = padding), union int64 [m, w] (block
-    ids, highest first, all valid), tiled bool [m, tile, NB] (each row's blocks), base int64 [m]
-    (flat index of the entry's block 0), block layouts as `block_layout` -> [m, G*tile, d].
+    ids, highest first, all valid), tiled bool [m, tile, NB] (each row's blocks), entry_head int64
+    [m] (b * H + h: where `blocks` finds the entry's blocks) -> [m, G*tile, d].
     """
     members, tile = pos.shape
     width = union.shape[1]
-    block_size, dim = key_blocks.shape[-2], key_blocks.shape[-1]
-    flat = (base.unsqueeze(1) + union).flatten()
-    k = key_blocks.view(-1, block_size, dim).index_select(0, flat).view(members, 1, width * block_size, dim)
-    v = value_blocks.view(-1, block_size, dim).index_select(0, flat).view(members, 1, width * block_size, dim)
+    dim = query.shape[-1]
+    k, v, bias = blocks.gather(entry_head, union)  # [m, 1, w * bs, d], bias [m, 1, w * bs]
     own = torch.gather(tiled, -1, union.unsqueeze(1).expand(-1, tile, -1))  # [m, tile, w]
     empty = ~own.any(dim=-1, keepdim=True)  # padding rows: no block
     neg_inf = torch.tensor(float("-inf"), dtype=query.dtype, device=query.device)
@@ -357,14 +385,18 @@ def _attend_entries(query, pos, union, tiled, base, key_blocks, value_blocks, bi
     mask = torch.where(own, torch.zeros((), dtype=query.dtype, device=query.device), neg_inf).repeat_interleave(
         block_size, dim=-1
     )
-    if bias_blocks is not None:  # CIS, added after the 1/sqrt(d) scaling
-        mask = mask + bias_blocks.view(-1, block_size).index_select(0, flat).view(members, 1, width * block_size).to(
-            query.dtype
-        )
+    if bias is not None:  # CIS, added after the 1/sqrt(d) scaling
+        mask = mask + bias.to(query.dtype)
     # causality inside blocks: a tile of <= block_size rows spans <= 2 blocks, the union's two highest
     near = min(2, width) * block_size
     near_pos = (union[:, :2].unsqueeze(-1) * block_size + torch.arange(block_size, device=query.device)).flatten(-2)
-    mask[..., :near].masked_fill_(near_pos.unsqueeze(1) > pos.unsqueeze(-1), float("-inf"))
+    future = near_pos.unsqueeze(1) > pos.unsqueeze(-1)  # [m, tile, near]
+    mask[..., :near].masked_fill_(future, float("-inf"))
+    # keys past every row of the tile (past the stored rows, in a source that holds stale or unwritten
+    # rows there: an engine's pages) are masked for all rows; zero them so that NaN cannot leak in
+    beyond = future.all(dim=1).view(members, 1, near, 1)
+    for x in (k, v):  # fresh copies
+        x[:, :, :near].masked_fill_(beyond, 0.0)
     has_empty = bool(empty.any())
     if has_empty:  # rows with no key: attend anything finite, zeroed below
         mask.masked_fill_(empty, 0.0)

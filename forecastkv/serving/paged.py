@@ -41,6 +41,7 @@ from ..modeling.cache import (
     windows_complete,
     zero_missing_,
 )
+from ..modeling.prefill import BlockSource
 
 
 def check_page_geometry(page: int, sparse) -> None:
@@ -81,9 +82,10 @@ def slot_of(offsets: torch.Tensor, stride: int) -> torch.Tensor:
 @dataclass
 class LayerPages:
     """One layer's paged storage.  keys/values [P, H, page, d] (views of the engine's KV pool);
-    cis [P, H, page] (NOSA's per-token bias) or None; windows: index name -> [P, slots, H, ...] (in the
-    index's dtype, fp32 for the pooled CIS; `window_slots`), the slot of a window ending at position e in
-    page table[e // page] being `slot_of(e % page, stride)`; indexes: name -> the `WindowIndex` it stores
+    cis [P, H, page] (NOSA's per-token bias) or None; windows: index name -> [P + 1, H, slots, ...] (in
+    the index's dtype, fp32 for the pooled CIS; `window_slots`; heads outside the slots, so a head's
+    windows are consecutive rows, what selection scores against), the slot of a window ending at
+    position e in page table[e // page] being `slot_of(e % page, stride)`; indexes: name -> the `WindowIndex` it stores
     (its window, source and pooling: the resident layer's own list, `window_indexes`)."""
 
     keys: torch.Tensor
@@ -118,7 +120,7 @@ class LayerPages:
             tail = () if index.source == "cis" else (dim,)
             # one scratch page past the pool's (id `pages`, in no block table): where a decode step's
             # sequences that complete no window write, so the step writes every row (`file_one`)
-            shape = (pages + 1, window_slots(page, index.stride), heads, *tail)
+            shape = (pages + 1, heads, window_slots(page, index.stride), *tail)
             windows[name] = torch.zeros(shape, dtype=index.dtype or keys.dtype, device=keys.device)
         cis = torch.zeros((pages, heads, page), dtype=keys.dtype, device=keys.device) if nosa else None
         return cls(keys, values, cis, windows, indexes, attend)
@@ -176,9 +178,23 @@ class PagedWindows(WindowIndex):
         windows a sequence has not completed read a stale slot, which visibility masks."""
         count = sel.num_compressed(rows, self.size, self.stride)
         store = self.rows
+        page = store.pages.page
+        if page % self.stride == 0:
+            # window c ends in flat slot (page column x slots + slot) c + (size - 1) // stride of its
+            # sequence: the windows are consecutive slots, read as whole pages by one index_select
+            # ([B, H, C, ...] in memory, returned as the [B, C, H, ...] view: scores read a head's rows)
+            slots, first = page // self.stride, (self.size - 1) // self.stride
+            windows = store.pages.windows[self.name]
+            heads = windows.shape[1]
+            columns = torch.arange(-(-(first + count) // slots), device=store.table.device)
+            page_ids = store.table[:, columns.clamp(max=store.table.shape[1] - 1)]  # [B, n]
+            ids = page_ids.unsqueeze(1) * heads + torch.arange(heads, device=page_ids.device).view(1, -1, 1)
+            whole = windows.flatten(0, 1).index_select(0, ids.reshape(-1))  # [B * H * n, slots, ...]
+            whole = whole.view(store.table.shape[0], heads, -1, *windows.shape[3:])[:, :, first : first + count]
+            return whole.transpose(1, 2)
         end = torch.arange(count, device=store.table.device) * self.stride + self.size - 1
         page_ids, offsets = page_slots(store.table, end.expand(store.table.shape[0], -1), store.pages.page)
-        return store.pages.windows[self.name][page_ids, slot_of(offsets, self.stride)]
+        return store.pages.windows[self.name][page_ids, :, slot_of(offsets, self.stride)]
 
     def whole(self, rows: int) -> torch.Tensor:
         """A paged index has no buffer of its own: the windows of the `rows` stored positions."""
@@ -201,7 +217,7 @@ class PagedWindows(WindowIndex):
         page_ids, offsets = page_slots(store.table, end, store.pages.page)
         b, w = valid.nonzero(as_tuple=True)
         target = store.pages.windows[self.name]
-        target[page_ids[b, w], slot_of(offsets[b, w], stride)] = windows[b, w].to(target.dtype)
+        target[page_ids[b, w], :, slot_of(offsets[b, w], stride)] = windows[b, w].to(target.dtype)
 
     def file_one(self, old_lengths: torch.Tensor, lengths: torch.Tensor) -> None:
         """`file` for a step of one token per sequence, which completes at most one window each: fixed
@@ -218,7 +234,7 @@ class PagedWindows(WindowIndex):
         target = store.pages.windows[self.name]
         scratch = torch.full_like(page_ids, target.shape[0] - 1)
         page_ids = torch.where((last > first).unsqueeze(-1), page_ids, scratch)
-        target[page_ids[:, 0], slot_of(offsets[:, 0], stride)] = window.to(target.dtype)
+        target[page_ids[:, 0], :, slot_of(offsets[:, 0], stride)] = window.to(target.dtype)
 
     def emptied(self) -> "PagedWindows":
         return self
@@ -377,6 +393,23 @@ class PagedRows:
         values = self.first_rows(self.pages.values, positions).masked_fill(stale.unsqueeze(-1), 0.0)
         cis = None if self.pages.cis is None else self.first_rows(self.pages.cis, positions).masked_fill(stale, 0.0)
         return keys, values, cis
+
+    def block_source(self, layer) -> BlockSource | None:
+        """The pages as the key blocks a prefill chunk attends (`BlockSource`): one piece per page and
+        head, block j of sequence b the pages table[b, j * per : (j + 1) * per] (per = block / page), so
+        a chunk copies only its rows' blocks.  Rows past a sequence's length are stale or never written:
+        `chunked_sparse_attention` masks and zeroes them.  None where the pool puts heads inside the
+        page (`head_pages`): then `full`."""
+        keys, values = head_pages(self.pages.keys), head_pages(self.pages.values)
+        if keys is None or values is None:
+            return None
+        bias = None if self.pages.cis is None else head_pages(self.pages.cis)
+        heads, per = self.pages.keys.shape[1], layer.block_size // self.pages.page
+        n_blocks = -(-layer.key_count() // layer.block_size)
+        columns = torch.arange(n_blocks * per, device=self.table.device).clamp(max=self.table.shape[1] - 1)
+        page_ids = self.table[:, columns].view(-1, 1, n_blocks, per)
+        index = page_ids * heads + torch.arange(heads, device=self.table.device).view(1, -1, 1, 1)
+        return BlockSource(keys, values, bias, index)
 
     def first_rows(self, pool: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """pool [P, H, page, ...] at positions [B, n] = 0 .. n-1 of every sequence -> [B, n, H, ...]:
