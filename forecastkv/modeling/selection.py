@@ -125,9 +125,10 @@ def _head_logits(vectors: torch.Tensor, ckeys: torch.Tensor, scale: float) -> to
         k = ckeys.permute(0, 2, 3, 1).reshape(batch * heads, dim, count)
         logits = torch.bmm(v, k, out_dtype=torch.float32)
         return (logits.mul_(scale) if scale != 1.0 else logits).view(batch, heads, per, rows, count)
-    v = vectors.float().view(batch, rows, heads, per, dim).permute(0, 2, 3, 1, 4)  # [B, H, n, Tq, d]
-    k = ckeys.float().permute(0, 2, 3, 1).unsqueeze(2)  # [B, H, 1, d, C]
-    return torch.matmul(v * scale if scale != 1.0 else v, k)  # scale the small side, not the [Tq, C] logits
+    # the n heads of a group fold into rows (K read once, not expanded per head); scale the small side
+    v = vectors.float().view(batch, rows, heads, per, dim).permute(0, 2, 3, 1, 4).reshape(batch, heads, -1, dim)
+    k = ckeys.float().permute(0, 2, 3, 1)  # [B, H, d, C]: a transposed matrix per head where ckeys is [B, H, C, d]
+    return torch.matmul(v * scale if scale != 1.0 else v, k).view(batch, heads, per, rows, count)
 
 
 def _mask_invisible_(scores: torch.Tensor, visible: torch.Tensor, masked_from: int, fill: float) -> torch.Tensor:
