@@ -49,6 +49,41 @@ def test_chunked_sparse_matches_reference(with_bias):
     assert rel(prefill.chunked_sparse_attention(*case), reference(*case)) < 1e-5
 
 
+def scattered_pages(rows: torch.Tensor, page: int, pages: int, seed: int):
+    """rows [B, S, H, ...] copied into a NaN-filled pool [pages, H, page, ...] at shuffled page ids
+    (an engine's pages: rows past S never written) -> (pool, table [B, ceil(S / page)])."""
+    batch, count, heads = rows.shape[:3]
+    width = -(-count // page)
+    order = torch.randperm(pages, generator=torch.Generator().manual_seed(seed))[: batch * width]
+    table = order.view(batch, width)
+    pool = torch.full((pages, heads, page, *rows.shape[3:]), float("nan"))
+    for b in range(batch):
+        for column in range(width):
+            part = rows[b, column * page : (column + 1) * page].transpose(0, 1)  # [H, n, ...]
+            pool[table[b, column], :, : part.shape[1]] = part
+    return pool, table
+
+
+@pytest.mark.parametrize("page", [8, 4])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_chunked_sparse_over_pages_matches_reference(page, with_bias):
+    """A `BlockSource` over shuffled pages (one piece per page: 1 or 2 per block of 8) whose rows past
+    the stored keys are NaN gives the reference's rows: blocks are read by their page ids and the
+    unwritten rows of the current block never reach the softmax."""
+    q, keys, values, bias, positions, masks, bs = random_case(5, with_bias=with_bias)
+    pools = [scattered_pages(x, page, 40, seed=9) for x in (keys, values)]
+    table = pools[0][1]
+    bias_pool = None if bias is None else scattered_pages(bias, page, 40, seed=9)[0]
+    heads, per, n_blocks = keys.shape[2], bs // page, masks.shape[-1]
+    columns = torch.arange(n_blocks * per).clamp(max=table.shape[1] - 1)
+    index = table[:, columns].view(-1, 1, n_blocks, per) * heads + torch.arange(heads).view(1, -1, 1, 1)
+    flat_bias = None if bias_pool is None else bias_pool.flatten(0, 1)
+    source = prefill.BlockSource(pools[0][0].flatten(0, 1), pools[1][0].flatten(0, 1), flat_bias, index)
+    out = prefill.chunked_sparse_attention(q, None, None, None, positions, masks, bs, source)
+    assert torch.isfinite(out).all()
+    assert rel(out, reference(q, keys, values, bias, positions, masks, bs)) < 1e-5
+
+
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_prompt_within_one_block_matches_reference(with_bias):
     """A prompt shorter than a block: every tile's union is one block (a case that once wrote
