@@ -153,6 +153,13 @@ def head_pages(pool: torch.Tensor) -> torch.Tensor | None:
     return pool.flatten(0, 1)
 
 
+def head_entries(page_ids: torch.Tensor, heads: int) -> torch.Tensor:
+    """page_ids [B, H, ...] (each head's pages; or [B, 1, ...], the same pages for every head) -> their
+    entries [B, H, ...] in `head_pages`' [P * H, page, ...] view."""
+    shape = (1, heads) + (1,) * (page_ids.dim() - 2)
+    return page_ids * heads + torch.arange(heads, device=page_ids.device).view(shape)
+
+
 def page_slots(table: torch.Tensor, positions: torch.Tensor, page: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(page id, offset) of positions [B, ...] of the sequences of block table [B, nb]; positions
     past a table's end read its last entry (the caller masks them)."""
@@ -186,9 +193,8 @@ class PagedWindows(WindowIndex):
             slots, first = page // self.stride, (self.size - 1) // self.stride
             windows = store.pages.windows[self.name]
             heads = windows.shape[1]
-            columns = torch.arange(-(-(first + count) // slots), device=store.table.device)
-            page_ids = store.table[:, columns.clamp(max=store.table.shape[1] - 1)]  # [B, n]
-            ids = page_ids.unsqueeze(1) * heads + torch.arange(heads, device=page_ids.device).view(1, -1, 1)
+            page_ids = store.pages_at(torch.arange(-(-(first + count) // slots), device=store.table.device))
+            ids = head_entries(page_ids.unsqueeze(1), heads)  # [B, H, n]
             whole = windows.flatten(0, 1).index_select(0, ids.reshape(-1))  # [B * H * n, slots, ...]
             whole = whole.view(store.table.shape[0], heads, -1, *windows.shape[3:])[:, :, first : first + count]
             return whole.transpose(1, 2)
@@ -277,6 +283,11 @@ class PagedRows:
         """Nothing to grow: the engine allocated the pages before the call."""
         self.decoding = step.decode and not step.any_dense
 
+    def pages_at(self, columns: torch.Tensor) -> torch.Tensor:
+        """The page ids [B, n] at block-table columns [n]; a column past the table reads its last page
+        (rows the caller masks)."""
+        return self.table[:, columns.clamp(max=self.table.shape[1] - 1)]
+
     def _need_table(self, rows: int) -> None:
         page = self.pages.page
         if -(-rows // page) > self.table.shape[1]:
@@ -359,7 +370,7 @@ class PagedRows:
         columns = (columns + torch.arange(per_block, device=q.device)).clamp(max=self.table.shape[1] - 1)
         columns = columns.view(batch, -1)
         page_ids = torch.gather(self.table, 1, columns).view(batch, heads, width * per_block)
-        entries = page_ids * heads + torch.arange(heads, device=q.device).view(1, -1, 1)
+        entries = head_entries(page_ids, heads)
         current = torch.div(layer.lengths - 1, block, rounding_mode="floor").view(-1, 1, 1)
         short = block - (layer.lengths.view(-1, 1) - current.view(-1, 1) * block)  # keys the current block lacks
         keys = chosen.sum(-1) * block - (selection == current).any(-1) * short  # [B, H]
@@ -381,7 +392,7 @@ class PagedRows:
         columns = selection.clamp(min=0).unsqueeze(-1) * per_block + torch.arange(per_block, device=pos.device)
         columns = columns.clamp(max=self.table.shape[1] - 1).view(batch, heads * width * per_block)
         page_ids = torch.gather(self.table, 1, columns).view(batch, heads, -1)
-        entries = page_ids * heads + torch.arange(heads, device=pos.device).view(1, -1, 1)
+        entries = head_entries(page_ids, heads)
         return flat.index_select(0, entries.view(-1)).view(batch, heads, width * block_size, *pool.shape[3:])
 
     def full(self, layer, rows: int) -> tuple:
@@ -406,10 +417,8 @@ class PagedRows:
         bias = None if self.pages.cis is None else head_pages(self.pages.cis)
         heads, per = self.pages.keys.shape[1], layer.block_size // self.pages.page
         n_blocks = -(-layer.key_count() // layer.block_size)
-        columns = torch.arange(n_blocks * per, device=self.table.device).clamp(max=self.table.shape[1] - 1)
-        page_ids = self.table[:, columns].view(-1, 1, n_blocks, per)
-        index = page_ids * heads + torch.arange(heads, device=self.table.device).view(1, -1, 1, 1)
-        return BlockSource(keys, values, bias, index)
+        page_ids = self.pages_at(torch.arange(n_blocks * per, device=self.table.device))
+        return BlockSource(keys, values, bias, head_entries(page_ids.view(-1, 1, n_blocks, per), heads))
 
     def first_rows(self, pool: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """pool [P, H, page, ...] at positions [B, n] = 0 .. n-1 of every sequence -> [B, n, H, ...]:
@@ -421,8 +430,8 @@ class PagedRows:
         batch, rows = positions.shape
         heads, page = pool.shape[1], self.pages.page
         count = -(-rows // page)
-        columns = torch.arange(count, device=positions.device).clamp(max=self.table.shape[1] - 1)
-        entries = self.table[:, columns].unsqueeze(-1) * heads + torch.arange(heads, device=positions.device)
+        page_ids = self.pages_at(torch.arange(count, device=positions.device))
+        entries = page_ids.unsqueeze(-1) * heads + torch.arange(heads, device=positions.device)  # [B, count, H]
         gathered = flat.index_select(0, entries.view(-1)).view(batch, count, heads, page, *pool.shape[3:])
         return gathered.transpose(2, 3).reshape(batch, count * page, heads, *pool.shape[3:])[:, :rows]
 
