@@ -63,6 +63,7 @@ class OffloadedRows(OffloadedStaging):
     """
 
     offloaded = True
+    shared = None
 
     def __init__(
         self,

@@ -112,10 +112,14 @@ def compress_windows(
     reduce "amin" / "amax": the per-channel min / max instead (Quest's block key bounds, exact)."""
     batch = torch.arange(source.shape[0], device=rows.device).view(-1, 1, 1)
     index = rows % source.shape[1] if ring else rows.clamp(max=source.shape[1] - 1)
-    windows = source[batch, index].movedim(2, -1)  # [B, W, H, ..., size]
+    return pool_rows(source[batch, index].movedim(2, -1), dtype, reduce)  # [B, W, H, ..., size] pooled
+
+
+def pool_rows(windows: torch.Tensor, dtype: torch.dtype | None = None, reduce="mean") -> torch.Tensor:
+    """windows [..., size] (one window's rows on the last dim) -> [...]: `compress_windows`' pooling."""
     if reduce != "mean":
-        return getattr(windows, reduce)(dim=-1).to(dtype or source.dtype)
-    return windows.float().mean(dim=-1).to(dtype or source.dtype)
+        return getattr(windows, reduce)(dim=-1).to(dtype or windows.dtype)
+    return windows.float().mean(dim=-1).to(dtype or windows.dtype)
 
 
 def write_windows(target: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, windows: torch.Tensor) -> None:
@@ -387,6 +391,10 @@ class CacheLayer(Protocol):
     def key_count(self) -> int:
         """S: the longest stored sequence (a host int, no read)."""
 
+    def call_indexes(self):
+        """The index tensors every layer of this call computes alike, made once for the call (an
+        engine call's `serving/paged.py:CallIndexes`), or None: each layer makes its own."""
+
     def block_source(self):
         """The stored rows as key blocks read in place (`modeling/prefill.py:BlockSource`: an engine's
         pages), or None where only `full()` gives them."""
@@ -402,9 +410,11 @@ class KVStore(Protocol):
     runtime's `inference/layers.py:OffloadedRows` (pinned host blocks, device slots, a side-stream
     fetch) and an engine's pages (`serving/paged.py:PagedRows`).  `layer` is the `SparseCacheLayer`
     that owns the store: its lengths, host counters, window indexes and settings.  Counters:
-    `log` (a `StepLog` or None), `d2h_bytes`, `h2d_other`."""
+    `log` (a `StepLog` or None), `d2h_bytes`, `h2d_other`.  shared: the call's index tensors that every
+    layer computes alike (`serving/paged.py:CallIndexes`), or None (each layer makes its own)."""
 
     offloaded: bool
+    shared: object | None
 
     def emptied(self) -> "KVStore":
         """The same kind of store, holding nothing (a reset layer's)."""
@@ -529,6 +539,7 @@ class ResidentRows:
     passed as `layer`) holds the lengths, the window indexes and the settings."""
 
     offloaded = False
+    shared = None
 
     def __init__(self, counted: bool = False, recording: bool = False) -> None:
         self.keys = self.values = self.cis = None
@@ -956,6 +967,10 @@ class SparseCacheLayer(CacheLayerMixin):
     def key_count(self) -> int:
         """The longest stored sequence (the host counter)."""
         return self._longest(None)
+
+    def call_indexes(self):
+        """The store's per-call shared index tensors (`KVStore.shared`), or None."""
+        return self.store.shared
 
     def block_source(self):
         """The store's rows as key blocks read in place (an engine's pages), or None: `full()`."""

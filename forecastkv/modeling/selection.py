@@ -69,6 +69,14 @@ def compressed_visibility(
     return ends.view(1, 1, -1) <= positions.unsqueeze(-1)
 
 
+def call_visibility(
+    positions: torch.Tensor, num_keys: int, kernel_size: int, kernel_stride: int, lag: int, shared=None
+) -> torch.Tensor:
+    """`compressed_visibility`, made once per decode call given its `shared` indexes (`made_once`)."""
+    key = ("visible", num_keys, kernel_size, kernel_stride, lag)
+    return made_once(shared, key, lambda: compressed_visibility(positions, num_keys, kernel_size, kernel_stride, lag))
+
+
 def visibility_lag(kind: str) -> int:
     """The visibility rule of selector `kind`, the one place it is written: the query selector
     scores its own layer's keys after the row's token was appended (lag 0); the forecast selector
@@ -241,11 +249,23 @@ def forced_blocks(
 
 
 def force_blocks(
-    block_scores: torch.Tensor, positions: torch.Tensor, block_size: int, init_blocks: int, local_blocks: int
+    block_scores: torch.Tensor, positions: torch.Tensor, block_size: int, init_blocks: int, local_blocks: int,
+    shared=None,
 ) -> torch.Tensor:
-    """Set init and local blocks of [B, H, Tq, NB] scores to +inf."""
-    forced = forced_blocks(positions, block_scores.shape[-1], block_size, init_blocks, local_blocks)
-    return block_scores.masked_fill(forced[:, None], POS_INF)
+    """Set init and local blocks of [B, H, Tq, NB] scores to +inf (shared: `made_once`'s)."""
+    n = block_scores.shape[-1]
+    forced = made_once(
+        shared, ("forced", n, block_size, init_blocks, local_blocks),
+        lambda: forced_blocks(positions, n, block_size, init_blocks, local_blocks)[:, None],
+    )
+    return block_scores.masked_fill(forced, POS_INF)
+
+
+def made_once(shared, key, make):
+    """make(): a mask of the call's positions.  Given `shared`, a decode call's indexes that every layer
+    computes alike (`serving/paged.py:CallIndexes`: the same positions in every layer), the one the
+    call's first layer made."""
+    return make() if shared is None else shared.get(key, make)
 
 
 def descending_order(scores: torch.Tensor, take: int) -> torch.Tensor:
@@ -303,6 +323,7 @@ def key_scores(
     lse_keys: torch.Tensor | None = None,
     masked_from: int = 0,
     coarse_everywhere: bool = False,
+    shared=None,
 ) -> torch.Tensor:
     """Stage-1 scores per compressed key, fp32 [B, H, Tq, C] (-inf where invisible).
 
@@ -310,17 +331,19 @@ def key_scores(
     the raw dot product, n > 1 the group-summed softmax); ckeys [B, C, H, d]; positions [B, Tq];
     lag None = the rule of `kind` (`visibility_lag`); lse_keys [B, C2, H, d] selects the coarse LSE;
     masked_from: keys below it are visible to every row (`keys_seen` of the lowest position);
-    coarse_everywhere: every row sees a coarse key (`group_softmax_scores`).
+    coarse_everywhere: every row sees a coarse key (`group_softmax_scores`); shared: `made_once`'s.
     """
     p, s = sparse.kernel_size, sparse.kernel_stride
     lag = visibility_lag(kind) if lag is None else lag
-    visible = compressed_visibility(positions, ckeys.shape[1], p, s, lag)
+    count = ckeys.shape[1]
+    visible = call_visibility(positions, count, p, s, lag, shared)
     if scores_are_logits(kind, vectors, ckeys):
         return dot_scores(vectors, ckeys, visible, masked_from)
     lse_visible = None
     if lse_keys is not None:
         p2, s2 = sparse.coarse_kernel
-        lse_visible = compressed_visibility(positions, lse_keys.shape[1], p2, s2, lag)
+        count2 = lse_keys.shape[1]
+        lse_visible = call_visibility(positions, count2, p2, s2, lag, shared)
     return group_softmax_scores(vectors, ckeys, visible, lse_keys, lse_visible, masked_from, coarse_everywhere)
 
 
@@ -334,6 +357,7 @@ def score_blocks(
     lag: int | None = None,
     lse_keys: torch.Tensor | None = None,
     bounds: tuple[int, int] | None = None,
+    shared=None,
 ) -> torch.Tensor:
     """Block scores ready for top-k: `key_scores` pooled to blocks, init/local forced to +inf.
 
@@ -341,7 +365,8 @@ def score_blocks(
     [B, H, Tq, n_blocks].  Given `bounds` (lowest, highest entry of positions, host ints), only
     the keys some row sees are scored and only those not every row sees are masked (`keys_seen`),
     what keeps a prefill chunk cheap; without them every key is scored and masked (fixed shapes,
-    nothing read back: a decode step).  The scores are the same either way.
+    nothing read back: a decode step).  The scores are the same either way.  shared: a decode call's
+    masks, made by its first layer (`made_once`).
     """
     lag = visibility_lag(kind) if lag is None else lag
     p, s = sparse.kernel_size, sparse.kernel_stride
@@ -354,32 +379,37 @@ def score_blocks(
         if lse_keys is not None:
             coarse_everywhere = keys_seen(first, lse_keys.shape[1], *sparse.coarse_kernel, lag) > 0
             lse_keys = lse_keys[:, : keys_seen(last, lse_keys.shape[1], *sparse.coarse_kernel, lag)]
-    scores = key_scores(vectors, ckeys, positions, sparse, kind, lag, lse_keys, masked_from, coarse_everywhere)
+    scores = key_scores(
+        vectors, ckeys, positions, sparse, kind, lag, lse_keys, masked_from, coarse_everywhere, shared
+    )
     blocks = pool_to_blocks(scores, n_blocks, p, s, sparse.block_size)
-    return force_blocks(blocks, positions, sparse.block_size, sparse.init_blocks, sparse.local_blocks)
+    return force_blocks(blocks, positions, sparse.block_size, sparse.init_blocks, sparse.local_blocks, shared)
 
 
 def pooled_agnostic_scores(
-    pooled_cis: torch.Tensor, positions: torch.Tensor, sparse, n_blocks: int, lag: int = 0
+    pooled_cis: torch.Tensor, positions: torch.Tensor, sparse, n_blocks: int, lag: int = 0, shared=None
 ) -> torch.Tensor:
     """NOSA's query-agnostic block score from CIS already mean-pooled over the compression windows
     (what a cache keeps incrementally, so a decode step costs O(C), not a re-pool of every token):
     max-pooled to blocks, init and local forced, -inf for blocks in the future of each row.
 
-    pooled_cis fp32 [B, C, H] (= compress_keys(cis.float())), positions [B, Tq] -> fp32 [B, H, Tq, NB].
+    pooled_cis fp32 [B, C, H] (= compress_keys(cis.float())), positions [B, Tq] -> fp32 [B, H, Tq, NB];
+    shared: a decode call's masks (`made_once`).
     """
     p, s, bs = sparse.kernel_size, sparse.kernel_stride, sparse.block_size
-    visible = compressed_visibility(positions, pooled_cis.shape[1], p, s, lag)
+    count = pooled_cis.shape[1]
+    visible = call_visibility(positions, count, p, s, lag, shared)
     scores = pooled_cis.float().permute(0, 2, 1)[:, :, None, :].expand(-1, -1, positions.shape[1], -1)
     scores = scores.masked_fill(~visible[:, None], NEG_INF)
     blocks = force_blocks(
-        pool_to_blocks(scores, n_blocks, p, s, bs), positions, bs, sparse.init_blocks, sparse.local_blocks
+        pool_to_blocks(scores, n_blocks, p, s, bs), positions, bs, sparse.init_blocks, sparse.local_blocks, shared
     )
-    future = (
-        torch.arange(n_blocks, device=positions.device).view(1, 1, 1, -1)
-        > torch.div(positions, bs, rounding_mode="floor")[:, None, :, None]
-    )
-    return blocks.masked_fill(future, NEG_INF)
+
+    def future():  # [B, 1, Tq, NB]: blocks past each row's own
+        blocks_at = torch.arange(n_blocks, device=positions.device).view(1, 1, 1, -1)
+        return blocks_at > torch.div(positions, bs, rounding_mode="floor")[:, None, :, None]
+
+    return blocks.masked_fill(made_once(shared, ("future", n_blocks, bs), future), NEG_INF)
 
 
 def agnostic_block_scores(

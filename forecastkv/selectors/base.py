@@ -115,7 +115,7 @@ class Selector:
         n_blocks = sel.num_blocks(stored, sparse.block_size)
         coarse = coarse if self.scoring == "query" else None
         pooled = pooled if sparse.policy == "nosa" else None
-        ops, lag = cache_layer.kernels, self.lag
+        ops, lag, shared = cache_layer.kernels, self.lag, cache_layer.call_indexes()
         if ops.decode_kernels:  # the decode-time scoring kernels (Triton on CUDA), equal at one row
             pos = positions[:, 0]
             # the cache's own buffers, in range by construction: no Python-level checks per step
@@ -126,8 +126,11 @@ class Selector:
                 agnostic = ops.agnostic_scores(pooled, pos, sparse, n_blocks, lag, check_ids=False).unsqueeze(2)
             scores = scores.unsqueeze(2)
         else:
-            scores = sel.score_blocks(vectors, ckeys, positions, sparse, n_blocks, self.scoring, lag, lse_keys=coarse)
-            agnostic = None if pooled is None else sel.pooled_agnostic_scores(pooled, positions, sparse, n_blocks, lag)
+            scores = sel.score_blocks(vectors, ckeys, positions, sparse, n_blocks, self.scoring, lag, lse_keys=coarse,
+                                      shared=shared)
+            agnostic = None if pooled is None else sel.pooled_agnostic_scores(
+                pooled, positions, sparse, n_blocks, lag, shared=shared
+            )
         logits = bool(sparse.top_p) and sel.scores_are_logits(self.scoring, vectors, ckeys)  # read by top-p only
         selection = sel.select_blocks(scores, positions, sparse, agnostic, logits)
         return cache_layer.plan(selection[:, :, 0])

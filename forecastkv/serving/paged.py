@@ -35,6 +35,7 @@ from ..modeling.cache import (
     attend_gathered,
     block_rows,
     compress_windows,
+    pool_rows,
     window_geometry,
     window_indexes,
     window_rows,
@@ -168,6 +169,21 @@ def page_slots(table: torch.Tensor, positions: torch.Tensor, page: int) -> tuple
     return pages, positions.clamp(min=0) % page
 
 
+class CallIndexes:
+    """Index tensors that every layer of one engine call computes alike (one block table, one set of
+    positions and lengths): the first layer makes each, the others reuse it.  A decode step's page
+    slots, window rows and view entries are ~40 small ops per layer, a third of a layer's own work."""
+
+    def __init__(self) -> None:
+        self._made: dict = {}
+
+    def get(self, key, make: Callable):
+        """The tensors stored under `key`, made by `make()` the first time (per call, never stale)."""
+        if key not in self._made:
+            self._made[key] = make()
+        return self._made[key]
+
+
 @dataclass
 class PagedWindows(WindowIndex):
     """A `WindowIndex` whose windows live in the pages' slots (`LayerPages.windows[name]`), read and
@@ -193,14 +209,23 @@ class PagedWindows(WindowIndex):
             slots, first = page // self.stride, (self.size - 1) // self.stride
             windows = store.pages.windows[self.name]
             heads = windows.shape[1]
-            page_ids = store.pages_at(torch.arange(-(-(first + count) // slots), device=store.table.device))
-            ids = head_entries(page_ids.unsqueeze(1), heads)  # [B, H, n]
-            whole = windows.flatten(0, 1).index_select(0, ids.reshape(-1))  # [B * H * n, slots, ...]
+
+            def entries():  # [B * H * n]
+                page_ids = store.pages_at(torch.arange(-(-(first + count) // slots), device=store.table.device))
+                return head_entries(page_ids.unsqueeze(1), heads).reshape(-1)
+
+            ids = store.shared.get(("view", self.size, self.stride, count, heads), entries)
+            whole = windows.flatten(0, 1).index_select(0, ids)  # [B * H * n, slots, ...]
             whole = whole.view(store.table.shape[0], heads, -1, *windows.shape[3:])[:, :, first : first + count]
             return whole.transpose(1, 2)
-        end = torch.arange(count, device=store.table.device) * self.stride + self.size - 1
-        page_ids, offsets = page_slots(store.table, end.expand(store.table.shape[0], -1), store.pages.page)
-        return store.pages.windows[self.name][page_ids, :, slot_of(offsets, self.stride)]
+
+        def places():  # each window's page [B, C] and slot [B, C]
+            end = torch.arange(count, device=store.table.device) * self.stride + self.size - 1
+            page_ids, offsets = page_slots(store.table, end.expand(store.table.shape[0], -1), page)
+            return page_ids, slot_of(offsets, self.stride)
+
+        page_ids, slots = store.shared.get(("view slots", self.size, self.stride, count), places)
+        return store.pages.windows[self.name][page_ids, :, slots]
 
     def whole(self, rows: int) -> torch.Tensor:
         """A paged index has no buffer of its own: the windows of the `rows` stored positions."""
@@ -230,17 +255,21 @@ class PagedWindows(WindowIndex):
         shapes, no host read (as the resident index's `extend_one`).  Every sequence pools its next
         window; one that did not complete it writes to the scratch page instead of its slot."""
         store, size, stride = self.rows, self.size, self.stride
-        first, last = windows_complete(old_lengths, size, stride), windows_complete(lengths, size, stride)
-        rows = first.unsqueeze(-1) * stride + torch.arange(size, device=first.device)  # [B, size]
-        source = store.pages.cis if self.source == "cis" else store.pages.keys
-        gathered = store.rows_at(source, rows)  # [B, size, H, ...]
-        local = torch.arange(size, device=rows.device).expand(rows.shape[0], 1, -1)
-        window = compress_windows(gathered, local, self.dtype, reduce=self.reduce)[:, 0]
-        page_ids, offsets = page_slots(store.table, rows[:, -1:], store.pages.page)
         target = store.pages.windows[self.name]
-        scratch = torch.full_like(page_ids, target.shape[0] - 1)
-        page_ids = torch.where((last > first).unsqueeze(-1), page_ids, scratch)
-        target[page_ids[:, 0], :, slot_of(offsets[:, 0], stride)] = window.to(target.dtype)
+
+        def places():  # the next window's rows (page, offset) [B, size] and its slot (page [B], slot [B])
+            first, last = windows_complete(old_lengths, size, stride), windows_complete(lengths, size, stride)
+            rows = first.unsqueeze(-1) * stride + torch.arange(size, device=first.device)  # [B, size]
+            row_pages, row_offsets = page_slots(store.table, rows, store.pages.page)
+            page_ids, offsets = page_slots(store.table, rows[:, -1], store.pages.page)
+            scratch = torch.full_like(page_ids, target.shape[0] - 1)
+            return row_pages, row_offsets, torch.where(last > first, page_ids, scratch), slot_of(offsets, stride)
+
+        row_pages, row_offsets, page_ids, slots = store.shared.get(("file_one", size, stride, target.shape[0]), places)
+        source = store.pages.cis if self.source == "cis" else store.pages.keys
+        gathered = source[row_pages, :, row_offsets]  # [B, size, H, ...] (`rows_at`)
+        window = pool_rows(gathered.movedim(1, -1), self.dtype, self.reduce)  # [B, H, ...]
+        target[page_ids, :, slots] = window.to(target.dtype)
 
     def emptied(self) -> "PagedWindows":
         return self
@@ -257,16 +286,19 @@ class PagedRows:
 
     table [B, nb] int64 page ids per sequence; lengths_before [B]: stored positions per sequence
     before the call; tier: forecast-offload's `serving/page_offload.py:PageOffload` (loads this layer's
-    planned blocks into the pages) or None; index: the layer's number.  Only for this call: the engine
-    owns the pages between calls."""
+    planned blocks into the pages) or None; index: the layer's number; shared: the call's `CallIndexes`
+    (one for every layer of the call).  Only for this call: the engine owns the pages between calls."""
 
     offloaded = False
     log = None
     d2h_bytes = h2d_other = 0
 
-    def __init__(self, pages: LayerPages, table: torch.Tensor, tier=None, index: int = 0) -> None:
+    def __init__(
+        self, pages: LayerPages, table: torch.Tensor, tier=None, index: int = 0, shared: CallIndexes | None = None
+    ) -> None:
         self.pages, self.table = pages, table.to(pages.keys.device, torch.long)
         self.tier, self.index, self.decoding = tier, index, False
+        self.shared = CallIndexes() if shared is None else shared
         self.lengths_before: torch.Tensor | None = None
 
     def windows(self) -> list[PagedWindows]:
@@ -299,14 +331,19 @@ class PagedRows:
         pages, then file the windows they complete (`PagedWindows.file`)."""
         self._need_table(max(step.lengths_after, default=0))
         if step.decode:  # one token per sequence, every one stored: no padding to find (no host read)
-            b_idx = torch.arange(positions.shape[0], device=positions.device)
-            col = torch.zeros_like(b_idx)
+            b_idx, col = slice(None), 0
         else:
             b_idx, col = (positions >= 0).nonzero(as_tuple=True)
-        pos = positions[b_idx, col]
-        page_ids, offsets = page_slots(self.table[b_idx], pos.unsqueeze(1), self.pages.page)
-        page_ids, offsets = page_ids[:, 0, None], offsets[:, 0, None]  # [N, 1] against heads [1, H]
-        heads = torch.arange(keys.shape[2], device=keys.device).view(1, -1)
+
+        def places():  # (page ids [N, 1], offsets [N, 1]) against heads [1, H]; the lengths after the call
+            pos = positions[b_idx, col]
+            page_ids, offsets = page_slots(self.table[b_idx], pos.unsqueeze(1), self.pages.page)
+            heads = torch.arange(keys.shape[2], device=keys.device).view(1, -1)
+            after = torch.tensor(step.lengths_after, dtype=torch.long, device=self.table.device)
+            return page_ids, offsets, heads, after
+
+        # a decode step stores every sequence's one token: the same places in every layer
+        page_ids, offsets, heads, after = self.shared.get("append", places) if step.decode else places()
         rows = [keys[b_idx, col], values[b_idx, col], None if cis is None else cis[b_idx, col]]
         for pool, row in zip((self.pages.keys, self.pages.values, self.pages.cis), rows):
             if row is not None:
@@ -314,7 +351,7 @@ class PagedRows:
         if self.tier is not None:
             self.tier.write_through(self.index, page_ids.view(-1), offsets.view(-1), *rows)
         old = layer.lengths
-        layer.lengths = torch.tensor(step.lengths_after, dtype=torch.long, device=self.table.device)
+        layer.lengths = after
         for window in layer.windows:
             window.file(old, layer.lengths, one_token=step.decode)
 
@@ -366,13 +403,17 @@ class PagedRows:
         chosen = selection >= 0
         ordered = torch.where(chosen, selection, torch.iinfo(selection.dtype).max).sort(dim=-1).values
         per_block = block // page
+
+        def lengths():  # each sequence's current block [B, 1, 1], the keys it lacks [B, 1], the page steps
+            current = torch.div(layer.lengths - 1, block, rounding_mode="floor").view(-1, 1, 1)
+            short = block - (layer.lengths.view(-1, 1) - current.view(-1, 1) * block)
+            return current, short, torch.arange(per_block, device=q.device)
+
+        current, short, steps = self.shared.get(("attend", block), lengths)
         columns = ordered.clamp(max=self.table.shape[1]).unsqueeze(-1) * per_block  # none: past the table
-        columns = (columns + torch.arange(per_block, device=q.device)).clamp(max=self.table.shape[1] - 1)
-        columns = columns.view(batch, -1)
+        columns = (columns + steps).clamp(max=self.table.shape[1] - 1).view(batch, -1)
         page_ids = torch.gather(self.table, 1, columns).view(batch, heads, width * per_block)
         entries = head_entries(page_ids, heads)
-        current = torch.div(layer.lengths - 1, block, rounding_mode="floor").view(-1, 1, 1)
-        short = block - (layer.lengths.view(-1, 1) - current.view(-1, 1) * block)  # keys the current block lacks
         keys = chosen.sum(-1) * block - (selection == current).any(-1) * short  # [B, H]
         group = q.shape[2] // heads
         out = self.pages.attend(q.reshape(batch * heads, group, -1), entries.view(batch * heads, -1), keys.view(-1))
@@ -458,17 +499,23 @@ class PagedRows:
         return ConfigError("the paged cache keeps no Quest block key bounds: serve with the query or forecast selector")
 
 
-def paged_layer(pages: LayerPages, table: torch.Tensor, lengths: list[int], sparse, tier=None, index: int = 0):
+def paged_layer(
+    pages: LayerPages, table: torch.Tensor, lengths: list[int], sparse, tier=None, index: int = 0,
+    shared: CallIndexes | None = None,
+):
     """A `SparseCacheLayer` over one layer's pages (`PagedRows`) for the B sequences of one engine call:
-    lengths are the stored positions per sequence before the call (host ints)."""
-    store = PagedRows(pages, table, tier, index)
+    lengths are the stored positions per sequence before the call (host ints); shared: the call's
+    `CallIndexes`, one for all its layers."""
+    store = PagedRows(pages, table, tier, index, shared)
     kernel, coarse = window_geometry(sparse)
     block = sparse.block_size if sparse is not None else None
     layer = SparseCacheLayer(*(kernel or (None, None)), coarse=coarse, block_size=block, store=store,
                              windows=store.windows())
     layer.dtype, layer.device = pages.keys.dtype, pages.keys.device
     layer.kernels = kernels.kernel_set(layer.device)
-    layer.lengths = store.lengths_before = torch.tensor(lengths, dtype=torch.long, device=layer.device)
+    layer.lengths = store.lengths_before = store.shared.get(
+        "lengths", lambda: torch.tensor(lengths, dtype=torch.long, device=layer.device)
+    )
     # nothing stored yet: the call is a prefill, as a fresh SparseCache's first call is
     layer.host_lengths = list(lengths) if any(lengths) else None
     layer.is_initialized = True
@@ -487,12 +534,12 @@ class PagedSparseCache(SparseCache):
         self, config, pages: list[LayerPages], table: torch.Tensor, lengths: list[int], selector=None, tier=None
     ):
         self._paged = (pages, table, list(lengths), tier)
-        self.tier = tier
+        self.tier, self.shared = tier, CallIndexes()
         super().__init__(config, selector=selector)
 
     def _make_layer(self, config, sparse, idx: int, max_length: int | None) -> SparseCacheLayer:
         pages, table, lengths, tier = self._paged
-        return paged_layer(pages[idx], table, lengths, sparse, tier=tier, index=idx)
+        return paged_layer(pages[idx], table, lengths, sparse, tier=tier, index=idx, shared=self.shared)
 
     def begin_call(self, positions: torch.Tensor, sparse, input_ids: torch.Tensor | None = None) -> CallInfo:
         step = super().begin_call(positions, sparse, input_ids)

@@ -165,6 +165,38 @@ def test_a_decode_call_reads_nothing_back_to_the_host(mode, kernel):
             assert step.reads == 0, step.report()
 
 
+@pytest.mark.parametrize("mode", ["infllmv2-forecast", "nosa-forecast", "coarse-lse"])
+def test_a_decode_call_makes_its_indexes_once(mode, monkeypatch):
+    """Every layer of a decode call stores its token at the same places, files the same windows and masks
+    the same keys: the call's first layer makes those index tensors (`CallIndexes`) and the others
+    reuse them, so their count does not grow with the layers (what made a decode step's own work per
+    layer a third index arithmetic).  The logits stay the resident cache's (the tests above)."""
+    import forecastkv.modeling.selection as sel
+    import forecastkv.serving.paged as paged
+
+    def counted(module, name):
+        original = getattr(module, name)
+
+        def wrapper(*args, **kwargs):
+            made[name] += 1
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, wrapper)
+
+    counts = []
+    for layers in (2, 4):
+        model = tiny_model(MODES[mode], num_hidden_layers=layers)
+        engine = ToyEngine(model, page=4)
+        out = engine.step(dict(enumerate(prompts_of([7, 19, 41]))))
+        made = {"page_slots": 0, "compressed_visibility": 0, "forced_blocks": 0}
+        counted(paged, "page_slots"), counted(sel, "compressed_visibility"), counted(sel, "forced_blocks")
+        engine.step({r: [int(rows[-1].argmax())] for r, rows in out.items()})
+        monkeypatch.undo()
+        assert all(made.values()), made  # the decode call ran these paths
+        counts.append(made)
+    assert counts[0] == counts[1], f"index tensors per decode call with 2 layers {counts[0]}, with 4 {counts[1]}"
+
+
 def test_a_decode_batch_reads_only_its_pages():
     """The window slots of a freed page are overwritten before its next owner reads them: two
     requests one after the other on the same pages give the second one's own logits."""
