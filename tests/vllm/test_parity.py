@@ -39,8 +39,11 @@ def release_kept_engine():
 
 
 def parity_engine(path: str, mode: str):
-    # a small token budget per step: prompts prefill in chunks, beside other requests' decode rows
-    return engine(path, mode, max_num_batched_tokens=1024, enable_chunked_prefill=True, enable_prefix_caching=True)
+    # a small token budget per step: prompts prefill in chunks, beside other requests' decode rows.
+    # FEATURES_MODE runs as vLLM's default does, enforce_eager=False (vLLM-CPU captures no graph: the
+    # setting must be accepted and change no token); the other modes eager, as the engines elsewhere
+    return engine(path, mode, max_num_batched_tokens=1024, enable_chunked_prefill=True, enable_prefix_caching=True,
+                  enforce_eager=mode != FEATURES_MODE)
 
 
 @pytest.mark.slow
