@@ -169,8 +169,8 @@ def test_a_decode_call_reads_nothing_back_to_the_host(mode, kernel):
 def test_a_decode_call_makes_its_indexes_once(mode, monkeypatch):
     """Every layer of a decode call stores its token at the same places, files the same windows and masks
     the same keys: the call's first layer makes those index tensors (`CallIndexes`) and the others
-    reuse them, so their count does not grow with the layers (what made a decode step's own work per
-    layer a third index arithmetic).  The logits stay the resident cache's (the tests above)."""
+    reuse them, so their count does not grow with the layers (made per layer, they were most of the time
+    a decode step spent storing its token).  The logits stay the resident cache's (the tests above)."""
     import forecastkv.modeling.selection as sel
     import forecastkv.serving.paged as paged
 
