@@ -261,13 +261,14 @@ class PagedWindows(WindowIndex):
             first, last = windows_complete(old_lengths, size, stride), windows_complete(lengths, size, stride)
             rows = first.unsqueeze(-1) * stride + torch.arange(size, device=first.device)  # [B, size]
             row_pages, row_offsets = page_slots(store.table, rows, store.pages.page)
-            page_ids, offsets = page_slots(store.table, rows[:, -1], store.pages.page)
-            scratch = torch.full_like(page_ids, target.shape[0] - 1)
-            return row_pages, row_offsets, torch.where(last > first, page_ids, scratch), slot_of(offsets, stride)
+            # the slot is the window's last row's; a sequence that completed none writes the scratch page
+            scratch = torch.full_like(row_pages[:, -1], target.shape[0] - 1)
+            page_ids = torch.where(last > first, row_pages[:, -1], scratch)
+            return row_pages, row_offsets, page_ids, slot_of(row_offsets[:, -1], stride)
 
         row_pages, row_offsets, page_ids, slots = store.shared.get(("file_one", size, stride, target.shape[0]), places)
         source = store.pages.cis if self.source == "cis" else store.pages.keys
-        gathered = source[row_pages, :, row_offsets]  # [B, size, H, ...] (`rows_at`)
+        gathered = store.rows_of(source, row_pages, row_offsets)  # [B, size, H, ...]
         window = pool_rows(gathered.movedim(1, -1), self.dtype, self.reduce)  # [B, H, ...]
         target[page_ids, :, slots] = window.to(target.dtype)
 
@@ -357,7 +358,11 @@ class PagedRows:
 
     def rows_at(self, source: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """source [P, H, page, ...] at positions [B, ...] -> [B, n, H, ...] (n = positions per sequence)."""
-        page_ids, offsets = page_slots(self.table, positions, self.pages.page)
+        return self.rows_of(source, *page_slots(self.table, positions, self.pages.page))
+
+    @staticmethod
+    def rows_of(source: torch.Tensor, page_ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """source [P, H, page, ...] at (page_ids, offsets) [B, ...] (`page_slots`) -> [B, n, H, ...]."""
         flat_pages, flat_offsets = page_ids.reshape(page_ids.shape[0], -1), offsets.reshape(offsets.shape[0], -1)
         # advanced indices around the head slice: [B, n, H, ...]
         return source[flat_pages, :, flat_offsets]
