@@ -42,6 +42,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from .. import kernels
 from ..selectors import get_selector
 from . import selection as sel
+from .carry import CarriedBlocks
 from .prefill import masked_attention
 from .selection import num_compressed
 from .token_record import note_call
@@ -725,6 +726,7 @@ class SparseCacheLayer(CacheLayerMixin):
         self.max_length = max_length
         self.block_size = block_size
         self.reserved: int | None = None  # rows generate() will store at most (`SparseCache.reserve`)
+        self.carry = None  # the cache's `carry.CarriedBlocks` (a selector that carries blocks), shared by its layers
         self._clear()
 
     def _clear(self) -> None:
@@ -740,6 +742,8 @@ class SparseCacheLayer(CacheLayerMixin):
         self.last_plan: Plan | None = None  # recorded into the step logs after the call (`record_plan`)
         self.block_shares: list[torch.Tensor] = []  # per planned decode step: blocks read / blocks stored
         self.columns = 0  # input columns seen, padding included (what generate() slices by)
+        if self.carry is not None:  # what was carried belonged to the rows dropped
+            self.carry.forget()
 
     # -- the window indexes by name (None: not kept, or not made yet) ------------------------------
     ckeys = property(lambda self: _buffer(self.index, "ckeys"))
@@ -781,6 +785,8 @@ class SparseCacheLayer(CacheLayerMixin):
         # beams of one prompt share its length, and beam_idx only permutes within a prompt's
         # beams, so host_lengths stay as they are (reading beam_idx would cost a sync per step)
         self.store.reorder(beam_idx)
+        if self.carry is not None:
+            self.carry.forget()
         if self.lengths is not None:
             self.lengths = self.lengths.index_select(0, beam_idx.to(self.lengths.device))
         for window in self.windows:
@@ -815,6 +821,8 @@ class SparseCacheLayer(CacheLayerMixin):
         if drop == 0:
             return
         self.columns -= drop
+        if self.carry is not None:
+            self.carry.forget()
         self.lengths = (self.lengths - drop).clamp(min=0)
         self.host_lengths = [max(n - drop, 0) for n in self.host_lengths]
         self.store.crop(self)
@@ -955,8 +963,12 @@ class SparseCacheLayer(CacheLayerMixin):
 
     def decode_attention(self, q: torch.Tensor, plan: Plan) -> torch.Tensor:
         """One decode token per sequence, q [B, 1, Hq, d], over the planned blocks -> [B, 1, Hq, d]
-        (the store's kernel or gather)."""
-        return self.store.decode_attention(self, q, plan)
+        (the store's kernel or gather); a cache that carries blocks (`carry.py`) then takes the share of the
+        attention each planned block held."""
+        out = self.store.decode_attention(self, q, plan)
+        if self.carry is not None and self.carry.ids is not None:
+            self.carry.observe(self, q, plan)
+        return out
 
     # -- full views (prefill and dense paths) ----------------------------------------------------
     def full(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
@@ -1162,7 +1174,31 @@ class SparseCache(Cache):
             for layer in self.layers:
                 layer.prepare(call, positions.shape[1])
             step = dataclasses.replace(call, prepared=True)
+        self._carry_for(call, sparse)
         return step
+
+    def _carry_for(self, call: CallInfo, sparse) -> None:
+        """Under a selector that carries blocks (`Selector.carries`), the layers' shared `CarriedBlocks`:
+        kept for a sparse decode step, forgotten by any other call (and made ready for the next decode
+        step when the call ends, `finish_call`, so that a decode step allocates nothing)."""
+        rule = self.rule or (get_selector(sparse.selector) if sparse is not None else None)
+        count = rule.carries if rule is not None and sparse is not None else 0
+        carry = self.layers[0].carry if self.layers else None
+        self._carry_call = None
+        if not count:
+            if carry is not None:
+                carry.forget()
+            return
+        if carry is None or carry.count != count:
+            carry = CarriedBlocks(count, sparse)
+            for layer in self.layers:
+                layer.carry = carry
+        if call.decode and not call.any_dense and self.layers[0].lengths is not None:
+            carry.begin(call.batch, self.layers[0].lengths.device)  # a no-op unless forgotten
+            self._carry_call = "decode"
+        else:
+            carry.forget()
+            self._carry_call = "other"
 
     def compiles_decode(self, step: CallInfo) -> bool:
         """Whether `compile_decode`'s graph covers this call: a decode step whose layers run fixed
@@ -1170,9 +1206,17 @@ class SparseCache(Cache):
         return step.decode and not step.any_dense
 
     def finish_call(self) -> None:
-        """After the layers ran: each layer's plan counters into its step logs."""
+        """After the layers ran: each layer's plan counters into its step logs; the blocks a sparse decode
+        step attended most carried into the next (`carry.py`)."""
         for layer in self.layers:
             layer.record_plan()
+        call, self._carry_call = getattr(self, "_carry_call", None), None
+        layer = self.layers[0] if self.layers else None
+        if call == "decode":
+            layer.carry.roll()
+        elif call == "other" and layer.lengths is not None:
+            blocks = sel.num_blocks(layer.capacity_rows(), layer.carry.block_size)
+            layer.carry.ready(layer.lengths.shape[0], blocks, layer.lengths.device)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.layers[layer_idx].get_seq_length()
@@ -1198,6 +1242,11 @@ class SparseCache(Cache):
     def _forked(self, repeats: int) -> "SparseCache":
         other = copy.copy(self)
         other.layers = [layer.forked(repeats) for layer in self.layers]
+        carry = self.layers[0].carry if self.layers else None
+        if carry is not None:  # one shared object per cache
+            carry = carry.forked(repeats)
+            for layer in other.layers:
+                layer.carry = carry
         return other
 
     def __deepcopy__(self, memo) -> "SparseCache":

@@ -26,6 +26,9 @@ loop, the caches and the runtime ask it; none of them names a selector.
   * ``maxkey-forecast`` the Forecast vectors scored against each block's max-pooled key (the per-channel
                         maximum, the upper half of Quest's bounds): a one-sided key summary, a layer ahead
                         (`maxkey_forecast.py`).
+  * ``query-carry``, ``forecast-carry``, ``quest-forecast-carry``
+                        those rules with the blocks the last decode step attended most carried into every
+                        layer (`modeling/carry.py`): what a copy head needs and pooled keys do not show.
 
 A new selector is one module here plus its line in `REGISTERED`.  This module imports nothing, so the
 console script can offer the names without importing torch.
@@ -43,6 +46,9 @@ REGISTERED = {
     "speculate": "speculate",
     "quest-forecast": "quest_forecast",
     "maxkey-forecast": "maxkey_forecast",
+    "query-carry": "query_carry",
+    "forecast-carry": "forecast_carry",
+    "quest-forecast-carry": "quest_forecast_carry",
 }
 
 

@@ -31,6 +31,8 @@ class Selector:
     key_bounds      the cache keeps Quest's per-block key bounds for it (a window index)
     deployable      the offloaded runtime can run it (the oracle reads every key: it cannot)
     anchored        its layers take the blocks of anchor layers (`sparse_config.reuse_anchors`)
+    carries         blocks a decode step carries into the next: the ones it attended most, in any layer,
+                    forced into every layer's selection (`modeling/carry.py`); 0: none
     """
 
     name = ""
@@ -40,6 +42,7 @@ class Selector:
     key_bounds = False
     deployable = True
     anchored = False
+    carries = 0
     # derived once per class from the above (class attributes: a decode step reads them without a call)
     lag = 0  # the visibility lag of `scoring`: 0 after the row's token is stored, 1 before it (a layer ahead)
     needs_forecast_heads = False  # it scores with Forecast vectors: the model must carry Forecast heads
@@ -132,8 +135,15 @@ class Selector:
                 pooled, positions, sparse, n_blocks, lag, shared=shared
             )
         logits = bool(sparse.top_p) and sel.scores_are_logits(self.scoring, vectors, ckeys)  # read by top-p only
-        selection = sel.select_blocks(scores, positions, sparse, agnostic, logits)
+        selection = sel.select_blocks(self.carry_into(scores, cache_layer), positions, sparse, agnostic, logits)
         return cache_layer.plan(selection[:, :, 0])
+
+
+    def carry_into(self, scores, cache_layer):
+        """Block scores [B, H, Tq, NB] with the blocks carried from the last decode step forced (`carries`;
+        nothing carried before a decode step: the scores as they are)."""
+        carry = getattr(cache_layer, "carry", None)
+        return scores if not self.carries or carry is None else carry.force(scores)
 
 
 class KeyScoringSelector(Selector, abc.ABC):

@@ -78,6 +78,7 @@ class Quest(KeyScoringSelector):
         low, high = self.bounds(cache_layer)
         scores = quest_block_scores(vectors, low, high, positions, sparse.block_size, n_blocks, self.lag)
         scores = sel.force_blocks(scores, positions, sparse.block_size, sparse.init_blocks, sparse.local_blocks)
+        scores = self.carry_into(scores, cache_layer)
         agnostic = None
         if sparse.policy == "nosa":
             pooled = cache_layer.decode_index()[2]

@@ -527,6 +527,20 @@ def paged_layer(
     return layer
 
 
+def check_no_carry(selector: str | None) -> None:
+    """Raise a ConfigError for a selector that carries blocks from one decode step to the next
+    (`modeling/carry.py`): an engine call's paged view keeps no state between calls."""
+    from ..selectors import get_selector
+
+    rule = get_selector(selector)
+    if rule is not None and rule.carries:
+        plain = selector.removesuffix("-carry")
+        raise ConfigError(
+            f"selector {selector!r} carries blocks from one decode step to the next, which a serving engine's "
+            f"paged cache does not keep between its calls; serve with {plain!r}, or run {selector!r} in generate()"
+        )
+
+
 class PagedSparseCache(SparseCache):
     """A `SparseCache` whose layers keep their rows and window indexes in pages (`paged_layer`): one
     engine call's view of the pages.
@@ -543,6 +557,7 @@ class PagedSparseCache(SparseCache):
         super().__init__(config, selector=selector)
 
     def _make_layer(self, config, sparse, idx: int, max_length: int | None) -> SparseCacheLayer:
+        check_no_carry(self.selector or (sparse.selector if sparse is not None else None))
         pages, table, lengths, tier = self._paged
         return paged_layer(pages[idx], table, lengths, sparse, tier=tier, index=idx, shared=self.shared)
 

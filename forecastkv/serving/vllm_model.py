@@ -36,7 +36,7 @@ from vllm.model_executor.layers.attention import Attention
 from ..errors import ConfigError, UserInputError
 from ..modeling.modeling import ForecastKVForCausalLM
 from ..modes import ATTENTION_MODES
-from .paged import LayerPages, check_page_geometry
+from .paged import LayerPages, check_no_carry, check_page_geometry
 from .step import EngineBatch, forward_paged
 from .vllm_layers import check_tensor_parallel, load_weights, use_vllm_layers
 from .vllm_llama import ForecastKVDenseLlama, served_by_vllm_llama
@@ -174,6 +174,7 @@ class ForecastKVForVLLM(nn.Module):
         self.mode = apply_mode(config, getattr(vllm_config.model_config, "model", None) or "SRC")
         page = vllm_config.cache_config.block_size
         check_page_geometry(page, config.sparse)
+        check_no_carry(None if config.sparse is None else config.sparse.selector)
         self.config = config
         self.hf = ForecastKVForCausalLM(config)
         use_vllm_layers(self.hf, vllm_config.quant_config, prefix)  # fused QKV, gate/up, oneDNN GEMMs

@@ -143,7 +143,10 @@ def test_offloaded_bytes_and_hits(small_run):
             assert r["offload_mode"] == "dense-offload" and r["hit_rate"] is None
         else:
             assert 0.0 <= r["hit_rate"] <= 1.0
-            ahead = r["selector"] in ("forecast", "reuse", "speculate", "quest-forecast", "maxkey-forecast")
+            ahead = r["selector"] in (
+                "forecast", "reuse", "speculate", "quest-forecast", "maxkey-forecast", "forecast-carry",
+                "quest-forecast-carry",
+            )
             assert r["prefetch"] is ahead and r["offload_mode"] == ("forecast-offload" if ahead else "sparse-offload")
     for selector in ("dense", *(s for s in SELECTORS if s != "oracle")):
         checked = [r for r in by(records, selector=selector) if r["offload_max_diff"] is not None]

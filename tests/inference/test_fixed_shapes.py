@@ -93,11 +93,13 @@ def test_consecutive_decode_steps_run_identical_shapes(mode, policy, top_p):
 
 @pytest.mark.parametrize(
     ("selector", "mode"),
-    [("quest", "sparse-offload"), ("reuse", "forecast-offload"), ("speculate", "forecast-offload")],
+    [("quest", "sparse-offload"), ("reuse", "forecast-offload"), ("speculate", "forecast-offload"),
+     ("query-carry", "sparse-offload"), ("quest-forecast-carry", "forecast-offload")],
 )
 def test_every_deployable_selector_runs_identical_shapes(selector, mode):
-    """Quest's block bounds, reuse's handed-over blocks and speculate's guessed queries keep the step fixed
-    (the oracle reads every stored key, so its step grows with the context: a measurement, not deployable)."""
+    """Quest's block bounds, reuse's handed-over blocks, speculate's guessed queries and the blocks carried
+    from step to step keep the step fixed (the oracle reads every stored key, so its step grows with the
+    context: a measurement, not deployable)."""
     model = tiny_model({"policy": "infllmv2", "selector": selector, "reuse_anchors": [0, 2]}, seed=4)
     assert_identical_steps(model, OffloadedSparseCache.for_model(model, mode=mode), f"{selector} in {mode}")
 

@@ -1,0 +1,17 @@
+"""``quest-forecast-carry``: the Forecast vectors of the layer before score Quest's block bounds, a
+layer ahead (`quest_forecast.py`); and the blocks the last decode step attended most, in any layer,
+are carried into every layer's selection (`modeling/carry.py`: why and how).  Carried blocks are known a
+whole step ahead, so a rule that plans a layer ahead still does."""
+
+from __future__ import annotations
+
+from ..modeling.carry import CARRIED
+from .quest_forecast import QuestForecast
+
+
+class QuestForecastCarry(QuestForecast):
+    name = "quest-forecast-carry"
+    carries = CARRIED
+
+
+SELECTOR = QuestForecastCarry()
