@@ -27,7 +27,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-HEADED = ("forecast", "quest-forecast", "maxkey-forecast")  # selectors that score with the Forecast heads
+# selectors that score with the Forecast heads
+HEADED = ("forecast", "quest-forecast", "maxkey-forecast", "forecast-carry", "quest-forecast-carry")
 
 
 def parse_studies(items: list[str]) -> list[tuple[str, int, Path]]:

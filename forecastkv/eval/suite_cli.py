@@ -58,6 +58,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="Forecast heads (a train-forecast output or bundled:NAME; default runs/demo/heads, else the shipped ones)",
     )
+    parser.add_argument(
+        "--ppl-tokens", type=positive_int, default=None, help="held-out tokens scored per length for perplexity (256)"
+    )
+    parser.add_argument(
+        "--no-offload", action="store_true", help="no H2D bytes measured (the offloaded runs of the perplexity cells)"
+    )
     parser.add_argument("--out", default="runs/quality", metavar="DIR", help="where the records and the summary go")
     parser.add_argument(
         "--small", action="store_true", help="CI: a tiny random model, 640 tokens, 3 examples, 8 new tokens"
@@ -88,6 +94,8 @@ def quality_spec(args):
         "selectors": args.selectors,
         "budgets": args.budgets,
         "heads_dir": args.heads,
+        "ppl_tokens": args.ppl_tokens,
+        "offload": False if args.no_offload else None,
     }
     small = SMALL if args.small else {}
     return QualitySpec(**{**small, **{k: v for k, v in given.items() if v is not None}})

@@ -5,6 +5,7 @@ stale records, the errors, the depth spread and the summary's arithmetic."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -209,6 +210,19 @@ def test_the_command_reports_bad_input_in_one_line(tmp_path, capsys):
     assert "'nope' not one of" in capsys.readouterr().err
     assert main(["quality", "--small", "--examples", "0", "--out", str(tmp_path)]) == 2
     assert "examples must be an integer >= 1, got 0" in capsys.readouterr().err
+
+
+def test_the_command_sets_perplexity_tokens_and_offload():
+    from forecastkv.eval.suite_cli import add_arguments, quality_spec
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    spec = quality_spec(parser.parse_args(["--small", "--ppl-tokens", "8", "--no-offload"]))
+    assert (spec.ppl_tokens, spec.offload) == (8, False)
+    spec = quality_spec(parser.parse_args(["--small"]))
+    assert spec.offload is True and spec.ppl_tokens != 8
+    with pytest.raises((SystemExit, argparse.ArgumentError)):
+        parser.parse_args(["--ppl-tokens", "0"])
 
 
 def test_needle_depths_spread_over_the_context():
