@@ -162,16 +162,20 @@ def test_gather_programs_default_and_override():
         OffloadedSparseCache.for_model(model, gather_programs=0)
 
 
-@pytest.mark.parametrize("policy", ["infllmv2", "nosa"])
-@pytest.mark.parametrize("mode", FIXED_MODES + ["resident"])
-def test_decode_layers_compile_once_for_every_step(mode, policy):
+@pytest.mark.parametrize(
+    ("mode", "policy", "selector"),
+    [(mode, policy, "forecast") for policy in ("infllmv2", "nosa") for mode in FIXED_MODES + ["resident"]]
+    + [("resident", "infllmv2", "quest-forecast-carry"), ("forecast-offload", "infllmv2", "forecast-carry")],
+)
+def test_decode_layers_compile_once_for_every_step(mode, policy, selector):
     """torch.compile(fullgraph=True) takes a decode step's layers whole (the offloaded runtime
     included: no graph break), and 12 consecutive steps across window and block completions run
     that one graph (error_on_recompile), with the eager path's tokens.  Backend "eager": the trace
-    and its guards are what is checked; kernels as their references (the CPU path)."""
+    and its guards are what is checked; kernels as their references (the CPU path).  The carrying
+    selectors too: what they carry is forced, observed and rolled without a break."""
     from forecastkv import kernels
 
-    model = tiny_model({"policy": policy, "selector": "forecast"}, seed=4)
+    model = tiny_model({"policy": policy, "selector": selector}, seed=4)
     ids, mask = left_padded([29, 23])
     tokens = []
     for compiled in (False, True):
