@@ -1214,8 +1214,8 @@ class SparseCache(Cache):
         layer = self.layers[0] if self.layers else None
         if call == "decode":
             layer.carry.roll()
-        elif call == "other" and layer.lengths is not None:
-            blocks = sel.num_blocks(layer.capacity_rows(), layer.carry.block_size)
+        elif call == "other" and layer.lengths is not None:  # the widest layer's blocks (offloaded ones may hold more)
+            blocks = sel.num_blocks(max(other.capacity_rows() for other in self.layers), layer.carry.block_size)
             layer.carry.ready(layer.lengths.shape[0], blocks, layer.lengths.device)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:

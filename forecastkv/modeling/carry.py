@@ -103,8 +103,13 @@ class CarriedBlocks:
         mass = selected_block_mass(q, keys, key_pos, bias, layer.lengths, self.block_size)  # [B, H, K]
         selection = plan.selection
         n = sel.num_blocks(layer.capacity_rows(), self.block_size)
-        if self.heat is None or self.heat.shape != (selection.shape[0], n + 1):
+        if self.heat is None or self.heat.shape[0] != selection.shape[0]:
             self.heat = torch.zeros((selection.shape[0], n + 1), dtype=torch.float32, device=selection.device)
+        elif self.heat.shape[1] < n + 1:  # a layer holding more blocks (an offloaded one): widen, keep the heat
+            wider = self.heat.new_zeros((selection.shape[0], n + 1))
+            wider[:, : self.heat.shape[1] - 1] = self.heat[:, :-1]
+            self.heat = wider
+        n = self.heat.shape[1] - 1
         position = (layer.lengths - 1).view(-1, 1)
         forced = sel.forced_blocks(position, n, self.block_size, self.init_blocks, self.local_blocks)[:, 0]  # [B, NB]
         ids = selection.clamp(min=0, max=n - 1)

@@ -84,6 +84,9 @@ def test_roll_carries_the_hottest_blocks_but_never_a_forced_one(monkeypatch):
     for mass in ([0.5, 0.1, 0.3, 0.1], [0.6, 0.05, 0.05, 0.3]):  # two layers' shares of blocks 0, 1, 3, 4
         monkeypatch.setattr(module, "selected_block_mass", lambda *args, mass=mass: torch.tensor([[mass]]))
         carry.observe(layer, None, plan)
+    wider = SimpleNamespace(lengths=torch.tensor([22]), capacity_rows=lambda: 40, store=store)  # 10 blocks
+    monkeypatch.setattr(module, "selected_block_mass", lambda *args: torch.tensor([[[0.05, 0.05, 0.05, 0.05]]]))
+    carry.observe(wider, None, plan)  # a layer holding more blocks keeps what the others put in
     carry.roll()
     assert carry.ids.tolist() == [[3, 1]]  # 3 held 0.3 at most, 1 held 0.1; 0 and 4 are forced
     assert float(carry.heat.sum()) == 0  # the next step starts cold
