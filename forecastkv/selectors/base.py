@@ -138,7 +138,6 @@ class Selector:
         selection = sel.select_blocks(self.carry_into(scores, cache_layer), positions, sparse, agnostic, logits)
         return cache_layer.plan(selection[:, :, 0])
 
-
     def carry_into(self, scores, cache_layer):
         """Block scores [B, H, Tq, NB] with the blocks carried from the last decode step forced (`carries`;
         nothing carried before a decode step: the scores as they are)."""
