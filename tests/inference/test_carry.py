@@ -204,3 +204,22 @@ def test_a_serving_engines_paged_cache_refuses_a_carrying_selector():
     model = tiny_model({**GEOMETRY, "selector": "forecast-carry"}, seed=8)
     with pytest.raises(ConfigError, match=r"selector 'forecast-carry' carries blocks .* serve with 'forecast'"):
         run_engine(model, [[5, 6, 7]], chunk=4, steps=1, page=8)
+
+
+def test_a_row_with_no_key_has_no_share():
+    q, keys = torch.randn(1, 1, 2, 4), torch.randn(1, 1, 8, 4)
+    key_pos = torch.full((1, 1, 8), -1)
+    assert torch.equal(selected_block_mass(q, keys, key_pos, None, torch.tensor([0]), 4), torch.zeros(1, 1, 2))
+
+
+@pytest.mark.parametrize("selector", ["query-carry", "forecast-carry"])
+def test_prompts_shorter_than_a_block_carry_alike_resident_and_offloaded(selector):
+    """Prompts of 1 and 3 tokens (blocks of 8): the first steps carry nothing but forced blocks, later ones
+    carry; offloaded tokens equal resident ones and every logit is finite."""
+    model = tiny_model({**GEOMETRY, "selector": selector}, seed=8)
+    ids, mask = left_padded([1, 3])
+    ref = generate(model, ids, mask, SparseCache(model.config), 12)
+    assert torch.isfinite(torch.stack(ref.logits)).all()
+    mode = "forecast-offload" if get_selector(selector).plans_ahead else "sparse-offload"
+    out = generate(model, ids, mask, OffloadedSparseCache.for_model(model, mode=mode), 12)
+    assert torch.equal(out.sequences, ref.sequences)
