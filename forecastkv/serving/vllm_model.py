@@ -16,6 +16,9 @@ The attention mode comes from the checkpoint's `sparse_config`, or from vLLM's `
 {"forecastkv_mode": "dense" | "infllmv2-query" | "nosa" | "infllmv2-forecast" | "nosa-forecast"}.
 Imports vLLM: load it through the plugin (`serving/vllm_plugin.py`), not from forecastkv's core.
 
+forecastkv's decoder runs eagerly (`run_eagerly`): vLLM's CUDA graphs stay off for it, on by default for
+the dense mode (vLLM's own Llama).
+
 A refused configuration (a `UserInputError`) is printed as one line, `forecastkv: error: ...`, on
 stderr as the model is built, before vLLM logs its traceback (about 200 lines, the message deep
 inside): `one_line_errors`.
@@ -24,6 +27,7 @@ inside): `one_line_errors`.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import sys
 from collections.abc import Iterable
@@ -42,6 +46,7 @@ from .vllm_layers import check_tensor_parallel, load_weights, use_vllm_layers
 from .vllm_llama import ForecastKVDenseLlama, served_by_vllm_llama
 
 MODE_KEY = "forecastkv_mode"  # the hf_overrides key that picks the attention mode
+LOG = logging.getLogger(__name__)
 _PRINTED: set[str] = set()  # the errors this process has already printed as one line
 
 
@@ -96,6 +101,30 @@ def apply_mode(config, source: str = "SRC") -> str:
         )
     config.sparse_config = None if spec is None else {**config.sparse_config, "policy": spec[0], "selector": spec[1]}
     return name
+
+
+def run_eagerly(vllm_config) -> None:
+    """Turn vLLM's CUDA graphs off for forecastkv's decoder (`enforce_eager=False`, vLLM's default, stays
+    accepted).  vLLM would capture the whole model as one FULL graph per decode batch size (a model
+    without `support_torch_compile` has no piecewise split points), but this model's entry reads the
+    call's start offsets and lengths to the host (`EngineBatch`) and a decode step's compressed-key
+    view widens with the longest sequence: a graph captured at one step would replay another step's
+    lengths, and the host read fails inside a capture.  So cudagraph_mode is set to NONE, before vLLM
+    wraps the model (`GPUModelRunner.load_model`) or captures (`capture_model` skips), with a warning
+    where the platform captures graphs (vLLM-CPU captures none: silent).  The dense mode, served by
+    vLLM's own Llama, keeps its graphs."""
+    from vllm.config import CUDAGraphMode
+
+    compilation = getattr(vllm_config, "compilation_config", None)
+    if compilation is None or compilation.cudagraph_mode in (None, CUDAGraphMode.NONE):
+        return
+    if compilation.cudagraph_capture_sizes:
+        LOG.warning(
+            "forecastkv: the sparse decoder runs without CUDA graphs (cudagraph_mode %s -> NONE): its decode "
+            "step reads lengths on the host and its compressed-key view grows with the sequence",
+            compilation.cudagraph_mode.name,
+        )
+    compilation.cudagraph_mode = CUDAGraphMode.NONE
 
 
 def kv_page_views(kv_cache: torch.Tensor, isa: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,6 +191,7 @@ class ForecastKVForVLLM(nn.Module):
     @one_line_errors
     def __init__(self, *, vllm_config, prefix: str = "") -> None:
         super().__init__()
+        run_eagerly(vllm_config)
         config = vllm_config.model_config.hf_config
         parallel = vllm_config.parallel_config
         if parallel.pipeline_parallel_size > 1:

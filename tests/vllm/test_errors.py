@@ -1,6 +1,7 @@
 """Bad input to the vLLM model gets one clear error naming the value: an unknown mode, a cache mode,
 heads of another geometry, a page size that does not divide the selection block, a mode the
-checkpoint cannot run, and tensor parallelism (which forecastkv's vLLM model refuses)."""
+checkpoint cannot run, and tensor parallelism (which forecastkv's vLLM model refuses); and the CUDA
+graphs it turns off rather than let vLLM capture a step it cannot replay."""
 
 from __future__ import annotations
 
@@ -66,9 +67,10 @@ def test_a_missing_part_of_a_fused_projection(checkpoints, tmp_path):
     assert "the checkpoint has no model.layers.3.self_attn.v_proj.weight" in failure_text(caught.value)
 
 
-def fake_vllm_config(tp: int = 1, pp: int = 1, page: int = 64):
+def fake_vllm_config(tp: int = 1, pp: int = 1, page: int = 64, graphs=None, capture_sizes=()):
     """What the model constructor reads of a vLLM config, for a SmolLM2-shaped checkpoint (9 query heads
-    over 3 KV heads; the checks under test refuse before any layer is built)."""
+    over 3 KV heads; the checks under test refuse before any layer is built); graphs: vLLM's
+    cudagraph_mode (None: no compilation_config), capture_sizes: the batch sizes it would capture."""
     from forecastkv import ForecastKVConfig
 
     hf_config = ForecastKVConfig(
@@ -78,6 +80,9 @@ def fake_vllm_config(tp: int = 1, pp: int = 1, page: int = 64):
         model_config=SimpleNamespace(hf_config=hf_config),
         parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp),
         cache_config=SimpleNamespace(block_size=page),
+        compilation_config=None if graphs is None else SimpleNamespace(
+            cudagraph_mode=graphs, cudagraph_capture_sizes=list(capture_sizes)
+        ),
     )
 
 
@@ -198,3 +203,20 @@ def test_a_refusal_is_printed_as_one_line_once_per_process(capsys):
         "fix: forecastkv convert /ckpt/no-heads DIR --forecast-init next_query (or --forecast-weights with heads "
         "from train-forecast)"
     ]
+
+
+@pytest.mark.parametrize("sizes,warned", [((1, 2, 4, 8), True), ((), False)])
+def test_cuda_graphs_are_turned_off_before_vllm_wraps_the_model(sizes, warned, caplog):
+    """vLLM's default (enforce_eager=False) would capture forecastkv's decoder whole, and its decode step
+    reads lengths on the host: the model sets cudagraph_mode to NONE first thing in its constructor (here
+    it then refuses pipeline parallelism, after), warning where graphs would be captured (a GPU's capture
+    sizes) and silently where none are (vLLM-CPU's empty list)."""
+    from vllm.config import CUDAGraphMode
+
+    from forecastkv.serving.vllm_model import ForecastKVForVLLM
+
+    config = fake_vllm_config(pp=2, graphs=CUDAGraphMode.FULL_AND_PIECEWISE, capture_sizes=sizes)
+    with caplog.at_level("WARNING", logger="forecastkv.serving.vllm_model"), pytest.raises(ConfigError):
+        ForecastKVForVLLM(vllm_config=config)
+    assert config.compilation_config.cudagraph_mode == CUDAGraphMode.NONE
+    assert ("cudagraph_mode FULL_AND_PIECEWISE -> NONE" in caplog.text) == warned, caplog.text
