@@ -223,8 +223,10 @@ def _task_rows(
 
 
 def _gather_into_pool(k_host, v_host, bias_host, load_ids, block_table, dest_table, k_pool, v_pool, bias_pool):
-    """The reference of a pool destination (`dest_table`): only the tasks that copy are indexed (one
-    read of their count), since a skipped task's write-back could land on a block another task fills."""
+    """The reference of a pool destination (`dest_table`), at fixed shapes with no host read: every task
+    writes.  A skipped task must not write back an old value where another task fills a block (the
+    write order of duplicates is undefined), so it repeats the first task that copies, same source, same
+    place, same value; when none copies, every task writes one valid place's own value back to it."""
     target = k_pool.device
     ids = load_ids.to(target).long()  # [H, B, M]
     heads, batch, _ = ids.shape
@@ -236,10 +238,17 @@ def _gather_into_pool(k_host, v_host, bias_host, load_ids, block_table, dest_tab
     dest = dest_table.to(target).long()[b, logical]
     ok = (ids >= 0) & (ids < n_logical) & (source >= 0) & (source < k_host.shape[0])
     ok &= (dest >= 0) & (dest < k_pool.shape[0])
-    h, source, dest = h[ok], source[ok], dest[ok]
+    ok, h, source, dest = ok.reshape(-1), h.reshape(-1), source.reshape(-1), dest.reshape(-1)
+    first = ok.int().argmax().view(1)  # the first task that copies (0 when none does), on the device
+    copies = ok.any()
+    h = torch.where(ok, h, h.index_select(0, first))
+    source = torch.where(ok, source, source.index_select(0, first)).clamp(0, k_host.shape[0] - 1)
+    dest = torch.where(ok, dest, dest.index_select(0, first)).clamp(0, k_pool.shape[0] - 1)
     for host, pool in ((k_host, k_pool), (v_host, v_pool), (bias_host, bias_pool)):
         if host is not None:
-            pool[dest, :, h] = host[source.to(host.device), :, h.to(host.device)].to(target)
+            rows = host[source.to(host.device), :, h.to(host.device)].to(target)
+            mask = copies.view(*([1] * rows.dim()))
+            pool[dest, :, h] = torch.where(mask, rows, pool[dest, :, h])
 
 
 @_gather_doc

@@ -25,12 +25,13 @@ shared pages another request may still read whole).
 
 A request's slot maps are filed under the page holding its last stored token: the engine owns
 that page alone while the request decodes, so no request id has to cross from the scheduler; a
-prefill chunk drops whatever was filed under its pages (left by a request that freed them).
+prefill chunk drops whatever was filed under its pages (left by a request that freed them).  They
+live on the device, one row per page ([P + 1, L, H, budget]; the last row a scratch row), and each
+call's counts stay there until they are read (`StepBytes`): a decode call reads nothing back to the
+host (on CUDA a read would wait for the layers queued before it and stall the side-stream loads).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass, field
 
 import torch
 
@@ -40,21 +41,49 @@ from ..inference.worker import TransferWorker, gather_programs_for
 from .paged import LayerPages, page_slots
 
 
-@dataclass
 class StepBytes:
     """Per decode call (all layers and requests summed): H2D bytes, and the blocks the offloaded
     layers' plans wanted and found already in their slot maps ((request, KV head, block) triples of
     complete blocks, as the HF runtime's `stats()` counts them); and the order of requests and
-    waits: (step, "request" | "wait", layer)."""
+    waits: (call, "request" | "wait", layer), calls numbered from 1.
 
-    per_step: list[int] = field(default_factory=list)
-    wanted: list[int] = field(default_factory=list)
-    hits: list[int] = field(default_factory=list)
-    events: list[tuple[int, str, int]] = field(default_factory=list)
+    A call's counts are one device tensor [3] (wanted, hits, bytes) until `per_step`, `wanted` or
+    `hits` is read: one host read for every call pending, after the calls, not inside one."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[int, str, int]] = []
+        self.calls = 0  # decode calls begun
+        self._pending: list[torch.Tensor] = []
+        self._read: tuple[list[int], list[int], list[int]] = ([], [], [])  # wanted, hits, bytes
+
+    def add(self, counts: torch.Tensor) -> None:
+        """One finished call's counts [3] (wanted, hits, bytes), left on the device."""
+        self._pending.append(counts)
+
+    def _taken(self, column: int) -> list[int]:
+        if self._pending:
+            rows = torch.stack(self._pending).tolist()  # the one host read
+            self._pending.clear()
+            for records, values in zip(self._read, zip(*rows)):
+                records.extend(values)
+        return self._read[column]
+
+    @property
+    def wanted(self) -> list[int]:
+        return self._taken(0)
+
+    @property
+    def hits(self) -> list[int]:
+        return self._taken(1)
+
+    @property
+    def per_step(self) -> list[int]:
+        return self._taken(2)
 
     def clear(self) -> None:
         """Forget every call counted so far (a reader that has taken them: a server's counts stay bounded)."""
-        for records in (self.per_step, self.wanted, self.hits, self.events):
+        self._pending.clear()
+        for records in (*self._read, self.events):
             records.clear()
 
 
@@ -90,24 +119,29 @@ class PageOffload:
         device = pools[0].keys.device
         self.worker = TransferWorker(device, overlap=True)
         self.programs = gather_programs_for(device, 1)
-        self.maps: dict[int, dict[int, torch.Tensor]] = {}  # page of the last stored token -> layer -> [H, budget]
+        pages, heads = pools[0].keys.shape[:2]
+        # the page of a request's last stored token -> its slot maps of every layer; row `pages` is scratch
+        self.maps = torch.full((pages + 1, len(pools), heads, budget), -1, dtype=torch.long, device=device)
+        # what one layer's plan counts add to the call's (wanted, hits, bytes): its misses' bytes
+        self._weights = [torch.tensor([1, 1, self.block_bytes(layer)], device=device) for layer in range(len(pools))]
         self.stats = StepBytes()
         self._requested: dict[int, object] = {}  # layer -> the worker's handle of its load this call
+        self._call: torch.Tensor | None = None  # this decode call's counts [3]
+        self._keys_before: torch.Tensor | None = None  # this decode call's rows' last pages [B]
 
     # -- what one call does -----------------------------------------------------------------------
     def begin_decode(self) -> None:
         """A decode call starts: a new step of the byte count."""
-        for records in (self.stats.per_step, self.stats.wanted, self.stats.hits):
-            records.append(0)
-        self._requested = {}
+        self.stats.calls += 1
+        self._call = torch.zeros(3, dtype=torch.long, device=self.maps.device)
+        self._requested, self._keys_before = {}, None
 
     def forget(self, table: torch.Tensor, lengths: torch.Tensor) -> None:
         """A multi-token call (a prefill chunk, or a preempted request's recompute) of rows table [B, nb]
         up to lengths [B]: any slot maps filed under their pages belonged to a request that freed them."""
-        for row, length in enumerate(lengths.tolist()):
-            pages = table[row, : -(-int(length) // self.pools[0].page)].tolist()
-            for page in pages:
-                self.maps.pop(page, None)
+        lengths = lengths.to(table.device).view(-1, 1)
+        used = torch.arange(table.shape[1], device=table.device) < -(-lengths // self.pools[0].page)
+        self.maps[torch.where(used, table.long(), self.maps.shape[0] - 1).reshape(-1)] = -1
 
     def write_through(self, layer: int, page_ids, offsets, keys, values, cis) -> None:
         """The rows keys/values [N, H, d] (cis [N, H]) just stored at pages page_ids [N], offsets [N] of
@@ -123,25 +157,22 @@ class PageOffload:
         whose block tables are table [B, nb], stored lengths before [B] at the call's start and
         lengths [B] now (the same when planned a layer ahead, one more at the layer itself): complete
         blocks only, as the HF runtime fetches them."""
-        self.stats.events.append((len(self.stats.per_step), "request", layer))
+        self.stats.events.append((self.stats.calls, "request", layer))
         if layer in self.resident:
             self._requested[layer] = None
             return
-        keys = self._keys(table, before)
-        maps = torch.stack([self.maps.setdefault(key, {}).get(layer, self._empty(selection)) for key in keys])
-        spec = plan_loads(maps, selection, lengths, self.block_size)
-        for row, key in enumerate(keys):
-            self.maps[key][layer] = spec.block_map[row]
+        if self._keys_before is None:  # the same rows in every layer of the call
+            self._keys_before = self._keys(table, before)
+        keys = self._keys_before
+        spec = plan_loads(self.maps[keys, layer], selection, lengths, self.block_size)
+        self.maps[keys, layer] = spec.block_map
         self._requested[layer] = self._load(layer, table, spec.load_ids)
-        asked, held, missed = spec.counts.tolist()  # one read
-        self.stats.per_step[-1] += missed * self.block_bytes(layer)
-        self.stats.wanted[-1] += asked
-        self.stats.hits[-1] += held
+        self._call += spec.counts * self._weights[layer]  # (wanted, hits, misses' bytes), on the device
 
     def wait(self, layer: int) -> bool:
         """Where `layer`'s decode attention starts (vLLM's `wait_for_layer_load`): the current stream
         waits for this layer's load; returns whether it was requested before this wait."""
-        self.stats.events.append((len(self.stats.per_step), "wait", layer))
+        self.stats.events.append((self.stats.calls, "wait", layer))
         if layer not in self._requested:
             return False
         self.worker.wait(self._requested[layer])
@@ -149,10 +180,13 @@ class PageOffload:
 
     def end_decode(self, table: torch.Tensor, before: torch.Tensor, after: torch.Tensor) -> None:
         """After a decode call of rows table [B, nb] that went from lengths before [B] to after [B]:
-        file each row's slot maps under its new last page, then (evict) poison what they do not hold."""
-        for old, new in zip(self._keys(table, before), self._keys(table, after)):
-            if old in self.maps and old != new:
-                self.maps[new] = self.maps.pop(old)
+        file each row's slot maps under its new last page (the old page's emptied: a full page another
+        request may reach through the prefix cache), then (evict) poison what they do not hold."""
+        old, new = self._keys(table, before), self._keys(table, after)
+        moved = self.maps[old]
+        self.maps[old] = -1
+        self.maps[new] = moved
+        self.stats.add(self._call)
         if self.evict:
             for layer in range(len(self.pools)):
                 if layer not in self.resident:
@@ -167,12 +201,10 @@ class PageOffload:
             row += pool.cis.element_size()
         return self.block_size * row
 
-    def _keys(self, table: torch.Tensor, lengths: torch.Tensor) -> list[int]:
+    def _keys(self, table: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """The page of each row's last stored token [B] (device), where its slot maps are filed."""
         last = (lengths - 1).clamp(min=0).view(-1, 1)
-        return page_slots(table, last, self.pools[0].page)[0].view(-1).tolist()
-
-    def _empty(self, selection: torch.Tensor) -> torch.Tensor:
-        return torch.full((selection.shape[1], self.budget), -1, dtype=torch.long, device=selection.device)
+        return page_slots(table, last, self.pools[0].page)[0].view(-1)
 
     def _load(self, layer: int, table: torch.Tensor, load_ids: torch.Tensor):
         """Launch the load of the blocks load_ids [B, H, M] (-1 nothing) from the host into their pages:
@@ -195,17 +227,16 @@ class PageOffload:
     def _poison(self, layer: int, table: torch.Tensor, lengths: torch.Tensor) -> None:
         """NaN into the pool rows of the complete blocks each row's slot map of `layer` does not
         hold, sparing the current block and the ring."""
-        keys = self._keys(table, lengths)
+        keys = self._keys(table, lengths).tolist()  # a test's stand-in for missing memory: host reads allowed
         heads = self.pools[layer].keys.shape[1]
         complete = torch.div(lengths, self.block_size, rounding_mode="floor")
         for row, key in enumerate(keys):
-            held = self.maps.get(key, {}).get(layer)
+            held = self.maps[key, layer]
             count = int(complete[row])
             spared = int((lengths[row] - self.ring).clamp(min=0)) // self.block_size  # blocks touching the ring
             for head in range(heads):
                 blocks = torch.arange(min(count, spared), device=lengths.device)
-                if held is not None:
-                    blocks = blocks[~torch.isin(blocks, held[head])]
+                blocks = blocks[~torch.isin(blocks, held[head])]  # an empty slot holds -1
                 if not blocks.numel():
                     continue
                 index = self._block_rows(table, torch.full_like(blocks, row), torch.full_like(blocks, head), blocks)

@@ -573,8 +573,6 @@ class PagedSparseCache(SparseCache):
     def finish_call(self) -> None:
         super().finish_call()
         if getattr(self, "_tier_step", False):
-            pages, table, before, _ = self._paged
-            self.tier.end_decode(
-                self.layers[0].store.table, torch.tensor(before, device=table.device), self.layers[0].lengths
-            )
+            store = self.layers[0].store
+            self.tier.end_decode(store.table, store.lengths_before, self.layers[0].lengths)
 

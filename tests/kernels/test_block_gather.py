@@ -458,6 +458,24 @@ def test_pool_destination_reference_by_a_loop():
     assert not all(torch.isnan(o).all() for o in outs) and outs[0].isnan().any()
 
 
+@pytest.mark.parametrize("copying", ["some", "none"])
+def test_pool_destination_reference_reads_nothing_back(copying):
+    """The pool reference writes every task at fixed shapes (the connector's decode step on the CPU makes
+    no host read): skipped tasks repeat the first copying one, and when none copies the pool is unchanged."""
+    from tests.strict_device import count_host_reads
+
+    k_pool, v_pool, b_pool, ids, table = make_paged_case()
+    if copying == "none":
+        ids = torch.full_like(ids, -1)
+    dest = torch.stack([torch.randperm(9)[:4] for _ in range(3)]).to(DEVICE)
+    expected = run_into_pool(K.block_gather_reference, k_pool, v_pool, b_pool, ids, table, dest, 9, 8, check_ids=True)
+    with count_host_reads() as counter:
+        outs = run_into_pool(K.block_gather_reference, k_pool, v_pool, b_pool, ids, table, dest, 9, 8, check_ids=False)
+    assert counter.reads == 0, counter.report()
+    assert_same(outs, expected)
+    assert all(o.isnan().all() for o in outs) == (copying == "none")
+
+
 @pytest.mark.parametrize("fn", GATHERS.values())
 @pytest.mark.parametrize("layout", ["pages", "blocks"])
 @pytest.mark.parametrize("bias", [True, False])

@@ -8,12 +8,15 @@ attends."""
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import pytest
 import torch
 
 from forecastkv.serving.page_offload import PageOffload
 from tests.helpers import offloaded_counts, tiny_model
 from tests.serving.test_paged import ToyEngine, prompts_of, reference_logits
+from tests.strict_device import count_host_reads
 
 MODES = {
     "infllmv2-forecast": ({"selector": "forecast"}, "forecast-offload"),
@@ -65,6 +68,30 @@ def test_loaded_blocks_are_enough_and_bytes_match_the_hf_runtime(mode):
     assert len(stats.wanted) == len(stats.hits) == len(stats.per_step)  # one record per decode call
     stats.clear()  # what the vLLM connector does once it has handed the counts over
     assert stats.per_step == stats.wanted == stats.hits == stats.events == []
+
+
+@pytest.mark.parametrize("mode", ["infllmv2-forecast", "infllmv2-query"])
+def test_a_tiered_decode_call_reads_nothing_back_to_the_host(mode):
+    """With the host tier, a decode call of a batch (prompts of 7 to 41 tokens, pages of 4, rows moving
+    to a new page on different steps) files its slot maps, plans its loads against them, loads, writes
+    through and counts its bytes without one host read: the maps live on the device and the counts stay
+    there until read, once, after the calls.  Those counts then equal the same run's without the
+    counter (the read-back is not lost)."""
+    model = tiny_model(MODES[mode][0])
+    prompts = prompts_of([7, 19, 41])
+    per_step = []
+    for counted in (True, False):
+        with count_host_reads() if counted else nullcontext():  # the pools and the tier made inside: "device"
+            engine = tiered_engine(model, evict=False)
+            out = engine.step(dict(enumerate(prompts)))
+            for _ in range(6):
+                tokens = {r: [int(rows[-1].argmax())] for r, rows in out.items()}
+                with count_host_reads() if counted else nullcontext() as step:
+                    out = engine.step(tokens)
+                assert not counted or step.reads == 0, step.report()
+        per_step.append(engine.tier.stats.per_step)
+    assert len(per_step[0]) == 6 and sum(per_step[0]) > 0
+    assert per_step[0] == per_step[1]
 
 
 def test_forecast_requests_each_layer_before_the_layer_before_it_attends():
