@@ -8,13 +8,18 @@ oracle's attention mass, and the needle's accuracy with a 95% Wilson interval.
 Each `--study TEACHER[:VECTORS]=DIR` is a `forecastkv study --out DIR` run whose `forecast` and
 `quest-forecast` cells used heads trained with objective.teacher TEACHER and VECTORS Forecast vectors
 per KV head (forecast.heads_per_group; default 1); cells of selectors that use no heads (query,
-quest, dense, ...) are kept once, from the first study that has them.  Writes
-OUT/summary.json (a list of records) and OUT/summary.md (a table per length).
+quest, dense, ...) are kept once, from the first study that has them.  Each `--suite DIR` is a
+`forecastkv quality --out DIR` run (committed as benchmarks/results/quality/suite-*): its cells follow
+the study's, with `task`, `examples` and `successes` and `source` the suite's folder name (its
+held-out text's bytes a step and perplexity ratio joined to each task cell of the same selector).  Writes
+OUT/summary.json (a list of records) and OUT/summary.md (a table per length, then the suites').
 
 What the numbers are: `recall_mass` is the study's (the share of the oracle's attention mass the
 selected blocks hold, over `recall_rows` (decode step, layer >= 1, KV head) rows of one held-out text);
 `accuracy` is the needle's answer tokens predicted under teacher forcing, over `trials` tokens of one
-needle, so its interval is over tokens of one example, not over independent examples.
+needle, so its interval is over tokens of one example, not over independent examples.  A suite
+record's `accuracy` is the share of `examples` independent examples answered whole (string match),
+its interval over them; its `recall_mass` is over the answer's decode rows of those examples.
 """
 
 from __future__ import annotations
@@ -94,8 +99,39 @@ def summarise(studies: list[tuple[str, Path]]) -> list[dict]:
     )
 
 
+SUITE_FIELDS = ("selector", "teacher", "vectors", "length", "budget", "prefetch", "recall_mass", "accuracy",
+                "interval", "task", "examples", "successes", "h2d_bytes_per_step", "ppl_ratio")
+
+
+def suite_records(folders: list[str]) -> list[dict]:
+    """The cells of `forecastkv quality` runs (each folder's summary.json), in the order given."""
+    records = []
+    for folder in folders:
+        summary = Path(folder) / "summary.json"
+        if not summary.is_file():
+            raise SystemExit(f"{summary} does not exist: run `forecastkv quality --out {folder}` first")
+        cells = [cell for cell in json.loads(summary.read_text()) if not cell.get("skipped")]
+        # the held-out text's cells give their selector's bytes a step and perplexity ratio
+        heldout = {(c["length"], c["selector"], c["budget"]): c for c in cells if c["task"] == "perplexity"}
+        for cell in cells:
+            if cell["task"] == "perplexity":
+                continue
+            text = heldout.get((cell["length"], cell["selector"], cell["budget"]), {})
+            cell = {**cell, **{name: cell.get(name) if cell.get(name) is not None else text.get(name)
+                               for name in ("h2d_bytes_per_step", "ppl_ratio")}}
+            kept = {name: cell.get(name) for name in SUITE_FIELDS}
+            kept["budget"] = kept["budget"] or (cell["length"] // 64 if cell["selector"] == "dense" else None)
+            for name in ("recall_mass", "ppl_ratio"):
+                kept[name] = None if kept[name] is None else round(kept[name], 4)
+            kept["interval"] = [round(x, 4) for x in kept["interval"]]
+            records.append({**kept, "source": Path(folder).name})
+    return records
+
+
 def markdown(records: list[dict]) -> str:
     lines = ["# Selector quality by teacher (benchmarks/quality_summary.py)", ""]
+    suites = [r for r in records if r.get("source")]
+    records = [r for r in records if not r.get("source")]
     for length in sorted({r["length"] for r in records}):
         lines += [
             f"## {length} tokens",
@@ -115,15 +151,28 @@ def markdown(records: list[dict]) -> str:
                 f"{'-' if r['ppl_ratio'] is None else r['ppl_ratio']} |"
             )
         lines.append("")
+    if suites:
+        lines += ["## The suite's cells (independent examples, `forecastkv quality`)", "",
+                  "| source | task | length | selector | budget | prefetch | recall (mass) | accuracy [95% CI] |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in suites:
+            low, high = r["interval"]
+            recall = "-" if r["recall_mass"] is None else f"{r['recall_mass']:.4f}"
+            prefetch = "yes" if r["prefetch"] else "no" if r["selector"] != "dense" else "-"
+            lines.append(f"| {r['source']} | {r['task']} | {r['length']} | {r['selector']} | {r['budget'] or '-'} | "
+                         f"{prefetch} | {recall} | {r['successes']}/{r['examples']} = {r['accuracy']:.2f} "
+                         f"[{low:.2f}, {high:.2f}] |")
+        lines.append("")
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--study", nargs="+", required=True, help="TEACHER[:VECTORS]=DIR of a `forecastkv study` run")
+    parser.add_argument("--suite", nargs="*", default=[], help="DIR of a `forecastkv quality` run (its summary.json)")
     parser.add_argument("--out", default="benchmarks/results/quality", help="where summary.json and summary.md go")
     args = parser.parse_args(argv)
-    records = summarise(parse_studies(args.study))
+    records = summarise(parse_studies(args.study)) + suite_records(args.suite)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     from forecastkv.atomic import write_text_atomic

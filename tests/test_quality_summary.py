@@ -50,3 +50,38 @@ def test_records_per_teacher_with_intervals(tmp_path):
         qs.parse_studies(["nothing"])
     with pytest.raises(SystemExit, match="VECTORS must be a positive integer, got '0'"):
         qs.parse_studies([f"selector:0={three}"])
+
+
+def suite_cell(task, selector, **values):
+    base = {"task": task, "length": 4096, "selector": selector, "budget": None if selector == "dense" else 16,
+            "teacher": None, "vectors": None, "prefetch": selector == "forecast-carry", "examples": None,
+            "successes": None, "accuracy": None, "interval": None, "recall_mass": None,
+            "h2d_bytes_per_step": None, "ppl_ratio": None, "skipped": None}  # fmt: skip
+    return {**base, **values}
+
+
+def test_suite_cells_join_their_held_out_bytes(tmp_path):
+    """`--suite DIR`: a `forecastkv quality` run's task cells become records after the study's, each with
+    its task, examples and the held-out text's bytes a step and perplexity ratio of the same selector;
+    skipped cells and the held-out cells themselves are not records."""
+    qs = load()
+    folder = tmp_path / "suite-niah-4k"
+    folder.mkdir()
+    cells = [
+        suite_cell("niah_single_essay", "dense", examples=50, successes=45, accuracy=0.9, interval=[0.7864, 0.9565]),
+        suite_cell("niah_single_essay", "forecast-carry", teacher="selector", vectors=1, examples=50, successes=43,
+                   accuracy=0.86, interval=[0.7381, 0.9305], recall_mass=0.94123),
+        suite_cell("perplexity", "forecast-carry", h2d_bytes_per_step=4.1e6, ppl_ratio=1.04412, recall_mass=0.97),
+        suite_cell("niah_single_essay", "quest", skipped="no bounds"),
+    ]
+    (folder / "summary.json").write_text(json.dumps(cells))
+    records = qs.suite_records([str(folder)])
+    expected = [("dense", 64, 0.9), ("forecast-carry", 16, 0.86)]
+    assert [(r["selector"], r["budget"], r["accuracy"]) for r in records] == expected
+    carry = records[1]
+    assert carry["source"] == "suite-niah-4k" and carry["task"] == "niah_single_essay" and carry["examples"] == 50
+    assert (carry["recall_mass"], carry["h2d_bytes_per_step"], carry["ppl_ratio"]) == (0.9412, 4.1e6, 1.0441)
+    row = "| suite-niah-4k | niah_single_essay | 4096 | forecast-carry | 16 | yes | 0.9412 | 43/50 = 0.86 [0.74, 0.93]"
+    assert row in qs.markdown(records)
+    with pytest.raises(SystemExit, match="run `forecastkv quality --out"):
+        qs.suite_records([str(tmp_path / "missing")])
