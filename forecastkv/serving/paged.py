@@ -313,7 +313,9 @@ class PagedRows:
         """The engine allocated the pages before the call."""
 
     def make_room(self, layer, step: CallInfo) -> None:
-        """Nothing to grow: the engine allocated the pages before the call."""
+        """Nothing to grow (the engine allocated the pages before the call): the table must hold the
+        call's positions (checked here, on the host side, before the layers run)."""
+        self._need_table(max(step.lengths_after, default=0))
         self.decoding = step.decode and not step.any_dense
 
     def pages_at(self, columns: torch.Tensor) -> torch.Tensor:
@@ -330,7 +332,6 @@ class PagedRows:
     def append(self, layer, keys, values, cis, positions, step: CallInfo) -> None:
         """Store keys/values [B, n, H, d] (cis [B, n, H]) at positions [B, n] (-1 = padding) in their
         pages, then file the windows they complete (`PagedWindows.file`)."""
-        self._need_table(max(step.lengths_after, default=0))
         if step.decode:  # one token per sequence, every one stored: no padding to find (no host read)
             b_idx, col = slice(None), 0
         else:
@@ -340,7 +341,9 @@ class PagedRows:
             pos = positions[b_idx, col]
             page_ids, offsets = page_slots(self.table[b_idx], pos.unsqueeze(1), self.pages.page)
             heads = torch.arange(keys.shape[2], device=keys.device).view(1, -1)
-            after = torch.tensor(step.lengths_after, dtype=torch.long, device=self.table.device)
+            # a decode step's lengths from the device's (no host list baked into a captured step)
+            after = (layer.lengths + 1 if step.decode
+                     else torch.tensor(step.lengths_after, dtype=torch.long, device=self.table.device))
             return page_ids, offsets, heads, after
 
         # a decode step stores every sequence's one token: the same places in every layer
@@ -369,7 +372,9 @@ class PagedRows:
 
     # -- reading --------------------------------------------------------------------------------------
     def capacity_rows(self, layer) -> int:
-        return layer._longest(None)
+        """The positions the call's block table holds (an engine's table is max_model_len wide): what a
+        decode step scores, at the same shapes from step to step (visibility masks the rest)."""
+        return self.table.shape[1] * self.pages.page
 
     def plan(self, layer, selection: torch.Tensor) -> Plan:
         """The resident `Plan` (nothing to move on the device); at a decode step with a host tier, the

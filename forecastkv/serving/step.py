@@ -58,6 +58,15 @@ def forward_paged(
         token_ids.shape[0], model.config.hidden_size, dtype=model.norm.weight.dtype, device=token_ids.device
     )
     for group in batch.groups():
+        before = [batch.stored_before(r) for r in group]
+        cache = PagedSparseCache(model.config, pages, batch.table[group], before, selector=selector, tier=tier)
+        if all(batch.query_len(r) == 1 for r in group) and all(before):  # the decode requests
+            # one token each at the request's first offset; a decode step's positions come from the
+            # stored lengths (no mask read), so the call's tensors keep their shapes from step to step
+            rows = torch.tensor([batch.query_start[r] for r in group], device=token_ids.device)
+            hidden = model(token_ids[rows].view(-1, 1), cache=cache)[0]
+            out[rows] = hidden[:, 0]
+            continue
         width = max(batch.query_len(r) for r in group)
         ids = torch.zeros(len(group), width, dtype=torch.long, device=token_ids.device)
         mask = torch.zeros_like(ids)
@@ -65,8 +74,6 @@ def forward_paged(
             start, n = batch.query_start[r], batch.query_len(r)
             ids[row, :n] = token_ids[start : start + n]
             mask[row, :n] = 1
-        before = [batch.stored_before(r) for r in group]
-        cache = PagedSparseCache(model.config, pages, batch.table[group], before, selector=selector, tier=tier)
         # positions: each row continues its stored length (right padding is marked in the mask)
         hidden = model(ids, attention_mask=_full_mask(before, mask), cache=cache)[0]
         for row, r in enumerate(group):

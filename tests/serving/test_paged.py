@@ -32,15 +32,18 @@ MODES = {
 
 
 class ToyEngine:
-    """Pages of `page` tokens from a shuffled free list, a block table per request, chunked prefill."""
+    """Pages of `page` tokens from a shuffled free list, a block table per request, chunked prefill.
+    table_width: every call's block table this many pages wide (vLLM's: max_model_len / page), else
+    as wide as the call's longest request needs."""
 
     def __init__(
-        self, model, page: int, pages: int = 64, seed: int = 0, heads_inside: bool = False, kernel: bool = False
+        self, model, page: int, pages: int = 64, seed: int = 0, heads_inside: bool = False, kernel: bool = False,
+        table_width: int | None = None,
     ):
         config, device = model.config, model.device
         heads, dim = config.num_key_value_heads, config.head_dim
         nosa = config.sparse is not None and config.sparse.policy == "nosa"
-        self.model, self.page = model, page
+        self.model, self.page, self.table_width = model, page, table_width
 
         def pool():  # never-written rows: NaN; heads_inside: a CUDA backend's [P, page, H, d] pages
             if heads_inside:
@@ -71,7 +74,7 @@ class ToyEngine:
                 table.append(self.free.pop())
             starts.append(starts[-1] + len(work[r]))
             seq_lens.append(total)
-        width = max(len(self.tables[r]) for r in order)
+        width = self.table_width or max(len(self.tables[r]) for r in order)
         device = self.model.device
         table = torch.tensor([self.tables[r] + [0] * (width - len(self.tables[r])) for r in order], device=device)
         tokens = torch.tensor([t for r in order for t in work[r]], device=device)
@@ -163,6 +166,54 @@ def test_a_decode_call_reads_nothing_back_to_the_host(mode, kernel):
             with count_host_reads() as step:
                 out = engine.step(tokens)
             assert step.reads == 0, step.report()
+
+
+def engine_decode(model, kernel: bool, steps: int, compiled: bool = False):
+    """Prompts of 29 and 23 tokens prefilled in one call on block tables 16 pages of 4 wide (an
+    engine's fixed width), then `steps` decode calls of both, each recorded (`OpShapes`); compiled:
+    the decode calls' layers under torch.compile(fullgraph=True, backend="eager") with
+    error_on_recompile (then nothing is recorded).  Returns (tokens per step, recorded ops per step)."""
+    from contextlib import nullcontext
+
+    from forecastkv import kernels
+    from tests.inference.test_fixed_shapes import OpShapes
+
+    engine = ToyEngine(model, page=4, kernel=kernel, table_width=16)
+    original, tokens, recorded = model.model.decode_layers, [], []
+    patch = torch._dynamo.config.patch(error_on_recompile=True)
+    with torch.no_grad(), kernels.use_backend("reference"), patch:
+        out = engine.step(dict(enumerate(prompts_of([29, 23]))))
+        if compiled:
+            torch._dynamo.reset()
+            model.model.decode_layers = torch.compile(original, fullgraph=True, backend="eager")
+        try:
+            for _ in range(steps):
+                step = {r: [int(rows[-1].argmax())] for r, rows in out.items()}
+                with nullcontext() if compiled else OpShapes() as ops:  # dynamo runs under no dispatch mode
+                    out = engine.step(step)
+                tokens.append(step)
+                recorded.append(None if compiled else ops.calls)
+        finally:
+            model.model.decode_layers = original
+    return tokens, recorded
+
+
+@pytest.mark.parametrize(
+    "mode,kernel", [(mode, False) for mode in ("infllmv2-query", "infllmv2-forecast", "nosa", "coarse-lse")]
+    + [("infllmv2-forecast", True)],
+)
+def test_a_decode_call_runs_fixed_shapes_and_compiles_once(mode, kernel):
+    """On an engine's fixed-width block tables, consecutive decode calls run the same aten ops on
+    tensors of the same shapes across window (every 2 tokens) and block (every 8) completions: the
+    compressed keys are scored over the table's width, not the longest sequence's.  And torch.compile
+    takes the calls' layers whole, once (no graph break, no recompile: no Python number that changes
+    from call to call reaches them), with the eager calls' tokens: what a captured CUDA graph needs."""
+    model = tiny_model(MODES[mode], seed=4)
+    eager, recorded = engine_decode(model, kernel, steps=10)
+    for step in range(1, len(recorded)):
+        assert recorded[step] == recorded[0], f"{mode}: decode call {step + 1} runs other ops or shapes than call 1"
+    compiled, _ = engine_decode(model, kernel, steps=10, compiled=True)
+    assert compiled == eager
 
 
 @pytest.mark.parametrize("mode", ["infllmv2-forecast", "nosa-forecast", "coarse-lse"])
