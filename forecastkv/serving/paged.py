@@ -511,11 +511,12 @@ class PagedRows:
 
 def paged_layer(
     pages: LayerPages, table: torch.Tensor, lengths: list[int], sparse, tier=None, index: int = 0,
-    shared: CallIndexes | None = None,
+    shared: CallIndexes | None = None, device_lengths: torch.Tensor | None = None,
 ):
     """A `SparseCacheLayer` over one layer's pages (`PagedRows`) for the B sequences of one engine call:
-    lengths are the stored positions per sequence before the call (host ints); shared: the call's
-    `CallIndexes`, one for all its layers."""
+    lengths are the stored positions per sequence before the call (host ints); device_lengths: the same
+    [B] made on the device from the engine's own tensors (what a replayed graph sees), or None (made
+    from the host ints); shared: the call's `CallIndexes`, one for all its layers."""
     store = PagedRows(pages, table, tier, index, shared)
     kernel, coarse = window_geometry(sparse)
     block = sparse.block_size if sparse is not None else None
@@ -524,7 +525,9 @@ def paged_layer(
     layer.dtype, layer.device = pages.keys.dtype, pages.keys.device
     layer.kernels = kernels.kernel_set(layer.device)
     layer.lengths = store.lengths_before = store.shared.get(
-        "lengths", lambda: torch.tensor(lengths, dtype=torch.long, device=layer.device)
+        "lengths",
+        lambda: torch.tensor(lengths, dtype=torch.long, device=layer.device)
+        if device_lengths is None else device_lengths.to(layer.device, torch.long),
     )
     # nothing stored yet: the call is a prefill, as a fresh SparseCache's first call is
     layer.host_lengths = list(lengths) if any(lengths) else None
@@ -551,20 +554,23 @@ class PagedSparseCache(SparseCache):
     engine call's view of the pages.
 
     config: the model's; pages: one `LayerPages` per layer; table [B, nb] page ids per sequence;
-    lengths: stored positions per sequence before the call (host ints); tier: a
-    `serving/page_offload.py:PageOffload` (forecast-offload) or None."""
+    lengths: stored positions per sequence before the call (host ints); device_lengths: the same on the
+    device, from the engine's tensors, or None; tier: a `serving/page_offload.py:PageOffload`
+    (forecast-offload) or None."""
 
     def __init__(
-        self, config, pages: list[LayerPages], table: torch.Tensor, lengths: list[int], selector=None, tier=None
+        self, config, pages: list[LayerPages], table: torch.Tensor, lengths: list[int], selector=None, tier=None,
+        device_lengths: torch.Tensor | None = None,
     ):
-        self._paged = (pages, table, list(lengths), tier)
+        self._paged = (pages, table, list(lengths), tier, device_lengths)
         self.tier, self.shared = tier, CallIndexes()
         super().__init__(config, selector=selector)
 
     def _make_layer(self, config, sparse, idx: int, max_length: int | None) -> SparseCacheLayer:
         check_no_carry(self.selector or (sparse.selector if sparse is not None else None))
-        pages, table, lengths, tier = self._paged
-        return paged_layer(pages[idx], table, lengths, sparse, tier=tier, index=idx, shared=self.shared)
+        pages, table, lengths, tier, device_lengths = self._paged
+        return paged_layer(pages[idx], table, lengths, sparse, tier=tier, index=idx, shared=self.shared,
+                           device_lengths=device_lengths)
 
     def begin_call(self, positions: torch.Tensor, sparse, input_ids: torch.Tensor | None = None) -> CallInfo:
         step = super().begin_call(positions, sparse, input_ids)

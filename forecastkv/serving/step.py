@@ -20,11 +20,13 @@ from .paged import LayerPages, PagedSparseCache
 @dataclass(frozen=True)
 class EngineBatch:
     """The engine's description of one call (host ints): query_start [R + 1] token offsets,
-    seq_lens [R] stored positions per request after the call, table [R, nb] page ids."""
+    seq_lens [R] stored positions per request after the call, table [R, nb] page ids; device_seq_lens:
+    the engine's own device tensor of seq_lens [R], or None (then made from the host ints)."""
 
     query_start: list[int]
     seq_lens: list[int]
     table: torch.Tensor
+    device_seq_lens: torch.Tensor | None = None
 
     @property
     def requests(self) -> int:
@@ -59,13 +61,19 @@ def forward_paged(
     )
     for group in batch.groups():
         before = [batch.stored_before(r) for r in group]
+        if group == list(range(batch.requests)) and batch.query_start[-1] == batch.requests and all(before):
+            # a decode-only call (request r's token at offset r): every tensor from the engine's own
+            # (token ids, table, device lengths), no index made from host numbers, so a captured step
+            # would replay with the next call's values; positions come from the stored lengths
+            device_before = None if batch.device_seq_lens is None else batch.device_seq_lens - 1
+            cache = PagedSparseCache(model.config, pages, batch.table, before, selector=selector, tier=tier,
+                                     device_lengths=device_before)
+            out[: batch.requests] = model(token_ids[: batch.requests].view(-1, 1), cache=cache)[0][:, 0]
+            continue
         cache = PagedSparseCache(model.config, pages, batch.table[group], before, selector=selector, tier=tier)
-        if all(batch.query_len(r) == 1 for r in group) and all(before):  # the decode requests
-            # one token each at the request's first offset; a decode step's positions come from the
-            # stored lengths (no mask read), so the call's tensors keep their shapes from step to step
+        if all(batch.query_len(r) == 1 for r in group) and all(before):  # the decode requests of a mixed call
             rows = torch.tensor([batch.query_start[r] for r in group], device=token_ids.device)
-            hidden = model(token_ids[rows].view(-1, 1), cache=cache)[0]
-            out[rows] = hidden[:, 0]
+            out[rows] = model(token_ids[rows].view(-1, 1), cache=cache)[0][:, 0]
             continue
         width = max(batch.query_len(r) for r in group)
         ids = torch.zeros(len(group), width, dtype=torch.long, device=token_ids.device)

@@ -106,13 +106,14 @@ def apply_mode(config, source: str = "SRC") -> str:
 def run_eagerly(vllm_config) -> None:
     """Turn vLLM's CUDA graphs off for forecastkv's decoder (`enforce_eager=False`, vLLM's default, stays
     accepted).  vLLM would capture the whole model as one FULL graph per decode batch size (a model
-    without `support_torch_compile` has no piecewise split points), but this model's entry reads the
-    call's start offsets and lengths to the host (`EngineBatch`) and a decode step's compressed-key
-    view widens with the longest sequence: a graph captured at one step would replay another step's
-    lengths, and the host read fails inside a capture.  So cudagraph_mode is set to NONE, before vLLM
-    wraps the model (`GPUModelRunner.load_model`) or captures (`capture_model` skips), with a warning
-    where the platform captures graphs (vLLM-CPU captures none: silent).  The dense mode, served by
-    vLLM's own Llama, keeps its graphs."""
+    without `support_torch_compile` has no piecewise split points).  A decode-only call's layers are
+    ready for it: fixed shapes over the block table's width, every tensor from the engine's own, no
+    host read (tests/serving/test_paged.py).  Its entry is not: it reads the call's offsets and lengths
+    to the host (`EngineBatch`) to group decode and prefill requests and to decide each row's dense or
+    sparse rule (`CallInfo`), choices a graph captured at one step would replay at every other.  So
+    cudagraph_mode is set to NONE, before vLLM wraps the model (`GPUModelRunner.load_model`) or
+    captures (`capture_model` skips), with a warning where the platform captures graphs (vLLM-CPU
+    captures none: silent).  The dense mode, served by vLLM's own Llama, keeps its graphs."""
     from vllm.config import CUDAGraphMode
 
     compilation = getattr(vllm_config, "compilation_config", None)
@@ -121,10 +122,25 @@ def run_eagerly(vllm_config) -> None:
     if compilation.cudagraph_capture_sizes:
         LOG.warning(
             "forecastkv: the sparse decoder runs without CUDA graphs (cudagraph_mode %s -> NONE): its decode "
-            "step reads lengths on the host and its compressed-key view grows with the sequence",
+            "call decides its requests' groups and dense rows from lengths read on the host",
             compilation.cudagraph_mode.name,
         )
     compilation.cudagraph_mode = CUDAGraphMode.NONE
+
+
+def check_positions(positions: torch.Tensor, batch: EngineBatch) -> None:
+    """Raise a ConfigError unless positions [N] (one read to the host) continue each request's stored
+    tokens: what forecastkv's paged cache stores them at."""
+    expected = (
+        torch.cat([torch.arange(batch.stored_before(r), batch.seq_lens[r]) for r in range(batch.requests)])
+        if batch.requests
+        else torch.zeros(0, dtype=torch.long)
+    )
+    if not torch.equal(positions.cpu().long(), expected):
+        raise ConfigError(
+            "vLLM passed positions that do not continue each request's stored tokens "
+            "(speculative decoding or M-RoPE is not supported by forecastkv's vLLM model)"
+        )
 
 
 def kv_page_views(kv_cache: torch.Tensor, isa: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -193,6 +209,13 @@ class ForecastKVForVLLM(nn.Module):
         super().__init__()
         run_eagerly(vllm_config)
         config = vllm_config.model_config.hf_config
+        speculative = getattr(vllm_config, "speculative_config", None)
+        if speculative is not None:
+            method = getattr(speculative, "method", None) or "a draft model"
+            raise ConfigError(
+                f"forecastkv's vLLM model scores one new token per request per decode call: speculative decoding "
+                f"({method}) is not supported; serve without speculative_config"
+            )
         parallel = vllm_config.parallel_config
         if parallel.pipeline_parallel_size > 1:
             raise ConfigError(
@@ -202,7 +225,7 @@ class ForecastKVForVLLM(nn.Module):
         ranks = parallel.tensor_parallel_size
         check_tensor_parallel(config, ranks)
         self.mode = apply_mode(config, getattr(vllm_config.model_config, "model", None) or "SRC")
-        page = vllm_config.cache_config.block_size
+        self.page = page = vllm_config.cache_config.block_size
         check_page_geometry(page, config.sparse)
         check_no_carry(None if config.sparse is None else config.sparse.selector)
         self.config = config
@@ -241,19 +264,17 @@ class ForecastKVForVLLM(nn.Module):
         if meta is None:  # a profiling or warm-up run: no pages, nothing stored
             return torch.zeros(out_shape, dtype=self.hf.model.norm.weight.dtype, device=input_ids.device)
         requests = meta.seq_lens.shape[0]
-        starts = meta.query_start_loc[: requests + 1].tolist()
-        batch = EngineBatch(starts, meta.seq_lens.tolist(), meta.block_table[:requests])
+        starts, seq_lens = meta.query_start_loc[: requests + 1].tolist(), meta.seq_lens.tolist()
+        # the table's columns the longest request fills: a decode call scores the table's width (fixed
+        # shapes for a captured step), which eager calls need not pay for up to max_model_len
+        width = -(-max(seq_lens, default=1) // self.page)
+        batch = EngineBatch(starts, seq_lens, meta.block_table[:requests, :width], meta.seq_lens[:requests])
         tokens = input_ids[: meta.num_actual_tokens]
-        expected = (
-            torch.cat([torch.arange(batch.stored_before(r), batch.seq_lens[r]) for r in range(requests)])
-            if requests
-            else torch.zeros(0, dtype=torch.long)
-        )
-        if not torch.equal(positions[: meta.num_actual_tokens].cpu().long(), expected):
-            raise ConfigError(
-                "vLLM passed positions that do not continue each request's stored tokens "
-                "(speculative decoding or M-RoPE is not supported by forecastkv's vLLM model)"
-            )
+        decode_only = getattr(meta, "max_query_len", None) == 1 and all(map(batch.stored_before, range(requests)))
+        # a decode-only call's positions are its requests' stored lengths (speculation is refused at
+        # construction): nothing is read back to check them
+        if not decode_only:
+            check_positions(positions[: meta.num_actual_tokens], batch)
         pages = self._layer_pages()
         hidden = forward_paged(self.hf.model, tokens, batch, pages, tier=self._tier(pages))
         out = torch.zeros(out_shape, dtype=hidden.dtype, device=hidden.device)

@@ -9,10 +9,12 @@ selection block (and an error for those that do not).
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from functools import partial
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from forecastkv.errors import ConfigError
 from forecastkv.modeling.cache import SparseCache
@@ -61,6 +63,7 @@ class ToyEngine:
         self.tables: dict[int, list[int]] = {}
         self.stored: dict[int, int] = {}
         self.tier = None  # forecast-offload's host tier (test_page_offload.py)
+        self.watch = nullcontext  # a context around forward_paged (a test's recorder)
 
     def step(self, work: dict[int, list[int]]) -> dict[int, torch.Tensor]:
         """work: request -> its new tokens this call.  Returns request -> logits [n, vocab]."""
@@ -78,8 +81,9 @@ class ToyEngine:
         device = self.model.device
         table = torch.tensor([self.tables[r] + [0] * (width - len(self.tables[r])) for r in order], device=device)
         tokens = torch.tensor([t for r in order for t in work[r]], device=device)
-        batch = EngineBatch(starts, seq_lens, table)
-        hidden = forward_paged(self.model.model, tokens, batch, self.layers, tier=self.tier)
+        batch = EngineBatch(starts, seq_lens, table, torch.tensor(seq_lens, device=device))
+        with self.watch():  # the engine made its inputs: watch forecastkv's part of the call
+            hidden = forward_paged(self.model.model, tokens, batch, self.layers, tier=self.tier)
         logits = self.model.lm_head(hidden)
         for r, n in zip(order, seq_lens):
             self.stored[r] = n
@@ -173,8 +177,6 @@ def engine_decode(model, kernel: bool, steps: int, compiled: bool = False):
     engine's fixed width), then `steps` decode calls of both, each recorded (`OpShapes`); compiled:
     the decode calls' layers under torch.compile(fullgraph=True, backend="eager") with
     error_on_recompile (then nothing is recorded).  Returns (tokens per step, recorded ops per step)."""
-    from contextlib import nullcontext
-
     from forecastkv import kernels
     from tests.inference.test_fixed_shapes import OpShapes
 
@@ -214,6 +216,38 @@ def test_a_decode_call_runs_fixed_shapes_and_compiles_once(mode, kernel):
         assert recorded[step] == recorded[0], f"{mode}: decode call {step + 1} runs other ops or shapes than call 1"
     compiled, _ = engine_decode(model, kernel, steps=10, compiled=True)
     assert compiled == eager
+
+
+class HostMadeTensors(TorchDispatchMode):
+    """Records the shape of every tensor made from Python numbers (`aten.lift_fresh`: torch.tensor of a
+    list) but scalars (constants such as -inf, the same at every step)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.made: list[tuple] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.lift_fresh.default and args[0].dim():
+            self.made.append(tuple(args[0].shape))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("mode", ["infllmv2-query", "infllmv2-forecast", "nosa"])
+def test_a_decode_only_call_makes_no_tensor_from_host_numbers(mode):
+    """A decode-only call takes every tensor from the engine's (token ids, block table, device
+    sequence lengths): it makes none from its host ints, which a captured step would replay as they
+    were at capture.  A prefill call still does (its rows' offsets): the check sees it."""
+    model = tiny_model(MODES[mode], seed=4)
+    engine = ToyEngine(model, page=4, table_width=16)
+    recorder = HostMadeTensors()
+    engine.watch = lambda: recorder
+    with torch.no_grad():
+        out = engine.step(dict(enumerate(prompts_of([29, 23]))))
+        assert recorder.made, "the prefill call's host-made tensors were not seen"
+        for _ in range(4):
+            recorder.made.clear()
+            out = engine.step({r: [int(rows[-1].argmax())] for r, rows in out.items()})
+            assert recorder.made == [], recorder.made
 
 
 @pytest.mark.parametrize("mode", ["infllmv2-forecast", "nosa-forecast", "coarse-lse"])

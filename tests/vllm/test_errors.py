@@ -67,10 +67,11 @@ def test_a_missing_part_of_a_fused_projection(checkpoints, tmp_path):
     assert "the checkpoint has no model.layers.3.self_attn.v_proj.weight" in failure_text(caught.value)
 
 
-def fake_vllm_config(tp: int = 1, pp: int = 1, page: int = 64, graphs=None, capture_sizes=()):
+def fake_vllm_config(tp: int = 1, pp: int = 1, page: int = 64, graphs=None, capture_sizes=(), speculative=None):
     """What the model constructor reads of a vLLM config, for a SmolLM2-shaped checkpoint (9 query heads
     over 3 KV heads; the checks under test refuse before any layer is built); graphs: vLLM's
-    cudagraph_mode (None: no compilation_config), capture_sizes: the batch sizes it would capture."""
+    cudagraph_mode (None: no compilation_config), capture_sizes: the batch sizes it would capture;
+    speculative: its speculative_config."""
     from forecastkv import ForecastKVConfig
 
     hf_config = ForecastKVConfig(
@@ -80,6 +81,7 @@ def fake_vllm_config(tp: int = 1, pp: int = 1, page: int = 64, graphs=None, capt
         model_config=SimpleNamespace(hf_config=hf_config),
         parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp),
         cache_config=SimpleNamespace(block_size=page),
+        speculative_config=speculative,
         compilation_config=None if graphs is None else SimpleNamespace(
             cudagraph_mode=graphs, cudagraph_capture_sizes=list(capture_sizes)
         ),
@@ -98,6 +100,16 @@ def test_parallelism_that_splits_a_kv_group_or_the_stack_is_refused_by_name(tp, 
 
     with pytest.raises(ConfigError, match=message):
         ForecastKVForVLLM(vllm_config=fake_vllm_config(tp, pp))
+
+
+def test_speculative_decoding_is_refused_by_name():
+    """A decode-only call trusts that each request's one new token sits at its stored length (it reads no
+    positions back): speculative decoding, which scores several, is refused when the model is built."""
+    from forecastkv.serving.vllm_model import ForecastKVForVLLM
+
+    config = fake_vllm_config(speculative=SimpleNamespace(method="ngram"))
+    with pytest.raises(ConfigError, match=r"speculative decoding \(ngram\) is not supported"):
+        ForecastKVForVLLM(vllm_config=config)
 
 
 def test_a_page_that_does_not_divide_the_block_is_refused_by_name():
