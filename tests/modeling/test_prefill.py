@@ -227,18 +227,20 @@ def test_flex_fallback_warns_with_the_shape(monkeypatch):
     monkeypatch.setattr(prefill, "_COMPILED_FLEX", {})
     monkeypatch.setattr(prefill, "FLEX_FALLBACKS", [])
     monkeypatch.setattr(prefill, "FLEX_RECOMPILE_LIMIT", 1)
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
     outputs = []
-    for rows in (150, 300):  # two buckets, a limit of one compile
-        q, keys, values, bias, _, masks, bs = random_case(3, batch=1, rows=rows, count=rows, with_bias=False)
-        positions = torch.arange(rows).view(1, -1)
-        masks = masks & (torch.arange(masks.shape[-1]).view(1, 1, 1, -1) <= (positions // bs)[:, None, :, None])
-        masks[..., 0] = True
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            got = prefill.flex_sparse_attention(q, keys, values, bias, 0, prefill.pack_block_bits(masks), bs)
-        outputs.append([str(w.message) for w in caught if "fell back to eager" in str(w.message)])
-        assert rel(got, reference(q, keys, values, bias, positions, masks, bs)) < 1e-5
+    # torch's own patch, not monkeypatch: monkeypatch's undo deletes the config entry, which torch then
+    # hides, and every later compile in the process fails on the missing recompile_limit
+    with torch._dynamo.config.patch(recompile_limit=1):
+        for rows in (150, 300):  # two buckets, a limit of one compile
+            q, keys, values, bias, _, masks, bs = random_case(3, batch=1, rows=rows, count=rows, with_bias=False)
+            positions = torch.arange(rows).view(1, -1)
+            masks = masks & (torch.arange(masks.shape[-1]).view(1, 1, 1, -1) <= (positions // bs)[:, None, :, None])
+            masks[..., 0] = True
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                got = prefill.flex_sparse_attention(q, keys, values, bias, 0, prefill.pack_block_bits(masks), bs)
+            outputs.append([str(w.message) for w in caught if "fell back to eager" in str(w.message)])
+            assert rel(got, reference(q, keys, values, bias, positions, masks, bs)) < 1e-5
     torch._dynamo.reset()
     assert outputs[0] == [] and len(outputs[1]) == 1
     assert "[B, Hq, rows, keys, d] = [1, 6, 384, 512, 8]" in outputs[1][0]
