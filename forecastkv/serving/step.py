@@ -38,11 +38,19 @@ class EngineBatch:
     def stored_before(self, r: int) -> int:
         return self.seq_lens[r] - self.query_len(r)
 
+    def is_decode(self, r: int) -> bool:
+        """Request r stores one token on a stored sequence this call."""
+        return self.query_len(r) == 1 and self.stored_before(r) > 0
+
+    def decode_only(self) -> bool:
+        """Every request decodes (request r's token at offset r)."""
+        return all(map(self.is_decode, range(self.requests)))
+
     def groups(self) -> list[list[int]]:
         """Request ids per model call: the decode requests together (one token on a stored
         sequence), then the prefill chunks together (right-padded to the longest: each row keeps its
         own positions, key length and dense-or-sparse rule); requests with no token this call are skipped."""
-        decode = [r for r in range(self.requests) if self.query_len(r) == 1 and self.stored_before(r) > 0]
+        decode = [r for r in range(self.requests) if self.is_decode(r)]
         chunks = [r for r in range(self.requests) if self.query_len(r) > 0 and r not in decode]
         return [group for group in (decode, chunks) if group]
 
@@ -61,20 +69,13 @@ def forward_paged(
     )
     for group in batch.groups():
         before = [batch.stored_before(r) for r in group]
-        if group == list(range(batch.requests)) and batch.query_start[-1] == batch.requests and all(before):
-            # a decode-only call (request r's token at offset r): every tensor from the engine's own
-            # (token ids, table, device lengths), no index made from host numbers, so a captured step
-            # would replay with the next call's values; positions come from the stored lengths
-            device_before = None if batch.device_seq_lens is None else batch.device_seq_lens - 1
-            cache = PagedSparseCache(model.config, pages, batch.table, before, selector=selector, tier=tier,
+        if batch.is_decode(group[0]):  # the decode group: positions come from the stored lengths (no mask)
+            rows, table, device_before = decode_inputs(batch, group, token_ids.device)
+            cache = PagedSparseCache(model.config, pages, table, before, selector=selector, tier=tier,
                                      device_lengths=device_before)
-            out[: batch.requests] = model(token_ids[: batch.requests].view(-1, 1), cache=cache)[0][:, 0]
-            continue
-        cache = PagedSparseCache(model.config, pages, batch.table[group], before, selector=selector, tier=tier)
-        if all(batch.query_len(r) == 1 for r in group) and all(before):  # the decode requests of a mixed call
-            rows = torch.tensor([batch.query_start[r] for r in group], device=token_ids.device)
             out[rows] = model(token_ids[rows].view(-1, 1), cache=cache)[0][:, 0]
             continue
+        cache = PagedSparseCache(model.config, pages, batch.table[group], before, selector=selector, tier=tier)
         width = max(batch.query_len(r) for r in group)
         ids = torch.zeros(len(group), width, dtype=torch.long, device=token_ids.device)
         mask = torch.zeros_like(ids)
@@ -88,6 +89,18 @@ def forward_paged(
             start, n = batch.query_start[r], batch.query_len(r)
             out[start : start + n] = hidden[row, :n]
     return out
+
+
+def decode_inputs(batch: EngineBatch, group: list[int], device) -> tuple:
+    """(the rows of the flat tokens, the block table, the device lengths before the call or None) of
+    the decode requests `group`.  A decode-only call takes all three from the engine's own tensors (no
+    index made from host numbers: a captured step would replay with the next call's values); a mixed
+    call indexes its decode requests."""
+    if batch.decode_only():
+        lengths = None if batch.device_seq_lens is None else batch.device_seq_lens - 1
+        return slice(0, batch.requests), batch.table, lengths
+    rows = torch.tensor([batch.query_start[r] for r in group], device=device)
+    return rows, batch.table[group], None
 
 
 def _full_mask(before: list[int], new: torch.Tensor) -> torch.Tensor:

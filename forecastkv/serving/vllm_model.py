@@ -270,10 +270,9 @@ class ForecastKVForVLLM(nn.Module):
         width = -(-max(seq_lens, default=1) // self.page)
         batch = EngineBatch(starts, seq_lens, meta.block_table[:requests, :width], meta.seq_lens[:requests])
         tokens = input_ids[: meta.num_actual_tokens]
-        decode_only = getattr(meta, "max_query_len", None) == 1 and all(map(batch.stored_before, range(requests)))
         # a decode-only call's positions are its requests' stored lengths (speculation is refused at
         # construction): nothing is read back to check them
-        if not decode_only:
+        if not batch.decode_only():
             check_positions(positions[: meta.num_actual_tokens], batch)
         pages = self._layer_pages()
         hidden = forward_paged(self.hf.model, tokens, batch, pages, tier=self._tier(pages))
