@@ -28,6 +28,9 @@ ATTENTION_MODES = {
     "dense": None,
     "infllmv2-query": ("infllmv2", "query"),
     "infllmv2-forecast": ("infllmv2", "forecast"),
+    # the blocks a decode step attended most carried into the next (`modeling/carry.py`)
+    "infllmv2-query-carry": ("infllmv2", "query-carry"),
+    "infllmv2-forecast-carry": ("infllmv2", "forecast-carry"),
     "nosa": ("nosa", "query"),
     "nosa-forecast": ("nosa", "forecast"),
 }

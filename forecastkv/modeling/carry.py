@@ -61,6 +61,9 @@ class CarriedBlocks:
         self.init_blocks, self.local_blocks = sparse.init_blocks, sparse.local_blocks
         self.ids: torch.Tensor | None = None
         self.heat: torch.Tensor | None = None
+        # reduce(heat) in place before the hottest are taken: the max over the ranks of a tensor-parallel
+        # engine, each of which weighed only its own KV heads (None: one rank)
+        self.reduce = None
 
     def begin(self, batch: int, device) -> None:
         """A sparse decode step starts: nothing carried yet is all -1 (the same ops as a step that carries)."""
@@ -121,6 +124,8 @@ class CarriedBlocks:
         """After a sparse decode step: its `count` hottest blocks are carried into the next."""
         if self.heat is None:
             return
+        if self.reduce is not None:
+            self.reduce(self.heat)
         heat = self.heat[:, :-1]
         top = heat.topk(min(self.count, heat.shape[1]), dim=-1)
         ids = torch.where(top.values > 0, top.indices, -1)

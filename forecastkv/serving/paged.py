@@ -10,7 +10,9 @@ forecastkv's window indexes (compressed keys, NOSA's pooled CIS, coarse keys) ar
 incrementally beside the pages in `LayerPages.windows`, one slot per compression window, filed
 under the page that holds the window's *last* key: a window depends only on keys up to its end,
 so a page shared by prefix caching (whose content is fixed by its whole prefix) shares its window
-slots too, and a freed page's slots are overwritten as its next owner completes windows.
+slots too, and a freed page's slots are overwritten as its next owner completes windows.  The blocks
+a carrying selector takes from one decode step to the next (`modeling/carry.py`) are kept the same
+way, one slot per page (`LayerPages.carried`), under the page of the sequence's last stored token.
 
 Shapes: P pages of `page` tokens, H KV heads, d head dim, B sequences, nb pages per sequence.
 """
@@ -98,6 +100,16 @@ class LayerPages:
     # contract (its keys and values bound), which a decode step without NOSA's bias calls on the
     # selected pages instead of gathering them here
     attend: Callable | None = None
+    # carried blocks (`modeling/carry.py`) between a sequence's calls, [P, count] int64 (-1: none): the ids
+    # its last call left, under the page holding the last token it stored (`PagedSparseCache`); made on
+    # first use, kept in one layer's pages (they are the model's, not a layer's)
+    carried: torch.Tensor | None = None
+
+    def carried_slots(self, count: int) -> torch.Tensor:
+        """`carried`, made (all -1) for `count` blocks a sequence if it holds another count."""
+        if self.carried is None or self.carried.shape[1] != count:
+            self.carried = torch.full((self.keys.shape[0], count), -1, dtype=torch.long, device=self.keys.device)
+        return self.carried
 
     @property
     def strides(self) -> dict[str, tuple[int, int]]:
@@ -397,11 +409,17 @@ class PagedRows:
             self.tier.wait(self.index)
         if self.pages.attend is not None and self.pages.cis is None:
             return self.attend_selected(layer, q, plan.selection)
+        return attend_gathered(q, *self.blocks(layer, plan), layer.lengths)
+
+    def blocks(self, layer, plan: Plan) -> tuple:
+        """The blocks of plan.selection [B, H, K] read from their pages -> keys, values [B, H, K*bs, d], key
+        positions [B, H, K*bs] (-1 = not a key), NOSA's bias [B, H, K*bs] or None (the resident store's
+        `blocks`): what a gathered decode attends and what carried blocks weigh (`carry.py`)."""
         pos, exists = block_rows(plan.selection, layer.block_size, layer.lengths)  # [B, H, K*bs]
         k, v, bias = (None if pool is None else self.block_rows_of(pool, plan.selection, layer.block_size, pos)
                       for pool in (self.pages.keys, self.pages.values, self.pages.cis))
         zero_missing_(exists, k, v, bias)  # the gathers are fresh copies
-        return attend_gathered(q, k, v, pos.masked_fill(~exists, -1), bias, layer.lengths)
+        return k, v, pos.masked_fill(~exists, -1), bias
 
     def attend_selected(self, layer, q: torch.Tensor, selection: torch.Tensor) -> torch.Tensor:
         """Decode attention by the engine's kernel (`LayerPages.attend`): each (sequence, KV head) a
@@ -535,20 +553,6 @@ def paged_layer(
     return layer
 
 
-def check_no_carry(selector: str | None) -> None:
-    """Raise a ConfigError for a selector that carries blocks from one decode step to the next
-    (`modeling/carry.py`): an engine call's paged view keeps no state between calls."""
-    from ..selectors import get_selector
-
-    rule = get_selector(selector)
-    if rule is not None and rule.carries:
-        plain = selector.removesuffix("-carry")
-        raise ConfigError(
-            f"selector {selector!r} carries blocks from one decode step to the next, which a serving engine's "
-            f"paged cache does not keep between its calls; serve with {plain!r}, or run {selector!r} in generate()"
-        )
-
-
 class PagedSparseCache(SparseCache):
     """A `SparseCache` whose layers keep their rows and window indexes in pages (`paged_layer`): one
     engine call's view of the pages.
@@ -556,21 +560,44 @@ class PagedSparseCache(SparseCache):
     config: the model's; pages: one `LayerPages` per layer; table [B, nb] page ids per sequence;
     lengths: stored positions per sequence before the call (host ints); device_lengths: the same on the
     device, from the engine's tensors, or None; tier: a `serving/page_offload.py:PageOffload`
-    (forecast-offload) or None."""
+    (forecast-offload) or None; reduce_heat: for a selector that carries blocks on a tensor-parallel
+    engine, the in-place max of a step's heat over the ranks (`CarriedBlocks.reduce`), else None.
+
+    A selector that carries blocks (`modeling/carry.py`) keeps what each sequence carries between the
+    engine's calls in the pages (`LayerPages.carried`), so its decode steps select as `generate()`'s do."""
 
     def __init__(
         self, config, pages: list[LayerPages], table: torch.Tensor, lengths: list[int], selector=None, tier=None,
-        device_lengths: torch.Tensor | None = None,
+        device_lengths: torch.Tensor | None = None, reduce_heat: Callable | None = None,
     ):
         self._paged = (pages, table, list(lengths), tier, device_lengths)
-        self.tier, self.shared = tier, CallIndexes()
+        self.tier, self.shared, self.reduce_heat = tier, CallIndexes(), reduce_heat
         super().__init__(config, selector=selector)
 
     def _make_layer(self, config, sparse, idx: int, max_length: int | None) -> SparseCacheLayer:
-        check_no_carry(self.selector or (sparse.selector if sparse is not None else None))
         pages, table, lengths, tier, device_lengths = self._paged
         return paged_layer(pages[idx], table, lengths, sparse, tier=tier, index=idx, shared=self.shared,
                            device_lengths=device_lengths)
+
+    def _carry_for(self, call: CallInfo, sparse) -> None:
+        """The base's carried blocks, and for a sparse decode step the ids each sequence's last call left
+        under the page of its last stored token (`LayerPages.carried`): a device gather, no host read."""
+        super()._carry_for(call, sparse)
+        if self._carry_call == "decode":
+            carry = self.layers[0].carry
+            carry.reduce = self.reduce_heat
+            carry.ids = self._pages_carried(carry.count)[self._last_pages(self.layers[0].lengths)]
+
+    def _last_pages(self, lengths: torch.Tensor) -> torch.Tensor:
+        """The page [B] holding each sequence's last stored token, lengths [B] (>= 1) its stored positions.
+        A page is shared (prefix caching) only once full, and a sequence whose last token ends a shared
+        page is the one that filled it: the engine recomputes a prompt's last token on a page of its own."""
+        pages, table = self._paged[0][0], self._paged[1].to(lengths.device, torch.long)
+        column = torch.div(lengths - 1, pages.page, rounding_mode="floor").clamp(0, table.shape[1] - 1)
+        return table.gather(1, column.view(-1, 1)).view(-1)
+
+    def _pages_carried(self, count: int) -> torch.Tensor:
+        return self._paged[0][0].carried_slots(count)
 
     def begin_call(self, positions: torch.Tensor, sparse, input_ids: torch.Tensor | None = None) -> CallInfo:
         step = super().begin_call(positions, sparse, input_ids)
@@ -582,7 +609,11 @@ class PagedSparseCache(SparseCache):
         return step
 
     def finish_call(self) -> None:
+        carrying = getattr(self, "_carry_call", None) is not None
         super().finish_call()
+        if carrying:  # what the next decode step of each sequence carries (-1s after any other call)
+            layer = self.layers[0]
+            self._pages_carried(layer.carry.count)[self._last_pages(layer.lengths)] = layer.carry.ids
         if getattr(self, "_tier_step", False):
             store = self.layers[0].store
             self.tier.end_decode(store.table, store.lengths_before, self.layers[0].lengths)

@@ -56,13 +56,15 @@ class EngineBatch:
 
 
 def forward_paged(
-    model, token_ids: torch.Tensor, batch: EngineBatch, pages: list[LayerPages], selector: str | None = None, tier=None
+    model, token_ids: torch.Tensor, batch: EngineBatch, pages: list[LayerPages], selector: str | None = None, tier=None,
+    reduce_heat=None,
 ) -> torch.Tensor:
     """Hidden states [N, hidden] (after the final norm) for the flat token_ids [N] of `batch`, whose
     K/V (and window indexes) go to and come from `pages` (one `LayerPages` per layer).
 
     model: a `ForecastKVModel` (the decoder stack); tier: forecast-offload's host tier
-    (`serving/page_offload.py:PageOffload`) or None.  Rows of token_ids past the batch's last request
+    (`serving/page_offload.py:PageOffload`) or None; reduce_heat: `PagedSparseCache`'s (tensor parallelism
+    under a selector that carries blocks).  Rows of token_ids past the batch's last request
     (an engine's padding) come back as zeros."""
     out = torch.zeros(
         token_ids.shape[0], model.config.hidden_size, dtype=model.norm.weight.dtype, device=token_ids.device
@@ -72,10 +74,11 @@ def forward_paged(
         if batch.is_decode(group[0]):  # the decode group: positions come from the stored lengths (no mask)
             rows, table, device_before = decode_inputs(batch, group, token_ids.device)
             cache = PagedSparseCache(model.config, pages, table, before, selector=selector, tier=tier,
-                                     device_lengths=device_before)
+                                     device_lengths=device_before, reduce_heat=reduce_heat)
             out[rows] = model(token_ids[rows].view(-1, 1), cache=cache)[0][:, 0]
             continue
-        cache = PagedSparseCache(model.config, pages, batch.table[group], before, selector=selector, tier=tier)
+        cache = PagedSparseCache(model.config, pages, batch.table[group], before, selector=selector, tier=tier,
+                                 reduce_heat=reduce_heat)
         width = max(batch.query_len(r) for r in group)
         ids = torch.zeros(len(group), width, dtype=torch.long, device=token_ids.device)
         mask = torch.zeros_like(ids)

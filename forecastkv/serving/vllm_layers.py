@@ -31,6 +31,7 @@ from torch import nn
 from vllm.distributed import (
     get_tensor_model_parallel_rank,
     get_tensor_model_parallel_world_size,
+    get_tp_group,
     tensor_model_parallel_all_gather,
 )
 from vllm.model_executor.layers.activation import SiluAndMul
@@ -99,6 +100,20 @@ def sharded_cis(attn, ranks: int, rank: int):
         return (attn.A * F.softplus(attn.delta(every)))[..., heads]
 
     return compute_cis
+
+
+def max_over_ranks():
+    """The in-place max of a tensor over the tensor-parallel ranks, or None on one rank: a decode step's
+    heat under a selector that carries blocks (`modeling/carry.py`), each rank having weighed only its
+    own KV heads, so every rank carries the blocks one rank holding all heads would."""
+    if get_tensor_model_parallel_world_size() == 1:
+        return None
+    group = get_tp_group().device_group
+
+    def reduce(tensor: torch.Tensor) -> None:
+        torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX, group=group)
+
+    return reduce
 
 
 def use_vllm_layers(model, quant_config=None, prefix: str = "") -> None:

@@ -13,7 +13,8 @@ that layer's pages and builds the call's block tables; its own attention kernel 
 the page layout is ours (`kv_page_views`).
 
 The attention mode comes from the checkpoint's `sparse_config`, or from vLLM's `hf_overrides`:
-{"forecastkv_mode": "dense" | "infllmv2-query" | "nosa" | "infllmv2-forecast" | "nosa-forecast"}.
+{"forecastkv_mode": "dense" | "infllmv2-query" | "nosa" | "infllmv2-forecast" | "nosa-forecast" |
+"infllmv2-query-carry" | "infllmv2-forecast-carry"} (`forecastkv/modes.py:ATTENTION_MODES`).
 Imports vLLM: load it through the plugin (`serving/vllm_plugin.py`), not from forecastkv's core.
 
 forecastkv's decoder runs eagerly (`run_eagerly`): vLLM's CUDA graphs stay off for it, on by default for
@@ -40,9 +41,10 @@ from vllm.model_executor.layers.attention import Attention
 from ..errors import ConfigError, UserInputError
 from ..modeling.modeling import ForecastKVForCausalLM
 from ..modes import ATTENTION_MODES
-from .paged import LayerPages, check_no_carry, check_page_geometry
+from ..selectors import get_selector
+from .paged import LayerPages, check_page_geometry
 from .step import EngineBatch, forward_paged
-from .vllm_layers import check_tensor_parallel, load_weights, use_vllm_layers
+from .vllm_layers import check_tensor_parallel, load_weights, max_over_ranks, use_vllm_layers
 from .vllm_llama import ForecastKVDenseLlama, served_by_vllm_llama
 
 MODE_KEY = "forecastkv_mode"  # the hf_overrides key that picks the attention mode
@@ -88,13 +90,14 @@ def apply_mode(config, source: str = "SRC") -> str:
     if not isinstance(name, str) or "@" in name or name not in ATTENTION_MODES:
         raise ConfigError(f"{MODE_KEY}={name!r} is not a vLLM attention mode; known: {sorted(ATTENTION_MODES)}")
     spec = ATTENTION_MODES[name]
+    heads = spec is not None and get_selector(spec[1]).needs_forecast_heads
     convert = f"forecastkv convert {source} DIR"
     if spec is not None and config.sparse is None:
         raise ConfigError(
             f"{MODE_KEY}={name!r} needs a sparse geometry, but the checkpoint's sparse_config is null; "
-            f"fix: {convert} --sparse-config PRESET" + (" --forecast-init next_query" if spec[1] == "forecast" else "")
+            f"fix: {convert} --sparse-config PRESET" + (" --forecast-init next_query" if heads else "")
         )
-    if spec is not None and spec[1] == "forecast" and not config.forecast_config.enabled:
+    if heads and not config.forecast_config.enabled:
         raise ConfigError(
             f"{MODE_KEY}={name!r} needs Forecast heads, but the checkpoint has none; "
             f"fix: {convert} --forecast-init next_query (or --forecast-weights with heads from train-forecast)"
@@ -227,7 +230,6 @@ class ForecastKVForVLLM(nn.Module):
         self.mode = apply_mode(config, getattr(vllm_config.model_config, "model", None) or "SRC")
         self.page = page = vllm_config.cache_config.block_size
         check_page_geometry(page, config.sparse)
-        check_no_carry(None if config.sparse is None else config.sparse.selector)
         self.config = config
         self.hf = ForecastKVForCausalLM(config)
         use_vllm_layers(self.hf, vllm_config.quant_config, prefix)  # fused QKV, gate/up, oneDNN GEMMs
@@ -246,6 +248,7 @@ class ForecastKVForVLLM(nn.Module):
             for name in self.layer_names
         )
         self._pages: tuple[tuple[int, ...], list[LayerPages]] | None = None
+        self.reduce_heat = max_over_ranks()  # carried blocks under tensor parallelism (`modeling/carry.py`)
 
     # -- vLLM's model interface -------------------------------------------------------------------
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -275,7 +278,8 @@ class ForecastKVForVLLM(nn.Module):
         if not batch.decode_only():
             check_positions(positions[: meta.num_actual_tokens], batch)
         pages = self._layer_pages()
-        hidden = forward_paged(self.hf.model, tokens, batch, pages, tier=self._tier(pages))
+        hidden = forward_paged(self.hf.model, tokens, batch, pages, tier=self._tier(pages),
+                               reduce_heat=self.reduce_heat)
         out = torch.zeros(out_shape, dtype=hidden.dtype, device=hidden.device)
         out[: hidden.shape[0]] = hidden
         return out

@@ -94,6 +94,26 @@ def test_roll_carries_the_hottest_blocks_but_never_a_forced_one(monkeypatch):
     assert carry.ids.tolist() == [[-1, -1]]  # a step that attended nothing carries nothing
 
 
+def test_ranks_carry_the_blocks_hottest_over_all_of_them():
+    """Under tensor parallelism each rank weighs only its own KV heads: with `reduce` taking the max over
+    the ranks before the hottest are picked, both carry what one rank holding every head would."""
+    heats = [torch.tensor([[0.0, 0.4, 0.1, 0.0, 0.0]]), torch.tensor([[0.0, 0.1, 0.0, 0.3, 0.0]])]  # 4 blocks + spare
+    whole = carry_of()
+    whole.heat = torch.maximum(*heats)
+    whole.roll()
+    ranks = [carry_of(), carry_of()]
+    for rank, heat in zip(ranks, heats):
+        rank.heat = heat.clone()
+        rank.reduce = lambda tensor: torch.maximum(tensor, torch.maximum(*heats), out=tensor)
+    for rank in ranks:
+        rank.roll()
+        assert rank.ids.tolist() == whole.ids.tolist() == [[1, 3]]
+    alone = carry_of()
+    alone.heat = heats[0].clone()
+    alone.roll()
+    assert alone.ids.tolist() == [[1, 2]]  # without it rank 0 would carry its own second block
+
+
 def decode(model, cache, steps: int):
     ids, mask = left_padded([70, 52])
     records, carried = [], []
@@ -195,15 +215,6 @@ def test_carrying_adds_no_host_read_to_a_decode_step():
             assert counter.reads == 0, counter.report()
             token = logits[:, -1:].argmax(-1)
     assert (cache.layers[0].carry.ids >= 0).any()
-
-
-def test_a_serving_engines_paged_cache_refuses_a_carrying_selector():
-    from forecastkv.errors import ConfigError
-    from tests.serving.test_paged import run_engine
-
-    model = tiny_model({**GEOMETRY, "selector": "forecast-carry"}, seed=8)
-    with pytest.raises(ConfigError, match=r"selector 'forecast-carry' carries blocks .* serve with 'forecast'"):
-        run_engine(model, [[5, 6, 7]], chunk=4, steps=1, page=8)
 
 
 def test_a_row_with_no_key_has_no_share():

@@ -30,6 +30,8 @@ MODES = {
     "nosa": {"policy": "nosa", "selector": "query"},
     "nosa-forecast": {"policy": "nosa", "selector": "forecast"},
     "coarse-lse": {"selector": "query", "lse": "coarse"},
+    "infllmv2-query-carry": {"selector": "query-carry"},
+    "infllmv2-forecast-carry": {"selector": "forecast-carry"},
 }
 
 
@@ -90,11 +92,13 @@ class ToyEngine:
         return {r: logits[starts[i] : starts[i + 1]] for i, r in enumerate(order)}
 
 
-def reference_logits(model, prompt: list[int], continuation: list[int]) -> torch.Tensor:
+def reference_logits(model, prompt: list[int], continuation: list[int], chunk: int | None = None) -> torch.Tensor:
     """Logits [len(prompt) + len(continuation), vocab] of one request on a resident SparseCache: the
-    prompt in one call, then one call per continuation token (generate()'s calls)."""
+    prompt in one call (or in calls of `chunk` tokens), then one call per continuation token
+    (generate()'s calls)."""
     cache = SparseCache(model.config)
-    rows = [model(torch.tensor([prompt]), cache=cache).logits[0]]
+    chunk = chunk or max(len(prompt), 1)
+    rows = [model(torch.tensor([prompt[i : i + chunk]]), cache=cache).logits[0] for i in range(0, len(prompt), chunk)]
     for token in continuation:
         rows.append(model(torch.tensor([[token]]), cache=cache).logits[0])
     return torch.cat(rows)
@@ -139,15 +143,18 @@ def test_engine_logits_equal_resident_cache(mode, page, heads_inside, kernel):
     pages, windows and blocks), then 6 decode steps in one batch: every logit equals the resident
     cache's run of that request alone, and so does every greedy token.  heads_inside: pages laid out
     [P, page, H, d] (a CUDA backend's), which the page-wise block gather cannot flatten.  kernel: decode
-    through a page-attention kernel (`PagedRows.attend_selected`; NOSA's bias keeps the gather)."""
+    through a page-attention kernel (`PagedRows.attend_selected`; NOSA's bias keeps the gather).  A
+    selector that carries blocks is compared with the same calls (a prompt's last chunk of one token
+    is a decode step, in `generate()` too, and its heat is carried into the next)."""
     model = tiny_model(MODES[mode])
     prompts = prompts_of([1, 3, 7, 8, 19, 41])
     logits, generated = run_engine(
         model, prompts, chunk=5, steps=6, page=page, heads_inside=heads_inside, kernel=kernel
     )
+    same_calls = 5 if mode.endswith("-carry") else None
     for r, prompt in enumerate(prompts):
         continuation = generated[r][:-1]
-        expected = reference_logits(model, prompt, continuation)
+        expected = reference_logits(model, prompt, continuation, chunk=same_calls)
         assert torch.isfinite(logits[r]).all(), f"request {r} (prompt of {len(prompt)}) has non-finite logits"
         torch.testing.assert_close(logits[r], expected, rtol=1e-4, atol=1e-4, msg=f"{mode}, request {r}")
         assert generated[r] == expected[len(prompt) - 1 :].argmax(-1).tolist()
@@ -201,7 +208,8 @@ def engine_decode(model, kernel: bool, steps: int, compiled: bool = False):
 
 
 @pytest.mark.parametrize(
-    "mode,kernel", [(mode, False) for mode in ("infllmv2-query", "infllmv2-forecast", "nosa", "coarse-lse")]
+    "mode,kernel",
+    [(mode, False) for mode in ("infllmv2-query", "infllmv2-forecast", "nosa", "coarse-lse", "infllmv2-forecast-carry")]
     + [("infllmv2-forecast", True)],
 )
 def test_a_decode_call_runs_fixed_shapes_and_compiles_once(mode, kernel):
@@ -232,7 +240,7 @@ class HostMadeTensors(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("mode", ["infllmv2-query", "infllmv2-forecast", "nosa"])
+@pytest.mark.parametrize("mode", ["infllmv2-query", "infllmv2-forecast", "nosa", "infllmv2-forecast-carry"])
 def test_a_decode_only_call_makes_no_tensor_from_host_numbers(mode):
     """A decode-only call takes every tensor from the engine's (token ids, block table, device
     sequence lengths): it makes none from its host ints, which a captured step would replay as they
@@ -280,6 +288,36 @@ def test_a_decode_call_makes_its_indexes_once(mode, monkeypatch):
         assert all(made.values()), made  # the decode call ran these paths
         counts.append(made)
     assert counts[0] == counts[1], f"index tensors per decode call with 2 layers {counts[0]}, with 4 {counts[1]}"
+
+
+@pytest.mark.parametrize("mode", ["infllmv2-query-carry", "infllmv2-forecast-carry"])
+def test_carried_blocks_follow_each_request_across_calls(mode):
+    """The blocks a request's decode step carries into its next (`modeling/carry.py`) are kept in the
+    pages between the engine's calls, under the page of its last token: requests arrive while others
+    decode (a call holding one request's prompt and the others' decode tokens, listed in a new order
+    each call), one finishes and a later one gets its pages, and every request's logits still equal
+    its own run on a resident cache, which carries in memory."""
+    model = tiny_model(MODES[mode], seed=2)
+    engine = ToyEngine(model, page=4, pages=48)
+    prompts = dict(enumerate(prompts_of([41, 19, 30, 26], seed=7)))
+    arrive, leave = {0: 0, 1: 2, 2: 3, 3: 8}, {0: 7}  # call -> request arriving / finishing after it
+    arrivals = {call: r for r, call in arrive.items()}
+    logits, generated, live = {r: [] for r in prompts}, {r: [] for r in prompts}, []
+    with torch.no_grad():
+        for call in range(13):
+            work = {r: [generated[r][-1]] for r in reversed(live)}  # another row order each call
+            if call in arrivals:
+                work = {arrivals[call]: prompts[arrivals[call]], **work}
+                live.append(arrivals[call])
+            for r, rows in engine.step(work).items():
+                logits[r].append(rows)
+                generated[r].append(int(rows[-1].argmax()))
+            for r in [r for r in live if leave.get(r) == call]:
+                live.remove(r)
+                engine.free.extend(engine.tables.pop(r))  # its pages go to the next request
+    for r, prompt in prompts.items():
+        expected = reference_logits(model, prompt, generated[r][:-1])
+        torch.testing.assert_close(torch.cat(logits[r]), expected, rtol=1e-4, atol=1e-4, msg=f"{mode}, request {r}")
 
 
 def test_a_decode_batch_reads_only_its_pages():

