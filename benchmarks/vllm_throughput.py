@@ -43,7 +43,8 @@ sys.path.insert(0, str(ROOT))
 
 NATIVE = "vllm-native"  # vLLM's own model on the plain checkpoint: the baseline
 GATHER = "-gather"  # a sparse mode with its decode attention gathered by forecastkv, not vLLM's kernel
-MODES = (NATIVE, "dense", "infllmv2-query", "infllmv2-forecast", "infllmv2-forecast" + GATHER, "nosa")
+MODES = (NATIVE, "dense", "infllmv2-query", "infllmv2-forecast", "infllmv2-forecast" + GATHER, "nosa",
+         "infllmv2-forecast-carry")
 
 
 def positive(text: str) -> int:
