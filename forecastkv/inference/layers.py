@@ -241,16 +241,18 @@ class OffloadedRows(OffloadedStaging):
         tail = (plan.selection == current) & (plan.selection >= 0)
         return torch.where(plan.slot_of >= 0, plan.slot_of, torch.where(tail, self.budget, -1))
 
-    def blocks(self, layer, plan: RuntimePlan):
+    def blocks(self, layer, plan: RuntimePlan, with_values: bool = True):
         """The planned blocks from the slots (same layout and values as `ResidentRows.blocks`)."""
         plan = self._ready(plan)
         if plan.dense:
-            return gather_blocks(*self._dense_copy(layer, plan), plan.selection, layer.lengths, layer.block_size)
+            return gather_blocks(*self._dense_copy(layer, plan), plan.selection, layer.lengths, layer.block_size,
+                                 with_values=with_values)
         slot = self._slot_of_selected(layer, plan)
         offsets = torch.arange(layer.block_size, device=slot.device)
         rows = (slot.clamp(min=0).unsqueeze(-1) * layer.block_size + offsets).flatten(-2)
         return gather_blocks(
-            self.k_slots, self.v_slots, self.bias_slots, plan.selection, layer.lengths, layer.block_size, rows=rows
+            self.k_slots, self.v_slots, self.bias_slots, plan.selection, layer.lengths, layer.block_size, rows=rows,
+            with_values=with_values,
         )
 
     def decode_attention(self, layer, q: torch.Tensor, plan: RuntimePlan) -> torch.Tensor:

@@ -615,10 +615,11 @@ class ResidentRows:
         if self.log is not None and plan is not None:
             self.log.add(plan.counts, plan.h2d_extra)
 
-    def blocks(self, layer, plan: Plan):
-        """The blocks of plan.selection [B, H, K] -> keys, values [B, H, K*bs, d], key positions
-        [B, H, K*bs] (-1 = not a key), bias [B, H, K*bs] or None (`gather_blocks`)."""
-        return gather_blocks(self.keys, self.values, self.cis, plan.selection, layer.lengths, layer.block_size)
+    def blocks(self, layer, plan: Plan, with_values: bool = True):
+        """The blocks of plan.selection [B, H, K] -> keys, values [B, H, K*bs, d] (None unless with_values),
+        key positions [B, H, K*bs] (-1 = not a key), bias [B, H, K*bs] or None (`gather_blocks`)."""
+        return gather_blocks(self.keys, self.values, self.cis, plan.selection, layer.lengths, layer.block_size,
+                             with_values=with_values)
 
     def decode_attention(self, layer, q: torch.Tensor, plan: Plan) -> torch.Tensor:
         """One decode token per sequence, q [B, 1, Hq, d], over the planned blocks -> [B, 1, Hq, d]: the
@@ -1023,11 +1024,14 @@ def block_rows(selection: torch.Tensor, block_size: int, lengths: torch.Tensor):
     return pos, exists
 
 
-def gather_blocks(keys, values, cis, selection, lengths, block_size, rows: torch.Tensor | None = None):
+def gather_blocks(
+    keys, values, cis, selection, lengths, block_size, rows: torch.Tensor | None = None, with_values: bool = True
+):
     """K/V/bias of the selected blocks from position-indexed storage [B, S, H, ...].
 
     rows [B, H, K*bs] overrides where each key is read from (a slot buffer); by default row = position.
-    Returns keys, values [B, H, K*bs, d], key positions [B, H, K*bs] (-1 = not a key), bias or None;
+    Returns keys, values [B, H, K*bs, d] (None unless with_values: what weighing the blocks skips), key
+    positions [B, H, K*bs] (-1 = not a key), bias or None;
     entries that are not keys are 0.  Their rows may hold anything (a slot never filled is NaN, and
     a -1 entry or a short prompt's missing blocks read one), and a masked logit does not stop NaN
     keys or values from reaching the softmax's output, so they are zeroed here.
@@ -1038,7 +1042,7 @@ def gather_blocks(keys, values, cis, selection, lengths, block_size, rows: torch
     b_idx = torch.arange(batch, device=index.device).view(-1, 1, 1)
     h_idx = torch.arange(heads, device=index.device).view(1, -1, 1)
     # advanced indexing copies whole d-rows (a gather over a transposed view is several x slower)
-    k, v = keys[b_idx, index, h_idx], values[b_idx, index, h_idx]
+    k, v = keys[b_idx, index, h_idx], values[b_idx, index, h_idx] if with_values else None
     bias = None if cis is None else cis[b_idx, index, h_idx]
     zero_missing_(exists, k, v, bias)
     return k, v, pos.masked_fill(~exists, -1), bias

@@ -102,7 +102,7 @@ class CarriedBlocks:
     def observe(self, layer, q: torch.Tensor, plan) -> None:
         """After `layer`'s decode attention of q [B, 1, Hq, d] over plan.selection [B, H, K]: its blocks' share
         of the attention into the step's heat (max), init, local and current blocks left out."""
-        keys, _, key_pos, bias = layer.store.blocks(layer, plan)
+        keys, _, key_pos, bias = layer.store.blocks(layer, plan, with_values=False)  # the mass needs no values
         mass = selected_block_mass(q, keys, key_pos, bias, layer.lengths, self.block_size)  # [B, H, K]
         selection = plan.selection
         n = sel.num_blocks(layer.capacity_rows(), self.block_size)

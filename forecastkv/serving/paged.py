@@ -411,13 +411,15 @@ class PagedRows:
             return self.attend_selected(layer, q, plan.selection)
         return attend_gathered(q, *self.blocks(layer, plan), layer.lengths)
 
-    def blocks(self, layer, plan: Plan) -> tuple:
-        """The blocks of plan.selection [B, H, K] read from their pages -> keys, values [B, H, K*bs, d], key
-        positions [B, H, K*bs] (-1 = not a key), NOSA's bias [B, H, K*bs] or None (the resident store's
-        `blocks`): what a gathered decode attends and what carried blocks weigh (`carry.py`)."""
+    def blocks(self, layer, plan: Plan, with_values: bool = True) -> tuple:
+        """The blocks of plan.selection [B, H, K] read from their pages -> keys, values [B, H, K*bs, d] (None
+        unless with_values), key positions [B, H, K*bs] (-1 = not a key), NOSA's bias [B, H, K*bs] or None
+        (the resident store's `blocks`): what a gathered decode attends and what carried blocks weigh
+        (`carry.py`, keys only)."""
         pos, exists = block_rows(plan.selection, layer.block_size, layer.lengths)  # [B, H, K*bs]
+        pools = (self.pages.keys, self.pages.values if with_values else None, self.pages.cis)
         k, v, bias = (None if pool is None else self.block_rows_of(pool, plan.selection, layer.block_size, pos)
-                      for pool in (self.pages.keys, self.pages.values, self.pages.cis))
+                      for pool in pools)
         zero_missing_(exists, k, v, bias)  # the gathers are fresh copies
         return k, v, pos.masked_fill(~exists, -1), bias
 

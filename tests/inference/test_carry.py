@@ -78,7 +78,7 @@ def test_roll_carries_the_hottest_blocks_but_never_a_forced_one(monkeypatch):
 
     carry = carry_of()
     carry.begin(1, "cpu")
-    store = SimpleNamespace(blocks=lambda layer, plan: (None, None, None, None))
+    store = SimpleNamespace(blocks=lambda layer, plan, with_values: (None, None, None, None))
     layer = SimpleNamespace(lengths=torch.tensor([22]), capacity_rows=lambda: 24, store=store)
     plan = SimpleNamespace(selection=torch.tensor([[[0, 1, 3, 4]]]))
     for mass in ([0.5, 0.1, 0.3, 0.1], [0.6, 0.05, 0.05, 0.3]):  # two layers' shares of blocks 0, 1, 3, 4
