@@ -14,8 +14,7 @@ from tests.helpers import TINY_MODEL
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "vllm"
 # the checkpoint each attention mode is served from (NOSA needs A/delta, which the demo's lacks)
-MODE_CHECKPOINT = {"dense": "demo", "infllmv2-query": "demo", "infllmv2-forecast": "demo", "nosa": "nosa",
-                   "infllmv2-forecast-carry": "demo"}
+MODE_CHECKPOINT = {"dense": "demo", "infllmv2-query": "demo", "infllmv2-forecast": "demo", "nosa": "nosa"}
 PAGE = 64  # vLLM block_size: one page per selection block
 # the tests' tiny model with heads of 32 (vLLM-CPU's smallest): 4 query heads over TINY_MODEL's KV heads
 TINY_VLLM_SHAPE = dict(

@@ -1,0 +1,39 @@
+"""infllmv2-forecast-carry in vLLM: what each request carries from one decode step to the next
+(`forecastkv/modeling/carry.py`) is kept beside its pages between vLLM's calls (`serving/paged.py`,
+`LayerPages.carried`).  On a tiny checkpoint, greedy tokens equal generate()'s for one prompt alone
+and for four sent together under a small token budget, so prompts prefill in chunks beside other
+requests' decode rows (mixed calls, rows in the scheduler's order) and the first prompt comes again
+from the prefix cache.  The logic is tested on the toy engine (`tests/serving/test_paged.py`); this is
+vLLM's scheduler around it.  Two ranks: `test_tensor_parallel.py`."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from tests.vllm.engines import engine, hf_greedy, vllm_greedy
+from tests.vllm.test_tensor_parallel import CHANGES, tiny_checkpoint
+
+MODE = "infllmv2-forecast-carry"
+NEW_TOKENS = 12
+
+
+@pytest.mark.slow
+def test_carrying_mode_gives_generate_tokens_beside_other_requests(tmp_path):
+    model = tiny_checkpoint(tmp_path / "tiny", "infllmv2", **CHANGES[MODE])
+    generator = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 256, (n,), generator=generator).tolist() for n in (700, 300, 520, 900)]
+    expected = [hf_greedy(model, MODE, p, NEW_TOKENS) for p in prompts]
+    del model
+    llm = engine(str(tmp_path / "tiny"), MODE, skip_tokenizer_init=True, max_model_len=1024,
+                 max_num_batched_tokens=256, enable_chunked_prefill=True, enable_prefix_caching=True)
+    alone = vllm_greedy(llm, prompts[:1], NEW_TOKENS)
+    together = vllm_greedy(llm, prompts, NEW_TOKENS)
+    del llm
+    gc.collect()
+    for label, got, want in (("alone", alone, expected[:1]), ("together", together, expected)):
+        for n, ((tokens, logprobs), (ref_tokens, ref_logprobs)) in enumerate(zip(got, want)):
+            assert tokens == ref_tokens, f"{label}, prompt {n} ({len(prompts[n])} tokens)"
+            assert max(abs(a - b) for a, b in zip(logprobs, ref_logprobs)) < 1e-3, f"{label}, prompt {n}"
