@@ -588,18 +588,18 @@ class PagedSparseCache(SparseCache):
         if self._carry_call == "decode":
             carry = self.layers[0].carry
             carry.reduce = self.reduce_heat
-            carry.ids = self._pages_carried(carry.count)[self._last_pages(self.layers[0].lengths)]
+            slots, last = self._carried_at_last_pages(carry.count)
+            carry.ids = slots[last]
 
-    def _last_pages(self, lengths: torch.Tensor) -> torch.Tensor:
-        """The page [B] holding each sequence's last stored token, lengths [B] (>= 1) its stored positions.
-        A page is shared (prefix caching) only once full, and a sequence whose last token ends a shared
-        page is the one that filled it: the engine recomputes a prompt's last token on a page of its own."""
-        pages, table = self._paged[0][0], self._paged[1].to(lengths.device, torch.long)
-        column = torch.div(lengths - 1, pages.page, rounding_mode="floor").clamp(0, table.shape[1] - 1)
-        return table.gather(1, column.view(-1, 1)).view(-1)
-
-    def _pages_carried(self, count: int) -> torch.Tensor:
-        return self._paged[0][0].carried_slots(count)
+    def _carried_at_last_pages(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the slots `LayerPages.carried` [P, count], the page [B] holding each sequence's last stored
+        token), through layer 0's store.  A page is shared (prefix caching) only once full, and a sequence
+        whose last token ends a shared page is the one that filled it: the engine recomputes a prompt's
+        last token on a page of its own."""
+        layer = self.layers[0]
+        store = layer.store
+        last, _ = page_slots(store.table, (layer.lengths - 1).view(-1, 1), store.pages.page)
+        return store.pages.carried_slots(count), last.view(-1)
 
     def begin_call(self, positions: torch.Tensor, sparse, input_ids: torch.Tensor | None = None) -> CallInfo:
         step = super().begin_call(positions, sparse, input_ids)
@@ -614,8 +614,9 @@ class PagedSparseCache(SparseCache):
         carrying = getattr(self, "_carry_call", None) is not None
         super().finish_call()
         if carrying:  # what the next decode step of each sequence carries (-1s after any other call)
-            layer = self.layers[0]
-            self._pages_carried(layer.carry.count)[self._last_pages(layer.lengths)] = layer.carry.ids
+            carry = self.layers[0].carry
+            slots, last = self._carried_at_last_pages(carry.count)
+            slots[last] = carry.ids
         if getattr(self, "_tier_step", False):
             store = self.layers[0].store
             self.tier.end_decode(store.table, store.lengths_before, self.layers[0].lengths)
