@@ -318,14 +318,19 @@ def lm_logits(model, hidden: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def dense_prefill(model, seq: ScoredSequence):
-    """The dense cache holding seq's first `prefill` tokens (one forward call, chunked by the model)."""
+    """The dense cache holding seq's first `prefill` tokens (one forward call, chunked by the model), with the
+    blocks its last rows attended most pinned in the model's geometry (`modeling/pins.py`), for the cells whose
+    selector pins (the others ignore them)."""
     from ..modeling.cache import SparseCache
+    from ..modeling.pins import PINNED
     from ..modeling.routing import attending_with
 
     device = next(model.parameters()).device
+    geometry = model.config.sparse
     with attending_with(model, None):
         cache = SparseCache(model.config)
         cache.reserve(seq.ids.shape[1])
+        cache.pins_always = None if geometry is None else (PINNED, geometry)
         model.model(seq.ids[:, : seq.prefill].to(device), cache=cache)
     return cache
 

@@ -23,6 +23,7 @@ def copy_into(source, target) -> None:
     for src, dst in zip(source.layers, target.layers):
         keys, values, cis, rows = src.full()
         dst.append(keys, values, cis, stored_positions(src.lengths, rows))
+        dst.pinned = getattr(src, "pinned", None)  # what the source's prompt pinned (`modeling/pins.py`)
     for layer in target.layers:
         layer.columns = source.layers[0].columns
 

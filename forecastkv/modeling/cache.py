@@ -41,6 +41,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .. import kernels
 from ..selectors import get_selector
+from . import pins
 from . import selection as sel
 from .carry import CarriedBlocks
 from .prefill import masked_attention
@@ -728,6 +729,8 @@ class SparseCacheLayer(CacheLayerMixin):
         self.block_size = block_size
         self.reserved: int | None = None  # rows generate() will store at most (`SparseCache.reserve`)
         self.carry = None  # the cache's `carry.CarriedBlocks` (a selector that carries blocks), shared by its layers
+        # (blocks per KV head, SparseConfig) a multi-token call pins with (`pins.py`; the cache sets it per call)
+        self.pinning: tuple | None = None
         self._clear()
 
     def _clear(self) -> None:
@@ -745,6 +748,7 @@ class SparseCacheLayer(CacheLayerMixin):
         self.columns = 0  # input columns seen, padding included (what generate() slices by)
         if self.carry is not None:  # what was carried belonged to the rows dropped
             self.carry.forget()
+        self.pinned: torch.Tensor | None = None  # [B, H, pins] int64 (-1: none), `pin_window`
 
     # -- the window indexes by name (None: not kept, or not made yet) ------------------------------
     ckeys = property(lambda self: _buffer(self.index, "ckeys"))
@@ -788,6 +792,7 @@ class SparseCacheLayer(CacheLayerMixin):
         self.store.reorder(beam_idx)
         if self.carry is not None:
             self.carry.forget()
+        self.pinned = None
         if self.lengths is not None:
             self.lengths = self.lengths.index_select(0, beam_idx.to(self.lengths.device))
         for window in self.windows:
@@ -806,6 +811,8 @@ class SparseCacheLayer(CacheLayerMixin):
         other.index = {window.name: window for window in other.windows}
         other.store = self.store.forked(self, repeats)
         other.last_plan, other.block_shares = None, []
+        if self.pinned is not None:
+            other.pinned = self.pinned.repeat_interleave(repeats, dim=0)
         return other
 
     def crop(self, tokens: int) -> None:
@@ -824,6 +831,7 @@ class SparseCacheLayer(CacheLayerMixin):
         self.columns -= drop
         if self.carry is not None:
             self.carry.forget()
+        self.pinned = None
         self.lengths = (self.lengths - drop).clamp(min=0)
         self.host_lengths = [max(n - drop, 0) for n in self.host_lengths]
         self.store.crop(self)
@@ -971,6 +979,14 @@ class SparseCacheLayer(CacheLayerMixin):
             self.carry.observe(self, q, plan)
         return out
 
+    def pin_window(self, q: torch.Tensor, positions: torch.Tensor) -> None:
+        """After a multi-token call of q [B, T, Hq, d] (post-RoPE) at positions [B, T], under `pinning`: the
+        blocks its last rows attended most, per KV head, pinned for the decode steps after it (`pins.py`), read
+        from every stored key."""
+        count, sparse = self.pinning
+        mass = pins.window_block_mass(q, positions, self.full()[0], sparse.block_size)
+        self.pinned = pins.window_pins(mass, self.lengths, sparse, count)
+
     # -- full views (prefill and dense paths) ----------------------------------------------------
     def full(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
         """K, V [B, S, H, d], CIS [B, S, H] or None, and S = the longest stored sequence, on the device."""
@@ -1096,6 +1112,10 @@ class SparseCache(Cache):
         self.signature = model_signature(config) if config is not None else None
         self._checked: tuple = (None, None)  # the (config, config.sparse) that last passed `check_model`
         self.unrecorded_from: tuple[int, ...] | None = None  # decode steps' first positions (`token_record.py`)
+        # (blocks per KV head, SparseConfig) every multi-token call pins with whatever the selector (`pins.py`):
+        # a dense prefill that cells of several selectors decode from (the quality suite's); None: only a
+        # pinning selector's calls pin
+        self.pins_always: tuple | None = None
         super().__init__(layers=[self._make_layer(config, sparse, idx, max_length) for idx in range(num_layers)])
 
     @property
@@ -1179,6 +1199,7 @@ class SparseCache(Cache):
                 layer.prepare(call, positions.shape[1])
             step = dataclasses.replace(call, prepared=True)
         self._carry_for(call, sparse)
+        self._pins_for(call, sparse)
         return step
 
     def _carry_for(self, call: CallInfo, sparse) -> None:
@@ -1203,6 +1224,17 @@ class SparseCache(Cache):
         else:
             carry.forget()
             self._carry_call = "other"
+
+    def _pins_for(self, call: CallInfo, sparse) -> None:
+        """Under a selector that pins blocks (`Selector.pins`), or where `pins_always` asks (a shared prefill
+        that several selectors decode from), a multi-token call drops the pins and pins anew as it ends
+        (`SparseCacheLayer.pin_window`); decode steps keep them."""
+        rule = self.rule or (get_selector(sparse.selector) if sparse is not None else None)
+        pinning = (rule.pins, sparse) if rule is not None and sparse is not None and rule.pins else self.pins_always
+        for layer in self.layers:
+            layer.pinning = pinning
+            if not call.decode:
+                layer.pinned = None
 
     def compiles_decode(self, step: CallInfo) -> bool:
         """Whether `compile_decode`'s graph covers this call: a decode step whose layers run fixed

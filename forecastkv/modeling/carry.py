@@ -51,6 +51,20 @@ def selected_block_mass(
     return probs.view(batch, kv_heads, -1, keys.shape[2] // block_size, block_size).sum(-1).mean(2)
 
 
+def force_ids(scores: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """scores [B, H, Tq, NB] with blocks `ids` set to +inf where a row can see them (score above -inf): ids
+    [B, P] for every head (carried blocks) or [B, H, P] per KV head (pinned blocks, `pins.py`); -1 or an id past
+    NB: none.  Fixed shapes: the ids out of range go to a spare column."""
+    n = scores.shape[-1]
+    ids = ids if ids.dim() == 3 else ids[:, None]
+    ids = torch.where((ids >= 0) & (ids < n), ids, n)
+    index = ids[:, :, None, :].expand(*scores.shape[:3], -1)
+    padded = torch.cat([scores, scores.new_full((*scores.shape[:3], 1), sel.NEG_INF)], dim=-1)
+    current = padded.gather(-1, index)
+    padded = padded.scatter(-1, index, torch.where(current > sel.NEG_INF, sel.POS_INF, current))
+    return padded[..., :n]
+
+
 class CarriedBlocks:
     """One cache's carried blocks (see the module docstring).  count: blocks carried; sparse: the geometry
     (block size, init and local blocks).  ids [B, count] int64 (-1: none) once a decode step began; heat
@@ -89,15 +103,7 @@ class CarriedBlocks:
 
     def force(self, scores: torch.Tensor) -> torch.Tensor:
         """scores [B, H, Tq, NB] with the carried blocks a row can see (score above -inf) set to +inf."""
-        if self.ids is None:
-            return scores
-        n = scores.shape[-1]
-        ids = torch.where((self.ids >= 0) & (self.ids < n), self.ids, n)  # the rest into a spare column
-        index = ids[:, None, None, :].expand(*scores.shape[:3], -1)
-        padded = torch.cat([scores, scores.new_full((*scores.shape[:3], 1), sel.NEG_INF)], dim=-1)
-        current = padded.gather(-1, index)
-        padded = padded.scatter(-1, index, torch.where(current > sel.NEG_INF, sel.POS_INF, current))
-        return padded[..., :n]
+        return scores if self.ids is None else force_ids(scores, self.ids)
 
     def observe(self, layer, q: torch.Tensor, plan) -> None:
         """After `layer`'s decode attention of q [B, 1, Hq, d] over plan.selection [B, H, K]: its blocks' share

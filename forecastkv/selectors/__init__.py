@@ -29,6 +29,10 @@ loop, the caches and the runtime ask it; none of them names a selector.
   * ``query-carry``, ``forecast-carry``, ``quest-forecast-carry``
                         those rules with the blocks the last decode step attended most carried into every
                         layer (`modeling/carry.py`): what a copy head needs and pooled keys do not show.
+  * ``forecast-carry-pin``, ``quest-forecast-carry-pin``
+                        the two carrying rules that plan a layer ahead, with each layer's and KV head's blocks
+                        the prompt's last rows attended most pinned for every decode step (`modeling/pins.py`):
+                        what a layer ahead misses at the first answer token.
 
 A new selector is one module here plus its line in `REGISTERED`.  This module imports nothing, so the
 console script can offer the names without importing torch.
@@ -49,6 +53,8 @@ REGISTERED = {
     "query-carry": "query_carry",
     "forecast-carry": "forecast_carry",
     "quest-forecast-carry": "quest_forecast_carry",
+    "forecast-carry-pin": "forecast_carry_pin",
+    "quest-forecast-carry-pin": "quest_forecast_carry_pin",
 }
 
 

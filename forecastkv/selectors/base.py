@@ -13,6 +13,7 @@ from __future__ import annotations
 import abc
 
 from ..modeling import selection as sel
+from ..modeling.carry import force_ids
 
 # what a selector scores with: the layer's own queries, the Forecast vectors the layer before makes,
 # the queries the layer before guesses for it, or the blocks an anchor layer selected
@@ -33,6 +34,8 @@ class Selector:
     anchored        its layers take the blocks of anchor layers (`sparse_config.reuse_anchors`)
     carries         blocks a decode step carries into the next: the ones it attended most, in any layer,
                     forced into every layer's selection (`modeling/carry.py`); 0: none
+    pins            blocks per layer and KV head the prompt's last rows attended most, forced into every
+                    decode step's selection of that layer and head (`modeling/pins.py`); 0: none
     """
 
     name = ""
@@ -43,6 +46,7 @@ class Selector:
     deployable = True
     anchored = False
     carries = 0
+    pins = 0
     # derived once per class from the above (class attributes: a decode step reads them without a call)
     lag = 0  # the visibility lag of `scoring`: 0 after the row's token is stored, 1 before it (a layer ahead)
     needs_forecast_heads = False  # it scores with Forecast vectors: the model must carry Forecast heads
@@ -139,10 +143,13 @@ class Selector:
         return cache_layer.plan(selection[:, :, 0])
 
     def carry_into(self, scores, cache_layer):
-        """Block scores [B, H, Tq, NB] with the blocks carried from the last decode step forced (`carries`;
-        nothing carried before a decode step: the scores as they are)."""
+        """Block scores [B, H, Tq, NB] with the blocks carried from the last decode step (`carries`) and the
+        layer's pinned blocks (`pins`) forced; before a decode step nothing is carried or pinned yet."""
         carry = getattr(cache_layer, "carry", None)
-        return scores if not self.carries or carry is None else carry.force(scores)
+        if self.carries and carry is not None:
+            scores = carry.force(scores)
+        pinned = getattr(cache_layer, "pinned", None)
+        return force_ids(scores, pinned) if self.pins and pinned is not None else scores
 
 
 class KeyScoringSelector(Selector, abc.ABC):

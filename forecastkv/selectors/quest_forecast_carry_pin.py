@@ -1,0 +1,16 @@
+"""``quest-forecast-carry-pin``: ``quest-forecast-carry`` (`quest_forecast_carry.py`), and per layer and KV head
+the blocks the prompt's last rows attended most pinned into every decode step's selection (`modeling/pins.py`:
+why and how).  Pins are known when the prompt ends, so the rule still plans a layer ahead."""
+
+from __future__ import annotations
+
+from ..modeling.pins import PINNED
+from .quest_forecast_carry import QuestForecastCarry
+
+
+class QuestForecastCarryPin(QuestForecastCarry):
+    name = "quest-forecast-carry-pin"
+    pins = PINNED
+
+
+SELECTOR = QuestForecastCarryPin()
