@@ -45,6 +45,7 @@ from ..modeling.cache import (
     zero_missing_,
 )
 from ..modeling.prefill import BlockSource
+from ..selectors import get_selector
 
 
 def check_page_geometry(page: int, sparse) -> None:
@@ -529,6 +530,17 @@ class PagedRows:
         return ConfigError("the paged cache keeps no Quest block key bounds: serve with the query or forecast selector")
 
 
+def check_paged_selector(rule) -> None:
+    """Raise a ConfigError for a selector (`Selector` or None) whose state the pages do not keep between the
+    engine's calls: a pinning one (`modeling/pins.py`: per request, layer and head, from its prompt)."""
+    if rule is not None and rule.pins:
+        raise ConfigError(
+            f"selector {rule.name!r} pins blocks per request, layer and head from its prompt (modeling/pins.py), "
+            "which the paged cache does not keep between the engine's calls; serve with forecast-carry "
+            "(forecastkv_mode infllmv2-forecast-carry)"
+        )
+
+
 def paged_layer(
     pages: LayerPages, table: torch.Tensor, lengths: list[int], sparse, tier=None, index: int = 0,
     shared: CallIndexes | None = None, device_lengths: torch.Tensor | None = None,
@@ -575,6 +587,7 @@ class PagedSparseCache(SparseCache):
         self._paged = (pages, table, list(lengths), tier, device_lengths)
         self.tier, self.shared, self.reduce_heat = tier, CallIndexes(), reduce_heat
         super().__init__(config, selector=selector)
+        check_paged_selector(self.rule or (get_selector(config.sparse.selector) if config.sparse else None))
 
     def _make_layer(self, config, sparse, idx: int, max_length: int | None) -> SparseCacheLayer:
         pages, table, lengths, tier, device_lengths = self._paged

@@ -1,7 +1,7 @@
 """Carried blocks (`modeling/carry.py`, the `*-carry` selectors): the attention share of each selected block
 against a plain loop, what is forced and what is carried, the carried blocks in every layer's next
-selection, offloaded tokens equal resident tokens, fork and forget, no host read added, and the paged
-(serving engine) cache's refusal."""
+selection, offloaded tokens equal resident tokens (the pinning selectors too), fork and forget, and no host read
+added."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from tests.inference.test_offloaded import generate
 from tests.strict_device import count_host_reads
 
 CARRYING = ("query-carry", "forecast-carry", "quest-forecast-carry")
+PINNING = ("forecast-carry-pin", "quest-forecast-carry-pin")  # carrying, and pinning (`modeling/pins.py`)
 GEOMETRY = {"policy": "infllmv2", "topk": 4}  # 5 of the 9-10 blocks of a 70-token prompt: a choice to make
 
 
@@ -157,7 +158,7 @@ def test_carrying_changes_what_is_selected():
     assert not torch.equal(chosen["query"], chosen["query-carry"])
 
 
-@pytest.mark.parametrize("selector", CARRYING)
+@pytest.mark.parametrize("selector", CARRYING + PINNING)
 def test_offloaded_tokens_equal_resident_tokens(selector):
     model = tiny_model({**GEOMETRY, "selector": selector}, seed=8)
     ids, mask = left_padded([70, 52])
@@ -199,10 +200,11 @@ def test_a_multi_token_call_forgets_what_was_carried():
     assert (cache.layers[0].carry.ids == -1).all()
 
 
-def test_carrying_adds_no_host_read_to_a_decode_step():
+@pytest.mark.parametrize("selector", ["query-carry", "forecast-carry-pin"])
+def test_carrying_adds_no_host_read_to_a_decode_step(selector):
     """A decode step of the resident cache reads nothing back (as the query rule's): what is carried is
-    forced, observed and rolled on the device."""
-    model = tiny_model({**GEOMETRY, "selector": "query-carry"}, seed=8)
+    forced, observed and rolled on the device, and what the prompt pinned (`modeling/pins.py`) is forced."""
+    model = tiny_model({**GEOMETRY, "selector": selector}, seed=8)
     cache = SparseCache(model.config)
     ids, mask = left_padded([70, 52])
     cache.reserve(ids.shape[1] + 4)

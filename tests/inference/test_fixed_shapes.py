@@ -94,7 +94,8 @@ def test_consecutive_decode_steps_run_identical_shapes(mode, policy, top_p):
 @pytest.mark.parametrize(
     ("selector", "mode"),
     [("quest", "sparse-offload"), ("reuse", "forecast-offload"), ("speculate", "forecast-offload"),
-     ("query-carry", "sparse-offload"), ("quest-forecast-carry", "forecast-offload")],
+     ("query-carry", "sparse-offload"), ("quest-forecast-carry", "forecast-offload"),
+     ("forecast-carry-pin", "forecast-offload")],
 )
 def test_every_deployable_selector_runs_identical_shapes(selector, mode):
     """Quest's block bounds, reuse's handed-over blocks, speculate's guessed queries and the blocks carried
@@ -165,14 +166,15 @@ def test_gather_programs_default_and_override():
 @pytest.mark.parametrize(
     ("mode", "policy", "selector"),
     [(mode, policy, "forecast") for policy in ("infllmv2", "nosa") for mode in FIXED_MODES + ["resident"]]
-    + [("resident", "infllmv2", "quest-forecast-carry"), ("forecast-offload", "infllmv2", "forecast-carry")],
+    + [("resident", "infllmv2", "quest-forecast-carry"), ("forecast-offload", "infllmv2", "forecast-carry"),
+       ("resident", "infllmv2", "forecast-carry-pin")],
 )
 def test_decode_layers_compile_once_for_every_step(mode, policy, selector):
     """torch.compile(fullgraph=True) takes a decode step's layers whole (the offloaded runtime
     included: no graph break), and 12 consecutive steps across window and block completions run
     that one graph (error_on_recompile), with the eager path's tokens.  Backend "eager": the trace
     and its guards are what is checked; kernels as their references (the CPU path).  The carrying
-    selectors too: what they carry is forced, observed and rolled without a break."""
+    selectors too: what they carry is forced, observed and rolled without a break; and the pinned blocks."""
     from forecastkv import kernels
 
     model = tiny_model({"policy": policy, "selector": selector}, seed=4)

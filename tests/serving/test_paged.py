@@ -346,3 +346,14 @@ def test_page_geometry(block, stride, page, ok):
     else:
         with pytest.raises(ConfigError, match=f"block_size={page}"):
             check_page_geometry(page, sparse)
+
+
+@pytest.mark.parametrize("selector", ["forecast-carry-pin", "quest-forecast-carry-pin"])
+def test_a_pinning_selector_is_refused_by_name(selector):
+    """The pins (`modeling/pins.py`) are per request, layer and head, from the prompt: the pages do not keep them
+    between calls, so the engine refuses the selector, naming it and the carrying rule it serves instead; and so
+    does the vLLM model's mode check, before any call (`serving/vllm_model.py:apply_mode`)."""
+    model = tiny_model({"policy": "infllmv2", "selector": selector}, seed=3)
+    engine = ToyEngine(model, page=4)
+    with pytest.raises(ConfigError, match=f"selector '{selector}' pins blocks.*infllmv2-forecast-carry"):
+        engine.step({0: list(range(3, 20))})

@@ -139,6 +139,16 @@ def test_apply_mode_names_the_value(override, expected):
         apply_mode(config)
 
 
+def test_a_checkpoint_whose_selector_pins_is_refused_as_the_model_is_built():
+    from forecastkv import ForecastKVConfig
+    from forecastkv.serving.vllm_model import apply_mode
+
+    config = ForecastKVConfig(sparse_config="smollm2-135m")
+    config.sparse_config = {**config.sparse_config, "selector": "forecast-carry-pin"}
+    with pytest.raises(ConfigError, match="selector 'forecast-carry-pin' pins blocks per request"):
+        apply_mode(config)
+
+
 @pytest.mark.parametrize(
     "override,policy,selector",
     [
