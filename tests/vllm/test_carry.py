@@ -4,7 +4,9 @@
 and for four sent together under a small token budget, so prompts prefill in chunks beside other
 requests' decode rows (mixed calls, rows in the scheduler's order) and the first prompt comes again
 from the prefix cache.  The logic is tested on the toy engine (`tests/serving/test_paged.py`); this is
-vLLM's scheduler around it.  Two ranks: `test_tensor_parallel.py`."""
+vLLM's scheduler around it.  Two ranks: `test_tensor_parallel.py`.  Under the forecast-offload connector
+(`serving/vllm_connector.py`, pool rows it did not load poisoned with NaN), the carried blocks must be among
+the blocks it loads a layer ahead."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import pytest
 import torch
 
 from tests.vllm.engines import engine, hf_greedy, vllm_greedy
+from tests.vllm.test_connector import CONNECTOR
 from tests.vllm.test_tensor_parallel import CHANGES, tiny_checkpoint
 
 MODE = "infllmv2-forecast-carry"
@@ -37,3 +40,20 @@ def test_carrying_mode_gives_generate_tokens_beside_other_requests(tmp_path):
         for n, ((tokens, logprobs), (ref_tokens, ref_logprobs)) in enumerate(zip(got, want)):
             assert tokens == ref_tokens, f"{label}, prompt {n} ({len(prompts[n])} tokens)"
             assert max(abs(a - b) for a, b in zip(logprobs, ref_logprobs)) < 1e-3, f"{label}, prompt {n}"
+
+
+@pytest.mark.slow
+def test_carried_blocks_are_loaded_by_the_lookahead_connector(tmp_path):
+    """The blocks a step carries are in each layer's planned selection, which the connector fetches a layer
+    ahead: with every row it did not load poisoned (`evict`), the tokens still equal generate()'s."""
+    model = tiny_checkpoint(tmp_path / "tiny", "infllmv2", **CHANGES[MODE])
+    prompt = torch.randint(3, 256, (700,), generator=torch.Generator().manual_seed(5)).tolist()
+    expected = hf_greedy(model, MODE, prompt, NEW_TOKENS)
+    del model
+    llm = engine(str(tmp_path / "tiny"), MODE, skip_tokenizer_init=True, max_model_len=1024,
+                 enable_prefix_caching=False, kv_transfer_config=CONNECTOR)
+    ((tokens, logprobs),) = vllm_greedy(llm, [prompt], NEW_TOKENS)
+    del llm
+    gc.collect()
+    assert tokens == expected[0]
+    assert max(abs(a - b) for a, b in zip(logprobs, expected[1])) < 1e-3
