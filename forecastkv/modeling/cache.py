@@ -792,7 +792,8 @@ class SparseCacheLayer(CacheLayerMixin):
         self.store.reorder(beam_idx)
         if self.carry is not None:
             self.carry.forget()
-        self.pinned = None
+        if self.pinned is not None:  # a beam keeps the pins of the prompt it continues
+            self.pinned = self.pinned.index_select(0, beam_idx.to(self.pinned.device))
         if self.lengths is not None:
             self.lengths = self.lengths.index_select(0, beam_idx.to(self.lengths.device))
         for window in self.windows:

@@ -12,7 +12,8 @@ never change while decoding, so a rule that plans a layer ahead still does, and 
 
 `window_pins` is computed by each layer at the end of every multi-token call (`SparseCacheLayer.pin_window`),
 from that call's last `PIN_ROWS` queries over every key the layer holds: the call that ends the prompt leaves
-the pins its decode steps keep.  A multi-token call, a crop, a reorder or a reset drops them first.
+the pins its decode steps keep.  A multi-token call, a crop or a reset drops them first; a reorder (beam
+search) and a fork take them along.
 """
 
 from __future__ import annotations

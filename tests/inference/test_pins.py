@@ -109,7 +109,7 @@ def test_pinning_changes_what_is_selected():
     assert not torch.equal(chosen["forecast-carry"], chosen["forecast-carry-pin"])
 
 
-def test_a_fork_keeps_the_pins_and_a_new_prompt_or_a_crop_drops_them():
+def test_a_fork_or_a_reorder_keeps_the_pins_and_a_new_prompt_or_a_crop_drops_them():
     model = tiny_model({**GEOMETRY, "selector": "forecast-carry-pin"}, seed=8)
     cache = SparseCache(model.config)
     _, pins = decode(model, cache, 2)
@@ -117,6 +117,9 @@ def test_a_fork_keeps_the_pins_and_a_new_prompt_or_a_crop_drops_them():
     assert all(torch.equal(layer.pinned, mine.pinned) for one in twice for layer, mine in zip(one.layers, cache.layers))
     (wide,) = [cache.layers[0].forked(3)]
     assert torch.equal(wide.pinned, cache.layers[0].pinned.repeat_interleave(3, dim=0))
+    swapped = cache.fork()
+    swapped.reorder_cache(torch.tensor([1, 0]))  # beam search: each beam keeps its prompt's pins
+    assert all(torch.equal(layer.pinned, mine.pinned.flip(0)) for layer, mine in zip(swapped.layers, cache.layers))
     with torch.no_grad():  # a two-token call pins anew from its own last rows
         model(input_ids=torch.tensor([[5, 6], [7, 8]]), attention_mask=torch.ones(2, LENGTHS[0] + 4, dtype=torch.long),
               cache=cache)
