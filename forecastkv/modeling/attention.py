@@ -201,7 +201,7 @@ class SparseAttention(nn.Module):
         else:
             out = self._attend_chunks(q, vectors, forecast_in, positions, cache_layer, selections_out, rule, step,
                                       sparse)
-            if not step.decode and getattr(cache_layer, "pinning", None):  # after the call's own selections
+            if not step.decode and cache_layer.pinning:  # after the call's own selections
                 cache_layer.pin_window(q, positions)
         return self.o_proj(out.reshape(batch, length, self.num_heads * d))
 

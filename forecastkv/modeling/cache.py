@@ -361,6 +361,8 @@ class CacheLayer(Protocol):
     is_initialized: bool
     device: torch.device
     kernels: kernels.KernelSet | None
+    pinning: tuple | None  # (blocks per KV head, SparseConfig) this call pins with (`pins.py`), or None
+    pinned: torch.Tensor | None  # int64 [B, H, pins] the prompt pinned (-1: none), or None
 
     def append(
         self,
@@ -389,6 +391,10 @@ class CacheLayer(Protocol):
 
     def full(self) -> tuple:
         """(keys, values [B, S, H, d], cis [B, S, H] or None, S): every stored row on the device."""
+
+    def pin_window(self, q: torch.Tensor, positions: torch.Tensor) -> None:
+        """After a multi-token call of q [B, T, Hq, d] at positions [B, T] under `pinning`: `pinned` from its
+        last rows' attention over every stored key (`pins.py`)."""
 
     def key_count(self) -> int:
         """S: the longest stored sequence (a host int, no read)."""

@@ -148,8 +148,7 @@ class Selector:
         carry = getattr(cache_layer, "carry", None)
         if self.carries and carry is not None:
             scores = carry.force(scores)
-        pinned = getattr(cache_layer, "pinned", None)
-        return force_ids(scores, pinned) if self.pins and pinned is not None else scores
+        return force_ids(scores, cache_layer.pinned) if self.pins and cache_layer.pinned is not None else scores
 
 
 class KeyScoringSelector(Selector, abc.ABC):

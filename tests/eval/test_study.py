@@ -145,7 +145,7 @@ def test_offloaded_bytes_and_hits(small_run):
             assert 0.0 <= r["hit_rate"] <= 1.0
             ahead = r["selector"] in (
                 "forecast", "reuse", "speculate", "quest-forecast", "maxkey-forecast", "forecast-carry",
-                "quest-forecast-carry",
+                "quest-forecast-carry", "forecast-carry-pin", "quest-forecast-carry-pin",
             )
             assert r["prefetch"] is ahead and r["offload_mode"] == ("forecast-offload" if ahead else "sparse-offload")
     for selector in ("dense", *(s for s in SELECTORS if s != "oracle")):
