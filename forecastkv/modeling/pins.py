@@ -5,10 +5,11 @@ Why: at 8K on the quality suite's needle task (`benchmarks/results/quality/`) th
 layer ahead lose the answer at its first token ("1." where dense says "4498828."): at the first decode step
 no layer's layer-ahead selection held the needle's block, so carrying (`carry.py`) had nothing to carry.
 The prompt's own last rows, the question, do attend it: its key words point at the needle.  Seeding the
-carried blocks from those rows (max over layers and heads) put the needle's block in the seed nearly always
-and fixed 5 of 14 misses; pinning each layer's and head's own 2 hottest blocks fixed 8 of 13 (a throwaway
-probe over the misses of `suite-niah-8k-50/`, not committed).  The pins are known when the prompt ends and
-never change while decoding, so a rule that plans a layer ahead still does, and a runtime fetches them once.
+carried blocks from those rows (max over layers and heads) put the needle's block in every seed but made only
+3-5 of 14 misses whole; pinning each layer's and head's own 2 hottest blocks made 9 of the 13 that dense found
+whole (a throwaway probe; then on the suite's 50 examples at 8K and 16 blocks forecast-carry went from 0.22 to
+0.44, dense 0.48: `benchmarks/results/quality/README.md`).  The pins are known when the prompt ends and never
+change while decoding, so a rule that plans a layer ahead still does, and a runtime fetches them once.
 
 `window_pins` is computed by each layer at the end of every multi-token call (`SparseCacheLayer.pin_window`),
 from that call's last `PIN_ROWS` queries over every key the layer holds: the call that ends the prompt leaves
