@@ -228,7 +228,8 @@ def accuracy_plot(cells: list[dict], path: Path, title: str) -> Path:
     lengths = sorted({c["length"] for c in task_cells})
     tasks = list(dict.fromkeys(c["task"] for c in task_cells))
     modes = list(dict.fromkeys(c["mode"] for c in task_cells))
-    colors = {mode: plt.cm.tab10(i % 10) for i, mode in enumerate(modes)}
+    palette = plt.cm.tab10 if len(modes) <= 10 else plt.cm.tab20  # past 10 cells tab10 would repeat a colour
+    colors = {mode: palette(i % palette.N) for i, mode in enumerate(modes)}
     rows, cols = max(len(tasks), 1), max(len(lengths), 1)
     fig, axes = plt.subplots(rows, cols, figsize=(4.4 * cols, 2.6 * rows), squeeze=False, sharey=True)
     for i, task in enumerate(tasks):

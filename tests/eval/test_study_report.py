@@ -348,3 +348,20 @@ def test_study_command_measures_then_writes_the_report(tmp_path, monkeypatch, ca
     assert (model, tokenizer, spec.lengths, cells) == ("model", "tokenizer", (2048,), out / "cells.json")
     assert sorted(p.name for p in out.iterdir()) == ["pareto_2048.png", "recall.png", "records.json", "report.md"]
     assert "study: " in capsys.readouterr().out
+
+
+def test_suite_plot_gives_every_cell_its_own_colour(tmp_path, kept_figures):
+    """Eleven cells (dense, the oracle and nine selectors, as the 4K needle suite has): tab10 would give the
+    eleventh dense's colour."""
+    from forecastkv.eval.suite_report import accuracy_plot
+
+    modes = ["dense"] + [f"s{i}@16" for i in range(10)]
+    cells = [
+        {"task": "niah_single_essay", "length": 4096, "mode": mode, "accuracy": 0.5, "interval": [0.4, 0.6],
+         "h2d_bytes_per_step": 2**20 * (1.0 + i)}
+        for i, mode in enumerate(modes)
+    ]
+    accuracy_plot(cells, tmp_path / "a.png", "tiny")
+    (figure,) = kept_figures
+    handles = figure.legends[0].legend_handles
+    assert len({tuple(handle.get_color()) for handle in handles}) == len(modes) == len(handles)
