@@ -1209,12 +1209,17 @@ class SparseCache(Cache):
         self._pins_for(call, sparse)
         return step
 
+    def call_rule(self, sparse):
+        """The `Selector` a call under SparseConfig `sparse` runs: the cache's own, else the config's; None for a
+        dense call (sparse None)."""
+        return None if sparse is None else self.rule or get_selector(sparse.selector)
+
     def _carry_for(self, call: CallInfo, sparse) -> None:
         """Under a selector that carries blocks (`Selector.carries`), the layers' shared `CarriedBlocks`:
         kept for a sparse decode step, forgotten by any other call (and made ready for the next decode
         step when the call ends, `finish_call`, so that a decode step allocates nothing)."""
-        rule = self.rule or (get_selector(sparse.selector) if sparse is not None else None)
-        count = rule.carries if rule is not None and sparse is not None else 0
+        rule = self.call_rule(sparse)
+        count = rule.carries if rule is not None else 0
         carry = self.layers[0].carry if self.layers else None
         self._carry_call = None
         if not count:
@@ -1236,8 +1241,8 @@ class SparseCache(Cache):
         """Under a selector that pins blocks (`Selector.pins`), or where `pins_always` asks (a shared prefill
         that several selectors decode from), a multi-token call drops the pins and pins anew as it ends
         (`SparseCacheLayer.pin_window`); decode steps keep them."""
-        rule = self.rule or (get_selector(sparse.selector) if sparse is not None else None)
-        pinning = (rule.pins, sparse) if rule is not None and sparse is not None and rule.pins else self.pins_always
+        rule = self.call_rule(sparse)
+        pinning = (rule.pins, sparse) if rule is not None and rule.pins else self.pins_always
         for layer in self.layers:
             layer.pinning = pinning
             if not call.decode:

@@ -45,7 +45,6 @@ from ..modeling.cache import (
     zero_missing_,
 )
 from ..modeling.prefill import BlockSource
-from ..selectors import get_selector
 
 
 def check_page_geometry(page: int, sparse) -> None:
@@ -587,7 +586,7 @@ class PagedSparseCache(SparseCache):
         self._paged = (pages, table, list(lengths), tier, device_lengths)
         self.tier, self.shared, self.reduce_heat = tier, CallIndexes(), reduce_heat
         super().__init__(config, selector=selector)
-        check_paged_selector(self.rule or (get_selector(config.sparse.selector) if config.sparse else None))
+        check_paged_selector(self.call_rule(config.sparse))
 
     def _make_layer(self, config, sparse, idx: int, max_length: int | None) -> SparseCacheLayer:
         pages, table, lengths, tier, device_lengths = self._paged
