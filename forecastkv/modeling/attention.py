@@ -198,12 +198,24 @@ class SparseAttention(nn.Module):
                     bounds=step.bounds(),
                 )
             out = cache_layer.decode_attention(q, plan)
+            if step.dense_rows is not None:
+                out = self._dense_rows_decode(q, out, cache_layer, step.dense_rows, sparse)
         else:
             out = self._attend_chunks(q, vectors, forecast_in, positions, cache_layer, selections_out, rule, step,
                                       sparse)
             if not step.decode and cache_layer.pinning:  # after the call's own selections
                 cache_layer.pin_window(q, positions)
         return self.o_proj(out.reshape(batch, length, self.num_heads * d))
+
+    def _dense_rows_decode(self, q, sparse_out, cache_layer, dense: torch.Tensor, sparse) -> torch.Tensor:
+        """A decode step's output [B, 1, Hq, d] where MiniCPM's dense rule is decided on the device
+        (`CallInfo.dense_rows`, dense bool [B]): the rows below dense_len attend every stored block, the
+        others keep sparse_out.  Both attentions run at fixed shapes (a captured step cannot choose);
+        the dense one reads only the current block of a sparse row (`selection.dense_row_blocks`)."""
+        blocks = sel.num_blocks(cache_layer.capacity_rows(), sparse.block_size)
+        every = sel.dense_row_blocks(cache_layer.lengths, dense, sparse.block_size, blocks, self.num_kv_heads)
+        out = cache_layer.decode_attention(q, Plan(every, cis_bias=sparse.dense_cis_bias), observe=False)
+        return torch.where(dense.view(-1, 1, 1, 1), out, sparse_out)
 
     def _scoring_vectors(self, rule, q, forecast_in, reused, plan, step: CallInfo, sparse):
         """What this layer's selection starts from (`Selector.scores_with`): its queries, the vectors

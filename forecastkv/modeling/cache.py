@@ -283,6 +283,10 @@ class CallInfo:
     all_dense: bool
     key_count: int
     prepared: bool = False  # the cache did this call's host bookkeeping already (`SparseCache.begin_call`)
+    # a decode step whose dense rule is decided on the device (an engine's captured step, `PagedSparseCache`):
+    # bool [B], the sequences attending every block (`selection.dense_at` of their lengths); the host's
+    # `dense` is then all False, its lengths upper bounds
+    dense_rows: torch.Tensor | None = None
 
     @classmethod
     def for_decode(cls, lengths, sparse) -> "CallInfo":
@@ -342,6 +346,7 @@ class Plan:
 
     selection: torch.Tensor
     share: torch.Tensor | None = None
+    cis_bias: bool = True  # NOSA's CIS bias added (False: a dense row's attention under dense_cis_bias false)
     counts: torch.Tensor | None = None  # device int64 [3]: blocks wanted / hit / missed (a runtime's step log)
     h2d_extra: int = 0  # bytes moved outside the block gather (dense-offload's whole-layer copy)
 
@@ -386,8 +391,9 @@ class CacheLayer(Protocol):
     def plan(self, selection: torch.Tensor) -> Plan:
         """The `Plan` for selection [B, H, K] (-1 = none); a runtime layer starts its fetch here."""
 
-    def decode_attention(self, q: torch.Tensor, plan: Plan) -> torch.Tensor:
-        """One token per sequence, q [B, 1, Hq, d], over the planned blocks -> [B, 1, Hq, d]."""
+    def decode_attention(self, q: torch.Tensor, plan: Plan, observe: bool = True) -> torch.Tensor:
+        """One token per sequence, q [B, 1, Hq, d], over the planned blocks -> [B, 1, Hq, d]; observe: the
+        plan is the step's selection (what carried blocks weigh)."""
 
     def full(self) -> tuple:
         """(keys, values [B, S, H, d], cis [B, S, H] or None, S): every stored row on the device."""
@@ -398,6 +404,9 @@ class CacheLayer(Protocol):
 
     def key_count(self) -> int:
         """S: the longest stored sequence (a host int, no read)."""
+
+    def capacity_rows(self) -> int:
+        """Positions per sequence a decode step may score (a host int that stays fixed while decoding)."""
 
     def call_indexes(self):
         """The index tensors every layer of this call computes alike, made once for the call (an
@@ -977,12 +986,12 @@ class SparseCacheLayer(CacheLayerMixin):
         if plan is not None and plan.share is not None:
             self.block_shares.append(plan.share)
 
-    def decode_attention(self, q: torch.Tensor, plan: Plan) -> torch.Tensor:
+    def decode_attention(self, q: torch.Tensor, plan: Plan, observe: bool = True) -> torch.Tensor:
         """One decode token per sequence, q [B, 1, Hq, d], over the planned blocks -> [B, 1, Hq, d]
         (the store's kernel or gather); a cache that carries blocks (`carry.py`) then takes the share of the
-        attention each planned block held."""
+        attention each planned block held (unless `observe` is False: a plan that is not the step's selection)."""
         out = self.store.decode_attention(self, q, plan)
-        if self.carry is not None and self.carry.ids is not None:
+        if observe and self.carry is not None and self.carry.ids is not None:
             self.carry.observe(self, q, plan)
         return out
 

@@ -47,6 +47,18 @@ def dense_at(key_length, sparse):
     return key_length < sparse.dense_len
 
 
+def dense_row_blocks(lengths: torch.Tensor, dense: torch.Tensor, block_size: int, n_blocks: int, heads: int):
+    """The selection [B, H, n_blocks] a decode step's dense rows attend when MiniCPM's rule is decided on
+    the device (`dense_at` of a tensor, an engine's captured step): for a row marked in dense [B] every
+    block up to its current one, for the others the current block only (their output is the sparse
+    one: this keeps a kernel's work on them small); -1 elsewhere.  lengths [B]: keys stored, the new
+    token's included.  Ascending ids, so the current block comes last (`PagedRows.attend_selected`)."""
+    ids = torch.arange(n_blocks, device=lengths.device)
+    current = torch.div(lengths - 1, block_size, rounding_mode="floor").view(-1, 1)
+    keep = (ids == current) | (dense.view(-1, 1) & (ids < current))
+    return torch.where(keep, ids, -1).unsqueeze(1).expand(-1, heads, -1)
+
+
 def num_compressed(length: int, kernel_size: int, kernel_stride: int) -> int:
     """Number of complete compression windows over `length` keys."""
     return 0 if length < kernel_size else (length - kernel_size) // kernel_stride + 1

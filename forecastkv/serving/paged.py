@@ -19,6 +19,7 @@ Shapes: P pages of `page` tokens, H KV heads, d head dim, B sequences, nb pages 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -409,7 +410,8 @@ class PagedRows:
             self.tier.wait(self.index)
         if self.pages.attend is not None and self.pages.cis is None:
             return self.attend_selected(layer, q, plan.selection)
-        return attend_gathered(q, *self.blocks(layer, plan), layer.lengths)
+        keys, values, positions, bias = self.blocks(layer, plan)
+        return attend_gathered(q, keys, values, positions, bias if plan.cis_bias else None, layer.lengths)
 
     def blocks(self, layer, plan: Plan, with_values: bool = True) -> tuple:
         """The blocks of plan.selection [B, H, K] read from their pages -> keys, values [B, H, K*bs, d] (None
@@ -577,16 +579,36 @@ class PagedSparseCache(SparseCache):
     engine, the in-place max of a step's heat over the ranks (`CarriedBlocks.reduce`), else None.
 
     A selector that carries blocks (`modeling/carry.py`) keeps what each sequence carries between the
-    engine's calls in the pages (`LayerPages.carried`), so its decode steps select as `generate()`'s do."""
+    engine's calls in the pages (`LayerPages.carried`), so its decode steps select as `generate()`'s do.
+
+    device_rule: a decode call decided on the device alone (what a captured CUDA graph replays): lengths
+    are upper bounds for the host's checks, device_lengths the values, and MiniCPM's dense rule is taken
+    per sequence on the device (`CallInfo.dense_rows`), not from the host ints.  Not with a host tier."""
 
     def __init__(
         self, config, pages: list[LayerPages], table: torch.Tensor, lengths: list[int], selector=None, tier=None,
-        device_lengths: torch.Tensor | None = None, reduce_heat: Callable | None = None,
+        device_lengths: torch.Tensor | None = None, reduce_heat: Callable | None = None, device_rule: bool = False,
     ):
+        if device_rule and (tier is not None or device_lengths is None):
+            raise ValueError("a decode call decided on the device needs the engine's device lengths and no host tier")
         self._paged = (pages, table, list(lengths), tier, device_lengths)
         self.tier, self.shared, self.reduce_heat = tier, CallIndexes(), reduce_heat
+        self.device_rule, self._dense_rows = device_rule, None
         super().__init__(config, selector=selector)
         check_paged_selector(self.call_rule(config.sparse))
+
+    def call_info(self, positions: torch.Tensor, sparse) -> CallInfo:
+        """The base's, but for a decode call under `device_rule`: every sequence's dense rule on the device
+        (`CallInfo.dense_rows`; None where `dense_len` makes none dense), none on the host."""
+        call = super().call_info(positions, sparse)
+        if not (self.device_rule and call.decode and sparse is not None):
+            return call
+        dense = None
+        if sparse.dense_len > 0:
+            dense = sel.dense_at(self.layers[0].lengths + 1, sparse)
+        self._dense_rows = dense
+        never = (False,) * call.batch
+        return dataclasses.replace(call, dense=never, any_dense=False, all_dense=False, dense_rows=dense)
 
     def _make_layer(self, config, sparse, idx: int, max_length: int | None) -> SparseCacheLayer:
         pages, table, lengths, tier, device_lengths = self._paged
@@ -601,7 +623,18 @@ class PagedSparseCache(SparseCache):
             carry = self.layers[0].carry
             carry.reduce = self.reduce_heat
             slots, last = self._carried_at_last_pages(carry.count)
-            carry.ids = slots[last]
+            carry.ids = self._sparse_only(slots[last])
+
+    def _sparse_only(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [B, count] with -1 for the sequences that carry nothing in a `device_rule` decode call: those
+        attending densely this step, and those storing their first token (a one-token prompt, whose last
+        page's slot is another sequence's leftover), as the host rule forgets what a dense or first call carried."""
+        if not self.device_rule:
+            return ids
+        keep = self._paged[4] > 0  # device_lengths: what each sequence stored before this call
+        if self._dense_rows is not None:
+            keep = keep & ~self._dense_rows
+        return torch.where(keep.view(-1, 1), ids, -1)
 
     def _carried_at_last_pages(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(the slots `LayerPages.carried` [P, count], the page [B] holding each sequence's last stored
@@ -628,7 +661,7 @@ class PagedSparseCache(SparseCache):
         if carrying:  # what the next decode step of each sequence carries (-1s after any other call)
             carry = self.layers[0].carry
             slots, last = self._carried_at_last_pages(carry.count)
-            slots[last] = carry.ids
+            slots[last] = self._sparse_only(carry.ids)
         if getattr(self, "_tier_step", False):
             store = self.layers[0].store
             self.tier.end_decode(store.table, store.lengths_before, self.layers[0].lengths)

@@ -21,12 +21,27 @@ from .paged import LayerPages, PagedSparseCache
 class EngineBatch:
     """The engine's description of one call (host ints): query_start [R + 1] token offsets,
     seq_lens [R] stored positions per request after the call, table [R, nb] page ids; device_seq_lens:
-    the engine's own device tensor of seq_lens [R], or None (then made from the host ints)."""
+    the engine's own device tensor of seq_lens [R], or None (then made from the host ints).
+
+    device_rule: a decode call decided on the device alone (`captured_decode`): seq_lens are upper
+    bounds, and nothing is chosen from them."""
 
     query_start: list[int]
     seq_lens: list[int]
     table: torch.Tensor
     device_seq_lens: torch.Tensor | None = None
+    device_rule: bool = False
+
+    @classmethod
+    def captured_decode(cls, table: torch.Tensor, device_seq_lens: torch.Tensor, bound: int) -> "EngineBatch":
+        """A call of one token per request, every fact on the device, so that a CUDA graph captured at one
+        call replays right at the next: table [R, nb] (its full width under graphs), device_seq_lens [R]
+        (the stored positions after the call, at least 1; a request's first token, a one-token prompt,
+        is a decode step on nothing stored).  bound: an upper bound of every seq_len (the host's checks:
+        the table holds it, max_position_embeddings); no host int says which request is dense, how long
+        a request is, or which is new."""
+        requests = table.shape[0]
+        return cls(list(range(requests + 1)), [bound] * requests, table, device_seq_lens, device_rule=True)
 
     @property
     def requests(self) -> int:
@@ -39,8 +54,8 @@ class EngineBatch:
         return self.seq_lens[r] - self.query_len(r)
 
     def is_decode(self, r: int) -> bool:
-        """Request r stores one token on a stored sequence this call."""
-        return self.query_len(r) == 1 and self.stored_before(r) > 0
+        """Request r stores one token on a stored sequence this call (any token of a `captured_decode`)."""
+        return self.query_len(r) == 1 and (self.device_rule or self.stored_before(r) > 0)
 
     def decode_only(self) -> bool:
         """Every request decodes (request r's token at offset r)."""
@@ -74,7 +89,8 @@ def forward_paged(
         if batch.is_decode(group[0]):  # the decode group: positions come from the stored lengths (no mask)
             rows, table, device_before = decode_inputs(batch, group, token_ids.device)
             cache = PagedSparseCache(model.config, pages, table, before, selector=selector, tier=tier,
-                                     device_lengths=device_before, reduce_heat=reduce_heat)
+                                     device_lengths=device_before, reduce_heat=reduce_heat,
+                                     device_rule=batch.device_rule)
             out[rows] = model(token_ids[rows].view(-1, 1), cache=cache)[0][:, 0]
             continue
         cache = PagedSparseCache(model.config, pages, batch.table[group], before, selector=selector, tier=tier,

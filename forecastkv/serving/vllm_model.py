@@ -17,8 +17,8 @@ The attention mode comes from the checkpoint's `sparse_config`, or from vLLM's `
 "infllmv2-query-carry" | "infllmv2-forecast-carry"} (`forecastkv/modes.py:ATTENTION_MODES`).
 Imports vLLM: load it through the plugin (`serving/vllm_plugin.py`), not from forecastkv's core.
 
-forecastkv's decoder runs eagerly (`run_eagerly`): vLLM's CUDA graphs stay off for it, on by default for
-the dense mode (vLLM's own Llama).
+forecastkv's decoder runs eagerly by default (`run_eagerly`: FORECASTKV_VLLM_CUDA_GRAPHS=1 captures its
+decode calls, not yet run on a GPU); vLLM's CUDA graphs stay on for the dense mode (vLLM's own Llama).
 
 A refused configuration (a `UserInputError`) is printed as one line, `forecastkv: error: ...`, on
 stderr as the model is built, before vLLM logs its traceback (about 200 lines, the message deep
@@ -107,27 +107,38 @@ def apply_mode(config, source: str = "SRC") -> str:
     return name
 
 
+GRAPHS_KEY = "FORECASTKV_VLLM_CUDA_GRAPHS"  # "1": capture forecastkv's decode calls (untested on a GPU)
+
+
 def run_eagerly(vllm_config) -> None:
-    """Turn vLLM's CUDA graphs off for forecastkv's decoder (`enforce_eager=False`, vLLM's default, stays
-    accepted).  vLLM would capture the whole model as one FULL graph per decode batch size (a model
-    without `support_torch_compile` has no piecewise split points).  A decode-only call's layers are
-    ready for it: fixed shapes over the block table's width, every tensor from the engine's own, no
-    host read (tests/serving/test_paged.py).  Its entry is not: it reads the call's offsets and lengths
-    to the host (`EngineBatch`) to group decode and prefill requests and to decide each row's dense or
-    sparse rule (`CallInfo`), choices a graph captured at one step would replay at every other.  So
-    cudagraph_mode is set to NONE, before vLLM wraps the model (`GPUModelRunner.load_model`) or
-    captures (`capture_model` skips), with a warning where the platform captures graphs (vLLM-CPU
-    captures none: silent).  The dense mode, served by vLLM's own Llama, keeps its graphs."""
+    """CUDA graphs for forecastkv's decoder: off by default, FULL_DECODE_ONLY where FORECASTKV_VLLM_CUDA_GRAPHS=1.
+
+    vLLM would capture the whole model as one FULL graph per decode batch size (a model without
+    `support_torch_compile` has no piecewise split points).  A decode call is ready for it on the CPU's
+    evidence: its entry takes every fact from the metadata's device tensors (`ForecastKVForVLLM._decode_batch`,
+    `EngineBatch.captured_decode`: no host read, MiniCPM's dense rule per request on the device, the block
+    table's full width), and its layers run fixed shapes and compile once across a dense_len crossing
+    (tests/serving/test_paged.py).  But no GPU has run forecastkv's decoder in a captured graph yet, so
+    graphs stay off unless asked for: cudagraph_mode is set to NONE (with a warning where the platform
+    captures graphs; vLLM-CPU captures none: silent), or with FORECASTKV_VLLM_CUDA_GRAPHS=1 to
+    FULL_DECODE_ONLY (decode calls captured, prefill and mixed calls eager), except under a KV connector
+    (the lookahead connector's host tier plans each step on the host).  Set before vLLM wraps the model
+    (`GPUModelRunner.load_model`) or captures.  The dense mode, served by vLLM's own Llama, keeps its graphs."""
     from vllm.config import CUDAGraphMode
 
     compilation = getattr(vllm_config, "compilation_config", None)
     if compilation is None or compilation.cudagraph_mode in (None, CUDAGraphMode.NONE):
         return
+    connector = getattr(vllm_config, "kv_transfer_config", None) is not None
+    if os.environ.get(GRAPHS_KEY) == "1" and not connector:
+        LOG.warning("forecastkv: %s=1: decode calls run as captured FULL graphs (not yet run on a GPU)", GRAPHS_KEY)
+        compilation.cudagraph_mode = CUDAGraphMode.FULL_DECODE_ONLY
+        return
     if compilation.cudagraph_capture_sizes:
         LOG.warning(
-            "forecastkv: the sparse decoder runs without CUDA graphs (cudagraph_mode %s -> NONE): its decode "
-            "call decides its requests' groups and dense rows from lengths read on the host",
-            compilation.cudagraph_mode.name,
+            "forecastkv: the sparse decoder runs without CUDA graphs (cudagraph_mode %s -> NONE; %s=1 captures its "
+            "decode calls, not yet run on a GPU)",
+            compilation.cudagraph_mode.name, GRAPHS_KEY,
         )
     compilation.cudagraph_mode = CUDAGraphMode.NONE
 
@@ -268,22 +279,38 @@ class ForecastKVForVLLM(nn.Module):
         if meta is None:  # a profiling or warm-up run: no pages, nothing stored
             return torch.zeros(out_shape, dtype=self.hf.model.norm.weight.dtype, device=input_ids.device)
         requests = meta.seq_lens.shape[0]
-        starts, seq_lens = meta.query_start_loc[: requests + 1].tolist(), meta.seq_lens.tolist()
-        # the table's columns the longest request fills: a decode call scores the table's width (fixed
-        # shapes for a captured step), which eager calls need not pay for up to max_model_len
-        width = -(-max(seq_lens, default=1) // self.page)
-        batch = EngineBatch(starts, seq_lens, meta.block_table[:requests, :width], meta.seq_lens[:requests])
-        tokens = input_ids[: meta.num_actual_tokens]
-        # a decode-only call's positions are its requests' stored lengths (speculation is refused at
-        # construction): nothing is read back to check them
-        if not batch.decode_only():
-            check_positions(positions[: meta.num_actual_tokens], batch)
         pages = self._layer_pages()
-        hidden = forward_paged(self.hf.model, tokens, batch, pages, tier=self._tier(pages),
-                               reduce_heat=self.reduce_heat)
+        tier = self._tier(pages)
+        if meta.max_query_len == 1 and tier is None:
+            # one token per request (what a CUDA graph captures): decided on the device, nothing read
+            # back; its positions are its requests' stored lengths (speculation is refused at construction)
+            batch = self._decode_batch(meta, requests)
+            tokens = input_ids[:requests]
+        else:
+            starts, seq_lens = meta.query_start_loc[: requests + 1].tolist(), meta.seq_lens.tolist()
+            width = -(-max(seq_lens, default=1) // self.page)  # the table's columns the longest request fills
+            batch = EngineBatch(starts, seq_lens, meta.block_table[:requests, :width], meta.seq_lens[:requests])
+            tokens = input_ids[: meta.num_actual_tokens]
+            if not batch.decode_only():
+                check_positions(positions[: meta.num_actual_tokens], batch)
+        hidden = forward_paged(self.hf.model, tokens, batch, pages, tier=tier, reduce_heat=self.reduce_heat)
         out = torch.zeros(out_shape, dtype=hidden.dtype, device=hidden.device)
         out[: hidden.shape[0]] = hidden
         return out
+
+    def _decode_batch(self, meta, requests: int) -> EngineBatch:
+        """A call of one token per request as `EngineBatch.captured_decode` (from the metadata's device
+        tensors and host ints that hold for every call a captured graph replays): under CUDA graphs the
+        block table's full width (max_model_len) is scored; an eager call scores the columns its longest
+        request fills (`max_seq_len`, a host int of the metadata), which it need not pay for up to
+        max_model_len.  Requests an engine pads a captured batch with (seq_len 0, the null page) give rows
+        it drops."""
+        from vllm.config import CUDAGraphMode
+
+        graphs = get_forward_context().cudagraph_runtime_mode not in (None, CUDAGraphMode.NONE)
+        width = meta.block_table.shape[1] if graphs else -(-max(meta.max_seq_len, 1) // self.page)
+        bound = min(width * self.page, self.config.max_position_embeddings)
+        return EngineBatch.captured_decode(meta.block_table[:requests, :width], meta.seq_lens[:requests], bound)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Logits [N, vocab], as `ForecastKVForCausalLM.forward` makes them (muP's scale included)."""

@@ -9,13 +9,14 @@ selection block (and an error for those that do not).
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from functools import partial
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from forecastkv import kernels
 from forecastkv.errors import ConfigError
 from forecastkv.modeling.cache import SparseCache
 from forecastkv.serving import EngineBatch, LayerPages, check_page_geometry, forward_paged
@@ -42,12 +43,14 @@ class ToyEngine:
 
     def __init__(
         self, model, page: int, pages: int = 64, seed: int = 0, heads_inside: bool = False, kernel: bool = False,
-        table_width: int | None = None,
+        table_width: int | None = None, captured: bool = False,
     ):
         config, device = model.config, model.device
         heads, dim = config.num_key_value_heads, config.head_dim
         nosa = config.sparse is not None and config.sparse.policy == "nosa"
-        self.model, self.page, self.table_width = model, page, table_width
+        # captured: a call of one token per request is described as a captured CUDA graph sees it
+        # (`EngineBatch.captured_decode`: no host length, a one-token prompt included)
+        self.model, self.page, self.table_width, self.captured = model, page, table_width, captured
 
         def pool():  # never-written rows: NaN; heads_inside: a CUDA backend's [P, page, H, d] pages
             if heads_inside:
@@ -84,6 +87,8 @@ class ToyEngine:
         table = torch.tensor([self.tables[r] + [0] * (width - len(self.tables[r])) for r in order], device=device)
         tokens = torch.tensor([t for r in order for t in work[r]], device=device)
         batch = EngineBatch(starts, seq_lens, table, torch.tensor(seq_lens, device=device))
+        if self.captured and starts[-1] == len(order):
+            batch = EngineBatch.captured_decode(table, batch.device_seq_lens, bound=width * self.page)
         with self.watch():  # the engine made its inputs: watch forecastkv's part of the call
             hidden = forward_paged(self.model.model, tokens, batch, self.layers, tier=self.tier)
         logits = self.model.lm_head(hidden)
@@ -184,7 +189,6 @@ def engine_decode(model, kernel: bool, steps: int, compiled: bool = False):
     engine's fixed width), then `steps` decode calls of both, each recorded (`OpShapes`); compiled:
     the decode calls' layers under torch.compile(fullgraph=True, backend="eager") with
     error_on_recompile (then nothing is recorded).  Returns (tokens per step, recorded ops per step)."""
-    from forecastkv import kernels
     from tests.inference.test_fixed_shapes import OpShapes
 
     engine = ToyEngine(model, page=4, kernel=kernel, table_width=16)
@@ -357,3 +361,98 @@ def test_a_pinning_selector_is_refused_by_name(selector):
     engine = ToyEngine(model, page=4)
     with pytest.raises(ConfigError, match=f"selector '{selector}' pins blocks.*infllmv2-forecast-carry"):
         engine.step({0: list(range(3, 20))})
+
+
+# MiniCPM's dense rule mid-decode: prompts below, across and above dense_len = 40 (5 blocks of 8; topk 3)
+CAPTURED_MODES = {
+    "infllmv2-query": {"selector": "query"},
+    "infllmv2-forecast dense_len": {"selector": "forecast", "dense_len": 40},
+    "nosa dense_len": {"policy": "nosa", "selector": "query", "dense_len": 40},
+    "nosa-forecast dense_len, no dense bias": {
+        "policy": "nosa", "selector": "forecast", "dense_len": 40, "dense_cis_bias": False,
+    },
+    "infllmv2-forecast-carry dense_len": {"selector": "forecast-carry", "dense_len": 40},
+}
+
+
+def captured_run(model, kernel: bool, recorder=None, arrival: bool = True, compiled: bool = False):
+    """Requests 0-3 (prompts of 3, 7, 33 and 41 tokens) prefilled in one call, then 10 decode calls
+    described as a captured graph sees them (`EngineBatch.captured_decode`, tables 16 pages of 4 wide);
+    request 4, a one-token prompt, arrives in the fourth decode call, inside it.  recorder: a context
+    around forecastkv's part of each decode call; arrival False: no request 4; compiled: the decode calls'
+    layers under torch.compile(fullgraph=True, backend="eager") with error_on_recompile.  Returns (prompts,
+    request -> logits of every row, request -> tokens)."""
+    prompts = prompts_of([3, 7, 33, 41, 1], seed=6)
+    engine = ToyEngine(model, page=4, kernel=kernel, table_width=16, captured=True)
+    logits = {r: [] for r in range(5)}
+    generated = {r: [] for r in range(5)}
+    work = {r: prompts[r] for r in range(4)}
+    original = model.model.decode_layers
+    patch = torch._dynamo.config.patch(error_on_recompile=True)
+    with torch.no_grad(), kernels.use_backend("reference") if compiled else nullcontext(), patch:
+        try:
+            for call in range(11):
+                if call == 4 and arrival:
+                    work[4] = prompts[4]
+                if call == 1 and recorder is not None:
+                    engine.watch = recorder
+                if call == 1 and compiled:
+                    torch._dynamo.reset()
+                    model.model.decode_layers = torch.compile(original, fullgraph=True, backend="eager")
+                out = engine.step(work)
+                for r, rows in out.items():
+                    logits[r].append(rows)
+                    generated[r].append(int(rows[-1].argmax()))
+                work = {r: [generated[r][-1]] for r in out}
+        finally:
+            model.model.decode_layers = original
+    return prompts, {r: torch.cat(rows) for r, rows in logits.items() if rows}, generated
+
+
+@pytest.mark.parametrize(
+    "mode,kernel", [(mode, False) for mode in CAPTURED_MODES] + [("infllmv2-forecast dense_len", True)]
+)
+def test_a_captured_decode_call_equals_each_requests_own_run(mode, kernel):
+    """A decode call with no host length (what a CUDA graph captured at one call replays at the next):
+    each request's dense or sparse rule is decided on the device, so requests below dense_len attend every
+    block, one crosses it mid-decode, one is above it from the start, and a one-token prompt arriving
+    inside a decode call is a decode step on nothing stored.  Every logit equals the request's own run on
+    a resident cache (whose rule is its host ints'), carried blocks included."""
+    model = tiny_model(CAPTURED_MODES[mode], seed=3)
+    prompts, logits, generated = captured_run(model, kernel)
+    for r, prompt in enumerate(prompts):
+        expected = reference_logits(model, prompt, generated[r][:-1])
+        assert torch.isfinite(logits[r]).all(), f"request {r} (prompt of {len(prompt)}) has non-finite logits"
+        torch.testing.assert_close(logits[r], expected, rtol=1e-4, atol=1e-4, msg=f"{mode}, request {r}")
+
+
+@pytest.mark.parametrize("mode", ["infllmv2-forecast dense_len", "nosa dense_len", "infllmv2-forecast-carry dense_len"])
+def test_a_captured_decode_call_reads_nothing_and_makes_no_host_tensor(mode):
+    """The captured decode calls above read no device value back to the host and make no tensor from a
+    host number (either would freeze a captured graph at its capture), across the dense_len crossing and
+    the arrival of a one-token prompt."""
+    model = tiny_model(CAPTURED_MODES[mode], seed=3)
+    made, counters = HostMadeTensors(), []
+
+    @contextmanager
+    def recorder():
+        with count_host_reads() as counter, made:
+            counters.append(counter)
+            yield
+
+    with count_host_reads():  # the engine's pool and model are made inside: every tensor is "device"
+        captured_run(model, kernel=False, recorder=recorder)
+    assert len(counters) == 10
+    assert all(counter.reads == 0 for counter in counters), [c.report() for c in counters if c.reads]
+    assert made.made == [], made.made
+
+
+@pytest.mark.parametrize("mode", ["infllmv2-forecast dense_len", "infllmv2-forecast-carry dense_len"])
+def test_a_captured_decode_call_compiles_once_across_dense_len(mode):
+    """torch.compile takes the captured decode calls' layers whole and once (no graph break, no
+    recompile) while one request crosses dense_len and others stay below it: no Python number that
+    changes from call to call, the dense rule included, reaches them; the tokens are the eager calls'."""
+    model = tiny_model(CAPTURED_MODES[mode], seed=3)
+    _, _, eager = captured_run(model, kernel=False, arrival=False)
+    _, _, compiled = captured_run(model, kernel=False, arrival=False, compiled=True)
+    assert compiled == eager

@@ -229,10 +229,10 @@ def test_a_refusal_is_printed_as_one_line_once_per_process(capsys):
 
 @pytest.mark.parametrize("sizes,warned", [((1, 2, 4, 8), True), ((), False)])
 def test_cuda_graphs_are_turned_off_before_vllm_wraps_the_model(sizes, warned, caplog):
-    """vLLM's default (enforce_eager=False) would capture forecastkv's decoder whole, and its decode step
-    reads lengths on the host: the model sets cudagraph_mode to NONE first thing in its constructor (here
-    it then refuses pipeline parallelism, after), warning where graphs would be captured (a GPU's capture
-    sizes) and silently where none are (vLLM-CPU's empty list)."""
+    """vLLM's default (enforce_eager=False) would capture forecastkv's decoder whole, which no GPU has run
+    yet: the model sets cudagraph_mode to NONE first thing in its constructor (here it then refuses
+    pipeline parallelism, after), warning where graphs would be captured (a GPU's capture sizes) and
+    silently where none are (vLLM-CPU's empty list)."""
     from vllm.config import CUDAGraphMode
 
     from forecastkv.serving.vllm_model import ForecastKVForVLLM
@@ -242,3 +242,21 @@ def test_cuda_graphs_are_turned_off_before_vllm_wraps_the_model(sizes, warned, c
         ForecastKVForVLLM(vllm_config=config)
     assert config.compilation_config.cudagraph_mode == CUDAGraphMode.NONE
     assert ("cudagraph_mode FULL_AND_PIECEWISE -> NONE" in caplog.text) == warned, caplog.text
+
+
+@pytest.mark.parametrize("connector,mode", [(False, "FULL_DECODE_ONLY"), (True, "NONE")])
+def test_cuda_graphs_capture_decode_calls_when_asked(connector, mode, monkeypatch):
+    """FORECASTKV_VLLM_CUDA_GRAPHS=1 asks vLLM to capture forecastkv's decode calls (FULL_DECODE_ONLY:
+    prefill and mixed calls stay eager), whose entry decides nothing on the host
+    (tests/serving/test_paged.py's captured calls); not under a KV connector, whose host tier plans
+    each step on the host."""
+    from vllm.config import CUDAGraphMode
+
+    from forecastkv.serving.vllm_model import GRAPHS_KEY, ForecastKVForVLLM
+
+    monkeypatch.setenv(GRAPHS_KEY, "1")
+    config = fake_vllm_config(pp=2, graphs=CUDAGraphMode.FULL_AND_PIECEWISE, capture_sizes=(1, 2, 4))
+    config.kv_transfer_config = SimpleNamespace() if connector else None
+    with pytest.raises(ConfigError):
+        ForecastKVForVLLM(vllm_config=config)
+    assert config.compilation_config.cudagraph_mode == getattr(CUDAGraphMode, mode)
