@@ -11,6 +11,7 @@ import shutil
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from forecastkv.errors import ConfigError
 from tests.vllm.engines import engine
@@ -260,3 +261,24 @@ def test_cuda_graphs_capture_decode_calls_when_asked(connector, mode, monkeypatc
     with pytest.raises(ConfigError):
         ForecastKVForVLLM(vllm_config=config)
     assert config.compilation_config.cudagraph_mode == getattr(CUDAGraphMode, mode)
+
+
+@pytest.mark.parametrize("graphs,width", [("NONE", 3), ("FULL", 8)])
+def test_a_decode_call_is_described_from_the_device(graphs, width, monkeypatch):
+    """A call of one token per request becomes `EngineBatch.captured_decode` from the metadata's device
+    tensors and its host ints that hold at every replay of a captured graph: the block table's whole
+    width under graphs (a replay's requests may be longer than the capture's), the columns the longest
+    request fills eagerly (`max_seq_len`); the host lengths are a bound, the device's are the engine's."""
+    from vllm.config import CUDAGraphMode
+
+    import forecastkv.serving.vllm_model as vllm_model
+
+    context = SimpleNamespace(cudagraph_runtime_mode=getattr(CUDAGraphMode, graphs))
+    monkeypatch.setattr(vllm_model, "get_forward_context", lambda: context)
+    model = SimpleNamespace(page=16, config=SimpleNamespace(max_position_embeddings=100))
+    seq_lens = torch.tensor([40, 1, 17])
+    meta = SimpleNamespace(max_seq_len=40, seq_lens=seq_lens, block_table=torch.arange(24).view(3, 8))
+    batch = vllm_model.ForecastKVForVLLM._decode_batch(model, meta, 3)
+    assert batch.device_rule and batch.device_seq_lens.data_ptr() == seq_lens.data_ptr()  # a view, no copy
+    assert batch.table.shape == (3, width) and batch.decode_only()
+    assert batch.seq_lens == [min(width * 16, 100)] * 3
