@@ -283,6 +283,7 @@ class SparseAttention(nn.Module):
             host = {"bounds": step.bounds(), "key_count": count, "sparse": sparse}
             ids = rule.select(vectors, positions, cache_layer, sparse, host["bounds"], count)
             self._record(selections_out, q, forecast_in, positions, cache_layer, ids, rule, **host)
+            cache_layer.observe_rows(q, ids[:, :, 0], keys, cis)  # the sparse sequences' carried blocks
             masks = row_block_masks(ids, positions, n_blocks, sparse.block_size, dense if any_dense else None)
             return masked_decode_attention(q, keys, values, cis, positions, masks, sparse.block_size)
         outputs, bits, records = [], [], {}

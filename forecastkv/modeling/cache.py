@@ -398,6 +398,10 @@ class CacheLayer(Protocol):
     def full(self) -> tuple:
         """(keys, values [B, S, H, d], cis [B, S, H] or None, S): every stored row on the device."""
 
+    def observe_rows(self, q: torch.Tensor, selection: torch.Tensor, keys: torch.Tensor, cis) -> None:
+        """A decode step that attended from every stored row (keys, cis: `full()`): its selection [B, H, K]'s
+        share of the attention, for carried blocks (`carry.py`)."""
+
     def pin_window(self, q: torch.Tensor, positions: torch.Tensor) -> None:
         """After a multi-token call of q [B, T, Hq, d] at positions [B, T] under `pinning`: `pinned` from its
         last rows' attention over every stored key (`pins.py`)."""
@@ -995,6 +999,17 @@ class SparseCacheLayer(CacheLayerMixin):
             self.carry.observe(self, q, plan)
         return out
 
+    def observe_rows(self, q: torch.Tensor, selection: torch.Tensor, keys: torch.Tensor, cis) -> None:
+        """A decode step that attended from every stored row (keys [B, S, H, d], cis [B, S, H] or None: `full()`;
+        a batch holding a sequence below dense_len): its selection [B, H, K]'s share of the attention into
+        the carried blocks' heat, as `decode_attention` takes it (the dense sequences' share is dropped as
+        the step ends, `SparseCache.finish_call`)."""
+        if self.carry is None or self.carry.ids is None:
+            return
+        k, _, key_pos, bias = gather_blocks(keys, keys, cis, selection, self.lengths, self.block_size,
+                                            with_values=False)  # the mass needs no values
+        self.carry.weigh(self, q, selection, k, key_pos, bias)
+
     def pin_window(self, q: torch.Tensor, positions: torch.Tensor) -> None:
         """After a multi-token call of q [B, T, Hq, d] (post-RoPE) at positions [B, T], under `pinning`: the
         blocks its last rows attended most, per KV head, pinned for the decode steps after it (`pins.py`), read
@@ -1225,8 +1240,9 @@ class SparseCache(Cache):
 
     def _carry_for(self, call: CallInfo, sparse) -> None:
         """Under a selector that carries blocks (`Selector.carries`), the layers' shared `CarriedBlocks`:
-        kept for a sparse decode step, forgotten by any other call (and made ready for the next decode
-        step when the call ends, `finish_call`, so that a decode step allocates nothing)."""
+        kept for a decode step holding a sparse sequence (a dense sequence's are dropped as it ends),
+        forgotten by any other call (and made ready for the next decode step when the call ends,
+        `finish_call`, so that a decode step allocates nothing)."""
         rule = self.call_rule(sparse)
         count = rule.carries if rule is not None else 0
         carry = self.layers[0].carry if self.layers else None
@@ -1239,9 +1255,12 @@ class SparseCache(Cache):
             carry = CarriedBlocks(count, sparse)
             for layer in self.layers:
                 layer.carry = carry
-        if call.decode and not call.any_dense and self.layers[0].lengths is not None:
+        # a decode step carries for its sparse sequences, also beside ones below dense_len (their ids are
+        # dropped as it ends): each sequence carries what it would alone
+        if call.decode and not call.all_dense and self.layers[0].lengths is not None:
             carry.begin(call.batch, self.layers[0].lengths.device)  # a no-op unless forgotten
             self._carry_call = "decode"
+            self._carry_dense = call.dense if call.any_dense else None
         else:
             carry.forget()
             self._carry_call = "other"
@@ -1271,6 +1290,9 @@ class SparseCache(Cache):
         layer = self.layers[0] if self.layers else None
         if call == "decode":
             layer.carry.roll()
+            if self._carry_dense is not None:  # a dense sequence carries nothing into its first sparse step
+                dense = torch.tensor(self._carry_dense, device=layer.carry.ids.device)
+                layer.carry.ids = layer.carry.ids.masked_fill(dense.view(-1, 1), -1)
         elif call == "other" and layer.lengths is not None:  # the widest layer's blocks (offloaded ones may hold more)
             blocks = sel.num_blocks(max(other.capacity_rows() for other in self.layers), layer.carry.block_size)
             layer.carry.ready(layer.lengths.shape[0], blocks, layer.lengths.device)

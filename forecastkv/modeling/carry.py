@@ -109,8 +109,12 @@ class CarriedBlocks:
         """After `layer`'s decode attention of q [B, 1, Hq, d] over plan.selection [B, H, K]: its blocks' share
         of the attention into the step's heat (max), init, local and current blocks left out."""
         keys, _, key_pos, bias = layer.store.blocks(layer, plan, with_values=False)  # the mass needs no values
+        self.weigh(layer, q, plan.selection, keys, key_pos, bias)
+
+    def weigh(self, layer, q: torch.Tensor, selection: torch.Tensor, keys, key_pos, bias) -> None:
+        """`observe` with the blocks of selection [B, H, K] already gathered (`cache.gather_blocks`' keys
+        [B, H, K*bs, d], key positions, bias or None)."""
         mass = selected_block_mass(q, keys, key_pos, bias, layer.lengths, self.block_size)  # [B, H, K]
-        selection = plan.selection
         n = sel.num_blocks(layer.capacity_rows(), self.block_size)
         if self.heat is None or self.heat.shape[0] != selection.shape[0]:
             self.heat = torch.zeros((selection.shape[0], n + 1), dtype=torch.float32, device=selection.device)

@@ -481,9 +481,12 @@ def layer_selection(
     pooled_cis: torch.Tensor | None = None,
     bounds: tuple[int, int] | None = None,
     n_blocks: int | None = None,
+    force=None,
 ) -> torch.Tensor:
     """One layer's deployed selection int64 [B, H, Tq, budget_blocks]: `score_blocks` with the
-    visibility rule of `kind`, then `select_blocks` (what `SparseAttention.select` runs).
+    visibility rule of `kind`, then `select_blocks` (what `SparseAttention.select` runs).  force:
+    scores [B, H, Tq, NB] -> scores with some blocks set to +inf before the top-k (a selector's carried
+    and pinned blocks, `Selector.carry_into`), or None.
 
     vectors [B, Tq, H*n, d]; ckeys [B, C, H, d] (the layer's compressed keys); positions [B, Tq];
     lse_keys: coarse keys for MiniCPM's LSE estimate (query kind only); nosa: the layer's raw CIS
@@ -512,7 +515,7 @@ def layer_selection(
         scores, agnostic = prefill_block_scores(
             vectors, ckeys, positions, sparse, n_blocks, kind, coarse, pooled_cis, bounds
         )
-        return select_blocks(scores, positions, sparse, agnostic, logits)
+        return select_blocks(scores if force is None else force(scores), positions, sparse, agnostic, logits)
     scores = score_blocks(vectors, ckeys, positions, sparse, n_blocks, kind=kind, lse_keys=coarse, bounds=bounds)
     agnostic = None
     if sparse.policy == "nosa":
@@ -521,7 +524,7 @@ def layer_selection(
             agnostic = pooled_agnostic_scores(pooled_cis, positions, sparse, n_blocks, lag)
         else:
             agnostic = agnostic_block_scores(cis, positions, sparse, n_blocks, lag)
-    return select_blocks(scores, positions, sparse, agnostic, logits)
+    return select_blocks(scores if force is None else force(scores), positions, sparse, agnostic, logits)
 
 
 def _fused_stage1(device: torch.device) -> bool:

@@ -109,6 +109,8 @@ class Selector:
             lse_keys=coarse if self.scoring == "query" else None,
             pooled_cis=pooled if sparse.policy == "nosa" else None,
             bounds=bounds,
+            # a decode step beside sequences below dense_len selects here, not in `plan`: the same forced blocks
+            force=lambda scores: self.carry_into(scores, cache_layer),
         )
 
     def plan(self, vectors, positions, cache_layer, sparse):

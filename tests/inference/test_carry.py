@@ -236,3 +236,22 @@ def test_prompts_shorter_than_a_block_carry_alike_resident_and_offloaded(selecto
     mode = "forecast-offload" if get_selector(selector).plans_ahead else "sparse-offload"
     out = generate(model, ids, mask, OffloadedSparseCache.for_model(model, mode=mode), 12)
     assert torch.equal(out.sequences, ref.sequences)
+
+
+@pytest.mark.parametrize("selector", ["query-carry", "forecast-carry", "quest-forecast-carry", "forecast-carry-pin"])
+def test_a_batch_beside_a_sequence_below_dense_len_carries_as_each_sequence_alone(selector):
+    """A batch holding a sequence below dense_len (which attends densely) and one above it: the sparse
+    sequence's decode steps carry (and pin) what it would alone, and the dense one carries nothing into its
+    first sparse step: every sequence's greedy tokens equal its own run, resident and offloaded.  (Before,
+    such a step forgot every sequence's carried blocks.)"""
+    model = tiny_model({**GEOMETRY, "selector": selector, "dense_len": 56}, seed=8)
+    lengths = [40, 70]  # the first crosses dense_len on its 17th token
+    ids, mask = left_padded(lengths)
+    batch = generate(model, ids, mask, SparseCache(model.config), 20).sequences[:, ids.shape[1]:]
+    for row, length in enumerate(lengths):
+        alone = generate(model, ids[row : row + 1, -length:], mask[row : row + 1, -length:],
+                         SparseCache(model.config), 20).sequences[:, length:]
+        assert torch.equal(batch[row : row + 1], alone), f"{selector}: sequence {row} of {length} tokens"
+    mode = "forecast-offload" if get_selector(selector).plans_ahead else "sparse-offload"
+    offloaded = generate(model, ids, mask, OffloadedSparseCache.for_model(model, mode=mode), 20).sequences
+    assert torch.equal(offloaded[:, ids.shape[1]:], batch), mode
