@@ -1260,10 +1260,17 @@ class SparseCache(Cache):
         if call.decode and not call.all_dense and self.layers[0].lengths is not None:
             carry.begin(call.batch, self.layers[0].lengths.device)  # a no-op unless forgotten
             self._carry_call = "decode"
-            self._carry_dense = call.dense if call.any_dense else None
+            self._carry_none = self._carries_nothing(call)
         else:
             carry.forget()
             self._carry_call = "other"
+
+    def _carries_nothing(self, call: CallInfo) -> torch.Tensor | None:
+        """bool [B]: the sequences of a decode step that carry nothing into the next (those attending densely:
+        a sequence alone carries nothing out of a dense step), or None."""
+        if call.dense_rows is not None:
+            return call.dense_rows
+        return torch.tensor(call.dense, device=self.layers[0].lengths.device) if call.any_dense else None
 
     def _pins_for(self, call: CallInfo, sparse) -> None:
         """Under a selector that pins blocks (`Selector.pins`), or where `pins_always` asks (a shared prefill
@@ -1290,9 +1297,8 @@ class SparseCache(Cache):
         layer = self.layers[0] if self.layers else None
         if call == "decode":
             layer.carry.roll()
-            if self._carry_dense is not None:  # a dense sequence carries nothing into its first sparse step
-                dense = torch.tensor(self._carry_dense, device=layer.carry.ids.device)
-                layer.carry.ids = layer.carry.ids.masked_fill(dense.view(-1, 1), -1)
+            if self._carry_none is not None:  # e.g. a dense sequence carries nothing into its first sparse step
+                layer.carry.ids = layer.carry.ids.masked_fill(self._carry_none.view(-1, 1), -1)
         elif call == "other" and layer.lengths is not None:  # the widest layer's blocks (offloaded ones may hold more)
             blocks = sel.num_blocks(max(other.capacity_rows() for other in self.layers), layer.carry.block_size)
             layer.carry.ready(layer.lengths.shape[0], blocks, layer.lengths.device)

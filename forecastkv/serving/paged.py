@@ -593,7 +593,7 @@ class PagedSparseCache(SparseCache):
             raise ValueError("a decode call decided on the device needs the engine's device lengths and no host tier")
         self._paged = (pages, table, list(lengths), tier, device_lengths)
         self.tier, self.shared, self.reduce_heat = tier, CallIndexes(), reduce_heat
-        self.device_rule, self._dense_rows = device_rule, None
+        self.device_rule = device_rule
         super().__init__(config, selector=selector)
         check_paged_selector(self.call_rule(config.sparse))
 
@@ -603,10 +603,7 @@ class PagedSparseCache(SparseCache):
         call = super().call_info(positions, sparse)
         if not (self.device_rule and call.decode and sparse is not None):
             return call
-        dense = None
-        if sparse.dense_len > 0:
-            dense = sel.dense_at(self.layers[0].lengths + 1, sparse)
-        self._dense_rows = dense
+        dense = sel.dense_at(self.layers[0].lengths + 1, sparse) if sparse.dense_len > 0 else None
         never = (False,) * call.batch
         return dataclasses.replace(call, dense=never, any_dense=False, all_dense=False, dense_rows=dense)
 
@@ -623,18 +620,18 @@ class PagedSparseCache(SparseCache):
             carry = self.layers[0].carry
             carry.reduce = self.reduce_heat
             slots, last = self._carried_at_last_pages(carry.count)
-            carry.ids = self._sparse_only(slots[last])
+            none = self._carry_none
+            carry.ids = slots[last] if none is None else slots[last].masked_fill(none.view(-1, 1), -1)
 
-    def _sparse_only(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids [B, count] with -1 for the sequences that carry nothing in a `device_rule` decode call: those
-        attending densely this step, and those storing their first token (a one-token prompt, whose last
-        page's slot is another sequence's leftover), as the host rule forgets what a dense or first call carried."""
+    def _carries_nothing(self, call: CallInfo) -> torch.Tensor | None:
+        """The base's, and under `device_rule` the sequences storing their first token too (a one-token
+        prompt: its last page's slot is another sequence's leftover, and alone its first call is a prefill,
+        which carries nothing)."""
+        nothing = super()._carries_nothing(call)
         if not self.device_rule:
-            return ids
-        keep = self._paged[4] > 0  # device_lengths: what each sequence stored before this call
-        if self._dense_rows is not None:
-            keep = keep & ~self._dense_rows
-        return torch.where(keep.view(-1, 1), ids, -1)
+            return nothing
+        first = self._paged[4] == 0  # device_lengths: what each sequence stored before this call
+        return first if nothing is None else nothing | first
 
     def _carried_at_last_pages(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(the slots `LayerPages.carried` [P, count], the page [B] holding each sequence's last stored
@@ -661,7 +658,7 @@ class PagedSparseCache(SparseCache):
         if carrying:  # what the next decode step of each sequence carries (-1s after any other call)
             carry = self.layers[0].carry
             slots, last = self._carried_at_last_pages(carry.count)
-            slots[last] = self._sparse_only(carry.ids)
+            slots[last] = carry.ids  # masked as the base's step ended (`_carries_nothing`)
         if getattr(self, "_tier_step", False):
             store = self.layers[0].store
             self.tier.end_decode(store.table, store.lengths_before, self.layers[0].lengths)
