@@ -31,6 +31,8 @@ ATTENTION_MODES = {
     # the blocks a decode step attended most carried into the next (`modeling/carry.py`)
     "infllmv2-query-carry": ("infllmv2", "query-carry"),
     "infllmv2-forecast-carry": ("infllmv2", "forecast-carry"),
+    # and the blocks the prompt's last rows attended most pinned per layer and KV head (`modeling/pins.py`)
+    "infllmv2-forecast-carry-pin": ("infllmv2", "forecast-carry-pin"),
     "nosa": ("nosa", "query"),
     "nosa-forecast": ("nosa", "forecast"),
 }

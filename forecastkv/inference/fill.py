@@ -24,6 +24,7 @@ def copy_into(source, target) -> None:
         keys, values, cis, rows = src.full()
         dst.append(keys, values, cis, stored_positions(src.lengths, rows))
         dst.pinned = getattr(src, "pinned", None)  # what the source's prompt pinned (`modeling/pins.py`)
+        dst.pin_rows = getattr(src, "pin_rows", None)  # and the rows it pinned from
     for layer in target.layers:
         layer.columns = source.layers[0].columns
 

@@ -368,6 +368,7 @@ class CacheLayer(Protocol):
     kernels: kernels.KernelSet | None
     pinning: tuple | None  # (blocks per KV head, SparseConfig) this call pins with (`pins.py`), or None
     pinned: torch.Tensor | None  # int64 [B, H, pins] the prompt pinned (-1: none), or None
+    pin_rows: tuple | None  # (q [B, R, Hq, d], positions [B, R]): the rows pins are read from (`pins.py`), or None
 
     def append(
         self,
@@ -403,8 +404,8 @@ class CacheLayer(Protocol):
         share of the attention, for carried blocks (`carry.py`)."""
 
     def pin_window(self, q: torch.Tensor, positions: torch.Tensor) -> None:
-        """After a multi-token call of q [B, T, Hq, d] at positions [B, T] under `pinning`: `pinned` from its
-        last rows' attention over every stored key (`pins.py`)."""
+        """After a multi-token call of q [B, T, Hq, d] at positions [B, T] under `pinning`: `pinned` from the
+        last rows' attention over every stored key, those of `pin_rows` and this call's (`pins.py`)."""
 
     def key_count(self) -> int:
         """S: the longest stored sequence (a host int, no read)."""
@@ -768,6 +769,9 @@ class SparseCacheLayer(CacheLayerMixin):
         if self.carry is not None:  # what was carried belonged to the rows dropped
             self.carry.forget()
         self.pinned: torch.Tensor | None = None  # [B, H, pins] int64 (-1: none), `pin_window`
+        # (q [B, R, Hq, d], positions [B, R]): the last query rows of the multi-token calls since the last decode
+        # step, which the next one's pins also read (a prompt in chunks: `pins.py`), or None
+        self.pin_rows: tuple | None = None
 
     # -- the window indexes by name (None: not kept, or not made yet) ------------------------------
     ckeys = property(lambda self: _buffer(self.index, "ckeys"))
@@ -813,6 +817,8 @@ class SparseCacheLayer(CacheLayerMixin):
             self.carry.forget()
         if self.pinned is not None:  # a beam keeps the pins of the prompt it continues
             self.pinned = self.pinned.index_select(0, beam_idx.to(self.pinned.device))
+        if self.pin_rows is not None:
+            self.pin_rows = tuple(t.index_select(0, beam_idx.to(t.device)) for t in self.pin_rows)
         if self.lengths is not None:
             self.lengths = self.lengths.index_select(0, beam_idx.to(self.lengths.device))
         for window in self.windows:
@@ -833,6 +839,8 @@ class SparseCacheLayer(CacheLayerMixin):
         other.last_plan, other.block_shares = None, []
         if self.pinned is not None:
             other.pinned = self.pinned.repeat_interleave(repeats, dim=0)
+        if self.pin_rows is not None:
+            other.pin_rows = tuple(t.repeat_interleave(repeats, dim=0) for t in self.pin_rows)
         return other
 
     def crop(self, tokens: int) -> None:
@@ -851,7 +859,7 @@ class SparseCacheLayer(CacheLayerMixin):
         self.columns -= drop
         if self.carry is not None:
             self.carry.forget()
-        self.pinned = None
+        self.pinned = self.pin_rows = None
         self.lengths = (self.lengths - drop).clamp(min=0)
         self.host_lengths = [max(n - drop, 0) for n in self.host_lengths]
         self.store.crop(self)
@@ -1015,7 +1023,10 @@ class SparseCacheLayer(CacheLayerMixin):
         blocks its last rows attended most, per KV head, pinned for the decode steps after it (`pins.py`), read
         from every stored key."""
         count, sparse = self.pinning
-        mass = pins.window_block_mass(q, positions, self.full()[0], sparse.block_size)
+        if self.pin_rows is not None:  # rows of the calls before this one (a prompt in chunks)
+            q, positions = torch.cat([self.pin_rows[0], q], dim=1), torch.cat([self.pin_rows[1], positions], dim=1)
+        self.pin_rows = pins.last_rows(q, positions)
+        mass = pins.window_block_mass(*self.pin_rows, self.full()[0], sparse.block_size)
         self.pinned = pins.window_pins(mass, self.lengths, sparse, count)
 
     # -- full views (prefill and dense paths) ----------------------------------------------------
@@ -1275,13 +1286,16 @@ class SparseCache(Cache):
     def _pins_for(self, call: CallInfo, sparse) -> None:
         """Under a selector that pins blocks (`Selector.pins`), or where `pins_always` asks (a shared prefill
         that several selectors decode from), a multi-token call drops the pins and pins anew as it ends
-        (`SparseCacheLayer.pin_window`); decode steps keep them."""
+        (`SparseCacheLayer.pin_window`, from the window's rows and its own); decode steps keep the pins and
+        end the window."""
         rule = self.call_rule(sparse)
         pinning = (rule.pins, sparse) if rule is not None and rule.pins else self.pins_always
         for layer in self.layers:
             layer.pinning = pinning
             if not call.decode:
                 layer.pinned = None
+            if call.decode or pinning is None:
+                layer.pin_rows = None
 
     def compiles_decode(self, step: CallInfo) -> bool:
         """Whether `compile_decode`'s graph covers this call: a decode step whose layers run fixed

@@ -12,7 +12,11 @@ under the page that holds the window's *last* key: a window depends only on keys
 so a page shared by prefix caching (whose content is fixed by its whole prefix) shares its window
 slots too, and a freed page's slots are overwritten as its next owner completes windows.  The blocks
 a carrying selector takes from one decode step to the next (`modeling/carry.py`) are kept the same
-way, one slot per page (`LayerPages.carried`), under the page of the sequence's last stored token.
+way, one slot per page (`LayerPages.carried`), under the page of the sequence's last stored token, and so are
+the blocks a pinning selector pinned from the prompt (`modeling/pins.py`; `LayerPages.pinned`, per layer).  The
+query rows a prompt's pins are read from may span its prefill chunks: each layer keeps the last rows of a
+request's chunk until its next one (`LayerPages.pin_rows`, on the host, by the page and position of its last
+token).
 
 Shapes: P pages of `page` tokens, H KV heads, d head dim, B sequences, nb pages per sequence.
 """
@@ -20,6 +24,7 @@ Shapes: P pages of `page` tokens, H KV heads, d head dim, B sequences, nb pages 
 from __future__ import annotations
 
 import dataclasses
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -72,6 +77,11 @@ def check_page_geometry(page: int, sparse) -> None:
             )
 
 
+# prefill chunks whose last query rows a layer keeps for each request's next chunk (`LayerPages.pin_rows`): a
+# request whose next chunk comes after this many other chunks pins from that chunk's rows alone
+KEPT_PIN_ROWS = 64
+
+
 def window_slots(page: int, stride: int) -> int:
     """Window slots per page: the windows (`stride` apart) whose last key a page can hold."""
     return max(page // stride, 1)
@@ -105,12 +115,27 @@ class LayerPages:
     # its last call left, under the page holding the last token it stored (`PagedSparseCache`); made on
     # first use, kept in one layer's pages (they are the model's, not a layer's)
     carried: torch.Tensor | None = None
+    # pinned blocks (`modeling/pins.py`) of this layer, [P, H, count] int64 (-1: none), kept as `carried` is
+    pinned: torch.Tensor | None = None
+    # a prefill chunk's last query rows for the request's next chunk (a prompt's pins read its last rows):
+    # (page id, position) of its last stored token -> (q [R, Hq, d], positions [R], that token's key [H, d],
+    # which a later chunk finds on the page unless another request's rows replaced it); `KEPT_PIN_ROWS` at most
+    pin_rows: OrderedDict = field(default_factory=OrderedDict)
 
     def carried_slots(self, count: int) -> torch.Tensor:
         """`carried`, made (all -1) for `count` blocks a sequence if it holds another count."""
         if self.carried is None or self.carried.shape[1] != count:
-            self.carried = torch.full((self.keys.shape[0], count), -1, dtype=torch.long, device=self.keys.device)
+            self.carried = self._no_blocks(count)
         return self.carried
+
+    def pinned_slots(self, count: int) -> torch.Tensor:
+        """`pinned`, made (all -1) for `count` blocks per KV head if it holds another count."""
+        if self.pinned is None or self.pinned.shape[2] != count:
+            self.pinned = self._no_blocks(self.keys.shape[1], count)
+        return self.pinned
+
+    def _no_blocks(self, *shape: int) -> torch.Tensor:
+        return torch.full((self.keys.shape[0], *shape), -1, dtype=torch.long, device=self.keys.device)
 
     @property
     def strides(self) -> dict[str, tuple[int, int]]:
@@ -532,13 +557,12 @@ class PagedRows:
 
 
 def check_paged_selector(rule) -> None:
-    """Raise a ConfigError for a selector (`Selector` or None) whose state the pages do not keep between the
-    engine's calls: a pinning one (`modeling/pins.py`: per request, layer and head, from its prompt)."""
-    if rule is not None and rule.pins:
+    """Raise a ConfigError for a selector (`Selector` or None) that scores what the pages do not keep: Quest's
+    block key bounds (`Selector.key_bounds`), before any call."""
+    if rule is not None and rule.key_bounds:
         raise ConfigError(
-            f"selector {rule.name!r} pins blocks per request, layer and head from its prompt (modeling/pins.py), "
-            "which the paged cache does not keep between the engine's calls; serve with forecast-carry "
-            "(forecastkv_mode infllmv2-forecast-carry)"
+            f"selector {rule.name!r} scores Quest's block key bounds, which the paged cache does not keep; "
+            "serve with a selector over the compressed keys (query, forecast, forecast-carry or forecast-carry-pin)"
         )
 
 
@@ -579,7 +603,9 @@ class PagedSparseCache(SparseCache):
     engine, the in-place max of a step's heat over the ranks (`CarriedBlocks.reduce`), else None.
 
     A selector that carries blocks (`modeling/carry.py`) keeps what each sequence carries between the
-    engine's calls in the pages (`LayerPages.carried`), so its decode steps select as `generate()`'s do.
+    engine's calls in the pages (`LayerPages.carried`), so its decode steps select as `generate()`'s do; one
+    that pins blocks (`modeling/pins.py`) keeps each layer's pins there too (`LayerPages.pinned`), and the rows
+    they are read from between a prompt's chunks (`LayerPages.pin_rows`).
 
     device_rule: a decode call decided on the device alone (what a captured CUDA graph replays): lengths
     are upper bounds for the host's checks, device_lengths the values, and MiniCPM's dense rule is taken
@@ -619,9 +645,26 @@ class PagedSparseCache(SparseCache):
         if self._carry_call == "decode":
             carry = self.layers[0].carry
             carry.reduce = self.reduce_heat
-            slots, last = self._carried_at_last_pages(carry.count)
+            slots, last = self.layers[0].store.pages.carried_slots(carry.count), self._last_pages()
             none = self._carry_none
             carry.ids = slots[last] if none is None else slots[last].masked_fill(none.view(-1, 1), -1)
+
+    def _pins_for(self, call: CallInfo, sparse) -> None:
+        """The base's pinning, and what each sequence's last call left in the pages: for a decode step its
+        pins (a device gather, no host read; none for a first token under `device_rule`), for a multi-token
+        call the rows its last chunk pinned from (`LayerPages.pin_rows`)."""
+        super()._pins_for(call, sparse)
+        pinning = self.layers[0].pinning if self.layers else None
+        self._pin_call = None if pinning is None else call
+        if pinning is None:
+            return
+        if not call.decode:
+            return self._take_pin_rows(list(call.lengths_before))
+        last = self._last_pages()
+        first = self._paged[4] == 0 if self.device_rule else None  # its last page's slot is a leftover
+        for layer in self.layers:
+            ids = layer.store.pages.pinned_slots(pinning[0])[last]
+            layer.pinned = ids if first is None else ids.masked_fill(first.view(-1, 1, 1), -1)
 
     def _carries_nothing(self, call: CallInfo) -> torch.Tensor | None:
         """The base's, and under `device_rule` the sequences storing their first token too (a one-token
@@ -633,15 +676,58 @@ class PagedSparseCache(SparseCache):
         first = self._paged[4] == 0  # device_lengths: what each sequence stored before this call
         return first if nothing is None else nothing | first
 
-    def _carried_at_last_pages(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the slots `LayerPages.carried` [P, count], the page [B] holding each sequence's last stored
-        token), through layer 0's store.  A page is shared (prefix caching) only once full, and a sequence
-        whose last token ends a shared page is the one that filled it: the engine recomputes a prompt's
-        last token on a page of its own."""
+    def _last_pages(self) -> torch.Tensor:
+        """The page [B] holding each sequence's last stored token, where its carried and pinned blocks are kept.
+        A page is shared (prefix caching) only once full, and a sequence whose last token ends a shared page is
+        the one that filled it: the engine recomputes a prompt's last token on a page of its own."""
         layer = self.layers[0]
-        store = layer.store
-        last, _ = page_slots(store.table, (layer.lengths - 1).view(-1, 1), store.pages.page)
-        return store.pages.carried_slots(count), last.view(-1)
+        last, _ = page_slots(layer.store.table, (layer.lengths - 1).view(-1, 1), layer.store.pages.page)
+        return last.view(-1)
+
+    def _last_tokens(self, lengths: list[int]) -> list[tuple[int, int, int] | None]:
+        """(page id, offset, position) of each sequence's last token at `lengths` stored positions (host ints;
+        None for 0): one host read of the block table, made for a multi-token call that pins."""
+        store = self.layers[0].store
+        positions = torch.tensor([max(n - 1, 0) for n in lengths], device=store.table.device).view(-1, 1)
+        pages, offsets = page_slots(store.table, positions, store.pages.page)
+        places = zip(pages.view(-1).tolist(), offsets.view(-1).tolist(), lengths)
+        return [(page, offset, n - 1) if n > 0 else None for page, offset, n in places]
+
+    def _take_pin_rows(self, lengths: list[int]) -> None:
+        """Each layer's `pin_rows` [B, R, ...] from the rows each sequence's previous chunk left
+        (`LayerPages.pin_rows`, taken out): only where the page still holds that chunk's last key (a freed page
+        another request refilled does not hand over its rows); None where no sequence has any."""
+        places = self._last_tokens(lengths)
+        for layer in self.layers:
+            pages = layer.store.pages
+            found = [None if place is None else pages.pin_rows.pop((place[0], place[2]), None) for place in places]
+            found = [rows if rows is not None and torch.equal(rows[2], pages.keys[place[0], :, place[1]]) else None
+                     for rows, place in zip(found, places)]
+            kept = [rows for rows in found if rows is not None]
+            if not kept:
+                continue
+            width = max(rows[0].shape[0] for rows in kept)
+            q = kept[0][0].new_zeros((len(found), width, *kept[0][0].shape[1:]))
+            positions = torch.full((len(found), width), -1, dtype=torch.long, device=q.device)
+            for b, rows in enumerate(found):
+                if rows is not None:
+                    q[b, width - rows[0].shape[0]:], positions[b, width - rows[1].shape[0]:] = rows[0], rows[1]
+            layer.pin_rows = (q, positions)
+
+    def _keep_pin_rows(self, lengths: list[int]) -> None:
+        """Each layer's `pin_rows` after a multi-token call, per sequence under the page and position of its
+        last token (`LayerPages.pin_rows`), for its next chunk; the oldest beyond `KEPT_PIN_ROWS` dropped."""
+        places = self._last_tokens(lengths)
+        for layer in self.layers:
+            if layer.pin_rows is None:
+                continue
+            pages, (q, positions) = layer.store.pages, layer.pin_rows
+            for b, place in enumerate(places):
+                if place is not None:
+                    key = pages.keys[place[0], :, place[1]].clone()
+                    pages.pin_rows[(place[0], place[2])] = (q[b].clone(), positions[b].clone(), key)
+            while len(pages.pin_rows) > KEPT_PIN_ROWS:
+                pages.pin_rows.popitem(last=False)
 
     def begin_call(self, positions: torch.Tensor, sparse, input_ids: torch.Tensor | None = None) -> CallInfo:
         step = super().begin_call(positions, sparse, input_ids)
@@ -657,8 +743,16 @@ class PagedSparseCache(SparseCache):
         super().finish_call()
         if carrying:  # what the next decode step of each sequence carries (-1s after any other call)
             carry = self.layers[0].carry
-            slots, last = self._carried_at_last_pages(carry.count)
+            slots, last = self.layers[0].store.pages.carried_slots(carry.count), self._last_pages()
             slots[last] = carry.ids  # masked as the base's step ended (`_carries_nothing`)
+        call, self._pin_call = getattr(self, "_pin_call", None), None
+        if call is not None:  # each layer's pins where the sequence's next call finds them
+            last = self._last_pages()
+            for layer in self.layers:
+                slots = layer.store.pages.pinned_slots(layer.pinning[0])
+                slots[last] = -1 if layer.pinned is None else layer.pinned
+            if not call.decode:
+                self._keep_pin_rows(list(call.lengths_after))
         if getattr(self, "_tier_step", False):
             store = self.layers[0].store
             self.tier.end_decode(store.table, store.lengths_before, self.layers[0].lengths)

@@ -14,7 +14,8 @@ the page layout is ours (`kv_page_views`).
 
 The attention mode comes from the checkpoint's `sparse_config`, or from vLLM's `hf_overrides`:
 {"forecastkv_mode": "dense" | "infllmv2-query" | "nosa" | "infllmv2-forecast" | "nosa-forecast" |
-"infllmv2-query-carry" | "infllmv2-forecast-carry"} (`forecastkv/modes.py:ATTENTION_MODES`).
+"infllmv2-query-carry" | "infllmv2-forecast-carry" | "infllmv2-forecast-carry-pin"}
+(`forecastkv/modes.py:ATTENTION_MODES`).
 Imports vLLM: load it through the plugin (`serving/vllm_plugin.py`), not from forecastkv's core.
 
 forecastkv's decoder runs eagerly by default (`run_eagerly`: FORECASTKV_VLLM_CUDA_GRAPHS=1 captures its

@@ -54,6 +54,10 @@ def test_window_block_mass_equals_a_plain_loop():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     # each counted row sums to 1 in each of the G heads of a KV head
     torch.testing.assert_close(got.sum(-1), torch.tensor([[15.0, 15.0], [15.0, 15.0]]))
+    # right padding (a serving engine's chunk batch): a sequence's last rows are its largest positions
+    right = torch.tensor([[7, 8, 9, 10, 11, 12, 13], [3, 4, 5, 6, 7, -1, -1]])
+    q_right = torch.cat([q[:1], torch.cat([q[1:, 2:], q[1:, :2]], dim=1)])
+    torch.testing.assert_close(window_block_mass(q_right, right, keys, block, rows=rows), want, rtol=1e-5, atol=1e-5)
 
 
 def test_pins_leave_out_forced_blocks_and_blocks_with_no_mass():
@@ -126,6 +130,25 @@ def test_a_fork_or_a_reorder_keeps_the_pins_and_a_new_prompt_or_a_crop_drops_the
     assert any(not torch.equal(layer.pinned, old) for layer, old in zip(cache.layers, pins[-1]))
     cache.crop(-1)
     assert all(layer.pinned is None for layer in cache.layers)
+
+
+@pytest.mark.parametrize("cuts", [(140,), (120, 135, 145), (148,)])
+def test_a_prompt_in_chunks_pins_what_it_pins_whole(cuts):
+    """The pins read the prompt's last 32 rows, which calls shorter than that leave to the next one
+    (`SparseCacheLayer.pin_rows`): a left-padded batch prefilled in calls cut at `cuts` pins what one call
+    pins, and a crop drops the rows kept."""
+    model = tiny_model({**GEOMETRY, "selector": "forecast-carry-pin"}, seed=8)
+    ids, mask = left_padded(LENGTHS)
+    whole, cut = SparseCache(model.config), SparseCache(model.config)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, cache=whole)
+        for start, end in zip((0, *cuts), (*cuts, ids.shape[1])):
+            model(input_ids=ids[:, start:end], attention_mask=mask[:, :end], cache=cut)
+    assert all(torch.equal(a.pinned, b.pinned) for a, b in zip(whole.layers, cut.layers))
+    assert sum(int((layer.pinned >= 0).sum()) for layer in whole.layers) >= len(whole.layers) * 4
+    assert all(layer.pin_rows[0].shape[1] == 32 for layer in cut.layers)
+    cut.crop(-1)
+    assert all(layer.pin_rows is None for layer in cut.layers)
 
 
 @pytest.mark.parametrize("lengths", [[1, 3], [5, 12]])

@@ -33,6 +33,7 @@ MODES = {
     "coarse-lse": {"selector": "query", "lse": "coarse"},
     "infllmv2-query-carry": {"selector": "query-carry"},
     "infllmv2-forecast-carry": {"selector": "forecast-carry"},
+    "infllmv2-forecast-carry-pin": {"selector": "forecast-carry-pin"},
 }
 
 
@@ -156,7 +157,7 @@ def test_engine_logits_equal_resident_cache(mode, page, heads_inside, kernel):
     logits, generated = run_engine(
         model, prompts, chunk=5, steps=6, page=page, heads_inside=heads_inside, kernel=kernel
     )
-    same_calls = 5 if mode.endswith("-carry") else None
+    same_calls = 5 if "-carry" in mode else None
     for r, prompt in enumerate(prompts):
         continuation = generated[r][:-1]
         expected = reference_logits(model, prompt, continuation, chunk=same_calls)
@@ -213,7 +214,8 @@ def engine_decode(model, kernel: bool, steps: int, compiled: bool = False):
 
 @pytest.mark.parametrize(
     "mode,kernel",
-    [(mode, False) for mode in ("infllmv2-query", "infllmv2-forecast", "nosa", "coarse-lse", "infllmv2-forecast-carry")]
+    [(mode, False)
+     for mode in ("infllmv2-query", "infllmv2-forecast", "nosa", "coarse-lse", "infllmv2-forecast-carry-pin")]
     + [("infllmv2-forecast", True)],
 )
 def test_a_decode_call_runs_fixed_shapes_and_compiles_once(mode, kernel):
@@ -294,7 +296,7 @@ def test_a_decode_call_makes_its_indexes_once(mode, monkeypatch):
     assert counts[0] == counts[1], f"index tensors per decode call with 2 layers {counts[0]}, with 4 {counts[1]}"
 
 
-@pytest.mark.parametrize("mode", ["infllmv2-query-carry", "infllmv2-forecast-carry"])
+@pytest.mark.parametrize("mode", ["infllmv2-query-carry", "infllmv2-forecast-carry", "infllmv2-forecast-carry-pin"])
 def test_carried_blocks_follow_each_request_across_calls(mode):
     """The blocks a request's decode step carries into its next (`modeling/carry.py`) are kept in the
     pages between the engine's calls, under the page of its last token: requests arrive while others
@@ -352,15 +354,79 @@ def test_page_geometry(block, stride, page, ok):
             check_page_geometry(page, sparse)
 
 
-@pytest.mark.parametrize("selector", ["forecast-carry-pin", "quest-forecast-carry-pin"])
-def test_a_pinning_selector_is_refused_by_name(selector):
-    """The pins (`modeling/pins.py`) are per request, layer and head, from the prompt: the pages do not keep them
-    between calls, so the engine refuses the selector, naming it and the carrying rule it serves instead; and so
-    does the vLLM model's mode check, before any call (`serving/vllm_model.py:apply_mode`)."""
+@pytest.mark.parametrize("selector", ["quest", "quest-forecast-carry-pin", "maxkey-forecast"])
+def test_a_selector_over_key_bounds_is_refused_by_name(selector):
+    """Quest's block key bounds are not kept beside the pages: the engine refuses a selector scoring them before
+    its first call, naming it and the selectors that serve instead."""
     model = tiny_model({"policy": "infllmv2", "selector": selector}, seed=3)
     engine = ToyEngine(model, page=4)
-    with pytest.raises(ConfigError, match=f"selector '{selector}' pins blocks.*infllmv2-forecast-carry"):
+    with pytest.raises(ConfigError, match=f"selector '{selector}' scores Quest's block key bounds.*forecast-carry-pin"):
         engine.step({0: list(range(3, 20))})
+
+
+PIN_MODE = {"policy": "infllmv2", "selector": "forecast-carry-pin", "topk": 6}
+
+
+def engine_pins(engine: ToyEngine, request: int) -> list[torch.Tensor]:
+    """Each layer's pins [H, 2] the pages keep for `request` (under the page of its last token)."""
+    position = engine.stored[request] - 1
+    page = engine.tables[request][position // engine.page]
+    return [layer.pinned[page] for layer in engine.layers]
+
+
+def resident_pins(model, prompt: list[int], cuts: tuple = ()) -> list[torch.Tensor]:
+    """Each layer's pins [H, 2] after the prompt on a resident cache, in one call or cut at `cuts`."""
+    cache = SparseCache(model.config)
+    with torch.no_grad():
+        for start, end in zip((0, *cuts), (*cuts, len(prompt))):
+            model(torch.tensor([prompt[start:end]]), cache=cache)
+    return [layer.pinned[0] for layer in cache.layers]
+
+
+@pytest.mark.parametrize("chunk", [6, 13, 40])
+def test_a_prompt_pins_the_same_blocks_however_it_is_cut(chunk):
+    """The pins read the prompt's last 32 query rows (`modeling/pins.py`); prefilled in chunks shorter than that,
+    beside other requests (right-padded batches), each layer's rows of a request's chunk are kept in the pages
+    for its next (`LayerPages.pin_rows`), so every request pins what its whole prompt pins in one call on a
+    resident cache, and decodes alike.  (No chunk of one token: that is a decode step.)"""
+    model = tiny_model(PIN_MODE, seed=4)
+    prompts = prompts_of([40, 45, 50, 71], seed=9)  # 6, 13 and 40 cut none of them into a last chunk of one
+    engine = ToyEngine(model, page=4, pages=96)
+    done = {r: 0 for r in range(len(prompts))}
+    with torch.no_grad():
+        while any(done[r] < len(p) for r, p in enumerate(prompts)):
+            work = {r: p[done[r] : done[r] + chunk] for r, p in enumerate(prompts) if done[r] < len(p)}
+            engine.step(work)
+            done = {r: done[r] + len(work.get(r, [])) for r in done}
+    checked = 0
+    for r, prompt in enumerate(prompts):
+        want = resident_pins(model, prompt)
+        for layer, (got, expected) in enumerate(zip(engine_pins(engine, r), want)):
+            assert torch.equal(got, expected), f"chunk {chunk}, request {r}, layer {layer}"
+            checked += int((expected >= 0).sum())
+    assert checked >= len(prompts) * len(want) * 2  # most heads pinned blocks: the comparison is not of -1s
+
+
+def test_a_refilled_page_does_not_hand_over_another_requests_pin_rows():
+    """A request aborted mid-prompt leaves its chunk's rows under the page and position of its last token.  The
+    next request given the same pages stores its prompt in calls of 19 tokens, 1 (a decode step, which ends the
+    rows its pins read) and the rest: its last call looks where the aborted chunk ended and must not take those
+    rows (its own key is there now).  Its pins equal a resident cache's after the same calls."""
+    model = tiny_model(PIN_MODE, seed=4)
+    first, second = prompts_of([30, 45], seed=11)
+    engine = ToyEngine(model, page=4, pages=24)
+    with torch.no_grad():
+        engine.step({0: first[:20]})
+        pages = engine.tables.pop(0)
+        engine.free.extend(reversed(pages))  # aborted: its pages go back, to be taken in the same order
+        for start, end in ((0, 19), (19, 20), (20, 45)):
+            engine.step({1: second[start:end]})
+        assert engine.tables[1][:5] == pages  # its decode step stored where the aborted chunk ended, same page
+    want = resident_pins(model, second, cuts=(19, 20))
+    whole = resident_pins(model, second)  # the rows before the last call change the pins: extra rows would show
+    assert any(not torch.equal(a, b) for a, b in zip(want, whole))
+    for layer, (got, expected) in enumerate(zip(engine_pins(engine, 1), want)):
+        assert torch.equal(got, expected), f"layer {layer}"
 
 
 # MiniCPM's dense rule mid-decode: prompts below, across and above dense_len = 40 (5 blocks of 8; topk 3)
@@ -372,6 +438,7 @@ CAPTURED_MODES = {
         "policy": "nosa", "selector": "forecast", "dense_len": 40, "dense_cis_bias": False,
     },
     "infllmv2-forecast-carry dense_len": {"selector": "forecast-carry", "dense_len": 40},
+    "infllmv2-forecast-carry-pin dense_len": {"selector": "forecast-carry-pin", "dense_len": 40},
 }
 
 
@@ -426,7 +493,30 @@ def test_a_captured_decode_call_equals_each_requests_own_run(mode, kernel):
         torch.testing.assert_close(logits[r], expected, rtol=1e-4, atol=1e-4, msg=f"{mode}, request {r}")
 
 
-@pytest.mark.parametrize("mode", ["infllmv2-forecast dense_len", "nosa dense_len", "infllmv2-forecast-carry dense_len"])
+def test_a_one_token_prompt_in_a_captured_call_takes_no_pins_from_its_pages_last_owner():
+    """A captured decode call reads each request's pins from the page of its last token; a one-token prompt
+    arriving in one has no stored token, and its page's slot holds what the page's last owner pinned.  It pins
+    nothing, as its own prefill of one row on a resident cache does (that row's block is the init block)."""
+    model = tiny_model(PIN_MODE, seed=4)
+    first, other = prompts_of([41, 30], seed=12)
+    engine = ToyEngine(model, page=4, pages=32, table_width=16, captured=True)
+    with torch.no_grad():
+        engine.step({0: first, 1: other})
+        left = engine_pins(engine, 0)
+        assert any((pins >= 0).any() for pins in left)
+        pages = engine.tables.pop(0)
+        engine.free.extend(pages)  # request 0 finishes: its last page, holding its pins, is the next one taken
+        out = engine.step({1: [5], 2: [7]})  # request 2: a one-token prompt, in a captured decode call
+        assert engine.tables[2] == [pages[-1]]
+        for _ in range(3):
+            out = engine.step({r: [int(rows[-1].argmax())] for r, rows in out.items()})
+    assert all(torch.equal(pins, torch.full_like(pins, -1)) for pins in engine_pins(engine, 2))
+    assert all(torch.equal(a, b) for a, b in zip(engine_pins(engine, 1), resident_pins(model, other)))
+
+
+@pytest.mark.parametrize(
+    "mode", ["infllmv2-forecast dense_len", "nosa dense_len", "infllmv2-forecast-carry-pin dense_len"]
+)
 def test_a_captured_decode_call_reads_nothing_and_makes_no_host_tensor(mode):
     """The captured decode calls above read no device value back to the host and make no tensor from a
     host number (either would freeze a captured graph at its capture), across the dense_len crossing and
