@@ -121,6 +121,9 @@ class LayerPages:
     # (page id, position) of its last stored token -> (q [R, Hq, d], positions [R], that token's key [H, d],
     # which a later chunk finds on the page unless another request's rows replaced it); `KEPT_PIN_ROWS` at most
     pin_rows: OrderedDict = field(default_factory=OrderedDict)
+    # the key [P, H, d] of the token the carried and pinned slots were kept under (layer 0's pages): a sequence
+    # reads them only where its own last key is that key (`PagedSparseCache._left_elsewhere`); NaN: never kept
+    slot_keys: torch.Tensor | None = None
 
     def carried_slots(self, count: int) -> torch.Tensor:
         """`carried`, made (all -1) for `count` blocks a sequence if it holds another count."""
@@ -133,6 +136,13 @@ class LayerPages:
         if self.pinned is None or self.pinned.shape[2] != count:
             self.pinned = self._no_blocks(self.keys.shape[1], count)
         return self.pinned
+
+    def slot_keys_made(self) -> torch.Tensor:
+        """`slot_keys`, made (all NaN: no key matches) on first use."""
+        if self.slot_keys is None:
+            shape = (self.keys.shape[0], self.keys.shape[1], self.keys.shape[3])
+            self.slot_keys = torch.full(shape, float("nan"), dtype=self.keys.dtype, device=self.keys.device)
+        return self.slot_keys
 
     def _no_blocks(self, *shape: int) -> torch.Tensor:
         return torch.full((self.keys.shape[0], *shape), -1, dtype=torch.long, device=self.keys.device)
@@ -620,6 +630,7 @@ class PagedSparseCache(SparseCache):
         self._paged = (pages, table, list(lengths), tier, device_lengths)
         self.tier, self.shared, self.reduce_heat = tier, CallIndexes(), reduce_heat
         self.device_rule = device_rule
+        self._elsewhere: torch.Tensor | None = None  # `_left_elsewhere`, once per call
         super().__init__(config, selector=selector)
         check_paged_selector(self.call_rule(config.sparse))
 
@@ -646,13 +657,13 @@ class PagedSparseCache(SparseCache):
             carry = self.layers[0].carry
             carry.reduce = self.reduce_heat
             slots, last = self.layers[0].store.pages.carried_slots(carry.count), self._last_pages()
-            none = self._carry_none
-            carry.ids = slots[last] if none is None else slots[last].masked_fill(none.view(-1, 1), -1)
+            none = self._left_elsewhere() if self._carry_none is None else self._left_elsewhere() | self._carry_none
+            carry.ids = slots[last].masked_fill(none.view(-1, 1), -1)
 
     def _pins_for(self, call: CallInfo, sparse) -> None:
         """The base's pinning, and what each sequence's last call left in the pages: for a decode step its
-        pins (a device gather, no host read; none for a first token under `device_rule`), for a multi-token
-        call the rows its last chunk pinned from (`LayerPages.pin_rows`)."""
+        pins (a device gather, no host read; none where another sequence left them, `_left_elsewhere`), for a
+        multi-token call the rows its last chunk pinned from (`LayerPages.pin_rows`)."""
         super()._pins_for(call, sparse)
         pinning = self.layers[0].pinning if self.layers else None
         self._pin_call = None if pinning is None else call
@@ -660,11 +671,24 @@ class PagedSparseCache(SparseCache):
             return
         if not call.decode:
             return self._take_pin_rows(list(call.lengths_before))
-        last = self._last_pages()
-        first = self._paged[4] == 0 if self.device_rule else None  # its last page's slot is a leftover
+        last, elsewhere = self._last_pages(), self._left_elsewhere().view(-1, 1, 1)
         for layer in self.layers:
-            ids = layer.store.pages.pinned_slots(pinning[0])[last]
-            layer.pinned = ids if first is None else ids.masked_fill(first.view(-1, 1, 1), -1)
+            layer.pinned = layer.store.pages.pinned_slots(pinning[0])[last].masked_fill(elsewhere, -1)
+
+    def _left_elsewhere(self) -> torch.Tensor:
+        """bool [B]: the decode step's sequences whose last page's carried and pinned slots another sequence
+        left, so they read none: where the key those slots were kept under (`LayerPages.slot_keys`) is not the
+        key at the sequence's last position.  That is a prompt served from the prefix cache but its last token
+        (vLLM recomputes that one; where it opens a page it is a decode step on pages another request
+        computed), and under `device_rule` a one-token prompt (nothing stored: its first page's leftovers).
+        Device ops only, once per call."""
+        if self._elsewhere is None:
+            pages = self.layers[0].store.pages
+            ids, offsets = self._last_place()
+            kept = pages.slot_keys_made()[ids]  # [B, H, d]
+            elsewhere = (kept != pages.keys[ids, :, offsets]).flatten(1).any(1)
+            self._elsewhere = elsewhere | (self._paged[4] == 0) if self.device_rule else elsewhere
+        return self._elsewhere
 
     def _carries_nothing(self, call: CallInfo) -> torch.Tensor | None:
         """The base's, and under `device_rule` the sequences storing their first token too (a one-token
@@ -676,13 +700,15 @@ class PagedSparseCache(SparseCache):
         first = self._paged[4] == 0  # device_lengths: what each sequence stored before this call
         return first if nothing is None else nothing | first
 
-    def _last_pages(self) -> torch.Tensor:
-        """The page [B] holding each sequence's last stored token, where its carried and pinned blocks are kept.
-        A page is shared (prefix caching) only once full, and a sequence whose last token ends a shared page is
-        the one that filled it: the engine recomputes a prompt's last token on a page of its own."""
+    def _last_place(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(page [B], offset [B]) of each sequence's last stored token: its carried and pinned blocks are kept
+        under that page (a first token's: its first page, offset 0)."""
         layer = self.layers[0]
-        last, _ = page_slots(layer.store.table, (layer.lengths - 1).view(-1, 1), layer.store.pages.page)
-        return last.view(-1)
+        page_ids, offsets = page_slots(layer.store.table, (layer.lengths - 1).view(-1, 1), layer.store.pages.page)
+        return page_ids.view(-1), offsets.view(-1)
+
+    def _last_pages(self) -> torch.Tensor:
+        return self._last_place()[0]
 
     def _last_tokens(self, lengths: list[int]) -> list[tuple[int, int, int] | None]:
         """(page id, offset, position) of each sequence's last token at `lengths` stored positions (host ints;
@@ -746,6 +772,9 @@ class PagedSparseCache(SparseCache):
             slots, last = self.layers[0].store.pages.carried_slots(carry.count), self._last_pages()
             slots[last] = carry.ids  # masked as the base's step ended (`_carries_nothing`)
         call, self._pin_call = getattr(self, "_pin_call", None), None
+        if carrying or call is not None:  # the key they were kept under: the sequence's last (`_left_elsewhere`)
+            pages, (ids, offsets) = self.layers[0].store.pages, self._last_place()
+            pages.slot_keys_made()[ids] = pages.keys[ids, :, offsets]
         if call is not None:  # each layer's pins where the sequence's next call finds them
             last = self._last_pages()
             for layer in self.layers:

@@ -493,6 +493,39 @@ def test_a_captured_decode_call_equals_each_requests_own_run(mode, kernel):
         torch.testing.assert_close(logits[r], expected, rtol=1e-4, atol=1e-4, msg=f"{mode}, request {r}")
 
 
+@pytest.mark.parametrize("mode", ["infllmv2-forecast-carry", "infllmv2-forecast-carry-pin"])
+def test_a_prompt_from_the_prefix_cache_reads_no_other_requests_slots(mode):
+    """vLLM serves a repeated prompt from its prefix cache and recomputes only its last token; where that token
+    opens a page it is a decode step on pages another request computed, and the carried and pinned slots under
+    its last cached page are whatever a request decoding through that page left (here request 0, whose pages
+    request 1 then took).  It reads none of them (`PagedSparseCache._left_elsewhere`): carrying, it equals a
+    resident cache given the same calls (the prompt but its last token, then that token, a decode step); its
+    pins stay empty (the rows they read were another request's computation), never request 0's."""
+    model = tiny_model({**MODES[mode], "topk": 8}, seed=4)
+    decoded, prompt = prompts_of([77, 81], seed=13)  # 81 = 20 pages of 4 + 1: the last token opens a page
+    engine = ToyEngine(model, page=4, pages=64)
+    with torch.no_grad():
+        out = engine.step({0: decoded})
+        for _ in range(6):  # request 0 decodes through its 20th page, leaving its slots there
+            out = engine.step({0: [int(out[0][-1].argmax())]})
+        pages = engine.tables.pop(0)
+        assert (engine.layers[0].carried[pages[19]] >= 0).any()
+        engine.free.extend(reversed(pages))  # request 1 takes them in the same order
+        engine.step({1: prompt})
+        assert engine.tables[1][:20] == pages[:20]
+        engine.tables[2], engine.stored[2] = engine.tables[1][:20], 80  # request 2: the prompt again, cached
+        logits = [engine.step({2: prompt[80:]})[2]]
+        generated = [int(logits[-1][-1].argmax())]
+        for _ in range(5):
+            logits.append(engine.step({2: generated[-1:]})[2])
+            generated.append(int(logits[-1][-1].argmax()))
+    if mode.endswith("-pin"):
+        assert all(torch.equal(pins, torch.full_like(pins, -1)) for pins in engine_pins(engine, 2))
+        return
+    expected = reference_logits(model, prompt, generated[:-1], chunk=80)[80:]
+    torch.testing.assert_close(torch.cat(logits), expected, rtol=1e-4, atol=1e-4)
+
+
 def test_a_one_token_prompt_in_a_captured_call_takes_no_pins_from_its_pages_last_owner():
     """A captured decode call reads each request's pins from the page of its last token; a one-token prompt
     arriving in one has no stored token, and its page's slot holds what the page's last owner pinned.  It pins
