@@ -33,6 +33,9 @@ ATTENTION_MODES = {
     "infllmv2-forecast-carry": ("infllmv2", "forecast-carry"),
     # and the blocks the prompt's last rows attended most pinned per layer and KV head (`modeling/pins.py`)
     "infllmv2-forecast-carry-pin": ("infllmv2", "forecast-carry-pin"),
+    # Quest's per-block key bounds (a window index of one block), scored by the query or the Forecast vectors
+    "infllmv2-quest": ("infllmv2", "quest"),
+    "infllmv2-quest-forecast-carry-pin": ("infllmv2", "quest-forecast-carry-pin"),
     "nosa": ("nosa", "query"),
     "nosa-forecast": ("nosa", "forecast"),
 }

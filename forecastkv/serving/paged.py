@@ -51,6 +51,7 @@ from ..modeling.cache import (
     zero_missing_,
 )
 from ..modeling.prefill import BlockSource
+from ..selectors import get_selector
 
 
 def check_page_geometry(page: int, sparse) -> None:
@@ -160,10 +161,12 @@ class LayerPages:
     def around(
         cls, keys: torch.Tensor, values: torch.Tensor, sparse, nosa: bool, attend: Callable | None = None
     ) -> "LayerPages":
-        """The window indexes (and CIS pages) for the K/V pages keys/values [P, H, page, d]."""
+        """The window indexes (and CIS pages) for the K/V pages keys/values [P, H, page, d]: Quest's block key
+        bounds too where `sparse`'s selector scores them (one slot per block, under the page of its last key)."""
         pages, heads, page, dim = keys.shape
         check_page_geometry(page, sparse)
-        indexes = {index.name: index for index in window_indexes(*window_geometry(sparse), cis=nosa)}
+        bounds = (sparse.block_size,) * 2 if sparse is not None and get_selector(sparse.selector).key_bounds else None
+        indexes = {index.name: index for index in window_indexes(*window_geometry(sparse), bounds, cis=nosa)}
         windows = {}
         for name, index in indexes.items():
             tail = () if index.source == "cis" else (dim,)
@@ -563,16 +566,16 @@ class PagedRows:
         return 0
 
     def missing_bounds(self) -> Exception:
-        return ConfigError("the paged cache keeps no Quest block key bounds: serve with the query or forecast selector")
+        return ConfigError("these pages keep no Quest block key bounds (`check_paged_selector`)")
 
 
-def check_paged_selector(rule) -> None:
-    """Raise a ConfigError for a selector (`Selector` or None) that scores what the pages do not keep: Quest's
-    block key bounds (`Selector.key_bounds`), before any call."""
-    if rule is not None and rule.key_bounds:
+def check_paged_selector(rule, pages: "LayerPages") -> None:
+    """Raise a ConfigError for a selector (`Selector` or None) that scores what `pages` do not keep: Quest's
+    block key bounds (`Selector.key_bounds`), kept only where the pages were made for such a selector."""
+    if rule is not None and rule.key_bounds and "block_lo" not in pages.indexes:
         raise ConfigError(
-            f"selector {rule.name!r} scores Quest's block key bounds, which the paged cache does not keep; "
-            "serve with a selector over the compressed keys (query, forecast, forecast-carry or forecast-carry-pin)"
+            f"selector {rule.name!r} scores Quest's block key bounds, which these pages were not made to keep "
+            "(LayerPages.around keeps them for a sparse_config whose selector scores them)"
         )
 
 
@@ -632,7 +635,8 @@ class PagedSparseCache(SparseCache):
         self.device_rule = device_rule
         self._elsewhere: torch.Tensor | None = None  # `_left_elsewhere`, once per call
         super().__init__(config, selector=selector)
-        check_paged_selector(self.call_rule(config.sparse))
+        if pages:
+            check_paged_selector(self.call_rule(config.sparse), pages[0])
 
     def call_info(self, positions: torch.Tensor, sparse) -> CallInfo:
         """The base's, but for a decode call under `device_rule`: every sequence's dense rule on the device

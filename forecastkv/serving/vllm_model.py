@@ -43,7 +43,7 @@ from ..errors import ConfigError, UserInputError
 from ..modeling.modeling import ForecastKVForCausalLM
 from ..modes import ATTENTION_MODES
 from ..selectors import get_selector
-from .paged import LayerPages, check_page_geometry, check_paged_selector
+from .paged import LayerPages, check_page_geometry
 from .step import EngineBatch, forward_paged
 from .vllm_layers import check_tensor_parallel, load_weights, max_over_ranks, use_vllm_layers
 from .vllm_llama import ForecastKVDenseLlama, served_by_vllm_llama
@@ -87,7 +87,6 @@ def apply_mode(config, source: str = "SRC") -> str:
         sparse = config.sparse
         if sparse is None:
             return "dense"
-        check_paged_selector(get_selector(sparse.selector))  # refused as the model is built, not at a call
         return next((n for n, spec in ATTENTION_MODES.items() if spec == (sparse.policy, sparse.selector)), "custom")
     if not isinstance(name, str) or "@" in name or name not in ATTENTION_MODES:
         raise ConfigError(f"{MODE_KEY}={name!r} is not a vLLM attention mode; known: {sorted(ATTENTION_MODES)}")

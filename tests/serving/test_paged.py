@@ -354,13 +354,23 @@ def test_page_geometry(block, stride, page, ok):
             check_page_geometry(page, sparse)
 
 
-@pytest.mark.parametrize("selector", ["quest", "quest-forecast-carry-pin", "maxkey-forecast"])
-def test_a_selector_over_key_bounds_is_refused_by_name(selector):
-    """Quest's block key bounds are not kept beside the pages: the engine refuses a selector scoring them before
-    its first call, naming it and the selectors that serve instead."""
-    model = tiny_model({"policy": "infllmv2", "selector": selector}, seed=3)
+@pytest.mark.parametrize("selector", ["quest", "quest-forecast", "quest-forecast-carry-pin", "maxkey-forecast"])
+def test_selectors_over_key_bounds_equal_the_resident_cache(selector):
+    """Quest's block key bounds are window indexes of one block (min and max per channel), kept in the pages'
+    slots like the compressed keys where the sparse_config's selector scores them (`LayerPages.around`): the
+    engine's logits equal each request's own resident run; pages made without them refuse such a selector by
+    name before any call."""
+    model = tiny_model({"policy": "infllmv2", "selector": selector, "topk": 4}, seed=3)
+    prompts = prompts_of([1, 7, 19, 41])
+    logits, generated = run_engine(model, prompts, chunk=5, steps=6, page=4)
+    same_calls = 5 if "-carry" in selector else None
+    for r, prompt in enumerate(prompts):
+        expected = reference_logits(model, prompt, generated[r][:-1], chunk=same_calls)
+        torch.testing.assert_close(logits[r], expected, rtol=1e-4, atol=1e-4, msg=f"{selector}, request {r}")
+    plain = tiny_model({"policy": "infllmv2", "selector": "query"}, seed=3).config.sparse
     engine = ToyEngine(model, page=4)
-    with pytest.raises(ConfigError, match=f"selector '{selector}' scores Quest's block key bounds.*forecast-carry-pin"):
+    engine.layers = [LayerPages.around(layer.keys, layer.values, plain, False) for layer in engine.layers]
+    with pytest.raises(ConfigError, match=f"selector '{selector}' scores Quest's block key bounds"):
         engine.step({0: list(range(3, 20))})
 
 

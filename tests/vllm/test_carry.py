@@ -2,7 +2,8 @@
 (`forecastkv/modeling/carry.py`) is kept beside its pages between vLLM's calls (`serving/paged.py`,
 `LayerPages.carried`), and under infllmv2-forecast-carry-pin so are the blocks its prompt pinned
 (`modeling/pins.py`; `LayerPages.pinned`) and, between its prefill chunks, the query rows they are read
-from (`LayerPages.pin_rows`).  On a tiny checkpoint, greedy tokens equal generate()'s for one prompt alone
+from (`LayerPages.pin_rows`); infllmv2-quest-forecast-carry-pin scores Quest's block key bounds, kept in the
+pages' window slots.  On a tiny checkpoint, greedy tokens equal generate()'s for one prompt alone
 and for four sent together under a small token budget, so prompts prefill in chunks beside other
 requests' decode rows (mixed calls, rows in the scheduler's order; a prompt's last 32 rows cut across
 chunks; without the rows kept between chunks the pinning mode's tokens differ) and the first prompt comes
@@ -27,12 +28,13 @@ NEW_TOKENS = 12
 
 
 PIN_MODE = "infllmv2-forecast-carry-pin"
+QUEST_PIN_MODE = "infllmv2-quest-forecast-carry-pin"  # Quest's block key bounds kept in the pages' slots too
 # room for 4 carried and 2 pinned blocks per head beside the forced ones
-SPARSE_CHANGES = {MODE: CHANGES[MODE], PIN_MODE: {"topk": 10}}
+SPARSE_CHANGES = {MODE: CHANGES[MODE], PIN_MODE: {"topk": 10}, QUEST_PIN_MODE: {"topk": 10}}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", [MODE, PIN_MODE])
+@pytest.mark.parametrize("mode", [MODE, PIN_MODE, QUEST_PIN_MODE])
 def test_carrying_mode_gives_generate_tokens_beside_other_requests(tmp_path, mode):
     model = tiny_checkpoint(tmp_path / "tiny", "infllmv2", **SPARSE_CHANGES[mode])
     generator = torch.Generator().manual_seed(2)
