@@ -54,14 +54,16 @@ def test_carrying_mode_gives_generate_tokens_beside_other_requests(tmp_path, mod
 
 
 @pytest.mark.slow
-def test_carried_blocks_are_loaded_by_the_lookahead_connector(tmp_path):
-    """The blocks a step carries are in each layer's planned selection, which the connector fetches a layer
-    ahead: with every row it did not load poisoned (`evict`), the tokens still equal generate()'s."""
-    model = tiny_checkpoint(tmp_path / "tiny", "infllmv2", **CHANGES[MODE])
+@pytest.mark.parametrize("mode", [MODE, QUEST_PIN_MODE])
+def test_carried_blocks_are_loaded_by_the_lookahead_connector(tmp_path, mode):
+    """The blocks a step carries (and those the prompt pinned) are in each layer's planned selection, which the
+    connector fetches a layer ahead: with every row it did not load poisoned (`evict`), the tokens still equal
+    generate()'s."""
+    model = tiny_checkpoint(tmp_path / "tiny", "infllmv2", **SPARSE_CHANGES[mode])
     prompt = torch.randint(3, 256, (700,), generator=torch.Generator().manual_seed(5)).tolist()
-    expected = hf_greedy(model, MODE, prompt, NEW_TOKENS)
+    expected = hf_greedy(model, mode, prompt, NEW_TOKENS)
     del model
-    llm = engine(str(tmp_path / "tiny"), MODE, skip_tokenizer_init=True, max_model_len=1024,
+    llm = engine(str(tmp_path / "tiny"), mode, skip_tokenizer_init=True, max_model_len=1024,
                  enable_prefix_caching=False, kv_transfer_config=CONNECTOR)
     ((tokens, logprobs),) = vllm_greedy(llm, [prompt], NEW_TOKENS)
     del llm
