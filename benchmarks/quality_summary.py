@@ -14,6 +14,12 @@ the study's, with `task`, `examples` and `successes` and `source` the suite's fo
 held-out text's bytes a step and perplexity ratio joined to each task cell of the same selector).  Writes
 OUT/summary.json (a list of records) and OUT/summary.md (a table per length, then the suites').
 
+    python benchmarks/quality_summary.py --rebuild benchmarks/results/quality/suite-*
+
+rewrites each suite folder's summary.json, summary.md and plot from its records (`results.rank0.jsonl`) with
+the summary's present fields (`forecastkv/eval/suite_report.py`: bootstrap intervals, paired differences),
+keeping its perplexity cells, heads and setup lines, without the model.
+
 What the numbers are: `recall_mass` is the study's (the share of the oracle's attention mass the
 selected blocks hold, over `recall_rows` (decode step, layer >= 1, KV head) rows of one held-out text);
 `accuracy` is the needle's answer tokens predicted under teacher forcing, over `trials` tokens of one
@@ -99,8 +105,9 @@ def summarise(studies: list[tuple[str, Path]]) -> list[dict]:
     )
 
 
-SUITE_FIELDS = ("selector", "teacher", "vectors", "length", "budget", "prefetch", "recall_mass", "accuracy",
-                "interval", "task", "examples", "successes", "h2d_bytes_per_step", "ppl_ratio")
+SUITE_FIELDS = ("selector", "teacher", "vectors", "length", "budget", "prefetch", "recall_mass", "recall_interval",
+                "recall_vs_query", "accuracy", "interval", "score", "score_interval", "vs_dense", "task", "examples",
+                "successes", "h2d_bytes_per_step", "ppl_ratio")
 
 
 def suite_records(folders: list[str]) -> list[dict]:
@@ -123,9 +130,14 @@ def suite_records(folders: list[str]) -> list[dict]:
             kept["budget"] = kept["budget"] or (cell["length"] // 64 if cell["selector"] == "dense" else None)
             for name in ("recall_mass", "ppl_ratio"):
                 kept[name] = None if kept[name] is None else round(kept[name], 4)
-            kept["interval"] = [round(x, 4) for x in kept["interval"]]
+            for name in ("interval", "score_interval", "recall_interval"):
+                kept[name] = None if kept[name] is None else [round(x, 4) for x in kept[name]]
             records.append({**kept, "source": Path(folder).name})
     return records
+
+
+def _span(pair, digits: int = 4) -> str:
+    return "" if pair is None else f" [{pair[0]:.{digits}f}, {pair[1]:.{digits}f}]"
 
 
 def markdown(records: list[dict]) -> str:
@@ -153,25 +165,63 @@ def markdown(records: list[dict]) -> str:
         lines.append("")
     if suites:
         lines += ["## The suite's cells (independent examples, `forecastkv quality`)", "",
-                  "| source | task | length | selector | budget | prefetch | recall (mass) | accuracy [95% CI] |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "| source | task | length | selector | budget | prefetch | recall (mass) [95%] | - query, paired "
+                  "| accuracy [95% CI] | score - dense, paired |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for r in suites:
             low, high = r["interval"]
-            recall = "-" if r["recall_mass"] is None else f"{r['recall_mass']:.4f}"
+            recall = "-" if r["recall_mass"] is None else f"{r['recall_mass']:.4f}{_span(r.get('recall_interval'))}"
             prefetch = "yes" if r["prefetch"] else "no" if r["selector"] != "dense" else "-"
+            gain, versus = r.get("recall_vs_query"), r.get("vs_dense")
+            gain = "-" if gain is None else f"{gain['recall']:+.4f}{_span(gain['interval'])}"
+            versus = "-" if versus is None else f"{versus['score']:+.2f}{_span(versus['interval'], 2)}"
             lines.append(f"| {r['source']} | {r['task']} | {r['length']} | {r['selector']} | {r['budget'] or '-'} | "
-                         f"{prefetch} | {recall} | {r['successes']}/{r['examples']} = {r['accuracy']:.2f} "
-                         f"[{low:.2f}, {high:.2f}] |")
+                         f"{prefetch} | {recall} | {gain} | {r['successes']}/{r['examples']} = {r['accuracy']:.2f} "
+                         f"[{low:.2f}, {high:.2f}] | {versus} |")
         lines.append("")
     return "\n".join(lines)
 
 
+def rebuild(folder: Path) -> list[Path]:
+    """A suite folder's summary from its records (see the module's docstring)."""
+    from forecastkv.eval.suite import RECORDS
+    from forecastkv.eval.suite_report import PERPLEXITY, SUMMARY_FIELDS, summarize, write_summary
+
+    old = json.loads((folder / "summary.json").read_text())
+    records = [json.loads(line) for line in (folder / RECORDS).read_text().splitlines() if line.strip()]
+    modes = {c["mode"] for c in old if c["task"] != PERPLEXITY}  # the run's cells (the records may hold more)
+    records = [r for r in records if r["mode"] in modes]
+    headed = next((c for c in old if c.get("teacher") or c.get("vectors")), {})
+    cells = summarize(records, [], {"teacher": headed.get("teacher"), "vectors": headed.get("vectors")})
+    heldout = [{**dict.fromkeys(SUMMARY_FIELDS), **c} for c in old if c["task"] == PERPLEXITY]
+    measured = {(c["length"], c["selector"], c["budget"]): c for c in heldout}
+    for cell in cells:  # each task cell's bytes a step: its selector's on the held-out text, as the run joined them
+        text = measured.get((cell["length"], cell["selector"], cell["budget"]), {})
+        cell.update({name: text.get(name) for name in ("h2d_bytes_per_step", "hit_rate", "offload_mode")})
+    cells += heldout
+    report = (folder / "summary.md").read_text().splitlines()
+    setup = [line[2:] for line in report[: report.index("## Tasks")] if line.startswith("- ")]
+    setup = [line for line in setup if not line.startswith("summary rebuilt")]
+    setup.append("summary rebuilt from these records by `benchmarks/quality_summary.py --rebuild` (intervals added)")
+    heading = next(line for line in report if line.startswith("## Held-out perplexity ("))
+    tokens = int(heading.split("(")[1].split()[0])
+    name = next(line for line in setup if line.startswith("model: "))[len("model: "):].split(";")[0]
+    return write_summary(cells, folder, setup, tokens, f"{name}: accuracy against H2D bytes per decode step")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--study", nargs="+", required=True, help="TEACHER[:VECTORS]=DIR of a `forecastkv study` run")
+    parser.add_argument("--rebuild", nargs="+", metavar="DIR", help="rewrite these suite folders' summaries, then stop")
+    parser.add_argument("--study", nargs="+", help="TEACHER[:VECTORS]=DIR of a `forecastkv study` run")
     parser.add_argument("--suite", nargs="*", default=[], help="DIR of a `forecastkv quality` run (its summary.json)")
     parser.add_argument("--out", default="benchmarks/results/quality", help="where summary.json and summary.md go")
     args = parser.parse_args(argv)
+    if args.rebuild:
+        for folder in args.rebuild:
+            print(f"rebuilt {', '.join(map(str, rebuild(Path(folder))))}")
+        return 0
+    if not args.study:
+        parser.error("--study is required (or --rebuild)")
     records = summarise(parse_studies(args.study)) + suite_records(args.suite)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -70,7 +70,9 @@ def test_suite_cells_join_their_held_out_bytes(tmp_path):
     cells = [
         suite_cell("niah_single_essay", "dense", examples=50, successes=45, accuracy=0.9, interval=[0.7864, 0.9565]),
         suite_cell("niah_single_essay", "forecast-carry", teacher="selector", vectors=1, examples=50, successes=43,
-                   accuracy=0.86, interval=[0.7381, 0.9305], recall_mass=0.94123),
+                   accuracy=0.86, interval=[0.7381, 0.9305], recall_mass=0.94123, recall_interval=[0.93, 0.95],
+                   recall_vs_query={"recall": 0.0151, "interval": [0.012, 0.018]},
+                   vs_dense={"score": -0.04, "interval": [-0.14, 0.06], "found": 2, "lost": 4}),
         suite_cell("perplexity", "forecast-carry", h2d_bytes_per_step=4.1e6, ppl_ratio=1.04412, recall_mass=0.97),
         suite_cell("niah_single_essay", "quest", skipped="no bounds"),
     ]
@@ -81,7 +83,9 @@ def test_suite_cells_join_their_held_out_bytes(tmp_path):
     carry = records[1]
     assert carry["source"] == "suite-niah-4k" and carry["task"] == "niah_single_essay" and carry["examples"] == 50
     assert (carry["recall_mass"], carry["h2d_bytes_per_step"], carry["ppl_ratio"]) == (0.9412, 4.1e6, 1.0441)
-    row = "| suite-niah-4k | niah_single_essay | 4096 | forecast-carry | 16 | yes | 0.9412 | 43/50 = 0.86 [0.74, 0.93]"
+    assert carry["recall_interval"] == [0.93, 0.95] and carry["vs_dense"]["lost"] == 4
+    row = ("| suite-niah-4k | niah_single_essay | 4096 | forecast-carry | 16 | yes | 0.9412 [0.9300, 0.9500] "
+           "| +0.0151 [0.0120, 0.0180] | 43/50 = 0.86 [0.74, 0.93] | -0.04 [-0.14, 0.06] |")
     assert row in qs.markdown(records)
     with pytest.raises(SystemExit, match="run `forecastkv quality --out"):
         qs.suite_records([str(tmp_path / "missing")])

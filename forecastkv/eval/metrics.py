@@ -209,3 +209,45 @@ def wilson_interval(successes: int, trials: int, z: float = Z_95) -> tuple[float
     low = 0.0 if successes == 0 else max(0.0, centre - half)
     high = 1.0 if successes == trials else min(1.0, centre + half)
     return low, high
+
+
+BOOTSTRAP_RESAMPLES = 10_000
+
+
+def bootstrap_interval(
+    values: Sequence[float], weights: Sequence[float] | None = None, other: Sequence[float] | None = None,
+    other_weights: Sequence[float] | None = None, resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0,
+) -> tuple[float, float, float]:
+    """(estimate, low, high): a percentile bootstrap 95% interval over independent examples.
+
+    values [N]: one number per example (a score, or a recall with `weights` [N]: its rows, so the estimate is
+    the pooled mean sum(w v) / sum(w), and a resample draws whole examples with their rows).  With `other`
+    [N] (and `other_weights`), the same examples under another cell: the estimate is the paired difference
+    mean(values) - mean(other), each resample drawing the same examples for both.  `resamples` draws with a
+    seeded generator, so a summary is reproducible."""
+    import numpy as np
+
+    v = np.asarray(values, dtype=np.float64)
+    if v.ndim != 1 or v.size == 0:
+        raise ValueError(f"values must be a non-empty list of numbers, got shape {v.shape}")
+    if other is not None and len(other) != v.size:
+        raise ValueError(f"other has {len(other)} examples, values {v.size}: a paired difference needs the same ones")
+    if isinstance(resamples, bool) or not isinstance(resamples, int) or resamples < 1:
+        raise ValueError(f"resamples must be a positive integer, got {resamples!r}")
+
+    def pooled(x, w, draws):  # the (weighted) mean of each draw's examples
+        x = np.asarray(x, dtype=np.float64)
+        w = np.ones_like(x) if w is None else np.asarray(w, dtype=np.float64)
+        if (w < 0).any() or w.sum() <= 0:
+            raise ValueError("weights must be non-negative with a positive sum")
+        total = w[draws].sum(-1)
+        return np.divide((x * w)[draws].sum(-1), total, out=np.full(total.shape, np.nan), where=total > 0)
+
+    everyone = np.arange(v.size)[None]
+    draws = np.random.default_rng(seed).integers(0, v.size, size=(resamples, v.size))
+    estimate, spread = pooled(v, weights, everyone)[0], pooled(v, weights, draws)
+    if other is not None:
+        estimate = estimate - pooled(other, other_weights, everyone)[0]
+        spread = spread - pooled(other, other_weights, draws)
+    low, high = np.nanpercentile(spread, [2.5, 97.5])
+    return tuple(round(float(x), 6) for x in (estimate, low, high))

@@ -12,8 +12,16 @@ A task cell is (task, length, selector, budget); its record (`SUMMARY_FIELDS`):
     examples, successes  examples measured; those scored 1.0 (every reference in the prediction)
     accuracy, interval   successes / examples and its 95% Wilson interval [low, high] (`metrics.wilson_interval`)
     score                the mean RULER score (string_match_all: partial credit for some of several references)
+    score_interval       its 95% percentile-bootstrap interval over the examples [low, high]
+                         (`metrics.bootstrap_interval`)
     recall_mass          share of the oracle's attention mass the selected blocks hold, pooled over the rows
                          where the budget is selective, every decode step, layer >= 1 and KV head (None: no row)
+    recall_interval      its 95% bootstrap interval, whole examples (with their rows) resampled: the rows of
+                         one example are not independent, the examples are
+    vs_dense             the score minus dense's on the same examples (paired bootstrap): {"score", "interval",
+                         "found": examples it answers whole and dense does not, "lost": the reverse}; None for dense
+    recall_vs_query      recall_mass minus the query selector's at the same budget on the same examples (paired
+                         bootstrap): {"recall", "interval"}; None without a query cell
     recall_layers        the same per layer (layer 0 has none: its blocks are not compared)
     h2d_bytes_per_step   host->device bytes per decode step of the selector's offloaded run at that length
                          (the perplexity text, see below; None: not measured, e.g. the oracle)
@@ -32,7 +40,7 @@ from pathlib import Path
 from ..atomic import write_text_atomic
 from ..modes import SELECTORS
 from ..selectors import get_selector
-from .metrics import wilson_interval
+from .metrics import bootstrap_interval, wilson_interval
 from .suite import DENSE, study_mode
 
 MIB = 2**20
@@ -40,7 +48,8 @@ PERPLEXITY = "perplexity"
 SELECTOR_ORDER = (DENSE, "oracle", *(s for s in SELECTORS if s != "oracle"))
 SUMMARY_FIELDS = (
     "task length selector budget mode teacher vectors prefetch examples successes accuracy interval score "
-    "recall_mass recall_layers h2d_bytes_per_step hit_rate offload_mode ppl ppl_ratio skipped"
+    "score_interval recall_mass recall_interval recall_layers vs_dense recall_vs_query h2d_bytes_per_step hit_rate "
+    "offload_mode ppl ppl_ratio skipped"
 ).split()
 
 
@@ -102,10 +111,44 @@ def task_cell(records: list[dict], heads: dict, bytes_record: dict | None) -> di
         accuracy=accuracy,
         interval=[low, high],
         score=sum(r["score"] for r in measured) / len(measured),
+        score_interval=list(bootstrap_interval([r["score"] for r in measured])[1:]),
         recall_mass=recall,
+        recall_interval=None if recall is None else list(bootstrap_interval(*_recall_rows(measured))[1:]),
         recall_layers=layers,
     )
     return cell
+
+
+def _recall_rows(records: list[dict]) -> tuple[list[float], list[int]]:
+    """(recall, selective rows) per example: an example with no selective row weighs nothing."""
+    return [r["recall_mass"] or 0.0 for r in records], [r["recall_rows"] or 0 for r in records]
+
+
+def _paired(mine: list[dict], theirs: list[dict]) -> tuple[list[dict], list[dict]] | None:
+    """The measured records of two cells on the examples both have, in the same order (None: none shared)."""
+    by_index = {r["index"]: r for r in theirs if r["skipped"] is None}
+    pairs = [(r, by_index[r["index"]]) for r in mine if r["skipped"] is None and r["index"] in by_index]
+    return (tuple(map(list, zip(*pairs))) if pairs else None)
+
+
+def compare_cells(cell: dict, records: list[dict], dense: list[dict] | None, query: list[dict] | None) -> None:
+    """`vs_dense` and `recall_vs_query` of a task cell from its records and those of its task and length's dense
+    cell and query cell at its budget (each None where absent or the cell is that one)."""
+    paired = None if dense is None or cell["selector"] == DENSE else _paired(records, dense)
+    if paired is not None:
+        mine, base = paired
+        difference, low, high = bootstrap_interval([r["score"] for r in mine], other=[r["score"] for r in base])
+        cell["vs_dense"] = {
+            "score": difference, "interval": [low, high],
+            "found": sum(a["score"] == 1.0 and b["score"] != 1.0 for a, b in zip(mine, base)),
+            "lost": sum(a["score"] != 1.0 and b["score"] == 1.0 for a, b in zip(mine, base)),
+        }
+    paired = None if query is None or cell["selector"] in (DENSE, "query") else _paired(records, query)
+    if paired is not None and cell["recall_mass"] is not None:
+        (values, rows), (other, other_rows) = (_recall_rows(side) for side in paired)
+        if sum(rows) and sum(other_rows):
+            difference, low, high = bootstrap_interval(values, rows, other, other_rows)
+            cell["recall_vs_query"] = {"recall": difference, "interval": [low, high]}
 
 
 def perplexity_cell(record: dict, heads: dict) -> dict:
@@ -131,7 +174,12 @@ def summarize(task_records: list[dict], ppl_records: list[dict], heads: dict | N
     groups: dict = {}
     for record in task_records:
         groups.setdefault((record["task"], record["length"], record["mode"]), []).append(record)
-    cells = [task_cell(rs, heads, by_length.get((length, mode))) for (_, length, mode), rs in groups.items()]
+    cells = []
+    for (task, length, mode), rs in groups.items():
+        cell = task_cell(rs, heads, by_length.get((length, mode)))
+        query = groups.get((task, length, f"query@{cell['budget']}"))
+        compare_cells(cell, rs, groups.get((task, length, DENSE)), query)
+        cells.append(cell)
     cells += [perplexity_cell(r, heads) for r in ppl_records]
     tasks = list(dict.fromkeys(c["task"] for c in cells))
     return sorted(
@@ -153,21 +201,37 @@ def _mib(value) -> str:
     return "-" if value is None else f"{value / MIB:.3f}"
 
 
+def _span(pair, digits: int = 3) -> str:
+    return "-" if pair is None else f"[{pair[0]:.{digits}f}, {pair[1]:.{digits}f}]"
+
+
+def _estimate(value, interval) -> str:
+    return "-" if value is None else f"{value:.3f} {_span(interval)}"
+
+
+def _difference(entry: dict | None, name: str, digits: int = 3) -> str:
+    """A paired difference `{name: d, "interval": [l, h], ...}` as "d [l, h]" (found / lost where counted)."""
+    if entry is None:
+        return "-"
+    counts = f" ({entry['found']} / {entry['lost']})" if "found" in entry else ""
+    return f"{entry[name]:+.{digits}f} {_span(entry['interval'], digits)}{counts}"
+
+
 def task_table(cells: list[dict]) -> list[str]:
     lines = [
-        "| task | length | selector | budget | prefetch | accuracy | 95% interval | examples | mean score "
-        "| recall (mass) | H2D MiB/step |",
-        "|---|---:|---|---:|---|---:|---|---:|---:|---:|---:|",
+        "| task | length | selector | budget | prefetch | accuracy | 95% interval | examples | mean score [95%] "
+        "| score - dense, paired (found / lost) | recall (mass) [95%] | recall - query, paired | H2D MiB/step |",
+        "|---|---:|---|---:|---|---:|---|---:|---|---|---|---|---:|",
     ]
     for c in cells:
         if c["task"] == PERPLEXITY:
             continue
-        interval = "-" if c["interval"] is None else f"[{c['interval'][0]:.3f}, {c['interval'][1]:.3f}]"
         accuracy = f"skipped: {c['skipped']}" if c["skipped"] else _fmt(c["accuracy"])
         lines.append(
             f"| {c['task']} | {c['length']} | {c['selector']} | {c['budget'] or 'all'} | {c['prefetch']} | {accuracy} "
-            f"| {interval} | {c['examples'] or 0} | {_fmt(c['score'])} | {_fmt(c['recall_mass'])} "
-            f"| {_mib(c['h2d_bytes_per_step'])} |"
+            f"| {_span(c['interval'])} | {c['examples'] or 0} | {_estimate(c['score'], c['score_interval'])} "
+            f"| {_difference(c['vs_dense'], 'score')} | {_estimate(c['recall_mass'], c['recall_interval'])} "
+            f"| {_difference(c['recall_vs_query'], 'recall')} | {_mib(c['h2d_bytes_per_step'])} |"
         )
     return lines
 
@@ -195,7 +259,10 @@ def summary_markdown(cells: list[dict], setup: list[str], ppl_tokens: int | None
         "accuracy: the share of examples whose greedy answer holds every reference (score 1.0), with its 95% "
         "Wilson interval; mean score: RULER's string_match_all (partial credit for some of several references). "
         "recall (mass): the share of the oracle's attention mass the selected blocks hold, pooled over decode "
-        "rows where the budget is selective. H2D MiB/step: measured once per length and cell, in the offloaded "
+        "rows where the budget is selective. [95%] and the paired differences (to dense on the same examples; "
+        "found / lost: examples answered whole where dense is not / the reverse; to the query selector at the "
+        "same budget) are percentile-bootstrap intervals over the examples, 10,000 resamples, seed 0. "
+        "H2D MiB/step: measured once per length and cell, in the offloaded "
         "runtime, on the held-out perplexity text (the table below), not on every task example; the oracle "
         "reads every key and cannot run offloaded (`-`).",
         "",

@@ -98,3 +98,33 @@ def test_wilson_interval_rejects_bad_counts():
         m.wilson_interval(5, 4)
     with pytest.raises(ValueError, match="trials must be a positive integer, got 0"):
         m.wilson_interval(0, 0)
+
+
+def test_bootstrap_interval_of_a_mean_is_near_the_normal_one_and_reproducible():
+    """Half the examples right: mean 0.5, its 95% interval about 0.5 +- 1.96 * sqrt(0.25 / 50) = [0.361, 0.639];
+    constant values give no spread; the same seed gives the same interval."""
+    estimate, low, high = m.bootstrap_interval([0.0, 1.0] * 25)
+    assert estimate == 0.5 and low == pytest.approx(0.361, abs=0.02) and high == pytest.approx(0.639, abs=0.02)
+    assert m.bootstrap_interval([0.3] * 7) == pytest.approx((0.3, 0.3, 0.3))
+    assert m.bootstrap_interval([0.1, 0.9, 0.4], seed=3) == m.bootstrap_interval([0.1, 0.9, 0.4], seed=3)
+
+
+def test_bootstrap_interval_pools_weighted_examples():
+    """A recall per example weighted by its rows: the estimate is sum(w v) / sum(w), an example with no row moves
+    nothing, and every resample lies within the examples' range."""
+    values, rows = [0.9, 0.5, 0.0], [30, 10, 0]
+    estimate, low, high = m.bootstrap_interval(values, rows)
+    assert estimate == pytest.approx((0.9 * 30 + 0.5 * 10) / 40)
+    assert 0.5 <= low <= estimate <= high <= 0.9
+
+
+def test_a_paired_bootstrap_difference_removes_what_the_examples_share():
+    """The same examples under two cells: a constant shift is found exactly (no spread) though the examples
+    themselves vary widely; identical cells differ by nothing; unequal example counts are refused."""
+    values = [0.0, 1.0, 0.2, 0.9, 0.5, 0.7]
+    assert m.bootstrap_interval(values, other=[v - 0.1 for v in values]) == pytest.approx((0.1, 0.1, 0.1))
+    assert m.bootstrap_interval(values, other=values) == (0.0, 0.0, 0.0)
+    spread = m.bootstrap_interval(values)
+    assert spread[2] - spread[1] > 0.3  # unpaired, the examples' own spread
+    with pytest.raises(ValueError, match="other has 2 examples, values 6"):
+        m.bootstrap_interval(values, other=[0.0, 1.0])

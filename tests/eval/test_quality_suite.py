@@ -100,6 +100,23 @@ def test_small_run_writes_every_cell_with_every_key(small_run):
         low, high = c["interval"]
         assert 0.0 <= low <= c["accuracy"] <= high <= 1.0
         assert (low, high) == pytest.approx(wilson_interval(c["successes"], c["examples"]), abs=1e-12)
+        low, high = c["score_interval"]
+        assert low <= c["score"] <= high
+        dense = {d["task"]: d for d in tasks if d["selector"] == "dense"}[c["task"]]
+        query = {d["task"]: d for d in tasks if d["selector"] == "query"}[c["task"]]
+        if c["selector"] == "dense":
+            assert c["vs_dense"] is None and c["recall_vs_query"] is None and c["recall_interval"] is None
+        else:  # paired on the same examples: the difference of the two means, found and lost within them
+            versus = c["vs_dense"]
+            assert versus["score"] == pytest.approx(c["score"] - dense["score"], abs=1e-6)
+            assert versus["interval"][0] <= versus["score"] <= versus["interval"][1]
+            assert versus["found"] - versus["lost"] == c["successes"] - dense["successes"]
+            low, high = c["recall_interval"]
+            assert low <= c["recall_mass"] <= high
+            if c["selector"] != "query":
+                gain = c["recall_vs_query"]
+                assert gain["recall"] == pytest.approx(c["recall_mass"] - query["recall_mass"], abs=1e-6)
+                assert gain["interval"][0] <= gain["recall"] <= gain["interval"][1]
         if c["selector"] == "oracle":
             assert c["recall_mass"] == pytest.approx(1.0, abs=1e-5) and c["h2d_bytes_per_step"] is None
         elif c["selector"] != "dense":
@@ -257,3 +274,22 @@ def test_a_cell_counts_the_examples_that_hold_every_reference():
     assert cell["recall_mass"] == pytest.approx((0.5 * 4 + 0.9 * 12 + 0.2 * 2) / 18)
     assert cell["recall_layers"][1] == pytest.approx((0.4 * 2 + 0.8 * 6 + 0.2 * 1) / 9)
     assert cell["recall_layers"][0] is None and cell["h2d_bytes_per_step"] is None
+
+
+def test_a_summary_rebuilt_from_the_records_is_the_one_the_run_wrote(small_run, tmp_path):
+    """`benchmarks/quality_summary.py --rebuild` (committed suites get the summary's present fields without the
+    model): from the records, the perplexity cells and the setup of a finished run, the same cells come back."""
+    import importlib.util
+    import shutil
+
+    out, _, _ = small_run
+    folder = tmp_path / "suite"
+    shutil.copytree(out, folder)
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "quality_summary.py"
+    spec = importlib.util.spec_from_file_location("quality_summary", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--rebuild", str(folder)]) == 0
+    assert json.loads((folder / "summary.json").read_text()) == json.loads((out / "summary.json").read_text())
+    report = (folder / "summary.md").read_text()
+    assert "rebuilt from these records" in report and "| passkey | 640 | query | 8 |" in report
