@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 NATIVE = "vllm-native"  # vLLM's own model on the plain checkpoint: the baseline
 GATHER = "-gather"  # a sparse mode with its decode attention gathered by forecastkv, not vLLM's kernel
 MODES = (NATIVE, "dense", "infllmv2-query", "infllmv2-forecast", "infllmv2-forecast" + GATHER, "nosa",
-         "infllmv2-forecast-carry")
+         "infllmv2-forecast-carry", "infllmv2-forecast-carry-pin", "infllmv2-quest-forecast-carry-pin")
 
 
 def positive(text: str) -> int:
