@@ -15,7 +15,7 @@ a carrying selector takes from one decode step to the next (`modeling/carry.py`)
 way, one slot per page (`LayerPages.carried`), under the page of the sequence's last stored token, and so are
 the blocks a pinning selector pinned from the prompt (`modeling/pins.py`; `LayerPages.pinned`, per layer).  The
 query rows a prompt's pins are read from may span its prefill chunks: each layer keeps the last rows of a
-request's chunk until its next one (`LayerPages.pin_rows`, on the host, by the page and position of its last
+request's chunk until its next one (`LayerPages.pin_rows`, filed on the host by the page and position of its last
 token).
 
 Shapes: P pages of `page` tokens, H KV heads, d head dim, B sequences, nb pages per sequence.
@@ -78,9 +78,11 @@ def check_page_geometry(page: int, sparse) -> None:
             )
 
 
-# prefill chunks whose last query rows a layer keeps for each request's next chunk (`LayerPages.pin_rows`): a
-# request whose next chunk comes after this many other chunks pins from that chunk's rows alone
-KEPT_PIN_ROWS = 64
+# prefill chunks whose last query rows a layer keeps for each request's next chunk (`LayerPages.pin_rows`; never
+# fewer than one call's chunks): a request whose next chunk comes after more calls' chunks than this pins from
+# that chunk's rows alone.  Each holds up to 32 query rows a layer (Llama-3-8B in bf16: 8 MiB over its layers),
+# on the device beside the pages, outside what the engine profiled
+KEPT_PIN_ROWS = 16
 
 
 def window_slots(page: int, stride: int) -> int:
@@ -746,7 +748,8 @@ class PagedSparseCache(SparseCache):
 
     def _keep_pin_rows(self, lengths: list[int]) -> None:
         """Each layer's `pin_rows` after a multi-token call, per sequence under the page and position of its
-        last token (`LayerPages.pin_rows`), for its next chunk; the oldest beyond `KEPT_PIN_ROWS` dropped."""
+        last token (`LayerPages.pin_rows`), for its next chunk; the oldest beyond `KEPT_PIN_ROWS` (or this
+        call's sequences, if more) dropped."""
         places = self._last_tokens(lengths)
         for layer in self.layers:
             if layer.pin_rows is None:
@@ -756,7 +759,7 @@ class PagedSparseCache(SparseCache):
                 if place is not None:
                     key = pages.keys[place[0], :, place[1]].clone()
                     pages.pin_rows[(place[0], place[2])] = (q[b].clone(), positions[b].clone(), key)
-            while len(pages.pin_rows) > KEPT_PIN_ROWS:
+            while len(pages.pin_rows) > max(KEPT_PIN_ROWS, len(places)):
                 pages.pin_rows.popitem(last=False)
 
     def begin_call(self, positions: torch.Tensor, sparse, input_ids: torch.Tensor | None = None) -> CallInfo:

@@ -417,6 +417,30 @@ def test_a_prompt_pins_the_same_blocks_however_it_is_cut(chunk):
     assert checked >= len(prompts) * len(want) * 2  # most heads pinned blocks: the comparison is not of -1s
 
 
+def test_the_pin_rows_kept_are_the_latest_calls_chunks(monkeypatch):
+    """`KEPT_PIN_ROWS` bounds the rows the pages keep (device memory the engine did not profile), but never below
+    one call's chunks: two prompts cut in the same calls both pin what they pin whole; a prompt whose next chunk
+    comes after another call's chunk, with room for one, has lost its earlier rows."""
+    from forecastkv.serving import paged
+
+    monkeypatch.setattr(paged, "KEPT_PIN_ROWS", 1)
+    model = tiny_model(PIN_MODE, seed=4)
+    first, second = prompts_of([45, 50], seed=9)
+    together = ToyEngine(model, page=4, pages=96)
+    with torch.no_grad():
+        together.step({0: first[:30], 1: second[:30]})
+        together.step({0: first[30:], 1: second[30:]})
+        apart = ToyEngine(model, page=4, pages=96)
+        apart.step({0: first[:30]})
+        apart.step({1: second[:30]})  # request 0's rows are dropped here
+        apart.step({0: first[30:]})
+    whole = resident_pins(model, first)
+    assert all(torch.equal(a, b) for a, b in zip(engine_pins(together, 0), whole))
+    assert all(torch.equal(a, b) for a, b in zip(engine_pins(together, 1), resident_pins(model, second)))
+    assert not all(torch.equal(a, b) for a, b in zip(engine_pins(apart, 0), whole))
+    assert all(len(layer.pin_rows) == 1 for layer in apart.layers)
+
+
 def test_a_refilled_page_does_not_hand_over_another_requests_pin_rows():
     """A request aborted mid-prompt leaves its chunk's rows under the page and position of its last token.  The
     next request given the same pages stores its prompt in calls of 19 tokens, 1 (a decode step, which ends the
