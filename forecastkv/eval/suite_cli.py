@@ -64,6 +64,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-offload", action="store_true", help="no H2D bytes measured (the offloaded runs of the perplexity cells)"
     )
+    parser.add_argument(
+        "--seed", type=int, default=None, help="the examples' seed (0); another gives other needles and haystacks"
+    )
     parser.add_argument("--out", default="runs/quality", metavar="DIR", help="where the records and the summary go")
     parser.add_argument(
         "--small", action="store_true", help="CI: a tiny random model, 640 tokens, 3 examples, 8 new tokens"
@@ -96,6 +99,7 @@ def quality_spec(args):
         "heads_dir": args.heads,
         "ppl_tokens": args.ppl_tokens,
         "offload": False if args.no_offload else None,
+        "seed": args.seed,
     }
     small = SMALL if args.small else {}
     return QualitySpec(**{**small, **{k: v for k, v in given.items() if v is not None}})

@@ -237,7 +237,14 @@ def test_the_command_sets_perplexity_tokens_and_offload():
     spec = quality_spec(parser.parse_args(["--small", "--ppl-tokens", "8", "--no-offload"]))
     assert (spec.ppl_tokens, spec.offload) == (8, False)
     spec = quality_spec(parser.parse_args(["--small"]))
-    assert spec.offload is True and spec.ppl_tokens != 8
+    assert spec.offload is True and spec.ppl_tokens != 8 and spec.seed == 0
+    seeded = quality_spec(parser.parse_args(["--small", "--seed", "3"]))
+    assert seeded.seed == 3  # other examples: other needles (a seed change measures afresh, above)
+    ids = [[e.input_ids for group in suite.suite_examples(ByteCodec(128), s).values() for e in group]
+           for s in (spec, seeded)]
+    assert ids[0] != ids[1]
+    with pytest.raises(ConfigError, match="quality seed must be an integer >= 0, got -1"):
+        quality_spec(parser.parse_args(["--small", "--seed", "-1"]))
     with pytest.raises((SystemExit, argparse.ArgumentError)):
         parser.parse_args(["--ppl-tokens", "0"])
 
