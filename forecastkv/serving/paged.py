@@ -16,7 +16,8 @@ way, one slot per page (`LayerPages.carried`), under the page of the sequence's 
 the blocks a pinning selector pinned from the prompt (`modeling/pins.py`; `LayerPages.pinned`, per layer).  The
 query rows a prompt's pins are read from may span its prefill chunks: each layer keeps the last rows of a
 request's chunk until its next one (`LayerPages.pin_rows`, filed on the host by the page and position of its last
-token).
+token).  A prompt served partly from the prefix cache pins from the rows it computes: the cached part's query rows
+were another request's, and are not kept.
 
 Shapes: P pages of `page` tokens, H KV heads, d head dim, B sequences, nb pages per sequence.
 """
