@@ -140,14 +140,19 @@ def test_apply_mode_names_the_value(override, expected):
         apply_mode(config)
 
 
-def test_a_checkpoint_whose_selector_pins_is_refused_as_the_model_is_built():
+@pytest.mark.parametrize(
+    "selector,mode",
+    [("forecast-carry-pin", "infllmv2-forecast-carry-pin"), ("quest", "infllmv2-quest"), ("maxkey-forecast", "custom")],
+)
+def test_a_checkpoint_whose_selector_pins_or_scores_key_bounds_is_served(selector, mode):
+    """Pins and Quest's key bounds are kept beside the pages (`serving/paged.py`): a checkpoint selecting them is
+    served under its own sparse_config, named by its mode where it has one."""
     from forecastkv import ForecastKVConfig
     from forecastkv.serving.vllm_model import apply_mode
 
     config = ForecastKVConfig(sparse_config="smollm2-135m")
-    config.sparse_config = {**config.sparse_config, "selector": "forecast-carry-pin"}
-    with pytest.raises(ConfigError, match="selector 'forecast-carry-pin' pins blocks per request"):
-        apply_mode(config)
+    config.sparse_config = {**config.sparse_config, "selector": selector}
+    assert apply_mode(config) == mode and config.sparse.selector == selector
 
 
 @pytest.mark.parametrize(
