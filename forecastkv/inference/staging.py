@@ -148,6 +148,10 @@ class OffloadedStaging:
         keys, values, cis = self.staged
         return keys[:, :rows], values[:, :rows], None if cis is None else cis[:, :rows]
 
+    def full_keys(self, layer, rows: int) -> torch.Tensor:
+        """The staged keys (`full`: staged once per call)."""
+        return self.full(layer, rows)[0]
+
     def block_source(self, layer) -> None:
         """None: a multi-token call reads the staged copy (`full`)."""
         return None

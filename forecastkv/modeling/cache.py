@@ -466,6 +466,9 @@ class KVStore(Protocol):
     def full(self, layer, rows: int) -> tuple:
         """(keys, values [B, rows, H, d], cis [B, rows, H] or None) on the device."""
 
+    def full_keys(self, layer, rows: int) -> torch.Tensor:
+        """The keys of `full` alone, [B, rows, H, d] (what a pin window scores: `pins.py`)."""
+
     def block_source(self, layer):
         """The rows as key blocks read in place (`modeling/prefill.py:BlockSource`), or None."""
 
@@ -659,6 +662,9 @@ class ResidentRows:
         """K, V [B, rows, H, d], CIS [B, rows, H] or None: the first `rows` positions."""
         cis = None if self.cis is None else self.cis[:, :rows]
         return self.keys[:, :rows], self.values[:, :rows], cis
+
+    def full_keys(self, layer, rows: int) -> torch.Tensor:
+        return self.keys[:, :rows]
 
     def block_source(self, layer) -> None:
         """None: the rows are [B, S, H, d] buffers, laid out by block where a chunk needs them."""
@@ -1026,7 +1032,8 @@ class SparseCacheLayer(CacheLayerMixin):
         if self.pin_rows is not None:  # rows of the calls before this one (a prompt in chunks)
             q, positions = torch.cat([self.pin_rows[0], q], dim=1), torch.cat([self.pin_rows[1], positions], dim=1)
         self.pin_rows = pins.last_rows(q, positions)
-        mass = pins.window_block_mass(*self.pin_rows, self.full()[0], sparse.block_size)
+        keys = self.store.full_keys(self, self._longest(None))  # the values are not read
+        mass = pins.window_block_mass(*self.pin_rows, keys, sparse.block_size)
         self.pinned = pins.window_pins(mass, self.lengths, sparse, count)
 
     # -- full views (prefill and dense paths) ----------------------------------------------------

@@ -519,6 +519,12 @@ class PagedRows:
         cis = None if self.pages.cis is None else self.first_rows(self.pages.cis, positions).masked_fill(stale, 0.0)
         return keys, values, cis
 
+    def full_keys(self, layer, rows: int) -> torch.Tensor:
+        """`full`'s keys alone: a pin window reads no value (`modeling/pins.py`)."""
+        positions = torch.arange(rows, device=self.table.device).expand(self.table.shape[0], -1)
+        stale = (positions >= layer.lengths.view(-1, 1)).unsqueeze(-1).unsqueeze(-1)
+        return self.first_rows(self.pages.keys, positions).masked_fill(stale, 0.0)
+
     def block_source(self, layer) -> BlockSource | None:
         """The pages as the key blocks a prefill chunk attends (`BlockSource`): one piece per page and
         head, block j of sequence b the pages table[b, j * per : (j + 1) * per] (per = block / page), so
