@@ -126,7 +126,7 @@ class LayerPages:
     # which a later chunk finds on the page unless another request's rows replaced it); `KEPT_PIN_ROWS` at most
     pin_rows: OrderedDict = field(default_factory=OrderedDict)
     # the key [P, H, d] of the token the carried and pinned slots were kept under (layer 0's pages): a sequence
-    # reads them only where its own last key is that key (`PagedSparseCache._left_elsewhere`); NaN: never kept
+    # reads them only where its own last key is that key (`PagedSparseCache._read_slots`); NaN: never kept
     slot_keys: torch.Tensor | None = None
 
     def carried_slots(self, count: int) -> torch.Tensor:
@@ -514,7 +514,7 @@ class PagedRows:
         pages; rows past a sequence's length are zero (a stale page row must not reach the softmax)."""
         positions = torch.arange(rows, device=self.table.device).expand(self.table.shape[0], -1)
         stale = (positions >= layer.lengths.view(-1, 1)).unsqueeze(-1)
-        keys = self.first_rows(self.pages.keys, positions).masked_fill(stale.unsqueeze(-1), 0.0)
+        keys = self.full_keys(layer, rows)
         values = self.first_rows(self.pages.values, positions).masked_fill(stale.unsqueeze(-1), 0.0)
         cis = None if self.pages.cis is None else self.first_rows(self.pages.cis, positions).masked_fill(stale, 0.0)
         return keys, values, cis
@@ -642,7 +642,7 @@ class PagedSparseCache(SparseCache):
         self._paged = (pages, table, list(lengths), tier, device_lengths)
         self.tier, self.shared, self.reduce_heat = tier, CallIndexes(), reduce_heat
         self.device_rule = device_rule
-        self._elsewhere: torch.Tensor | None = None  # `_left_elsewhere`, once per call
+        self._before: tuple | None = None  # `_read_slots` as the call begins, once
         super().__init__(config, selector=selector)
         if pages:
             check_paged_selector(self.call_rule(config.sparse), pages[0])
@@ -669,13 +669,13 @@ class PagedSparseCache(SparseCache):
         if self._carry_call == "decode":
             carry = self.layers[0].carry
             carry.reduce = self.reduce_heat
-            slots, last = self.layers[0].store.pages.carried_slots(carry.count), self._last_pages()
-            none = self._left_elsewhere() if self._carry_none is None else self._left_elsewhere() | self._carry_none
-            carry.ids = slots[last].masked_fill(none.view(-1, 1), -1)
+            last, elsewhere = self._read_slots()
+            none = elsewhere if self._carry_none is None else elsewhere | self._carry_none
+            carry.ids = self.layers[0].store.pages.carried_slots(carry.count)[last].masked_fill(none.view(-1, 1), -1)
 
     def _pins_for(self, call: CallInfo, sparse) -> None:
         """The base's pinning, and what each sequence's last call left in the pages: for a decode step its
-        pins (a device gather, no host read; none where another sequence left them, `_left_elsewhere`), for a
+        pins (a device gather, no host read; none where another sequence left them, `_read_slots`), for a
         multi-token call the rows its last chunk pinned from (`LayerPages.pin_rows`)."""
         super()._pins_for(call, sparse)
         pinning = self.layers[0].pinning if self.layers else None
@@ -684,24 +684,23 @@ class PagedSparseCache(SparseCache):
             return
         if not call.decode:
             return self._take_pin_rows(list(call.lengths_before))
-        last, elsewhere = self._last_pages(), self._left_elsewhere().view(-1, 1, 1)
+        last, elsewhere = self._read_slots()
         for layer in self.layers:
-            layer.pinned = layer.store.pages.pinned_slots(pinning[0])[last].masked_fill(elsewhere, -1)
+            layer.pinned = layer.store.pages.pinned_slots(pinning[0])[last].masked_fill(elsewhere.view(-1, 1, 1), -1)
 
-    def _left_elsewhere(self) -> torch.Tensor:
-        """bool [B]: the decode step's sequences whose last page's carried and pinned slots another sequence
-        left, so they read none: where the key those slots were kept under (`LayerPages.slot_keys`) is not the
-        key at the sequence's last position.  That is a prompt served from the prefix cache but its last token
-        (vLLM recomputes that one; where it opens a page it is a decode step on pages another request
-        computed), and under `device_rule` a one-token prompt (nothing stored: its first page's leftovers).
-        Device ops only, once per call."""
-        if self._elsewhere is None:
+    def _read_slots(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the page [B] whose carried and pinned slots each sequence of a decode step reads, bool [B]: the
+        sequences that read none, because another sequence left them): where the key those slots were kept under
+        (`LayerPages.slot_keys`) is not the key at the sequence's last position.  That is a prompt served from
+        the prefix cache but its last token (vLLM recomputes that one; where it opens a page it is a decode step
+        on pages another request computed), and under `device_rule` a one-token prompt (nothing stored: its first
+        page's leftovers).  Device ops only, once per call (as it begins)."""
+        if self._before is None:
             pages = self.layers[0].store.pages
             ids, offsets = self._last_place()
-            kept = pages.slot_keys_made()[ids]  # [B, H, d]
-            elsewhere = (kept != pages.keys[ids, :, offsets]).flatten(1).any(1)
-            self._elsewhere = elsewhere | (self._paged[4] == 0) if self.device_rule else elsewhere
-        return self._elsewhere
+            elsewhere = (pages.slot_keys_made()[ids] != pages.keys[ids, :, offsets]).flatten(1).any(1)
+            self._before = (ids, elsewhere | (self._paged[4] == 0) if self.device_rule else elsewhere)
+        return self._before
 
     def _carries_nothing(self, call: CallInfo) -> torch.Tensor | None:
         """The base's, and under `device_rule` the sequences storing their first token too (a one-token
@@ -719,9 +718,6 @@ class PagedSparseCache(SparseCache):
         layer = self.layers[0]
         page_ids, offsets = page_slots(layer.store.table, (layer.lengths - 1).view(-1, 1), layer.store.pages.page)
         return page_ids.view(-1), offsets.view(-1)
-
-    def _last_pages(self) -> torch.Tensor:
-        return self._last_place()[0]
 
     def _last_tokens(self, lengths: list[int]) -> list[tuple[int, int, int] | None]:
         """(page id, offset, position) of each sequence's last token at `lengths` stored positions (host ints;
@@ -781,16 +777,14 @@ class PagedSparseCache(SparseCache):
     def finish_call(self) -> None:
         carrying = getattr(self, "_carry_call", None) is not None
         super().finish_call()
+        call, self._pin_call = getattr(self, "_pin_call", None), None
+        if carrying or call is not None:  # the key the slots are kept under: the sequence's last (`_read_slots`)
+            pages, (last, offsets) = self.layers[0].store.pages, self._last_place()
+            pages.slot_keys_made()[last] = pages.keys[last, :, offsets]
         if carrying:  # what the next decode step of each sequence carries (-1s after any other call)
             carry = self.layers[0].carry
-            slots, last = self.layers[0].store.pages.carried_slots(carry.count), self._last_pages()
-            slots[last] = carry.ids  # masked as the base's step ended (`_carries_nothing`)
-        call, self._pin_call = getattr(self, "_pin_call", None), None
-        if carrying or call is not None:  # the key they were kept under: the sequence's last (`_left_elsewhere`)
-            pages, (ids, offsets) = self.layers[0].store.pages, self._last_place()
-            pages.slot_keys_made()[ids] = pages.keys[ids, :, offsets]
+            pages.carried_slots(carry.count)[last] = carry.ids  # masked as the base's step ended (`_carries_nothing`)
         if call is not None:  # each layer's pins where the sequence's next call finds them
-            last = self._last_pages()
             for layer in self.layers:
                 slots = layer.store.pages.pinned_slots(layer.pinning[0])
                 slots[last] = -1 if layer.pinned is None else layer.pinned

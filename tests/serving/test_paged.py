@@ -532,7 +532,7 @@ def test_a_prompt_from_the_prefix_cache_reads_no_other_requests_slots(mode):
     """vLLM serves a repeated prompt from its prefix cache and recomputes only its last token; where that token
     opens a page it is a decode step on pages another request computed, and the carried and pinned slots under
     its last cached page are whatever a request decoding through that page left (here request 0, whose pages
-    request 1 then took).  It reads none of them (`PagedSparseCache._left_elsewhere`): carrying, it equals a
+    request 1 then took).  It reads none of them (`PagedSparseCache._read_slots`): carrying, it equals a
     resident cache given the same calls (the prompt but its last token, then that token, a decode step); its
     pins stay empty (the rows they read were another request's computation), never request 0's."""
     model = tiny_model({**MODES[mode], "topk": 8}, seed=4)
