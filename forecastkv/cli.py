@@ -20,7 +20,7 @@ import warnings
 from .context.cli import register_context_cache_command  # imports no torch
 from .errors import ForecastKVWarning, UserInputError  # imports no torch
 from .eval.suite_cli import register_quality_command  # imports no torch
-from .modes import MODES  # imports nothing
+from .modes import MODES, SELECTORS  # imports nothing
 from .usage import (  # imports no torch
     USAGE_STATUS,
     UsageError,
@@ -189,6 +189,15 @@ def _add_generate(commands) -> None:
         default=None,
         choices=MODES,
         help="keep the KV cache in host memory, moving blocks as this mode does",
+    )
+    gen.add_argument(
+        "--selector",
+        default=None,
+        choices=SELECTORS,
+        metavar="NAME",
+        help="the block selector, one of: " + ", ".join(SELECTORS) + " (default: the --offload mode's, else the "
+        "checkpoint's own). forecast-carry-pin plans a layer ahead and keeps what the quality suite's needles need "
+        "(benchmarks/results/quality/README.md)",
     )
     gen.add_argument(
         "--forecast-init",

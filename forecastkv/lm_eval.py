@@ -15,11 +15,14 @@ Model arguments besides HFLM's own (batch_size, device, dtype, max_length, ...):
   forecast_weights  a train-forecast output directory (trained heads);
   allow_geometry_mismatch  true: load heads trained for another block geometry (a warning);
   offload           a mode of `forecastkv.inference.MODES`: every generate() call gets a fresh
-                    `OffloadedSparseCache` of that mode (None: the resident `SparseCache`).
+                    `OffloadedSparseCache` of that mode (None: the resident `SparseCache`);
+  selector          a registered selector (`forecastkv.modes.SELECTORS`), e.g. forecast-carry-pin:
+                    default the offload mode's.
 
-The offload mode also chooses the attention mode: sparse-offload selects blocks with the query
-selector, forecast-sync / forecast-offload with the Forecast heads (created with the `next_query`
-init, and a warning, when the checkpoint has none and no forecast / forecast_weights is given).
+The offload mode also chooses the attention mode unless `selector` names one: sparse-offload selects
+blocks with the query selector, forecast-sync / forecast-offload with the Forecast heads (created with
+the `next_query` init, and a warning, when the checkpoint has none and no forecast / forecast_weights
+is given; so are they for a `selector` that scores Forecast vectors).
 Loglikelihood requests (multiple choice, perplexity) run one forward in that attention mode on the
 resident cache: where the KV lives does not change a score, only what generation moves.
 
@@ -160,12 +163,13 @@ class ForecastKVLM(HFLM):
         forecast_init=None,
         forecast_weights=None,
         offload=None,
+        selector=None,
         device=None,
         backend="causal",
         **kwargs,
     ) -> None:
         from .inference import MODES
-        from .inference.offloaded import MODE_SELECTOR
+        from .inference.offloaded import MODE_SELECTOR, resolve_selector
         from .selectors import get_selector
 
         if offload is not None and offload not in MODES:
@@ -173,14 +177,24 @@ class ForecastKVLM(HFLM):
                 f"offload={offload!r} is not an offload mode; choose one of {MODES} "
                 "(or leave it out for the resident cache)"
             )
+        if selector is not None:
+            try:
+                get_selector(selector)
+                if offload is not None:
+                    resolve_selector(offload, selector, None)
+            except ValueError as error:
+                raise ConfigError(f"selector={selector!r}, offload={offload!r}: {error}") from None
         extra = sorted(set(kwargs) - set(PASSED_TO_LOADER) - _hflm_arguments())
         if extra:
             raise ConfigError(
                 f"unknown model_args {extra} for --model forecastkv; its own are pretrained, sparse_config, forecast, "
-                f"forecast_init, forecast_weights, offload (and HFLM's: batch_size, device, dtype, max_length, ...)"
+                f"forecast_init, forecast_weights, offload, selector (and HFLM's: batch_size, device, dtype, "
+                "max_length, ...)"
             )
         self.offload = offload
-        self.selector = MODE_SELECTOR.get(offload)
+        self.selector = selector if selector is not None else MODE_SELECTOR.get(offload)
+        # what chose the selector, for the errors below
+        self.asked = f"selector={selector!r}" if selector is not None else f"offload={offload!r}"
         self.needs_heads = self.selector is not None and get_selector(self.selector).needs_forecast_heads
         self.forecast_note = None
         forecast = forecast_request(forecast, forecast_init)
@@ -196,8 +210,8 @@ class ForecastKVLM(HFLM):
                         "pass forecast_weights=<dir> for trained ones"
                     )
                     logger.warning(
-                        "offload=%s selects blocks with Forecast heads and %s has none: %s",
-                        offload,
+                        "%s selects blocks with Forecast heads and %s has none: %s",
+                        self.asked,
                         pretrained,
                         self.forecast_note,
                     )
@@ -221,18 +235,18 @@ class ForecastKVLM(HFLM):
             return
         if not loaded_here:
             raise ConfigError(
-                f"offload={self.offload!r} selects blocks with the {self.selector} selector, and the model passed as "
+                f"{self.asked} selects blocks with the {self.selector} selector, and the model passed as "
                 f"pretrained does not ({'dense' if config.sparse is None else config.sparse.selector!r}); load it with "
                 f"sparse_config={{..., 'selector': {self.selector!r}}} or pass a path"
             )
         if config.sparse is None:
             raise ConfigError(
-                f"offload={self.offload!r} needs a sparse model, and this one is dense: "
+                f"{self.asked} needs a sparse model, and this one is dense: "
                 "pass sparse_config=<preset> (e.g. smollm2-135m)"
             )
         if self.needs_heads and not config.forecast_config.enabled:
             raise ConfigError(
-                f"offload={self.offload!r} selects blocks with Forecast heads and the model has none: "
+                f"{self.asked} selects blocks with Forecast heads and the model has none: "
                 "pass forecast_init=next_query or forecast_weights=<dir>"
             )
         config.sparse_config = {**config.sparse_config, "selector": self.selector}
@@ -264,7 +278,7 @@ class ForecastKVLM(HFLM):
         else:
             from .inference import OffloadedSparseCache
 
-            cache = OffloadedSparseCache.for_model(self.model, mode=self.offload)
+            cache = OffloadedSparseCache.for_model(self.model, mode=self.offload, selector=self.selector)
         with torch.no_grad():
             out = super()._model_generate(context, max_length, stop, **{**generation_kwargs, CACHE_KWARG: cache})
         self.cache_counters.add(cache)
@@ -277,6 +291,7 @@ class ForecastKVLM(HFLM):
         info = {
             "attention": "dense" if sparse is None else f"{sparse.policy}-{sparse.selector}",
             "offload": self.offload,
+            "selector": self.selector,
             "sparse_config": config.sparse_config,
             "forecast": config.forecast if config.forecast_config.enabled else None,
             "loglikelihood": (

@@ -86,11 +86,39 @@ def check_preset(option: str, name: str | None) -> None:
         raise UsageError(f"{option} {name!r} is not a preset; known presets: {', '.join(list_presets())}")
 
 
-def check_offload_needs(mode: str | None, model_option: str, model: str, path: str, forecast_given: bool) -> str | None:
-    """Before loading: a forecast offload mode needs Forecast heads (created or loaded).  Returns the
-    heads to load where none were given and the checkpoint has none but is a bundled model with heads
-    shipped for it (`"bundled:NAME"`), else None."""
-    if mode not in FORECAST_MODES or forecast_given:
+def check_selector(mode: str | None, selector: str | None, context_cache: str | None = None) -> None:
+    """Before loading: `--selector` against `--offload` (`inference/offloaded.py:resolve_selector`: a mode that
+    fetches a layer ahead needs a selector that plans ahead, the oracle runs resident only) and against
+    `--context-cache` (a store keeps the prefills of the query and forecast selectors only)."""
+    if selector is None:
+        return
+    if context_cache is not None and selector not in ("query", "forecast"):
+        raise UsageError(
+            f"--selector {selector} with --context-cache: a context store keeps the prefills of the query and "
+            "forecast selectors only; leave out --context-cache or pick one of those"
+        )
+    if mode is not None:
+        from .inference.offloaded import resolve_selector
+
+        try:
+            resolve_selector(mode, selector, None)
+        except ValueError as error:
+            raise UsageError(f"--selector {selector} with --offload {mode}: {error}") from None
+
+
+def check_offload_needs(
+    mode: str | None, model_option: str, model: str, path: str, forecast_given: bool, selector: str | None = None
+) -> str | None:
+    """Before loading: a forecast offload mode, or a `selector` that scores Forecast vectors, needs Forecast
+    heads (created or loaded).  Returns the heads to load where none were given and the checkpoint has none
+    but is a bundled model with heads shipped for it (`"bundled:NAME"`), else None."""
+    if selector is not None:
+        from .selectors import get_selector
+
+        needs = get_selector(selector).needs_forecast_heads
+    else:
+        needs = mode in FORECAST_MODES
+    if not needs or forecast_given:
         return None
     from .bundled import shipped_heads_for
     from .modeling.head_files import has_forecast_heads
@@ -100,8 +128,9 @@ def check_offload_needs(mode: str | None, model_option: str, model: str, path: s
     shipped = shipped_heads_for(model)
     if shipped is not None:
         return shipped
+    option = f"--selector {selector}" if selector is not None else f"--offload {mode}"
     raise UsageError(
-        f"--offload {mode} selects blocks with Forecast heads, and {model_option} {model} has none: "
+        f"{option} selects blocks with Forecast heads, and {model_option} {model} has none: "
         "add --forecast-init next_query (untrained heads made from the next layer's queries) "
         "or --forecast-weights DIR (a train-forecast output)"
     )
@@ -123,9 +152,10 @@ def check_heads_option(option: str, value: str | None) -> None:
         raise UsageError(f"{option} {value}: no such directory (a train-forecast output, or bundled:NAME)")
 
 
-def check_sparse(mode: str | None, model) -> None:
-    if mode in SELECTING_MODES and model.config.sparse is None:
+def check_sparse(mode: str | None, model, selector: str | None = None) -> None:
+    if (mode in SELECTING_MODES or selector is not None) and model.config.sparse is None:
+        option = f"--selector {selector}" if selector is not None else f"--offload {mode}"
         raise UsageError(
-            f"--offload {mode} needs a sparse model, and this checkpoint is dense: "
+            f"{option} needs a sparse model, and this checkpoint is dense: "
             "add --sparse-config PRESET (e.g. smollm2-135m)"
         )

@@ -66,7 +66,7 @@ def files(tmp_path_factory) -> dict[str, str]:
     """Every file the bad inputs name, written once."""
     root = tmp_path_factory.mktemp("bad_input")
     paths = {"model": save_tiny(root / "model"), "dense": save_tiny(root / "dense", sparse=None, chat=False)}
-    heads = save_heads(root / "heads")
+    heads = paths["heads"] = save_heads(root / "heads")
     for name, cut in (
         ("truncated", lambda data: data[: len(data) // 2]),
         ("garbage", lambda data: b"\x0b" + bytes(7) + b"{not json!}"),
@@ -200,6 +200,29 @@ BAD_INPUTS = {
         "generate --model {dense} --prompt ab --chat",
         "--chat: the tokenizer of {dense} has no chat template",
     ),
+    # generate's --selector against the mode, the store and the checkpoint
+    "selector-not-ahead": (
+        "generate --model {model} --prompt ab --offload forecast-offload --selector quest",
+        "--selector quest with --offload forecast-offload: mode 'forecast-offload' fetches blocks a layer ahead, "
+        "but the 'quest' selector only knows them at the consuming layer",
+    ),
+    "selector-oracle-offloaded": (
+        "generate --model {model} --prompt ab --offload sparse-offload --selector oracle",
+        "--selector oracle with --offload sparse-offload: the oracle selector reads every key of every layer",
+    ),
+    "selector-with-context-cache": (
+        "generate --model {model} --prompt ab --selector forecast-carry-pin --context-cache {empty}",
+        "--selector forecast-carry-pin with --context-cache: a context store keeps the prefills of the query and "
+        "forecast selectors only",
+    ),
+    "selector-on-a-dense-model": (
+        "generate --model {dense} --prompt ab --selector query",
+        "--selector query needs a sparse model, and this checkpoint is dense",
+    ),
+    "selector-unknown": (
+        "generate --model {model} --prompt ab --selector best",
+        "argument --selector: invalid choice: 'best'",
+    ),
     # 7. a config that is not YAML; a pickle refused
     "train-config-jsonl": (
         "train-forecast --config {jsonl}",
@@ -321,6 +344,31 @@ def test_max_new_tokens_is_capped_by_the_positions_left(files, capsys):
     # --stats shows a progress bar (issue 39): tokens done of those asked, with a rate
     assert "generate: 100%" in err and f"{left}/{left}" in err and "tok/s" in err, err[-500:]
     assert len(out.strip()) > 0
+
+
+def test_selector_option_decodes_as_the_python_api_with_that_selector(files, capsys):
+    """`--selector forecast-carry-pin` (a selector beyond the modes' own) gives the tokens of generate() into
+    a cache of that selector, resident and offloaded a layer ahead, and --stats names it."""
+    from transformers import AutoTokenizer
+
+    from forecastkv import ForecastKVForCausalLM, SparseCache
+    from forecastkv.modeling.modeling import CACHE_KWARG
+
+    prompt = "the quick brown fox jumps over a lazy dog ok"  # 44 tokens: 5 full blocks of 8, a budget of 3
+    model = ForecastKVForCausalLM.from_pretrained(files["model"], forecast_weights=files["heads"])
+    tokenizer = AutoTokenizer.from_pretrained(files["model"])
+    ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    cache = SparseCache(model.config, selector="forecast-carry-pin")
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=1, **{CACHE_KWARG: cache})
+    expected = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+    base = ["generate", "--model", files["model"], "--forecast-weights", files["heads"], "--prompt", prompt]
+    base += ["--max-new-tokens", "12", "--selector", "forecast-carry-pin"]
+    for extra in ([], ["--offload", "forecast-offload", "--stats"]):
+        assert main(base + extra) == 0
+        out_text, err = capsys.readouterr()
+        assert out_text.rstrip("\n") == expected, extra
+    assert "mode forecast-offload (selector forecast-carry-pin): 11 decode steps" in err
 
 
 def test_geometry_mismatch_is_allowed_when_asked_and_topk_is_a_warning(files, capsys):

@@ -121,6 +121,12 @@ def test_each_user_error_is_one_line_and_status_2(tmp_path, capsys):
     )
     assert "--offload forecast-offload selects blocks with Forecast heads" in line
     assert "--forecast-init next_query" in line and "--forecast-weights DIR" in line and "forecast={" not in line
+    line = _user_error(
+        ["generate", "--model", llama, "--sparse-config", "smollm2-135m", "--selector", "forecast-carry-pin"]
+        + ["--prompt", "x"],
+        capsys,
+    )
+    assert f"--selector forecast-carry-pin selects blocks with Forecast heads, and --model {llama} has none" in line
     line = _user_error(["generate", "--max-new-tokens", "-3", "--prompt", "x"], capsys)
     assert line == "forecastkv: error: generate: argument --max-new-tokens: must be at least 1, got -3"
     line = _user_error(["convert", str(tmp_path / "missing"), str(tmp_path / "out")], capsys)

@@ -55,6 +55,12 @@ MODES = {
         Mode("infllmv2-forecast", "forecast-offload"),
         Mode("infllmv2-forecast"),
     ),
+    # a selector beyond the mode's own (`selector=`): the layer-ahead rule the quality suite recommends
+    "forecast-carry-pin": (
+        {"sparse_config": SMALL_SPARSE, "offload": "forecast-offload", "selector": "forecast-carry-pin"},
+        Mode("infllmv2-forecast-carry-pin", "forecast-offload"),
+        Mode("infllmv2-forecast-carry-pin"),
+    ),
 }
 
 
@@ -150,6 +156,7 @@ def test_simple_evaluate_scores_equal_forecastkv_eval(name, eval_side, monkeypat
     cache = info["cache"]
     assert cache["generate_calls"] == 2
     if generate_mode.cache == "forecast-offload":
+        assert info["selector"] == generate_mode.selector
         # the offload counters are in the results, and they are what forecastkv eval measured
         assert (
             info["offload"] == "forecast-offload"
@@ -213,6 +220,12 @@ def test_bad_model_arguments_are_named_before_loading():
         ForecastKVLM(pretrained="/nonexistent", offload="everywhere")
     with pytest.raises(ValueError, match=r"unknown model_args \['sparse_confg'\] for --model forecastkv"):
         ForecastKVLM(pretrained="/nonexistent", sparse_confg="smollm2-135m")
+    with pytest.raises(ValueError, match=r"selector='bogus', offload=None: selector='bogus' is not None or one of"):
+        ForecastKVLM(pretrained="/nonexistent", selector="bogus")
+    with pytest.raises(ValueError, match=r"mode 'forecast-offload' fetches blocks a layer ahead, but the 'quest'"):
+        ForecastKVLM(pretrained="/nonexistent", selector="quest", offload="forecast-offload")
+    with pytest.raises(ValueError, match=r"the oracle selector reads every key of every layer"):
+        ForecastKVLM(pretrained="/nonexistent", selector="oracle", offload="sparse-offload")
     assert forecast_request('{"heads_per_group": 2}', "kaiming") == {"heads_per_group": 2, "init": "kaiming"}
     assert forecast_request(None, None) is None
     with pytest.raises(ValueError, match="forecast='heads' is not a JSON object"):

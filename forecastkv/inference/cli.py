@@ -8,7 +8,15 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from ..usage import UsageError, check_offload_needs, check_preset, check_sparse, model_path, print_error
+from ..usage import (
+    UsageError,
+    check_offload_needs,
+    check_preset,
+    check_selector,
+    check_sparse,
+    model_path,
+    print_error,
+)
 
 
 def _decode_utf8(data: bytes, what: str) -> str:
@@ -128,13 +136,15 @@ def run_generate(args) -> int:
     """`forecastkv generate ARGS`: 0 when the text was printed."""
     path = model_path("--model", args.model)
     check_preset("--sparse-config", args.sparse_config)
+    check_selector(args.offload, args.selector, args.context_cache)
     shipped = check_offload_needs(
-        args.offload, "--model", args.model, path, bool(args.forecast_init or args.forecast_weights)
+        args.offload, "--model", args.model, path, bool(args.forecast_init or args.forecast_weights), args.selector
     )
     if shipped is not None:
         args.forecast_weights = shipped
+        asked = f"--selector {args.selector}" if args.selector is not None else f"--offload {args.offload}"
         print(
-            f"forecastkv: --offload {args.offload} selects with the trained heads shipped for {args.model} "
+            f"forecastkv: {asked} selects with the trained heads shipped for {args.model} "
             f"(--forecast-weights {shipped}); --forecast-weights DIR loads your own",
             file=sys.stderr,
         )
@@ -162,7 +172,7 @@ def run_generate(args) -> int:
         forecast=forecast,
         allow_geometry_mismatch=args.allow_geometry_mismatch,
     )
-    check_sparse(args.offload, model)
+    check_sparse(args.offload, model, args.selector)
     tokenizer = AutoTokenizer.from_pretrained(path)
     _check_prompt_fits(tokenizer, prompt, source, model.config.max_position_embeddings)
     ids = _prompt_ids(tokenizer, prompt, source, args.chat, path)
@@ -171,7 +181,7 @@ def run_generate(args) -> int:
         from ..context.cli import run_generate_with_context_cache
 
         return run_generate_with_context_cache(args, model, tokenizer, ids)
-    cache = _new_cache(model, args.offload)
+    cache = _new_cache(model, args.offload, args.selector)
     if args.seed is not None:
         torch.manual_seed(args.seed)
     # a bar for long runs where someone watches (a terminal) or asked for numbers (--stats); not
@@ -188,15 +198,16 @@ def run_generate(args) -> int:
     return 0
 
 
-def _new_cache(model, offload: str | None):
-    """The cache `generate` decodes into: the offloaded one of `--offload`, else a `SparseCache`."""
+def _new_cache(model, offload: str | None, selector: str | None = None):
+    """The cache `generate` decodes into: the offloaded one of `--offload`, else a `SparseCache`; it selects
+    with `selector` (`--selector`; None: the mode's, else the model's own)."""
     if offload:
         from .offloaded import OffloadedSparseCache
 
-        return OffloadedSparseCache.for_model(model, mode=offload)
+        return OffloadedSparseCache.for_model(model, mode=offload, selector=selector)
     from ..modeling.cache import SparseCache
 
-    return SparseCache(model.config)
+    return SparseCache(model.config, selector=selector)
 
 
 def _run_generation(model, ids, cache, streamer, args, sampling: bool) -> None:

@@ -287,6 +287,7 @@ class OffloadedSparseCache(SparseCache):
         offloaded_hits = sum(h for layer, h in zip(self.layers, hits) if layer.offloaded)
         return {
             "mode": self.mode,
+            "selector": self.selector,
             "decode_steps": max(steps_per_layer, default=0),
             "h2d_bytes_per_step": per_step,
             "h2d_bytes_per_step_mean": sum(per_step) / len(per_step) if per_step else 0.0,

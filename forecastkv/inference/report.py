@@ -33,6 +33,10 @@ def _mib(nbytes: float) -> str:
     return f"{nbytes / 2**20:.2f} MiB"
 
 
+def _selector_note(selector: str | None) -> str:
+    return "" if selector is None else f" (selector {selector})"
+
+
 def format_stats(stats: dict) -> str:
     """A few lines: mode, H2D bytes per decode step, hit rate overall and per layer, tier sizes."""
     rates = stats["hit_rate_per_layer"]
@@ -40,7 +44,7 @@ def format_stats(stats: dict) -> str:
     overall = "n/a" if stats["hit_rate"] is None else f"{100 * stats['hit_rate']:.1f}%"
     return "\n".join(
         [
-            f"mode {stats['mode']}: {stats['decode_steps']} decode steps, "
+            f"mode {stats['mode']}{_selector_note(stats.get('selector'))}: {stats['decode_steps']} decode steps, "
             f"H2D {_mib(stats['h2d_bytes_per_step_mean'])} per step "
             f"(prefill/other H2D {_mib(stats['h2d_other_bytes'])}, D2H {_mib(stats['d2h_bytes'])})",
             f"block hit rate {overall}; per layer: {per_layer}",

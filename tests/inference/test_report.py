@@ -24,9 +24,8 @@ def test_summary_reports_bytes_and_hit_rates():
     stats = cache.stats()
     text = format_stats(stats)
     assert new_ids.shape == (1, 5) and stats["decode_steps"] == 4
-    assert (
-        f"mode forecast-sync: 4 decode steps, H2D {stats['h2d_bytes_per_step_mean'] / 2**20:.2f} MiB per step" in text
-    )
+    mib = stats["h2d_bytes_per_step_mean"] / 2**20
+    assert f"mode forecast-sync (selector forecast): 4 decode steps, H2D {mib:.2f} MiB per step" in text
     assert "per layer: 1.00 " in text  # layer 0 is resident: every block a hit
 
 
