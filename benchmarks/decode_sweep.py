@@ -39,7 +39,19 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # benchmarks/kernels.py shadows HF's `kernels`
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != HERE]
 sys.path.append(HERE)  # for offload_decode (appended: HF's `kernels` still wins)
-from offload_decode import MINICPM41_8B, gather_bandwidth, hidden_shares, is_oom, run_config, synchronize  # noqa: E402
+from offload_decode import (  # noqa: E402
+    MINICPM41_8B,
+    gather_bandwidth,
+    hidden_shares,
+    is_oom,
+    run_config,
+    split_mode,
+    synchronize,
+)
+
+# besides the runtime's modes, forecast-offload with the layer-ahead selector the quality suite recommends
+# (`benchmarks/results/quality/`): what its carried blocks cost a decode step (random K/V: nothing is pinned)
+EXTRA_MODES = ("forecast-offload:forecast-carry-pin",)
 
 SMOLLM2_135M = dict(
     vocab_size=49152,
@@ -225,6 +237,14 @@ def save(results: dict, out: str, started: float) -> None:
     write_text_atomic(out, json.dumps(results, indent=1))
 
 
+def _mode_spec(text: str) -> str:
+    try:
+        split_mode(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
+
+
 def main(argv=None) -> dict:
     from forecastkv.inference import MODES
 
@@ -232,7 +252,14 @@ def main(argv=None) -> dict:
     parser.add_argument("--config", choices=sorted(CONFIGS), default="cpu")
     parser.add_argument("--lengths", type=int, nargs="+", default=None)
     parser.add_argument("--batches", type=int, nargs="+", default=None)
-    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        type=_mode_spec,
+        default=[*MODES, *EXTRA_MODES],
+        help=f"runtime modes {MODES}, or MODE:SELECTOR for another registered selector (default: every mode and "
+        f"{', '.join(EXTRA_MODES)})",
+    )
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument(
@@ -346,13 +373,13 @@ def main(argv=None) -> dict:
         except ImportError as error:  # the JSON is written; a machine without matplotlib gets no PNG
             print(f"no PNG: {error}", flush=True)
     print(
-        f"\n{'length':>7} {'mode':<17} {'batch':>5} {'status':<22} {'tok/s':>9} {'H2D MiB/step':>13} {'syncs/step':>10}"
+        f"\n{'length':>7} {'mode':<36} {'batch':>5} {'status':<22} {'tok/s':>9} {'H2D MiB/step':>13} {'syncs/step':>10}"
     )
     for r in results["decode"]:
         ok = r.get("status") == "ok"
         syncs = r.get("syncs_per_step") if ok else None
         print(
-            f"{r['length']:>7} {r['mode']:<17} {r['batch']:>5} {r['status']:<22} "
+            f"{r['length']:>7} {r['mode']:<36} {r['batch']:>5} {r['status']:<22} "
             f"{r['tokens_per_s'] if ok else float('nan'):>9.2f} "
             f"{r['h2d_bytes_per_step'] / 2**20 if ok else float('nan'):>13.3f} "
             f"{'-' if syncs is None else syncs:>10}"

@@ -11,7 +11,8 @@ Sections, in this order (`SECTIONS`: name, budget seconds on the GPU, budget wit
    tests/serving/test_page_offload.py (the vLLM connector's runtime: loads on the side stream
    through the UVA gather into the pages);
 3. decode sweep: benchmarks/decode_sweep.py at 32K and 128K, batch 1 and 4, modes no-offload /
-   sparse-offload / forecast-sync / forecast-offload on MiniCPM4.1-8B-shaped random weights, the
+   sparse-offload / forecast-sync / forecast-offload, and forecast-offload with the forecast-carry-pin
+   selector (the quality suite's layer-ahead rule), on MiniCPM4.1-8B-shaped random weights, the
    cache filled with random K/V (no prefill), decode timed first, a 32K prefill last;
 4. decode replay: benchmarks/decode_compile.py --config gpu: the decode step's layers compiled
    with mode="reduce-overhead" (a replayed CUDA graph per step) against eager, at 32K batch 4,
@@ -80,7 +81,14 @@ SECTIONS = (
 KERNEL_TEST_SHARDS = 2  # pytest processes per file of tests/kernels (Triton compiles are per process, CPU-bound)
 RUNTIME_SHARDS = ("infllmv2", "nosa")  # one pytest process per policy of tests/inference/test_cuda_runtime.py
 SECTION_NAMES = tuple(name for name, _, _ in SECTIONS)
-DECODE_MODES = ("no-offload", "sparse-offload", "forecast-sync", "forecast-offload")
+# the recommended layer-ahead selector last in each (length, batch): the first cell the budget drops
+DECODE_MODES = (
+    "no-offload",
+    "sparse-offload",
+    "forecast-sync",
+    "forecast-offload",
+    "forecast-offload:forecast-carry-pin",
+)
 # seconds of a section's budget kept back from the child's own `--budget-s`: the imports and model
 # build before its clock starts, and the last cell it may start just before its budget ends (the
 # decode sweep's one prefill cell, last, may compile FlexAttention first: it gets more)

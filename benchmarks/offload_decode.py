@@ -75,13 +75,26 @@ def count_syncs(fn, device: torch.device) -> int | None:
     return sum("synchron" in str(w.message).lower() for w in caught)
 
 
+def split_mode(spec: str) -> tuple[str, str | None]:
+    """A decode cell's mode: "MODE" (its own selector) or "MODE:SELECTOR" (another registered one, e.g.
+    "forecast-offload:forecast-carry-pin") -> (mode, selector or None); a ValueError naming the choices."""
+    from forecastkv.modes import MODES, SELECTORS
+
+    mode, _, selector = spec.partition(":")
+    if mode not in MODES or (selector and selector not in SELECTORS):
+        raise ValueError(f"mode {spec!r}: expected MODE or MODE:SELECTOR, MODE in {MODES}, SELECTOR in {SELECTORS}")
+    return mode, selector or None
+
+
 def run_config(model, mode: str, batch: int, length: int, args, device) -> dict:
+    """One decode cell: `mode` ("MODE" or "MODE:SELECTOR", `split_mode`) at `batch` x `length` random K/V."""
     from forecastkv.inference import OffloadedSparseCache
     from forecastkv.inference.fill import greedy_steps
 
     config = model.config
     total = length + args.warmup + args.steps + 2
-    cache = OffloadedSparseCache.for_model(model, mode=mode, max_length=total)
+    mode, selector = split_mode(mode)
+    cache = OffloadedSparseCache.for_model(model, mode=mode, selector=selector, max_length=total)
     try:
         fill_random(cache, batch, length, config.num_key_value_heads, config.head_dim, model.dtype, device)
         synchronize(device)
