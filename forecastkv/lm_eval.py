@@ -179,9 +179,7 @@ class ForecastKVLM(HFLM):
             )
         if selector is not None:
             try:
-                get_selector(selector)
-                if offload is not None:
-                    resolve_selector(offload, selector, None)
+                get_selector(selector) if offload is None else resolve_selector(offload, selector, None)
             except ValueError as error:
                 raise ConfigError(f"selector={selector!r}, offload={offload!r}: {error}") from None
         extra = sorted(set(kwargs) - set(PASSED_TO_LOADER) - _hflm_arguments())

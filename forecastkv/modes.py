@@ -58,6 +58,8 @@ MODE_FETCH = {
 # the modes that select blocks (so need a sparse model), and those that select with Forecast heads
 SELECTING_MODES = tuple(mode for mode in MODES if mode in MODE_SELECTOR)
 FORECAST_MODES = tuple(mode for mode in MODES if MODE_SELECTOR.get(mode) == "forecast")
+# the selectors whose prefills a context store keeps (`context/store.py`): the modes' own two
+STORE_SELECTORS = ("query", "forecast")
 
 # what a layer attends with while forecast recall or training scores the heads (`modeling/routing.py`)
 BACKBONES = ("dense", "query", "forecast")

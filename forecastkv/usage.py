@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from .errors import UserInputError
-from .modes import FORECAST_MODES, SELECTING_MODES
+from .modes import FORECAST_MODES, SELECTING_MODES, STORE_SELECTORS
 
 USAGE_STATUS = 2
 
@@ -86,13 +86,18 @@ def check_preset(option: str, name: str | None) -> None:
         raise UsageError(f"{option} {name!r} is not a preset; known presets: {', '.join(list_presets())}")
 
 
+def selector_option(mode: str | None, selector: str | None) -> str:
+    """The option that chose the selector, for a message: `--selector NAME`, else `--offload MODE`."""
+    return f"--selector {selector}" if selector is not None else f"--offload {mode}"
+
+
 def check_selector(mode: str | None, selector: str | None, context_cache: str | None = None) -> None:
     """Before loading: `--selector` against `--offload` (`inference/offloaded.py:resolve_selector`: a mode that
     fetches a layer ahead needs a selector that plans ahead, the oracle runs resident only) and against
     `--context-cache` (a store keeps the prefills of the query and forecast selectors only)."""
     if selector is None:
         return
-    if context_cache is not None and selector not in ("query", "forecast"):
+    if context_cache is not None and selector not in STORE_SELECTORS:
         raise UsageError(
             f"--selector {selector} with --context-cache: a context store keeps the prefills of the query and "
             "forecast selectors only; leave out --context-cache or pick one of those"
@@ -128,9 +133,8 @@ def check_offload_needs(
     shipped = shipped_heads_for(model)
     if shipped is not None:
         return shipped
-    option = f"--selector {selector}" if selector is not None else f"--offload {mode}"
     raise UsageError(
-        f"{option} selects blocks with Forecast heads, and {model_option} {model} has none: "
+        f"{selector_option(mode, selector)} selects blocks with Forecast heads, and {model_option} {model} has none: "
         "add --forecast-init next_query (untrained heads made from the next layer's queries) "
         "or --forecast-weights DIR (a train-forecast output)"
     )
@@ -154,8 +158,7 @@ def check_heads_option(option: str, value: str | None) -> None:
 
 def check_sparse(mode: str | None, model, selector: str | None = None) -> None:
     if (mode in SELECTING_MODES or selector is not None) and model.config.sparse is None:
-        option = f"--selector {selector}" if selector is not None else f"--offload {mode}"
         raise UsageError(
-            f"{option} needs a sparse model, and this checkpoint is dense: "
+            f"{selector_option(mode, selector)} needs a sparse model, and this checkpoint is dense: "
             "add --sparse-config PRESET (e.g. smollm2-135m)"
         )

@@ -45,7 +45,7 @@ def add_context_cache_arguments(parser: argparse.ArgumentParser) -> None:
 def run_generate_with_context_cache(args, model, tokenizer, ids, out=None, err=None) -> int:
     """`forecastkv generate --context-cache DIR`: the prompt ids [1, T] looked up in the store,
     generate() prefilling only the tokens past the stored prefix, the prompt's full blocks
-    inserted and the store saved.  args: the generate command's (offload, max_new_tokens, stats
+    inserted and the store saved.  args: the generate command's (offload, selector, max_new_tokens, stats
     and the context-cache options).  Prints the continuation to `out`, the counters to `err`."""
     import torch
 
@@ -53,13 +53,12 @@ def run_generate_with_context_cache(args, model, tokenizer, ids, out=None, err=N
     from .store import ContextStore
 
     out, err = out or sys.stdout, err or sys.stderr
-    mode = getattr(args, "offload", None)
-    selector = None
-    if mode is not None:
-        from ..inference.offloaded import MODE_SELECTOR
-
-        selector = MODE_SELECTOR.get(mode)
+    from ..modes import MODE_SELECTOR
     from .disk import ContextStoreError
+
+    mode = getattr(args, "offload", None)
+    # --selector (one of the store's, `usage.check_selector`), else the mode's, else the model's own
+    selector = getattr(args, "selector", None) or MODE_SELECTOR.get(mode)
 
     reserve = ids.shape[1] + args.max_new_tokens
     try:
@@ -77,11 +76,10 @@ def run_generate_with_context_cache(args, model, tokenizer, ids, out=None, err=N
     if store is not None:
         cache, matched = store.lookup(ids, mode=mode, reserve=reserve)
     else:
-        cache, matched = None, 0
-        if mode is not None:
-            from ..inference.offloaded import OffloadedSparseCache
+        from ..inference.cli import new_generate_cache
 
-            cache = OffloadedSparseCache.for_model(model, mode=mode)
+        cache, matched = new_generate_cache(model, mode, selector), 0
+        if mode is not None:
             cache.reserve(reserve)
     with torch.no_grad():
         generated = model.generate(

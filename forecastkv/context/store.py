@@ -47,6 +47,7 @@ from ..errors import UserInputError
 from ..inference.host_store import HostBlockPool
 from ..modeling.cache import SparseCache
 from ..modeling.token_record import recorded_tokens, set_tokens
+from ..modes import STORE_SELECTORS
 from . import disk
 from .blocks import BlockRows, dtype_name, identity_root, model_identity, sequence_ids
 from .disk import ContextStoreError
@@ -91,8 +92,8 @@ class ContextStore:
     ) -> None:
         _check_max_bytes(max_bytes)
         sparse = model.config.sparse
-        if selector not in (None, "query", "forecast"):
-            raise UserInputError(f"selector={selector!r} is not one of (None, 'query', 'forecast')")
+        if selector is not None and selector not in STORE_SELECTORS:
+            raise UserInputError(f"selector={selector!r} is not None or one of {STORE_SELECTORS}")
         self.model = model
         self.selector = (selector or sparse.selector) if sparse is not None else None
         self.block_size = sparse.block_size if sparse is not None else 64
@@ -203,7 +204,7 @@ class ContextStore:
                 f"mode {mode!r} selects with the {selector} selector, but this store keeps prefills routed by the "
                 f"{self.selector} selector; open a ContextStore with selector={selector!r} for it"
             )
-        return OffloadedSparseCache.for_model(self.model, mode=mode, max_length=max_length)
+        return OffloadedSparseCache.for_model(self.model, mode=mode, selector=selector, max_length=max_length)
 
     def lookup(self, ids, mode: str | None = None, max_length: int | None = None, reserve: int | None = None):
         """The longest stored prefix of `ids` ([T] or [1, T] token ids) in a fresh cache.

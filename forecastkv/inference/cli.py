@@ -16,6 +16,7 @@ from ..usage import (
     check_sparse,
     model_path,
     print_error,
+    selector_option,
 )
 
 
@@ -142,9 +143,9 @@ def run_generate(args) -> int:
     )
     if shipped is not None:
         args.forecast_weights = shipped
-        asked = f"--selector {args.selector}" if args.selector is not None else f"--offload {args.offload}"
         print(
-            f"forecastkv: {asked} selects with the trained heads shipped for {args.model} "
+            f"forecastkv: {selector_option(args.offload, args.selector)} selects with the trained heads shipped for "
+            f"{args.model} "
             f"(--forecast-weights {shipped}); --forecast-weights DIR loads your own",
             file=sys.stderr,
         )
@@ -181,7 +182,7 @@ def run_generate(args) -> int:
         from ..context.cli import run_generate_with_context_cache
 
         return run_generate_with_context_cache(args, model, tokenizer, ids)
-    cache = _new_cache(model, args.offload, args.selector)
+    cache = new_generate_cache(model, args.offload, args.selector)
     if args.seed is not None:
         torch.manual_seed(args.seed)
     # a bar for long runs where someone watches (a terminal) or asked for numbers (--stats); not
@@ -198,7 +199,7 @@ def run_generate(args) -> int:
     return 0
 
 
-def _new_cache(model, offload: str | None, selector: str | None = None):
+def new_generate_cache(model, offload: str | None, selector: str | None = None):
     """The cache `generate` decodes into: the offloaded one of `--offload`, else a `SparseCache`; it selects
     with `selector` (`--selector`; None: the mode's, else the model's own)."""
     if offload:

@@ -32,6 +32,7 @@ def parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-new-tokens", type=int, default=6)
     gen.add_argument("--stats", action="store_true")
     gen.add_argument("--offload", default=None)
+    gen.add_argument("--selector", default=None)
     add_context_cache_arguments(gen)
     register_context_cache_command(commands)
     return top
@@ -70,6 +71,24 @@ def test_generate_with_context_cache_reuses_and_extends(tmp_path):
     assert "0 from the context cache, 50 prefilled" in errs[0]
     assert "40 from the context cache, 16 prefilled" in errs[1] and "8 blocks" in errs[1]
     assert ContextStore(model, tmp_path, namespace="alice", selector="query").stats()["blocks"] == 8
+
+
+def test_generate_with_context_cache_selects_with_the_selector_option(tmp_path):
+    """--selector query on a model whose own selector is forecast: the store keeps query-routed prefills
+    and the continuation is the query selector's, from an empty store and from a stored prefix."""
+    model = model_for("infllmv2")
+    doc, questions = document_and_questions()
+    errs = []
+    for question in questions[:2]:
+        prompt = torch.cat([doc, question])
+        args = parser().parse_args(["generate", "--context-cache", str(tmp_path), "--selector", "query", "--stats"])
+        out, err = io.StringIO(), io.StringIO()
+        assert run_generate_with_context_cache(args, model, ByteTokenizer(), prompt[None], out=out, err=err) == 0
+        expected = generate(model, prompt, fresh_cache(model, None, "query"))
+        assert out.getvalue() == ByteTokenizer().decode(expected) + "\n"
+        errs.append(err.getvalue())
+    assert "40 from the context cache" in errs[1], errs[1]
+    assert ContextStore(model, tmp_path, selector="query").stats()["blocks"] == 8
 
 
 def test_ls_du_rm(tmp_path, capsys):
