@@ -76,9 +76,9 @@ def run_generate_with_context_cache(args, model, tokenizer, ids, out=None, err=N
     if store is not None:
         cache, matched = store.lookup(ids, mode=mode, reserve=reserve)
     else:
-        from ..inference.cli import new_generate_cache
+        from ..inference.offloaded import new_cache
 
-        cache, matched = new_generate_cache(model, mode, selector), 0
+        cache, matched = new_cache(model, mode, selector), 0
         if mode is not None:
             cache.reserve(reserve)
     with torch.no_grad():

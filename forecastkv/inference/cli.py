@@ -182,7 +182,9 @@ def run_generate(args) -> int:
         from ..context.cli import run_generate_with_context_cache
 
         return run_generate_with_context_cache(args, model, tokenizer, ids)
-    cache = new_generate_cache(model, args.offload, args.selector)
+    from .offloaded import new_cache
+
+    cache = new_cache(model, args.offload, args.selector)
     if args.seed is not None:
         torch.manual_seed(args.seed)
     # a bar for long runs where someone watches (a terminal) or asked for numbers (--stats); not
@@ -197,18 +199,6 @@ def run_generate(args) -> int:
     if args.stats:
         _print_stats(cache, args.offload, ids.shape[1], len(streamer.ids), seconds)
     return 0
-
-
-def new_generate_cache(model, offload: str | None, selector: str | None = None):
-    """The cache `generate` decodes into: the offloaded one of `--offload`, else a `SparseCache`; it selects
-    with `selector` (`--selector`; None: the mode's, else the model's own)."""
-    if offload:
-        from .offloaded import OffloadedSparseCache
-
-        return OffloadedSparseCache.for_model(model, mode=offload, selector=selector)
-    from ..modeling.cache import SparseCache
-
-    return SparseCache(model.config, selector=selector)
 
 
 def _run_generation(model, ids, cache, streamer, args, sampling: bool) -> None:

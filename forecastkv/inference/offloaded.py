@@ -69,6 +69,14 @@ def resolve_selector(mode: str, selector: str | None, sparse) -> str | None:
     return selector
 
 
+def new_cache(model, mode: str | None, selector: str | None = None) -> SparseCache:
+    """The cache `forecastkv generate` decodes into: an `OffloadedSparseCache` of `mode`, else (None) a resident
+    `SparseCache`; it selects with `selector` (`--selector`; None: the mode's, else the model's own)."""
+    if mode:
+        return OffloadedSparseCache.for_model(model, mode=mode, selector=selector)
+    return SparseCache(model.config, selector=selector)
+
+
 class OffloadedSparseCache(SparseCache):
     """A transformers `Cache` with the full KV on the host and the selected blocks on the device.
 
